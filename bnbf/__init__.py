@@ -1,0 +1,32 @@
+"""bnbf: block-wise 8-bit optimizers for PyTorch with a pure functional core and fused Triton kernels.
+
+>>> import torch, bnbf
+>>> params = {"w": torch.randn(64, 64)}
+>>> state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=8, min_8bit_size=0))
+>>> grads = {"w": torch.randn(64, 64)}
+>>> params, state = bnbf.update(params, grads, state, {"lr": 1e-3}, step=1)
+"""
+
+from bnbf._dispatch import use_triton
+from bnbf.functional import dequantize_state, hparams_for, init_state, update, update_
+from bnbf.quant import create_dynamic_map, dequantize_blockwise, quantize_blockwise
+from bnbf.rules import RULES
+from bnbf.state import Layout, OptimSpec, state_nbytes
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "RULES",
+    "Layout",
+    "OptimSpec",
+    "create_dynamic_map",
+    "dequantize_blockwise",
+    "dequantize_state",
+    "hparams_for",
+    "init_state",
+    "quantize_blockwise",
+    "state_nbytes",
+    "update",
+    "update_",
+    "use_triton",
+]

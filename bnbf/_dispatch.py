@@ -1,0 +1,36 @@
+"""Which path runs a tensor: the Triton kernels or the pure-torch reference.
+
+CUDA (and other Triton GPU) tensors always take the Triton kernels. CPU tensors take the pure-torch
+reference, except when ``TRITON_INTERPRET=1`` is set: then they go through the Triton kernels in the
+interpreter, which is how CI exercises the kernels on machines without a GPU.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+_TRITON_DEVICES = ("cuda", "xpu")
+
+
+@functools.cache
+def triton_available() -> bool:
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def interpreting() -> bool:
+    """True when Triton kernels run in the interpreter (``TRITON_INTERPRET=1``)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def use_triton(t: torch.Tensor) -> bool:
+    """Whether ``t`` is processed by the Triton kernels (else by the pure-torch reference)."""
+    if t.device.type in _TRITON_DEVICES:
+        return True
+    return t.device.type == "cpu" and interpreting() and triton_available()

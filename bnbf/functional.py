@@ -1,0 +1,244 @@
+"""The functional core: ``init_state``, ``update`` (pure), ``update_`` (in place), ``dequantize_state``.
+
+Every check runs before any tensor is written, so a call that raises leaves params, grads and states
+exactly as they were.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from bnbf import ops
+from bnbf.quant import dequantize_blockwise_reference, dynamic_map
+from bnbf.rules import get_rule
+from bnbf.rules.base import as_scalar_row
+from bnbf.state import Layout, OptimSpec, is_state, new_state
+
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"param{where} must be a Tensor, got {type(p).__name__}")
+    if p.dtype not in _PARAM_DTYPES:
+        kind = "complex" if p.is_complex() else ("integer" if not p.is_floating_point() else "this")
+        raise TypeError(
+            f"param{where} has dtype {p.dtype}: {kind} params are not supported "
+            f"(bnbf optimizes float32, float16 and bfloat16 params)"
+        )
+    if p.layout != torch.strided:
+        raise TypeError(f"param{where} must be a dense (strided) tensor, got layout {p.layout}")
+
+
+def init_state(param: Any, spec: OptimSpec) -> Any:
+    """Zero optimizer state for a tensor or a pytree of tensors.
+
+    Args:
+        param: a tensor, or a dict/list/tuple pytree of tensors (e.g. ``dict(model.named_parameters())``).
+        spec: the :class:`OptimSpec` (rule and storage).
+
+    Returns:
+        A state NamedTuple per tensor, in the same pytree structure. 8-bit states hold uint8 codes and
+        float32 per-block absmax; tensors smaller than ``spec.min_8bit_size`` get float32 state.
+
+    Example:
+        >>> p = torch.zeros(4096)
+        >>> s = init_state(p, OptimSpec(rule="adamw"))
+        >>> type(s).__name__, s.exp_avg.dtype
+        ('adamw_state_8bit_dynamic_b256', torch.uint8)
+    """
+    if not isinstance(spec, OptimSpec):
+        raise TypeError(f"spec must be an OptimSpec, got {type(spec).__name__}")
+    leaves, treespec = pytree.tree_flatten_with_path(param)
+    if not leaves:
+        raise ValueError("init_state needs at least one tensor")
+    for path, p in leaves:
+        _check_param(p, pytree.keystr(path))
+    return pytree.tree_unflatten([new_state(p.detach(), spec) for _, p in leaves], treespec)
+
+
+@dataclasses.dataclass
+class _Call:
+    """A validated call: flat lists and the rule's hparams."""
+
+    names: list[str]
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[tuple]
+    treespec: Any
+    rule: Any
+    hparams: Any
+    step: Any
+
+
+def _check_step(step: Any) -> None:
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
+            raise TypeError(f"step must be an int or a 0-d integer tensor, got {step.dtype} {tuple(step.shape)}")
+        if step.device.type == "cpu" and int(step) < 1:
+            raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"Invalid step: {step} (steps count from 1)")
+
+
+def _prepare(param, grad, state, hparams, step) -> _Call:
+    p_leaves, treespec = pytree.tree_flatten_with_path(param)
+    g_leaves, g_spec = pytree.tree_flatten(grad)
+    s_leaves, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+    if not p_leaves:
+        raise ValueError("update needs at least one tensor")
+    p_spec = pytree.tree_structure(param)
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    if s_spec != p_spec:
+        raise ValueError(f"state structure does not match param structure {p_spec}")
+    names = [pytree.keystr(path) for path, _ in p_leaves]
+    params = [p for _, p in p_leaves]
+    rule = None
+    for name, p, g, s in zip(names, params, g_leaves, s_leaves):
+        _check_param(p, name)
+        if not isinstance(g, Tensor):
+            raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
+        if g.is_sparse or g.layout != torch.strided:
+            raise RuntimeError(f"bnbf does not support sparse gradients (grad{name} has layout {g.layout})")
+        if g.shape != p.shape:
+            raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+        if g.dtype != p.dtype:
+            raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
+        if g.device != p.device:
+            raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+        if not is_state(s):
+            raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+        layout: Layout = type(s).layout
+        if rule is None:
+            rule = get_rule(layout.rule)
+        elif layout.rule != rule.name:
+            raise ValueError(f"state{name} is for rule {layout.rule!r} but other states are for {rule.name!r}")
+        for field, (shape, dtype) in layout.expected(p.shape).items():
+            t = getattr(s, field)
+            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                raise ValueError(
+                    f"state{name}.{field} does not fit the param: expected {dtype} {shape}, got {got} "
+                    f"(was the state built for another param or spec?)"
+                )
+            if t.device != p.device:
+                raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
+            if not t.is_contiguous():
+                raise ValueError(f"state{name}.{field} must be contiguous")
+    h = rule.make_hparams(hparams)
+    _check_step(step)
+    return _Call(names, params, list(g_leaves), list(s_leaves), treespec, rule, h, step)
+
+
+def _groups(call: _Call):
+    """Indices grouped by (device, dtype, layout): one kernel launch each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, s) in enumerate(zip(call.params, call.states)):
+        groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
+    return groups.items()
+
+
+def _scalar_rows(call: _Call) -> dict[torch.device, Tensor]:
+    values = call.rule.scalars(call.hparams, call.step)
+    devices = {p.device for p in call.params}
+    return {d: as_scalar_row(values, d)[None, :] for d in devices}
+
+
+def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:
+    """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
+
+    Args:
+        param: a tensor or pytree of tensors (float32, float16 or bfloat16).
+        grad: gradients in the same structure, each of its param's shape, dtype and device.
+        state: from :func:`init_state` (or a previous ``update``), same structure.
+        hparams: a mapping with torch.optim's names (``lr``, ``betas``, ``eps``, ``weight_decay``...) or
+            the rule's hparams dataclass; Python numbers or 0-d tensors. Missing keys take defaults.
+        step: 1-based index of this update (int or 0-d integer tensor), for bias correction.
+
+    Returns:
+        ``(new_param, new_state)`` in the input structures, all new tensors.
+
+    Example:
+        >>> p, g = torch.ones(3), torch.ones(3)
+        >>> s = init_state(p, OptimSpec(rule="adamw", state_bits=32))
+        >>> p2, s2 = update(p, g, s, {"lr": 0.1, "weight_decay": 0.0}, step=1)
+        >>> p2
+        tensor([0.9000, 0.9000, 0.9000])
+    """
+    call = _prepare(param, grad, state, hparams, step)
+    rows = _scalar_rows(call)
+    new_params: list[Tensor | None] = [None] * len(call.params)
+    new_states: list[tuple | None] = [None] * len(call.params)
+    with torch.no_grad():
+        for (device, _, layout), idx in _groups(call):
+            ps = [call.params[i].detach().contiguous() for i in idx]
+            gs = [call.grads[i].detach().contiguous() for i in idx]
+            ss = [t for i in idx for t in call.states[i]]
+            out_p, out_s = ops.step(
+                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.quantized, layout.block_size
+            )
+            per = len(layout.field_names())
+            cls = type(call.states[idx[0]])
+            for k, i in enumerate(idx):
+                new_params[i] = out_p[k].view(call.params[i].shape)
+                new_states[i] = cls(*out_s[k * per : (k + 1) * per])
+    return pytree.tree_unflatten(new_params, call.treespec), pytree.tree_unflatten(new_states, call.treespec)
+
+
+def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:
+    """The same step as :func:`update`, written into ``param`` and ``state`` in place.
+
+    Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`.
+    """
+    call = _prepare(param, grad, state, hparams, step)
+    rows = _scalar_rows(call)
+    with torch.no_grad():
+        for (device, _, layout), idx in _groups(call):
+            ps = [call.params[i].detach() for i in idx]
+            work = [p if p.is_contiguous() else p.contiguous() for p in ps]
+            gs = [call.grads[i].detach().contiguous() for i in idx]
+            ss = [t for i in idx for t in call.states[i]]
+            ops.step_(work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.quantized, layout.block_size)
+            for p, w in zip(ps, work):
+                if w is not p:
+                    p.copy_(w)
+    return param, state
+
+
+def dequantize_state(state: Any) -> Any:
+    """Float32 view of a state: ``{"exp_avg": ..., "exp_avg_sq": ...}`` per tensor (torch.optim's names).
+
+    For a pytree of states, returns the same structure with a dict in place of each state.
+    """
+    if is_state(state):
+        layout: Layout = type(state).layout
+        out = {}
+        for slot in get_rule(layout.rule).states:
+            t = getattr(state, slot.name)
+            if layout.quantized:
+                absmax = getattr(state, slot.name + "_absmax")
+                code = dynamic_map(slot.signed, t.device)
+                out[slot.name] = dequantize_blockwise_reference(t, absmax, code, layout.block_size)
+            else:
+                out[slot.name] = t.clone()
+        return out
+    leaves, spec = pytree.tree_flatten(state, is_leaf=is_state)
+    if not leaves or not all(is_state(s) for s in leaves):
+        raise TypeError("dequantize_state expects a bnbf state or a pytree of them")
+    return pytree.tree_unflatten([dequantize_state(s) for s in leaves], spec)
+
+
+def hparams_for(rule: str, hparams: Mapping | None = None, **kwargs) -> Any:
+    """The validated hyperparameter dataclass of ``rule`` from a mapping and/or keywords."""
+    merged = dict(hparams or {}, **kwargs)
+    return get_rule(rule).make_hparams(merged)

@@ -1,0 +1,65 @@
+"""``torch.library`` ops for the optimizer step, and the dispatch between the two paths.
+
+``bnbf::step_`` updates params and states in place; ``bnbf::step`` returns new tensors. Both run the
+Triton multi-tensor kernel on GPU tensors (and on CPU tensors under ``TRITON_INTERPRET=1``), and the
+pure-torch reference (:mod:`bnbf.reference`) otherwise. Their fake implementations let tracers see
+them without running a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from bnbf._dispatch import use_triton
+from bnbf.reference import reference_step
+
+
+def _run(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, quant, block_size) -> None:
+    if use_triton(p_in[0]):
+        from bnbf.kernels.multi_tensor import launch
+
+        launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, quant, block_size)
+    else:
+        reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, quant, block_size)
+
+
+@torch.library.custom_op("bnbf::step_", mutates_args=("params", "states"))
+def step_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[Tensor],
+    hp: Tensor,
+    hp_rows: list[int],
+    rule: str,
+    quant: bool,
+    block_size: int,
+) -> None:
+    _run(params, params, grads, states, states, hp, hp_rows, rule, quant, block_size)
+
+
+@step_.register_fake
+def _(params, grads, states, hp, hp_rows, rule, quant, block_size) -> None:
+    return None
+
+
+@torch.library.custom_op("bnbf::step", mutates_args=())
+def step(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[Tensor],
+    hp: Tensor,
+    hp_rows: list[int],
+    rule: str,
+    quant: bool,
+    block_size: int,
+) -> tuple[list[Tensor], list[Tensor]]:
+    new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+    new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
+    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, quant, block_size)
+    return new_params, new_states
+
+
+@step.register_fake
+def _(params, grads, states, hp, hp_rows, rule, quant, block_size):
+    return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]

@@ -1,0 +1,194 @@
+"""Block-wise 8-bit quantization with bitsandbytes' dynamic map.
+
+A tensor is cut into blocks of ``block_size`` consecutive elements (in memory order). Each block stores
+its largest magnitude (``absmax``, float32) and one uint8 code per element: the index of the map value
+nearest to ``x / absmax``. The maps are bitsandbytes' "dynamic" maps, so codes and absmax can be
+exchanged with bitsandbytes checkpoints.
+
+This module holds the public functions and the pure-torch reference (the CPU path and the test oracle);
+the Triton kernels live in :mod:`bnbf.kernels.codec`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch import Tensor
+
+from bnbf._dispatch import use_triton
+
+__all__ = [
+    "create_dynamic_map",
+    "dynamic_map",
+    "quantize_blockwise",
+    "dequantize_blockwise",
+    "quantize_blockwise_reference",
+    "dequantize_blockwise_reference",
+]
+
+
+def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
+    """The 256 values of bitsandbytes' dynamic quantization map, sorted, float32.
+
+    The map splits [0.1, 1] into ``2**j`` equal bins per decade (more bins for larger decades), takes the
+    bin centres and scales them by ``10**-6 .. 10**0``; 0 and 1 complete it. The unsigned map spends the
+    sign bit on twice as many bins per decade. The values are computed in float32 exactly as bitsandbytes
+    computes them, so codes mean the same thing in both libraries.
+
+    Args:
+        signed: include negative values (first moments) or not (non-negative second moments).
+        max_exponent_bits: number of decades.
+        total_bits: bits per code; maps with fewer than 8 bits are padded with zeros to 256 entries.
+
+    Returns:
+        float32 tensor of 256 sorted values.
+    """
+    mantissa_bits = total_bits - 1
+    values: list[float] = []
+
+    def add_decade(exponent: int, bins: int) -> None:
+        edges = torch.linspace(0.1, 1.0, bins + 1, dtype=torch.float32)
+        centres = (edges[:-1] + edges[1:]) / 2.0
+        decade = (10.0**exponent) * centres
+        values.extend(decade.tolist())
+        if signed:
+            values.extend((-decade).tolist())
+
+    for i in range(max_exponent_bits):
+        bins = 2 ** (i + mantissa_bits - max_exponent_bits + (0 if signed else 1))
+        add_decade(i - (max_exponent_bits - 1), bins)
+    leftover = 2 ** (mantissa_bits - max_exponent_bits) - 1
+    if leftover > 0:
+        add_decade(0, leftover)  # bitsandbytes puts the leftover bins in the top decade
+    values += [0.0, 1.0]
+    if len(values) > 256:
+        raise ValueError(f"a dynamic map with these settings has {len(values)} values, more than 256")
+    values += [0.0] * (256 - len(values))
+    return torch.tensor(sorted(values), dtype=torch.float32)
+
+
+@functools.cache
+def _map_cpu(signed: bool) -> Tensor:
+    return create_dynamic_map(signed=signed)
+
+
+_DEVICE_MAPS: dict[tuple[torch.device, bool], Tensor] = {}
+
+
+def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The default (7 exponent bits, 8 bits) dynamic map on ``device``, cached per device."""
+    device = torch.device(device)
+    key = (device, signed)
+    cached = _DEVICE_MAPS.get(key)
+    if cached is None:
+        cached = _map_cpu(signed).to(device)
+        _DEVICE_MAPS[key] = cached
+    return cached
+
+
+def _check_block_size(block_size: int) -> None:
+    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
+
+
+def _check_code(code: Tensor, device: torch.device) -> None:
+    if code.dtype != torch.float32 or code.numel() != 256 or code.dim() != 1:
+        raise ValueError(f"code must be a float32 tensor of 256 values, got {code.dtype} {tuple(code.shape)}")
+    if code.device != device:
+        raise ValueError(f"code is on {code.device} but the tensor is on {device}")
+
+
+# --------------------------------------------------------------------------------------------------
+# pure-torch reference
+
+
+def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
+    """Nearest-code block-wise quantization in plain torch (the oracle for the kernels)."""
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    nblocks = -(-n // block_size)
+    padded = torch.zeros(nblocks * block_size, dtype=torch.float32, device=flat.device)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)
+    # nearest of the two neighbouring codes; ties go to the lower code
+    hi = torch.searchsorted(code, normed).clamp_(1, 255)
+    lo = hi - 1
+    pick_hi = (code[hi] - normed).abs() < (normed - code[lo]).abs()
+    codes = torch.where(pick_hi, hi, lo).to(torch.uint8)
+    return codes[:n].view(x.shape), absmax
+
+
+def dequantize_blockwise_reference(
+    codes: Tensor, absmax: Tensor, code: Tensor, block_size: int = 256, dtype: torch.dtype = torch.float32
+) -> Tensor:
+    """Inverse of :func:`quantize_blockwise_reference`: ``code[codes] * absmax[block]``."""
+    flat = codes.reshape(-1).long()
+    n = flat.numel()
+    block_of = torch.arange(n, device=codes.device) // block_size
+    out = code[flat] * absmax[block_of]
+    return out.to(dtype).view(codes.shape)
+
+
+# --------------------------------------------------------------------------------------------------
+# public entry points
+
+
+def quantize_blockwise(x: Tensor, code: Tensor | None = None, block_size: int = 256) -> tuple[Tensor, Tensor]:
+    """Quantize ``x`` block-wise to uint8 codes of a 256-value map.
+
+    Args:
+        x: float32, float16 or bfloat16 tensor of any shape (read in memory order; non-contiguous
+            tensors are made contiguous first).
+        code: the map (float32[256], sorted); defaults to the signed dynamic map.
+        block_size: elements per block (a power of two), 256 by default.
+
+    Returns:
+        ``(codes, absmax)``: uint8 codes of ``x``'s shape, float32 absmax of ``ceil(numel / block_size)``.
+
+    Example:
+        >>> codes, absmax = quantize_blockwise(torch.randn(1000))
+        >>> y = dequantize_blockwise(codes, absmax)
+    """
+    _check_block_size(block_size)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_blockwise expects a floating-point tensor, got {x.dtype}")
+    if x.numel() == 0:
+        raise ValueError("quantize_blockwise needs a non-empty tensor")
+    arithmetic = code is None
+    code = dynamic_map(True, x.device) if code is None else code
+    _check_code(code, x.device)
+    if use_triton(x):
+        from bnbf.kernels.codec import quantize_blockwise_triton
+
+        return quantize_blockwise_triton(x.contiguous(), code, block_size, arithmetic)
+    return quantize_blockwise_reference(x, code, block_size)
+
+
+def dequantize_blockwise(
+    codes: Tensor,
+    absmax: Tensor,
+    code: Tensor | None = None,
+    block_size: int = 256,
+    dtype: torch.dtype = torch.float32,
+) -> Tensor:
+    """Values of ``codes`` under ``code`` scaled by their block's ``absmax``, as ``dtype``."""
+    _check_block_size(block_size)
+    if codes.dtype != torch.uint8:
+        raise TypeError(f"codes must be uint8, got {codes.dtype}")
+    nblocks = -(-codes.numel() // block_size)
+    if absmax.dtype != torch.float32 or absmax.numel() != nblocks:
+        raise ValueError(
+            f"absmax must be float32 with {nblocks} values for {codes.numel()} codes in blocks of "
+            f"{block_size}, got {absmax.dtype} with {absmax.numel()}"
+        )
+    code = dynamic_map(True, codes.device) if code is None else code
+    _check_code(code, codes.device)
+    if use_triton(codes):
+        from bnbf.kernels.codec import dequantize_blockwise_triton
+
+        return dequantize_blockwise_triton(codes.contiguous(), absmax, code, block_size, dtype)
+    return dequantize_blockwise_reference(codes, absmax, code, block_size, dtype)

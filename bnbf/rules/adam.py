@@ -1,0 +1,89 @@
+"""Adam (L2 weight decay, as ``torch.optim.Adam``) and AdamW (decoupled, as ``torch.optim.AdamW``).
+
+    g  = g + wd·p                      (adam)      p = p·(1 − lr·wd)   (adamw)
+    m  = β1·m + (1 − β1)·g
+    v  = β2·v + (1 − β2)·g²
+    p  = p − lr/(1 − β1^t) · m / (√v / √(1 − β2^t) + ε)
+
+States: ``exp_avg`` (signed dynamic map) and ``exp_avg_sq`` (unsigned map: it is never negative).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamHparams:
+    lr: Number = 1e-3
+    betas: tuple[Number, Number] = (0.9, 0.999)
+    eps: Number = 1e-8
+    weight_decay: Number = 0.0
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        check_eps(self.eps)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be a pair, got {self.betas}")
+        check_betas(self.betas)
+        check_weight_decay(self.weight_decay)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdamWHparams(AdamHparams):
+    weight_decay: Number = 1e-2
+
+
+def _scalars(decoupled: bool):
+    def scalars(h: AdamHparams, step: Number):
+        b1, b2 = h.betas
+        wd = h.weight_decay
+        return (
+            h.lr / (1 - b1**step),  # 0: step size
+            b1,  # 1
+            b2,  # 2
+            h.eps,  # 3
+            1 / (1 - b2**step) ** 0.5,  # 4: 1 / sqrt(bias correction 2)
+            0.0 if decoupled else wd,  # 5: L2 coefficient added to the gradient
+            1 - h.lr * wd if decoupled else 1.0,  # 6: decoupled decay factor
+        )
+
+    return scalars
+
+
+@triton.jit
+def adam_math(p, g, m, v, unused, hp):
+    step_size = tl.load(hp + 0)
+    b1 = tl.load(hp + 1)
+    b2 = tl.load(hp + 2)
+    eps = tl.load(hp + 3)
+    inv_bc2_sqrt = tl.load(hp + 4)
+    l2 = tl.load(hp + 5)
+    decay = tl.load(hp + 6)
+    g = g + l2 * p
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * g * g
+    denom = tl.sqrt(v) * inv_bc2_sqrt + eps
+    p = p * decay - step_size * tl.fdiv(m, denom)
+    return p, m, v, unused
+
+
+def adam_reference(p, g, states, s):
+    m, v = states
+    step_size, b1, b2, eps, inv_bc2_sqrt, l2, decay = s
+    g = g + l2 * p
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    p = p * decay - step_size * m / (v.sqrt() * inv_bc2_sqrt + eps)
+    return p, [m, v]
+
+
+_STATES = (StateSlot("exp_avg", signed=True), StateSlot("exp_avg_sq", signed=False))
+
+ADAM = Rule("adam", AdamHparams, _STATES, _scalars(False), adam_math, adam_reference)
+ADAMW = Rule("adamw", AdamWHparams, _STATES, _scalars(True), adam_math, adam_reference)

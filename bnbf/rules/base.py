@@ -1,0 +1,115 @@
+"""What a rule module provides, and the hyperparameter checks shared by the rules.
+
+A rule is one file in ``bnbf/rules/`` that defines:
+
+- its hyperparameter dataclass (frozen, keyword-only, validated in ``__post_init__`` with torch's wording);
+- its state slots (name as torch.optim calls it, which dynamic map it uses when quantized);
+- ``scalars(hparams, step)``: the per-call numbers the math needs, derived once per call on the host
+  (or with tensor ops on the device when hyperparameters are tensors), packed into one float32 row;
+- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp_ptr) -> (p, s0, s1, s2)`` on float32
+  values, reading its scalars with ``tl.load(hp_ptr + k)``;
+- ``reference``: the same math in plain torch (the CPU path and the kernels' oracle).
+
+Registering it is one row in :data:`bnbf.rules.RULES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+Number = float | int | Tensor
+
+
+@dataclasses.dataclass(frozen=True)
+class StateSlot:
+    """One optimizer state tensor of a rule."""
+
+    name: str  # torch.optim's name for it, e.g. "exp_avg"
+    signed: bool  # quantized with the signed map (True) or the unsigned map for non-negative values
+
+
+@dataclasses.dataclass(frozen=True)
+class Rule:
+    name: str
+    hparams: type
+    states: tuple[StateSlot, ...]
+    scalars: Callable[[Any, Number], Sequence[Number]]
+    math: Any  # triton.JITFunction
+    reference: Callable[[Tensor, Tensor, list[Tensor], Sequence[Tensor]], tuple[Tensor, list[Tensor]]]
+
+    def make_hparams(self, hparams: Any) -> Any:
+        """Validated hyperparameter dataclass from a mapping, a dataclass of this rule, or None."""
+        if hparams is None:
+            return self.hparams()
+        if isinstance(hparams, self.hparams):
+            return hparams
+        if dataclasses.is_dataclass(hparams):
+            raise ValueError(
+                f"hparams of type {type(hparams).__name__} do not belong to rule {self.name!r} "
+                f"(expected {self.hparams.__name__} or a mapping)"
+            )
+        try:
+            items = dict(hparams)
+        except (TypeError, ValueError):
+            raise TypeError(f"hparams must be a mapping or {self.hparams.__name__}, got {type(hparams)}") from None
+        known = {f.name for f in dataclasses.fields(self.hparams)}
+        unknown = sorted(set(items) - known)
+        if unknown:
+            raise ValueError(f"unknown hyperparameters for rule {self.name!r}: {unknown}; known: {sorted(known)}")
+        return self.hparams(**items)
+
+
+# ---- checks with torch.optim's wording ----------------------------------------------------------------
+
+
+def _value(x: Number) -> float | None:
+    """The number to check, or None where reading it would synchronise with a device."""
+    if isinstance(x, Tensor):
+        if x.numel() != 1:
+            raise ValueError("Tensor hyperparameters must be 1-element")
+        if x.device.type != "cpu":
+            return None
+        return float(x)
+    return float(x)
+
+
+def check_lr(lr: Number) -> None:
+    v = _value(lr)
+    if v is not None and not v >= 0.0:
+        raise ValueError(f"Invalid learning rate: {lr}")
+
+
+def check_eps(eps: Number, name: str = "epsilon") -> None:
+    v = _value(eps)
+    if v is not None and not v >= 0.0:
+        raise ValueError(f"Invalid {name} value: {eps}")
+
+
+def check_weight_decay(wd: Number) -> None:
+    v = _value(wd)
+    if v is not None and not v >= 0.0:
+        raise ValueError(f"Invalid weight_decay value: {wd}")
+
+
+def check_betas(betas: Sequence[Number]) -> None:
+    for i, b in enumerate(betas):
+        v = _value(b)
+        if v is not None and not 0.0 <= v < 1.0:
+            raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+
+
+def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:
+    """Pack a rule's scalars into one float32 row on ``device`` without a host synchronisation."""
+    if not any(isinstance(v, Tensor) for v in values):
+        row = torch.tensor([float(v) for v in values], dtype=torch.float32)
+        if device.type == "cpu":
+            return row
+        return row.pin_memory().to(device, non_blocking=True)
+    parts = [v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, Tensor) else
+             torch.tensor(float(v), dtype=torch.float32, device=device) for v in values]
+    return torch.stack(parts)

@@ -1,0 +1,157 @@
+"""Optimizer specs and state containers.
+
+A state is a NamedTuple of plain tensors. Its class carries the static layout (rule, bits, block size,
+format) as a class attribute, so in a pytree the layout is part of the node type (the static context)
+and every leaf is a tensor. Classes are made on demand, one per layout, and can be pickled: the module's
+``__getattr__`` rebuilds a class from its name.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bnbf.rules import get_rule
+
+STATE_FORMATS = ("dynamic",)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OptimSpec:
+    """The static choice of update rule and state storage.
+
+    Args:
+        rule: name of a registered rule (``bnbf.RULES``), e.g. ``"adamw"``.
+        state_bits: 8 for block-wise quantized state, 32 for float32 state.
+        block_size: elements per quantization block (a power of two, 64 to 4096).
+        min_8bit_size: tensors with fewer elements keep float32 state even when ``state_bits=8``
+            (bitsandbytes' rule; small tensors gain nothing from 8 bits).
+        state_format: the 8-bit format; ``"dynamic"`` is bitsandbytes' dynamic map.
+    """
+
+    rule: str = "adamw"
+    state_bits: int = 8
+    block_size: int = 256
+    min_8bit_size: int = 4096
+    state_format: str = "dynamic"
+
+    def __post_init__(self):
+        get_rule(self.rule)
+        if self.state_bits not in (8, 32):
+            raise ValueError(f"state_bits must be 8 or 32, got {self.state_bits!r}")
+        bs = self.block_size
+        if not isinstance(bs, int) or bs < 64 or bs > 4096 or bs & (bs - 1):
+            raise ValueError(f"block_size must be a power of two between 64 and 4096, got {bs!r}")
+        if not isinstance(self.min_8bit_size, int) or self.min_8bit_size < 0:
+            raise ValueError(f"min_8bit_size must be a non-negative int, got {self.min_8bit_size!r}")
+        if self.state_format not in STATE_FORMATS:
+            raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {self.state_format!r}")
+
+    def layout_for(self, numel: int) -> Layout:
+        """The layout of a tensor with ``numel`` elements under this spec."""
+        if self.state_bits == 8 and numel >= self.min_8bit_size:
+            return Layout(self.rule, 8, self.block_size, self.state_format)
+        return Layout(self.rule, 32, 0, "fp32")
+
+
+class Layout(collections.namedtuple("Layout", "rule bits block_size format")):
+    """Static storage of one tensor's state: rule name, 8 or 32 bits, block size, 8-bit format."""
+
+    __slots__ = ()
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits == 8
+
+    @property
+    def class_name(self) -> str:
+        if self.quantized:
+            return f"{self.rule}_state_8bit_{self.format}_b{self.block_size}"
+        return f"{self.rule}_state_32bit"
+
+    def field_names(self) -> tuple[str, ...]:
+        names: list[str] = []
+        for slot in get_rule(self.rule).states:
+            names.append(slot.name)
+            if self.quantized:
+                names.append(slot.name + "_absmax")
+        return tuple(names)
+
+    def expected(self, shape: torch.Size) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+        """Field name -> (shape, dtype) for a param of ``shape``."""
+        numel = shape.numel()
+        out = {}
+        for slot in get_rule(self.rule).states:
+            if self.quantized:
+                out[slot.name] = (tuple(shape), torch.uint8)
+                out[slot.name + "_absmax"] = ((-(-numel // self.block_size),), torch.float32)
+            else:
+                out[slot.name] = (tuple(shape), torch.float32)
+        return out
+
+
+_CLASSES: dict[Layout, type] = {}
+_NAME = re.compile(r"^(?P<rule>\w+?)_state_(?:8bit_(?P<fmt>[a-z0-9]+)_b(?P<bs>\d+)|32bit)$")
+
+
+def state_class(layout: Layout) -> type:
+    """The NamedTuple class holding states of ``layout`` (made once, then cached)."""
+    cls = _CLASSES.get(layout)
+    if cls is None:
+        base = collections.namedtuple(layout.class_name, layout.field_names())
+        cls = type(
+            layout.class_name,
+            (base,),
+            {"__slots__": (), "layout": layout, "__module__": __name__, "__doc__": _doc(layout)},
+        )
+        _CLASSES[layout] = cls
+    return cls
+
+
+def _doc(layout: Layout) -> str:
+    fields = ", ".join(f"{n}: {dt} {list(s) if s else 'param.shape'}" for n, (s, dt) in
+                       layout.expected(torch.Size([])).items())
+    return f"Optimizer state, layout {tuple(layout)}: {fields}"
+
+
+def __getattr__(name: str) -> Any:  # rebuilds pickled state classes
+    m = _NAME.match(name)
+    if m is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if m["fmt"] is None:
+        return state_class(Layout(m["rule"], 32, 0, "fp32"))
+    return state_class(Layout(m["rule"], 8, int(m["bs"]), m["fmt"]))
+
+
+def is_state(x: Any) -> bool:
+    """True for a bnbf state NamedTuple."""
+    return isinstance(x, tuple) and isinstance(getattr(type(x), "layout", None), Layout)
+
+
+def new_state(param: Tensor, spec: OptimSpec) -> tuple:
+    """Zero state for one tensor (the quantized zero is code 127 signed / 0 unsigned with absmax 0)."""
+    layout = spec.layout_for(param.numel())
+    cls = state_class(layout)
+    rule = get_rule(layout.rule)
+    fields: list[Tensor] = []
+    for slot in rule.states:
+        if layout.quantized:
+            zero_code = 127 if slot.signed else 0
+            fields.append(torch.full(param.shape, zero_code, dtype=torch.uint8, device=param.device))
+            nblocks = -(-param.numel() // layout.block_size)
+            fields.append(torch.zeros(nblocks, dtype=torch.float32, device=param.device))
+        else:
+            fields.append(torch.zeros(param.shape, dtype=torch.float32, device=param.device))
+    return cls(*fields)
+
+
+def state_nbytes(state: Any) -> int:
+    """Bytes held by the tensors of a state (or a pytree of states)."""
+    from torch.utils._pytree import tree_leaves
+
+    return sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, Tensor))
