@@ -7,6 +7,7 @@ exactly as they were.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from typing import Any
 
@@ -67,11 +68,10 @@ def init_state(param: Any, spec: OptimSpec) -> Any:
 class _Call:
     """A validated call: flat lists and the rule's hparams."""
 
-    names: list[str]
     params: list[Tensor]
     grads: list[Tensor]
     states: list[tuple]
-    treespec: Any
+    spec: Any  # structure key from _flatten
     rule: Any
     hparams: Any
     step: Any
@@ -90,54 +90,107 @@ def _check_step(step: Any) -> None:
         raise ValueError(f"Invalid step: {step} (steps count from 1)")
 
 
+def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
+    """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk."""
+    leaf = is_leaf or (lambda x: isinstance(x, Tensor))
+    if type(tree) is dict and all(leaf(v) for v in tree.values()):
+        return list(tree.values()), ("dict", tuple(tree))
+    if type(tree) in (list, tuple) and all(leaf(v) for v in tree):
+        return list(tree), (type(tree), len(tree))
+    if leaf(tree):
+        return [tree], "leaf"
+    return pytree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+def _unflatten(leaves: list, spec: Any) -> Any:
+    if spec == "leaf":
+        return leaves[0]
+    if isinstance(spec, tuple) and spec[0] == "dict":
+        return dict(zip(spec[1], leaves))
+    if isinstance(spec, tuple) and spec[0] in (list, tuple):
+        return spec[0](leaves)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _names(param: Any) -> list[str]:
+    """Key strings of the leaves (only needed for error messages)."""
+    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(param)[0]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected(layout: Layout, shape: torch.Size) -> tuple:
+    return tuple(layout.expected(shape).values())
+
+
+def _leaf_ok(p: Any, g: Any, s: Any) -> bool:
+    """The common case in a few attribute reads; anything unusual goes to :func:`_check_leaf`."""
+    if not (type(p) is Tensor or isinstance(p, Tensor)) or p.dtype not in _PARAM_DTYPES:
+        return False
+    if not isinstance(g, Tensor) or g.layout != torch.strided or p.layout != torch.strided:
+        return False
+    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or not is_state(s):
+        return False
+    dev = p.device
+    for t, (shape, dtype) in zip(s, _expected(type(s).layout, p.shape)):
+        if t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_contiguous():
+            return False
+    return True
+
+
+def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
+    """Raise the precise error for a leaf that failed :func:`_leaf_ok`."""
+    _check_param(p, name)
+    if not isinstance(g, Tensor):
+        raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError(f"bnbf does not support sparse gradients (grad{name} has layout {g.layout})")
+    if g.shape != p.shape:
+        raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+    if g.dtype != p.dtype:
+        raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+    if not is_state(s):
+        raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+    layout: Layout = type(s).layout
+    for field, (shape, dtype) in layout.expected(p.shape).items():
+        t = getattr(s, field)
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"state{name}.{field} does not fit the param: expected {dtype} {shape}, got {got} "
+                f"(was the state built for another param or spec?)"
+            )
+        if t.device != p.device:
+            raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"state{name}.{field} must be contiguous")
+    raise AssertionError(f"unexpected input at {name}")  # _leaf_ok and _check_leaf disagree
+
+
 def _prepare(param, grad, state, hparams, step) -> _Call:
-    p_leaves, treespec = pytree.tree_flatten_with_path(param)
-    g_leaves, g_spec = pytree.tree_flatten(grad)
-    s_leaves, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
-    if not p_leaves:
+    params, p_spec = _flatten(param)
+    grads, g_spec = _flatten(grad)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    if not params:
         raise ValueError("update needs at least one tensor")
-    p_spec = pytree.tree_structure(param)
     if g_spec != p_spec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
     if s_spec != p_spec:
-        raise ValueError(f"state structure does not match param structure {p_spec}")
-    names = [pytree.keystr(path) for path, _ in p_leaves]
-    params = [p for _, p in p_leaves]
-    rule = None
-    for name, p, g, s in zip(names, params, g_leaves, s_leaves):
-        _check_param(p, name)
-        if not isinstance(g, Tensor):
-            raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
-        if g.is_sparse or g.layout != torch.strided:
-            raise RuntimeError(f"bnbf does not support sparse gradients (grad{name} has layout {g.layout})")
-        if g.shape != p.shape:
-            raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
-        if g.dtype != p.dtype:
-            raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
-        if g.device != p.device:
-            raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
-        if not is_state(s):
-            raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
-        layout: Layout = type(s).layout
-        if rule is None:
-            rule = get_rule(layout.rule)
-        elif layout.rule != rule.name:
-            raise ValueError(f"state{name} is for rule {layout.rule!r} but other states are for {rule.name!r}")
-        for field, (shape, dtype) in layout.expected(p.shape).items():
-            t = getattr(s, field)
-            if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
-                got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
-                raise ValueError(
-                    f"state{name}.{field} does not fit the param: expected {dtype} {shape}, got {got} "
-                    f"(was the state built for another param or spec?)"
-                )
-            if t.device != p.device:
-                raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
-            if not t.is_contiguous():
-                raise ValueError(f"state{name}.{field} must be contiguous")
+        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    rule_name = None
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        if not _leaf_ok(p, g, s):
+            _check_leaf(_names(param)[i], p, g, s)
+        r = type(s).layout.rule
+        if rule_name is None:
+            rule_name = r
+        elif r != rule_name:
+            raise ValueError(f"state{_names(param)[i]} is for rule {r!r} but other states are for {rule_name!r}")
+    rule = get_rule(rule_name)
     h = rule.make_hparams(hparams)
     _check_step(step)
-    return _Call(names, params, list(g_leaves), list(s_leaves), treespec, rule, h, step)
+    return _Call(params, grads, states, p_spec, rule, h, step)
 
 
 def _groups(call: _Call):
@@ -192,7 +245,7 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
             for k, i in enumerate(idx):
                 new_params[i] = out_p[k].view(call.params[i].shape)
                 new_states[i] = cls(*out_s[k * per : (k + 1) * per])
-    return pytree.tree_unflatten(new_params, call.treespec), pytree.tree_unflatten(new_states, call.treespec)
+    return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
 
 
 def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:

@@ -24,8 +24,29 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, quant, block_size) 
         reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, quant, block_size)
 
 
+def step_(params, grads, states, hp, hp_rows, rule, quant, block_size) -> None:
+    """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor)."""
+    if torch.compiler.is_compiling():
+        return _step_op_(params, grads, states, hp, hp_rows, rule, quant, block_size)
+    _run(params, params, grads, states, states, hp, hp_rows, rule, quant, block_size)
+
+
+def step(params, grads, states, hp, hp_rows, rule, quant, block_size):
+    """Out-of-place step; eager calls skip the op's dispatch as :func:`step_` does."""
+    if torch.compiler.is_compiling():
+        return _step_op(params, grads, states, hp, hp_rows, rule, quant, block_size)
+    return _step_impl(params, grads, states, hp, hp_rows, rule, quant, block_size)
+
+
+def _step_impl(params, grads, states, hp, hp_rows, rule, quant, block_size):
+    new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
+    new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
+    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, quant, block_size)
+    return new_params, new_states
+
+
 @torch.library.custom_op("bnbf::step_", mutates_args=("params", "states"))
-def step_(
+def _step_op_(
     params: list[Tensor],
     grads: list[Tensor],
     states: list[Tensor],
@@ -38,13 +59,13 @@ def step_(
     _run(params, params, grads, states, states, hp, hp_rows, rule, quant, block_size)
 
 
-@step_.register_fake
+@_step_op_.register_fake
 def _(params, grads, states, hp, hp_rows, rule, quant, block_size) -> None:
     return None
 
 
 @torch.library.custom_op("bnbf::step", mutates_args=())
-def step(
+def _step_op(
     params: list[Tensor],
     grads: list[Tensor],
     states: list[Tensor],
@@ -54,12 +75,9 @@ def step(
     quant: bool,
     block_size: int,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
-    new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
-    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, quant, block_size)
-    return new_params, new_states
+    return _step_impl(params, grads, states, hp, hp_rows, rule, quant, block_size)
 
 
-@step.register_fake
+@_step_op.register_fake
 def _(params, grads, states, hp, hp_rows, rule, quant, block_size):
     return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]

@@ -62,6 +62,111 @@ def encode_dynamic(x, SIGNED: tl.constexpr):
     return idx
 
 
+def _decode_constants(K: int):
+    """Rows j (0 = zero, e + 1 for w in [2**e, 2**(e+1)), last = the 1.0 code): value = P_j * m + Q_j."""
+    rows = [(0.0, 0.0)]
+    for e in range(7 + K):
+        i = e - K
+        if i < 0:  # the unsigned map has no decade below 0: w = 1 is the zero code
+            rows.append((0.0, 0.0))
+            continue
+        rows.append((0.9 * 10.0 ** (i - 6), 10.0 ** (i - 6) * (0.45 / 2**e - 0.8)))
+    rows.append((0.0, 1.0))
+    while len(rows) < 10:
+        rows.append((0.0, 1.0))
+    return rows
+
+
+def decode_tables() -> list[float]:
+    """The 2 x 10 (P, Q) rows of :func:`decode_dynamic_arith`, signed first, as a flat float list."""
+    out: list[float] = []
+    for K in (0, 1):
+        for p, q in _decode_constants(K):
+            out += [p, q]
+    return out
+
+
+@triton.jit
+def _decade_step(a, edge, s_new, b_new, i_new, s, b, i):
+    up = a >= edge
+    return tl.where(up, s_new, s), tl.where(up, b_new, b), tl.where(up, i_new, i)
+
+
+@triton.jit
+def encode_dynamic_cmp(x, SIGNED: tl.constexpr):
+    """Same result as :func:`encode_dynamic`, without transcendental or conversion instructions.
+
+    The decade comes from six comparisons, its constants from a select chain, and floor() from the
+    float32 round-to-integer trick (add 1.5 * 2**23, read the bits); those run at full rate where
+    log2/exp2/float-to-int run at a quarter.
+    """
+    if SIGNED:
+        K: tl.constexpr = 0
+        a = tl.minimum(tl.abs(x), 1.0)
+        s = tl.full(a.shape, 1.0e6 * 1 / 0.9, tl.float32)
+        b = tl.full(a.shape, 0.1 / 0.9 + 0.5, tl.float32)
+        i = tl.zeros(a.shape, tl.int32)
+        s, b, i = _decade_step(a, 1e-6, 1e5 * 2 / 0.9, 0.2 / 0.9 + 0.5, 1, s, b, i)
+        s, b, i = _decade_step(a, 1e-5, 1e4 * 4 / 0.9, 0.4 / 0.9 + 0.5, 2, s, b, i)
+        s, b, i = _decade_step(a, 1e-4, 1e3 * 8 / 0.9, 0.8 / 0.9 + 0.5, 3, s, b, i)
+        s, b, i = _decade_step(a, 1e-3, 1e2 * 16 / 0.9, 1.6 / 0.9 + 0.5, 4, s, b, i)
+        s, b, i = _decade_step(a, 1e-2, 1e1 * 32 / 0.9, 3.2 / 0.9 + 0.5, 5, s, b, i)
+        s, b, i = _decade_step(a, 1e-1, 64 / 0.9, 6.4 / 0.9 + 0.5, 6, s, b, i)
+        thr0: tl.constexpr = 0.19444444444444445 - 0.5
+    else:
+        K: tl.constexpr = 1
+        a = tl.minimum(tl.maximum(x, 0.0), 1.0)
+        s = tl.full(a.shape, 1.0e6 * 2 / 0.9, tl.float32)
+        b = tl.full(a.shape, 0.2 / 0.9 + 0.5, tl.float32)
+        i = tl.zeros(a.shape, tl.int32)
+        s, b, i = _decade_step(a, 1e-6, 1e5 * 4 / 0.9, 0.4 / 0.9 + 0.5, 1, s, b, i)
+        s, b, i = _decade_step(a, 1e-5, 1e4 * 8 / 0.9, 0.8 / 0.9 + 0.5, 2, s, b, i)
+        s, b, i = _decade_step(a, 1e-4, 1e3 * 16 / 0.9, 1.6 / 0.9 + 0.5, 3, s, b, i)
+        s, b, i = _decade_step(a, 1e-3, 1e2 * 32 / 0.9, 3.2 / 0.9 + 0.5, 4, s, b, i)
+        s, b, i = _decade_step(a, 1e-2, 1e1 * 64 / 0.9, 6.4 / 0.9 + 0.5, 5, s, b, i)
+        s, b, i = _decade_step(a, 1e-1, 128 / 0.9, 12.8 / 0.9 + 0.5, 6, s, b, i)
+        thr0: tl.constexpr = 0.1388888888888889 - 0.5
+    u = a * s - b  # position among the decade's bins, minus one half
+    k = (u + 12582912.0).to(tl.int32, bitcast=True) - 0x4B400000  # round(u) = floor(u + 0.5)
+    n = tl.full(i.shape, 1, tl.int32) << (i + K)
+    k = tl.minimum(k, n - 1)
+    k = tl.where(u < tl.where(i == 0, thr0, -0.3), -1, k)
+    top = (i == 6) & (u >= n.to(tl.float32) - 0.75)
+    if SIGNED:
+        top = top & (x > 0)
+    k = tl.where(top, n, k)
+    rank = n - 1 - K + k
+    if SIGNED:
+        idx = tl.where(x < 0, 126 - rank, 128 + rank)
+    else:
+        idx = 1 + rank
+    return idx
+
+
+@triton.jit
+def decode_dynamic_arith(q, pq_ptr, SIGNED: tl.constexpr):
+    """Value of code ``q`` (int32) of the default dynamic map, to within 2 ulp of the map's float32 value.
+
+    With w = rank + 1 (+1 more for the unsigned map), codes with 2**e <= w < 2**(e+1) form decade
+    e - K, and their values are linear in w / 2**e: P_e * m + Q_e with m the mantissa of float(w).
+    ``pq_ptr`` holds the (P, Q) rows (see ``decode_tables``), 80 bytes, always in L1.
+    """
+    if SIGNED:
+        w = tl.abs(q - 127)
+        rows = pq_ptr
+    else:
+        w = q + 1
+        rows = pq_ptr + 20
+    bits = (w | 0x4B000000).to(tl.float32, bitcast=True) - 8388608.0  # float(w), exact
+    bits = bits.to(tl.int32, bitcast=True)
+    j = tl.maximum((bits >> 23) - 126, 0)
+    m = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)
+    v = tl.load(rows + 2 * j) * m + tl.load(rows + 2 * j + 1)
+    if SIGNED:
+        v = tl.where(q < 127, -v, v)
+    return v
+
+
 @triton.jit
 def to_dtype(x, DTYPE: tl.constexpr, SOFT_BF16: tl.constexpr):
     """float32 -> DTYPE with round-to-nearest-even. The interpreter truncates float32 -> bfloat16, so

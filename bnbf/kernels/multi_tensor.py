@@ -24,7 +24,7 @@ import triton.language as tl
 from torch import Tensor
 
 from bnbf._dispatch import interpreting
-from bnbf.kernels.codec import encode_dynamic, to_dtype
+from bnbf.kernels.codec import decode_dynamic_arith, decode_tables, encode_dynamic, encode_dynamic_cmp, to_dtype
 from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
@@ -32,21 +32,27 @@ MAX_STATES = 3
 NF = 5 + 4 * MAX_STATES  # p_in, p_out, g, numel, hp_row, then per state: s_in, s_out, absmax_in, absmax_out
 ROWS = 4  # quantization blocks per program
 NUM_WARPS = 4
+ENCODER = 1  # 0: log2/exp2 decade (reference design), 1: comparisons + bit tricks
+DECODER = 1  # 0: gather from the 256-entry map, 1: arithmetic from the code's bits
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
 def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr,
-                QUANT: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
+                QUANT: tl.constexpr, SIGNED: tl.constexpr, DECODER: tl.constexpr):  # fmt: skip
     base: tl.constexpr = 5 + 4 * SLOT
     if QUANT:
         q_ptr = tl.load(table + base).to(tl.pointer_type(tl.uint8))
         a_ptr = tl.load(table + base + 2).to(tl.pointer_type(tl.float32))
         q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
         absmax = tl.load(a_ptr + rows, mask=rmask, other=0.0)
-        map_ptr = code_ptr if SIGNED else code_ptr + 256
-        return tl.load(map_ptr + q) * absmax[:, None]
+        if DECODER == 1:
+            v = decode_dynamic_arith(q, code_ptr + 512, SIGNED)
+        else:
+            map_ptr = code_ptr if SIGNED else code_ptr + 256
+            v = tl.load(map_ptr + q)
+        return v * absmax[:, None]
     else:
         s_ptr = tl.load(table + base).to(tl.pointer_type(tl.float32))
         return tl.load(s_ptr + offs, mask=mask, other=0.0)
@@ -54,7 +60,7 @@ def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr,
 
 @triton.jit
 def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask,
-                 QUANT: tl.constexpr, SIGNED: tl.constexpr):  # fmt: skip
+                 QUANT: tl.constexpr, SIGNED: tl.constexpr, ENCODER: tl.constexpr):  # fmt: skip
     base: tl.constexpr = 5 + 4 * SLOT
     if QUANT:
         q_ptr = tl.load(table + base + 1).to(tl.pointer_type(tl.uint8))
@@ -62,7 +68,10 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask,
         s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
         scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
-        q = encode_dynamic(s * scale[:, None], SIGNED)
+        if ENCODER == 1:
+            q = encode_dynamic_cmp(s * scale[:, None], SIGNED)
+        else:
+            q = encode_dynamic(s * scale[:, None], SIGNED)
         tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
         tl.store(a_ptr + rows, absmax, mask=rmask)
     else:
@@ -77,6 +86,7 @@ def _step_kernel(
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    ENCODER: tl.constexpr, DECODER: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
@@ -98,11 +108,11 @@ def _step_kernel(
     s1 = 0.0
     s2 = 0.0
     if N_STATES > 0:
-        s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0)
+        s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0, DECODER)
     if N_STATES > 1:
-        s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1)
+        s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1, DECODER)
     if N_STATES > 2:
-        s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2)
+        s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, DECODER)
 
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp)
 
@@ -111,11 +121,11 @@ def _step_kernel(
     p_new = tl.where(finite, p_new, p)
     tl.store(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask=mask)
     if N_STATES > 0:
-        _store_state(table, 0, tl.where(finite, s0, 0.0), offs, mask, rows, rmask, QUANT, SIGNED0)
+        _store_state(table, 0, tl.where(finite, s0, 0.0), offs, mask, rows, rmask, QUANT, SIGNED0, ENCODER)
     if N_STATES > 1:
-        _store_state(table, 1, tl.where(finite, s1, 0.0), offs, mask, rows, rmask, QUANT, SIGNED1)
+        _store_state(table, 1, tl.where(finite, s1, 0.0), offs, mask, rows, rmask, QUANT, SIGNED1, ENCODER)
     if N_STATES > 2:
-        _store_state(table, 2, tl.where(finite, s2, 0.0), offs, mask, rows, rmask, QUANT, SIGNED2)
+        _store_state(table, 2, tl.where(finite, s2, 0.0), offs, mask, rows, rmask, QUANT, SIGNED2, ENCODER)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -184,7 +194,7 @@ def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name: str,
     tasks = _cached(_TASKS, (device, block, ROWS, numels), lambda: _tasks(numels, block, device))
     signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - n_states)
     pdtype = _TL_DTYPES[p_in[0].dtype]
-    static = (rule_name, quant, p_in[0].dtype, block, ROWS, hp.shape[1])
+    static = (rule_name, quant, p_in[0].dtype, block, ROWS, hp.shape[1], ENCODER, DECODER)
     LAUNCH_KEYS.add(static)
     code_ptr = _code_tables(device) if quant else hp  # unused without quantized states
     _step_kernel[(tasks.shape[0],)](
@@ -192,6 +202,7 @@ def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name: str,
         MATH=rule.math, N_STATES=n_states, QUANT=quant,
         SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
         P_DTYPE=pdtype, HP_STRIDE=hp.shape[1], NF=NF, BLOCK=block, ROWS=ROWS, SOFT_BF16=interpreting(),
+        ENCODER=ENCODER, DECODER=DECODER,
         num_warps=NUM_WARPS,
     )  # fmt: skip
 
@@ -200,9 +211,10 @@ _CODE_TABLES: dict[torch.device, Tensor] = {}
 
 
 def _code_tables(device: torch.device) -> Tensor:
-    """Signed map then unsigned map, float32[512], cached per device."""
+    """Signed map, unsigned map, then the arithmetic decoder's rows: float32[552], cached per device."""
     t = _CODE_TABLES.get(device)
     if t is None:
-        t = torch.cat([dynamic_map(True, device), dynamic_map(False, device)]).contiguous()
+        pq = torch.tensor(decode_tables(), dtype=torch.float32, device=device)
+        t = torch.cat([dynamic_map(True, device), dynamic_map(False, device), pq]).contiguous()
         _CODE_TABLES[device] = t
     return t
