@@ -34,6 +34,7 @@ __all__ = ["CharTransformer", "RunResult", "load_stdlib_text", "main", "train"]
 
 CONTEXT = 64  # characters the model sees
 VOCAB = 256  # bytes of the UTF-8 text
+HPARAMS = {"lr": 3e-3, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}  # AdamW, both runs
 
 
 def load_stdlib_text(max_bytes: int = 1_500_000) -> tuple[bytes, str]:
@@ -78,8 +79,9 @@ class Block(nn.Module):
 class CharTransformer(nn.Module):
     """A 2-layer, 96-wide byte-level transformer over a 64-character context (about 280k parameters)."""
 
-    def __init__(self, vocab: int = VOCAB, dim: int = 96, context: int = CONTEXT, layers: int = 2,
-                 heads: int = 4) -> None:
+    def __init__(
+        self, vocab: int = VOCAB, dim: int = 96, context: int = CONTEXT, layers: int = 2, heads: int = 4
+    ) -> None:
         super().__init__()
         self.tok = nn.Embedding(vocab, dim)
         self.pos = nn.Parameter(0.02 * torch.randn(context, dim))
@@ -102,7 +104,8 @@ class RunResult:
     val_loss: float
     state_bytes: int
     num_params: int
-    seconds: float
+    seconds: float  # wall time of the whole run, step 1 (warm-up, kernel compilation) included
+    ms_per_step: float  # mean over steps 2..N
 
     @property
     def final_train_loss(self) -> float:
@@ -149,7 +152,7 @@ def train(
 
     spec = bnbf.OptimSpec(rule="adamw", state_bits=state_bits)
     state = bnbf.init_state(params, spec)
-    hparams = {"lr": lr, "betas": (0.9, 0.99), "eps": 1e-8, "weight_decay": 0.01}
+    hparams = dict(HPARAMS, lr=lr)
 
     def loss_fn(p: dict[str, Tensor], x: Tensor, y: Tensor) -> Tensor:
         logits = functional_call(model, p, (x,))
@@ -159,42 +162,65 @@ def train(
     starts = _batches(train_data, steps, batch_size, seed)
     checkpoints: list[tuple[int, float]] = []
     window: list[Tensor] = []
-    t0 = time.perf_counter()
+    t0 = t1 = t_end = time.perf_counter()
     for step in range(1, steps + 1):
         x, y = _window(train_data, starts[step - 1], device)
         grads, loss = grad_fn(params, x, y)
         bnbf.update_(params, grads, state, hparams, step)
         window.append(loss.detach())
+        if step == 1:
+            loss.item()  # wait for the device: step 1 pays for warm-up and kernel compilation
+            t1 = time.perf_counter()
         if step == 1 or step % log_every == 0 or step == steps:
             mean = torch.stack(window).mean().item()
             window.clear()
             if not math.isfinite(mean):
                 raise RuntimeError(f"{label}: training loss became {mean} at step {step}")
             checkpoints.append((step, mean))
+            t_end = time.perf_counter()
             if verbose:
-                print(f"  {label:<13} step {step:>5}  train loss {mean:.4f}  "
-                      f"({time.perf_counter() - t0:.1f} s)", flush=True)
+                print(
+                    f"  {label:<13} step {step:>5}  train loss {mean:.4f}  ({time.perf_counter() - t0:.1f} s)",
+                    flush=True,
+                )
 
     # Held-out loss: fixed, evenly spaced windows of the validation text.
     n = val_batches * batch_size
     val_starts = torch.linspace(0, len(val_data) - CONTEXT - 2, n).long()
     with torch.no_grad():
         losses = [loss_fn(params, *_window(val_data, s, device)) for s in val_starts.split(batch_size)]
+    ms_per_step = 1000 * (t_end - t1) / max(1, steps - 1)
     val_loss = torch.stack(losses).mean().item()
-    seconds = time.perf_counter() - t0
-    return RunResult(label, state_bits, checkpoints, val_loss, bnbf.state_nbytes(state), num_params, seconds)
+    return RunResult(
+        label,
+        state_bits,
+        checkpoints,
+        val_loss,
+        bnbf.state_nbytes(state),
+        num_params,
+        time.perf_counter() - t0,
+        ms_per_step,
+    )
 
 
 def format_table(results: Sequence[RunResult]) -> str:
-    header = ("optimizer", "train loss", "val loss", "state bytes", "bytes/param", "seconds")
+    header = ("optimizer", "train loss", "val loss", "state bytes", "bytes/param", "ms/step", "seconds")
     rows = [header] + [
-        (r.label, f"{r.final_train_loss:.4f}", f"{r.val_loss:.4f}", f"{r.state_bytes:,}",
-         f"{r.bytes_per_param:.3f}", f"{r.seconds:.1f}")
+        (
+            r.label,
+            f"{r.final_train_loss:.4f}",
+            f"{r.val_loss:.4f}",
+            f"{r.state_bytes:,}",
+            f"{r.bytes_per_param:.3f}",
+            f"{r.ms_per_step:.1f}",
+            f"{r.seconds:.1f}",
+        )
         for r in results
     ]
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths)))
-             for row in rows]
+    lines = [
+        "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))) for row in rows
+    ]
     lines.insert(1, "  ".join("-" * w for w in widths))
     return "\n".join(lines)
 
@@ -202,8 +228,11 @@ def format_table(results: Sequence[RunResult]) -> str:
 def _parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m bnbf.demo", description=__doc__.split("\n\n")[0])
     p.add_argument("--steps", type=int, default=400, help="training steps per optimizer (default 400)")
-    p.add_argument("--device", default="auto", help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: "
-                   "cuda when available, else cpu)")
+    p.add_argument(
+        "--device",
+        default="auto",
+        help="'cpu', 'cuda', 'cuda:1', ... or 'auto' (default: cuda when available, else cpu)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed for the weights and the batches (default 0)")
     p.add_argument("--batch-size", type=int, default=32, help="sequences of 64 characters per step")
     p.add_argument("--lr", type=float, default=3e-3, help="AdamW learning rate (default 3e-3)")
@@ -228,33 +257,52 @@ def main(argv: Sequence[str] | None = None) -> list[RunResult]:
     split = int(0.9 * len(data))
     train_data, val_data = data[:split], data[split:]
     print(f"bnbf demo: byte-level transformer on {len(data):,} bytes of Python source from {root}")
-    print(f"  train {len(train_data):,} bytes, validation {len(val_data):,} bytes (the last 10%), "
-          f"device {device}, seed {args.seed}, {args.steps} steps of {args.batch_size}x{CONTEXT} characters")
+    print(
+        f"  train {len(train_data):,} bytes, validation {len(val_data):,} bytes (the last 10%), "
+        f"device {device}, seed {args.seed}, {args.steps} steps of {args.batch_size}x{CONTEXT} characters"
+    )
 
     torch.manual_seed(args.seed)
     model = CharTransformer()
     sizes = [p.numel() for p in model.parameters()]
     min_8bit = bnbf.OptimSpec(rule="adamw", state_bits=8).min_8bit_size
     big = [n for n in sizes if n >= min_8bit]
-    print(f"  model: {sum(sizes):,} parameters in {len(sizes)} tensors; {len(big)} tensors "
-          f"({sum(big) / sum(sizes):.1%} of the parameters) have >= {min_8bit} "
-          f"elements and get 8-bit state")
+    print(
+        f"  model: {sum(sizes):,} parameters in {len(sizes)} tensors; {len(big)} tensors "
+        f"({sum(big) / sum(sizes):.1%} of the parameters) have >= {min_8bit} "
+        f"elements and get 8-bit state"
+    )
 
     results = []
     for bits in (8, 32):
-        print(f"\nAdamW, {bits}-bit state (bnbf functional API)")
-        results.append(train(bits, train_data, val_data, steps=args.steps, batch_size=args.batch_size,
-                             lr=args.lr, seed=args.seed, device=device, log_every=log_every))
+        print(f"\nAdamW, {bits}-bit state (bnbf functional API), {dict(HPARAMS, lr=args.lr)}")
+        results.append(
+            train(
+                bits,
+                train_data,
+                val_data,
+                steps=args.steps,
+                batch_size=args.batch_size,
+                lr=args.lr,
+                seed=args.seed,
+                device=device,
+                log_every=log_every,
+            )
+        )
         r = results[-1]
-        print(f"  {r.label:<13} validation loss {r.val_loss:.4f}, optimizer state {r.state_bytes:,} bytes "
-              f"({r.bytes_per_param:.3f} bytes/param)")
+        print(
+            f"  {r.label:<13} validation loss {r.val_loss:.4f}, optimizer state {r.state_bytes:,} bytes "
+            f"({r.bytes_per_param:.3f} bytes/param)"
+        )
 
     r8, r32 = results
     print("\n" + format_table(results))
-    print(f"\nrelative difference, 8-bit vs 32-bit: train loss "
-          f"{(r8.final_train_loss - r32.final_train_loss) / r32.final_train_loss:+.2%}, validation loss "
-          f"{(r8.val_loss - r32.val_loss) / r32.val_loss:+.2%}; state memory "
-          f"{r8.state_bytes / r32.state_bytes:.1%} of 32-bit")
+    print(
+        f"\nrelative difference, 8-bit vs 32-bit: train loss "
+        f"{(r8.final_train_loss - r32.final_train_loss) / r32.final_train_loss:+.2%}, validation loss "
+        f"{(r8.val_loss - r32.val_loss) / r32.val_loss:+.2%}; state memory "
+        f"{r8.state_bytes / r32.state_bytes:.1%} of 32-bit"
+    )
     return results
 
 

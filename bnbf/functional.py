@@ -6,6 +6,7 @@ exactly as they were.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 from collections.abc import Mapping
@@ -16,7 +17,9 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
-from bnbf.quant import dequantize_blockwise_reference, dynamic_map
+from bnbf._dispatch import use_triton
+from bnbf.kernels.multi_tensor import build_group, launch_group
+from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout, OptimSpec, is_state, new_state
@@ -122,13 +125,25 @@ def _expected(layout: Layout, shape: torch.Size) -> tuple:
     return tuple(layout.expected(shape).values())
 
 
+def _grad_ok(p: Tensor, g: Any) -> bool:
+    return (
+        isinstance(g, Tensor)
+        and g.shape == p.shape
+        and g.dtype == p.dtype
+        and g.device == p.device
+        and g.layout == torch.strided
+    )
+
+
 def _leaf_ok(p: Any, g: Any, s: Any) -> bool:
     """The common case in a few attribute reads; anything unusual goes to :func:`_check_leaf`."""
-    if not (type(p) is Tensor or isinstance(p, Tensor)) or p.dtype not in _PARAM_DTYPES:
+    return _param_state_ok(p, s) and _grad_ok(p, g)
+
+
+def _param_state_ok(p: Any, s: Any) -> bool:
+    if not isinstance(p, Tensor) or p.dtype not in _PARAM_DTYPES or p.layout != torch.strided:
         return False
-    if not isinstance(g, Tensor) or g.layout != torch.strided or p.layout != torch.strided:
-        return False
-    if g.shape != p.shape or g.dtype != p.dtype or g.device != p.device or not is_state(s):
+    if not is_state(s):
         return False
     dev = p.device
     for t, (shape, dtype) in zip(s, _expected(type(s).layout, p.shape)):
@@ -238,7 +253,7 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
-                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.quantized, layout.block_size
+                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size
             )
             per = len(layout.field_names())
             cls = type(call.states[idx[0]])
@@ -251,8 +266,91 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
 def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
-    Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`.
+    Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`. Repeated calls on
+    the same params and states reuse the validated plan and its address tables (see :func:`_plan`).
     """
+    params, p_spec = _flatten(param)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    plan = _plan(params, states, p_spec, s_spec) if params else None
+    if plan is None:
+        return _update_generic_(param, grad, state, hparams, step)
+    grads, g_spec = _flatten(grad)
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if not _grad_ok(p, g):
+            _check_leaf(_names(param)[i], p, g, states[i])
+    h = plan.rule.make_hparams(hparams)
+    _check_step(step)
+    values = plan.rule.scalars(h, step)
+    rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
+    with torch.no_grad():
+        for idx, group in plan.groups:
+            gs = [grads[i] for i in idx]
+            gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+            launch_group(group, gs, rows[group.device])
+    return param, state
+
+
+@dataclasses.dataclass
+class _Plan:
+    """Validated params and states of an in-place call, grouped, with their kernel address tables.
+
+    Holds the params and states themselves, so their ids stay unique while the plan is cached; a plan is
+    reused only while every param still has the storage it had when planned.
+    """
+
+    params: list[Tensor]
+    states: list[tuple]
+    ptrs: tuple[int, ...]
+    rule: Any
+    devices: set
+    groups: list
+
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 4
+
+
+def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
+    """The cached plan for these params and states, or None where the generic path must run (CPU
+    reference, non-contiguous params, tracing, or anything to report as an error)."""
+    if torch.compiler.is_compiling() or s_spec != p_spec or len(states) != len(params):
+        return None
+    key = (tuple(map(id, params)), tuple(map(id, states)))
+    plan = _PLANS.get(key)
+    if plan is not None:
+        if plan.ptrs == tuple(p.data_ptr() for p in params):
+            _PLANS.move_to_end(key)
+            return plan
+        del _PLANS[key]
+    rule_name = None
+    for p, s in zip(params, states):
+        if not _param_state_ok(p, s) or not use_triton(p) or not p.is_contiguous():
+            return None
+        if rule_name is None:
+            rule_name = type(s).layout.rule
+        elif type(s).layout.rule != rule_name:
+            return None
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, s) in enumerate(zip(params, states)):
+        groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
+    built = []
+    for (_, _, layout), idx in groups.items():
+        ps = [params[i].detach() for i in idx]
+        ss = [t for i in idx for t in states[i]]
+        group = build_group(ps, ps, ss, ss, [0] * len(idx), layout.rule, layout.format, layout.block_size)
+        built.append((idx, group))
+    devices = {p.device for p in params}
+    plan = _Plan(params, states, tuple(p.data_ptr() for p in params), get_rule(rule_name), devices, built)
+    _PLANS[key] = plan
+    if len(_PLANS) > _PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
+    return plan
+
+
+def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any) -> tuple[Any, Any]:
+    """In-place step without a cached plan: every check, then one op call per group."""
     call = _prepare(param, grad, state, hparams, step)
     rows = _scalar_rows(call)
     with torch.no_grad():
@@ -261,7 +359,7 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
-            ops.step_(work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.quantized, layout.block_size)
+            ops.step_(work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size)
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)
@@ -280,8 +378,7 @@ def dequantize_state(state: Any) -> Any:
             t = getattr(state, slot.name)
             if layout.quantized:
                 absmax = getattr(state, slot.name + "_absmax")
-                code = dynamic_map(slot.signed, t.device)
-                out[slot.name] = dequantize_blockwise_reference(t, absmax, code, layout.block_size)
+                out[slot.name] = dequantize_state_reference(t, absmax, layout.format, slot.signed, layout.block_size)
             else:
                 out[slot.name] = t.clone()
         return out

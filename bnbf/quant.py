@@ -25,7 +25,18 @@ __all__ = [
     "dequantize_blockwise",
     "quantize_blockwise_reference",
     "dequantize_blockwise_reference",
+    "STATE_FORMATS",
+    "quantize_state_reference",
+    "dequantize_state_reference",
+    "zero_code",
 ]
+
+# The 8-bit formats of optimizer states. Both scale each block of 256 values by its absmax.
+# - "dynamic": bitsandbytes' dynamic maps (signed for first moments, unsigned for non-negative states);
+#   checkpoints exchange codes with bitsandbytes.
+# - "power": linear codes of a companded value, decoded with multiplies only: signed states store
+#   128 + round(127 * sign(x) * sqrt|x|), non-negative states round(255 * x ** 0.25), x = value / absmax.
+STATE_FORMATS = ("power", "dynamic")
 
 
 def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bits: int = 8) -> Tensor:
@@ -192,3 +203,59 @@ def dequantize_blockwise(
 
         return dequantize_blockwise_triton(codes.contiguous(), absmax, code, block_size, dtype)
     return dequantize_blockwise_reference(codes, absmax, code, block_size, dtype)
+
+
+# --------------------------------------------------------------------------------------------------
+# optimizer-state formats (reference implementations)
+
+
+def zero_code(fmt: str, signed: bool) -> int:
+    """The code of 0 in ``fmt`` (what a fresh state holds)."""
+    if fmt == "dynamic":
+        return 127 if signed else 0
+    if fmt == "power":
+        return 128 if signed else 0
+    raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
+
+
+def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor, int]:
+    flat = x.detach().reshape(-1).float()
+    n = flat.numel()
+    nblocks = -(-n // block_size)
+    padded = torch.zeros(nblocks * block_size, dtype=torch.float32, device=flat.device)
+    padded[:n] = flat
+    blocks = padded.view(nblocks, block_size)
+    absmax = blocks.abs().amax(dim=1)
+    return blocks, absmax, n
+
+
+def quantize_state_reference(x: Tensor, fmt: str, signed: bool, block_size: int) -> tuple[Tensor, Tensor]:
+    """Block-wise 8-bit codes of ``x`` in state format ``fmt`` (nearest code), and float32 absmax."""
+    if fmt == "dynamic":
+        return quantize_blockwise_reference(x, dynamic_map(signed, x.device), block_size)
+    if fmt != "power":
+        raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
+    blocks, absmax, n = _blocks(x, block_size)
+    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0)
+    if signed:
+        codes = 128 + torch.round(normed.abs().sqrt() * 127.0) * normed.sign()
+    else:
+        codes = torch.round(normed.clamp_min(0.0).sqrt().sqrt() * 255.0)
+    return codes.reshape(-1)[:n].to(torch.uint8).view(x.shape), absmax
+
+
+def dequantize_state_reference(codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size: int) -> Tensor:
+    """Float32 values of state codes (inverse of :func:`quantize_state_reference`)."""
+    if fmt == "dynamic":
+        return dequantize_blockwise_reference(codes, absmax, dynamic_map(signed, codes.device), block_size)
+    if fmt != "power":
+        raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
+    flat = codes.reshape(-1).float()
+    if signed:
+        f = flat - 128.0
+        values = f * f.abs() / (127.0 * 127.0)
+    else:
+        values = (flat / 255.0) ** 4
+    block_of = torch.arange(flat.numel(), device=codes.device) // block_size
+    return (values * absmax[block_of]).view(codes.shape)

@@ -8,15 +8,16 @@ from __future__ import annotations
 
 import torch
 
-from bnbf.quant import dequantize_blockwise_reference, dynamic_map, quantize_blockwise_reference
+from bnbf.quant import dequantize_state_reference, quantize_state_reference
 from bnbf.rules import get_rule
 
 
-def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, quant, block_size) -> None:
+def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size) -> None:
     rule = get_rule(rule_name)
     n = len(rule.states)
+    quant = fmt != "fp32"
     per = 2 * n if quant else n
-    maps = [dynamic_map(slot.signed, p_in[0].device) for slot in rule.states]
+    signed = [slot.signed for slot in rule.states]
     for i, (p, g) in enumerate(zip(p_in, grads)):
         scalars = list(hp[hp_rows[i]].unbind())
         p32 = p.float()
@@ -24,7 +25,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, quan
         fields = s_in[i * per : (i + 1) * per]
         if quant:
             states = [
-                dequantize_blockwise_reference(fields[2 * j], fields[2 * j + 1], maps[j], block_size)
+                dequantize_state_reference(fields[2 * j], fields[2 * j + 1], fmt, signed[j], block_size)
                 for j in range(n)
             ]
         else:
@@ -38,7 +39,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, quan
         p_out[i].copy_(new_p.to(p.dtype))
         for j, s in enumerate(new_states):
             if quant:
-                codes, absmax = quantize_blockwise_reference(s, maps[j], block_size)
+                codes, absmax = quantize_state_reference(s, fmt, signed[j], block_size)
                 out[2 * j].copy_(codes)
                 out[2 * j + 1].copy_(absmax)
             else:

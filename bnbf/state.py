@@ -16,9 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bnbf.quant import STATE_FORMATS, zero_code
 from bnbf.rules import get_rule
-
-STATE_FORMATS = ("dynamic",)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -31,14 +30,16 @@ class OptimSpec:
         block_size: elements per quantization block (a power of two, 64 to 4096).
         min_8bit_size: tensors with fewer elements keep float32 state even when ``state_bits=8``
             (bitsandbytes' rule; small tensors gain nothing from 8 bits).
-        state_format: the 8-bit format; ``"dynamic"`` is bitsandbytes' dynamic map.
+        state_format: the 8-bit format (:data:`bnbf.quant.STATE_FORMATS`). ``"power"`` (the default)
+            decodes with a few multiplies; ``"dynamic"`` is bitsandbytes' dynamic map, for exchanging
+            checkpoints with bitsandbytes.
     """
 
     rule: str = "adamw"
     state_bits: int = 8
     block_size: int = 256
     min_8bit_size: int = 4096
-    state_format: str = "dynamic"
+    state_format: str = "power"
 
     def __post_init__(self):
         get_rule(self.rule)
@@ -134,15 +135,15 @@ def is_state(x: Any) -> bool:
 
 
 def new_state(param: Tensor, spec: OptimSpec) -> tuple:
-    """Zero state for one tensor (the quantized zero is code 127 signed / 0 unsigned with absmax 0)."""
+    """Zero state for one tensor (8-bit states hold the format's code of 0 and absmax 0)."""
     layout = spec.layout_for(param.numel())
     cls = state_class(layout)
     rule = get_rule(layout.rule)
     fields: list[Tensor] = []
     for slot in rule.states:
         if layout.quantized:
-            zero_code = 127 if slot.signed else 0
-            fields.append(torch.full(param.shape, zero_code, dtype=torch.uint8, device=param.device))
+            zero = zero_code(layout.format, slot.signed)
+            fields.append(torch.full(param.shape, zero, dtype=torch.uint8, device=param.device))
             nblocks = -(-param.numel() // layout.block_size)
             fields.append(torch.zeros(nblocks, dtype=torch.float32, device=param.device))
         else:

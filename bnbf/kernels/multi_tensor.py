@@ -17,6 +17,7 @@ the task list by the tensor sizes, so a training loop on the same tensors rebuil
 from __future__ import annotations
 
 import collections
+import dataclasses
 
 import torch
 import triton
@@ -24,128 +25,162 @@ import triton.language as tl
 from torch import Tensor
 
 from bnbf._dispatch import interpreting
-from bnbf.kernels.codec import decode_dynamic_arith, decode_tables, encode_dynamic, encode_dynamic_cmp, to_dtype
+from bnbf.kernels.codec import decode_power, encode_dynamic, encode_power, to_dtype
 from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
 MAX_STATES = 3
-NF = 5 + 4 * MAX_STATES  # p_in, p_out, g, numel, hp_row, then per state: s_in, s_out, absmax_in, absmax_out
+NF = 4 + 4 * MAX_STATES  # p_in, p_out, numel, hp_row, then per state: s_in, s_out, absmax_in, absmax_out
 ROWS = 4  # quantization blocks per program
 NUM_WARPS = 4
-ENCODER = 1  # 0: log2/exp2 decade (reference design), 1: comparisons + bit tricks
-DECODER = 1  # 0: gather from the 256-entry map, 1: arithmetic from the code's bits
+VEC = 4  # elements per thread per load
+FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
 @triton.jit
-def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr,
-                QUANT: tl.constexpr, SIGNED: tl.constexpr, DECODER: tl.constexpr):  # fmt: skip
-    base: tl.constexpr = 5 + 4 * SLOT
+def _ld(ptr, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=other)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _st(ptr, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
+def _addr(table, field, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer stored in the address table; 16-byte alignment (checked on the host) lets loads vectorize."""
+    ptr = tl.load(table + field).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr, QUANT: tl.constexpr,
+                SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    base: tl.constexpr = 4 + 4 * SLOT
     if QUANT:
-        q_ptr = tl.load(table + base).to(tl.pointer_type(tl.uint8))
+        q_ptr = _addr(table, base, tl.uint8, ALIGNED)
         a_ptr = tl.load(table + base + 2).to(tl.pointer_type(tl.float32))
-        q = tl.load(q_ptr + offs, mask=mask, other=0).to(tl.int32)
-        absmax = tl.load(a_ptr + rows, mask=rmask, other=0.0)
-        if DECODER == 1:
-            v = decode_dynamic_arith(q, code_ptr + 512, SIGNED)
-        else:
-            map_ptr = code_ptr if SIGNED else code_ptr + 256
-            v = tl.load(map_ptr + q)
+        q = _ld(q_ptr + offs, mask, 0, MASKED).to(tl.int32)
+        absmax = _ld(a_ptr + rows, rmask, 0.0, MASKED)
+        if FORMAT == 2:  # power
+            v = decode_power(q, SIGNED)
+            absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
+        else:  # dynamic map: one gather from the 1 KiB map
+            v = tl.load((code_ptr if SIGNED else code_ptr + 256) + q)
         return v * absmax[:, None]
     else:
-        s_ptr = tl.load(table + base).to(tl.pointer_type(tl.float32))
-        return tl.load(s_ptr + offs, mask=mask, other=0.0)
+        s_ptr = _addr(table, base, tl.float32, ALIGNED)
+        return _ld(s_ptr + offs, mask, 0.0, MASKED)
 
 
 @triton.jit
-def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask,
-                 QUANT: tl.constexpr, SIGNED: tl.constexpr, ENCODER: tl.constexpr):  # fmt: skip
-    base: tl.constexpr = 5 + 4 * SLOT
+def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: tl.constexpr,
+                 SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+    base: tl.constexpr = 4 + 4 * SLOT
     if QUANT:
-        q_ptr = tl.load(table + base + 1).to(tl.pointer_type(tl.uint8))
+        q_ptr = _addr(table, base + 1, tl.uint8, ALIGNED)
         a_ptr = tl.load(table + base + 3).to(tl.pointer_type(tl.float32))
-        s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
+        if MASKED:
+            s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
         scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
-        if ENCODER == 1:
-            q = encode_dynamic_cmp(s * scale[:, None], SIGNED)
+        if FORMAT == 2:
+            q = encode_power(s * scale[:, None], SIGNED)
         else:
             q = encode_dynamic(s * scale[:, None], SIGNED)
-        tl.store(q_ptr + offs, q.to(tl.uint8), mask=mask)
-        tl.store(a_ptr + rows, absmax, mask=rmask)
+        _st(q_ptr + offs, q.to(tl.uint8), mask, MASKED)
+        _st(a_ptr + rows, absmax, rmask, MASKED)
     else:
-        s_ptr = tl.load(table + base + 1).to(tl.pointer_type(tl.float32))
-        tl.store(s_ptr + offs, s, mask=mask)
+        s_ptr = _addr(table, base + 1, tl.float32, ALIGNED)
+        _st(s_ptr + offs, s, mask, MASKED)
 
 
 @triton.jit
-def _step_kernel(
-    table_ptr, task_ptr, hp_ptr, code_ptr,
-    MATH: tl.constexpr, N_STATES: tl.constexpr, QUANT: tl.constexpr,
-    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
-    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
+def _step_tile(
+    table, g_ptr, hp, code_ptr, chunk, numel, MATH: tl.constexpr, N_STATES: tl.constexpr, QUANT: tl.constexpr,
+    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    ENCODER: tl.constexpr, DECODER: tl.constexpr,
+    FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
 ):  # fmt: skip
-    pid = tl.program_id(0)
-    tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
-    chunk = tl.load(task_ptr + 2 * pid + 1).to(tl.int64)
-    table = table_ptr + tensor * NF
-    numel = tl.load(table + 3)
-    hp = hp_ptr + tl.load(table + 4) * HP_STRIDE
     rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
+    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them
+    offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])
     mask = offs < numel
     rmask = rows * BLOCK < numel
 
-    p_in = tl.load(table + 0).to(tl.pointer_type(P_DTYPE))
-    p_out = tl.load(table + 1).to(tl.pointer_type(P_DTYPE))
-    g_ptr = tl.load(table + 2).to(tl.pointer_type(P_DTYPE))
-    p = tl.load(p_in + offs, mask=mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    p_in = _addr(table, 0, P_DTYPE, ALIGNED)
+    p_out = _addr(table, 1, P_DTYPE, ALIGNED)
+    p = _ld(p_in + offs, mask, 0.0, MASKED).to(tl.float32)
+    g = _ld(g_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
     s0 = 0.0
     s1 = 0.0
     s2 = 0.0
     if N_STATES > 0:
-        s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0, DECODER)
+        s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
     if N_STATES > 1:
-        s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1, DECODER)
+        s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
     if N_STATES > 2:
-        s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, DECODER)
+        s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
 
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp)
 
     # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
     finite = tl.abs(g) < float("inf")
     p_new = tl.where(finite, p_new, p)
-    tl.store(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask=mask)
+    _st(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
     if N_STATES > 0:
-        _store_state(table, 0, tl.where(finite, s0, 0.0), offs, mask, rows, rmask, QUANT, SIGNED0, ENCODER)
+        s0 = tl.where(finite, s0, 0.0)
+        _store_state(table, 0, s0, offs, mask, rows, rmask, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
     if N_STATES > 1:
-        _store_state(table, 1, tl.where(finite, s1, 0.0), offs, mask, rows, rmask, QUANT, SIGNED1, ENCODER)
+        s1 = tl.where(finite, s1, 0.0)
+        _store_state(table, 1, s1, offs, mask, rows, rmask, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
     if N_STATES > 2:
-        _store_state(table, 2, tl.where(finite, s2, 0.0), offs, mask, rows, rmask, QUANT, SIGNED2, ENCODER)
+        s2 = tl.where(finite, s2, 0.0)
+        _store_state(table, 2, s2, offs, mask, rows, rmask, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
+
+
+@triton.jit
+def _step_kernel(
+    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr,
+    MATH: tl.constexpr, N_STATES: tl.constexpr, QUANT: tl.constexpr,
+    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
+    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
+):  # fmt: skip
+    pid = tl.program_id(0)
+    tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
+    chunk = tl.load(task_ptr + 2 * pid + 1).to(tl.int64)
+    table = table_ptr + tensor * NF
+    numel = tl.load(table + 2)
+    hp = hp_ptr + tl.load(table + 3) * HP_STRIDE
+    g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
+    # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
+    if (chunk + 1) * (ROWS * BLOCK) <= numel:
+        _step_tile(table, g_ptr, hp, code_ptr, chunk, numel, MATH, N_STATES, QUANT, SIGNED0, SIGNED1, SIGNED2,
+                   P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, False, ALIGNED, VEC)
+    else:
+        _step_tile(table, g_ptr, hp, code_ptr, chunk, numel, MATH, N_STATES, QUANT, SIGNED0, SIGNED1, SIGNED2,
+                   P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, True, ALIGNED, VEC)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
 
-_TABLES: collections.OrderedDict = collections.OrderedDict()
 _TASKS: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 16
 LAUNCH_KEYS: set = set()  # static (compile-relevant) keys launched so far; tests read it
-
-
-def _cached(cache: collections.OrderedDict, key, build):
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-        return hit
-    value = build()
-    cache[key] = value
-    if len(cache) > _CACHE_SIZE:
-        cache.popitem(last=False)
-    return value
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -155,66 +190,103 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
 
 
 def _tasks(numels: tuple[int, ...], block: int, device: torch.device) -> Tensor:
+    """(tensor index, chunk index) per program, int32 [programs, 2]; cached by the tensor sizes."""
+    key = (device, block, ROWS, numels)
+    hit = _TASKS.get(key)
+    if hit is not None:
+        _TASKS.move_to_end(key)
+        return hit
     per_chunk = block * ROWS
     chunks = torch.tensor([-(-n // per_chunk) for n in numels], dtype=torch.int64)
     tensor_idx = torch.repeat_interleave(torch.arange(len(numels)), chunks)
     starts = torch.cumsum(chunks, 0) - chunks
     chunk_idx = torch.arange(int(chunks.sum())) - torch.repeat_interleave(starts, chunks)
-    return _to_device(torch.stack([tensor_idx, chunk_idx], 1).to(torch.int32).contiguous(), device)
+    tasks = _to_device(torch.stack([tensor_idx, chunk_idx], 1).to(torch.int32).contiguous(), device)
+    _TASKS[key] = tasks
+    if len(_TASKS) > _CACHE_SIZE:
+        _TASKS.popitem(last=False)
+    return tasks
 
 
-def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name: str, quant: bool, block: int):
-    """One launch for tensors sharing device, param dtype and state layout.
+@dataclasses.dataclass
+class Group:
+    """What one launch needs apart from the grads and the scalars: built once, reused every step."""
 
-    ``s_in``/``s_out`` hold, per tensor, its state fields in layout order (codes and absmax
-    interleaved when ``quant``). ``hp`` is a float32 [rows, k] tensor of the rule's scalars and
-    ``hp_rows[i]`` the row of tensor ``i``.
+    rule: str
+    fmt: str  # "fp32", "dynamic" or "power"
+    block: int
+    dtype: torch.dtype
+    device: torch.device
+    table: Tensor  # int64 [tensors, NF] on the device
+    tasks: Tensor  # int32 [programs, 2] on the device
+    aligned: bool  # every param and state address is 16-byte aligned
+
+
+def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int) -> Group:
+    """Address table and task list for tensors sharing device, param dtype and state layout.
+
+    ``s_in``/``s_out`` hold, per tensor, its state fields in layout order (codes and absmax interleaved
+    for 8-bit formats); ``hp_rows[i]`` is the scalar row of tensor ``i``. In and out may be the same
+    tensors (in place).
     """
     rule = get_rule(rule_name)
+    quant = fmt != "fp32"
     block = block if quant else 256  # float32 states have no blocks; 256 is only the tile width
     n_states = len(rule.states)
     per = 2 * n_states if quant else n_states
     device = p_in[0].device
-    rows_of = []
+    rows = []
     for i in range(len(p_in)):
-        addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), grads[i].data_ptr(), p_in[i].numel(), int(hp_rows[i])]
+        addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), p_in[i].numel(), int(hp_rows[i])]
+        fields_in, fields_out = s_in[i * per : (i + 1) * per], s_out[i * per : (i + 1) * per]
         for j in range(MAX_STATES):
-            if j < n_states and quant:
-                a, b = s_in[i * per + 2 * j], s_in[i * per + 2 * j + 1]
-                c, d = s_out[i * per + 2 * j], s_out[i * per + 2 * j + 1]
-                addr += [a.data_ptr(), c.data_ptr(), b.data_ptr(), d.data_ptr()]
-            elif j < n_states:
-                addr += [s_in[i * per + j].data_ptr(), s_out[i * per + j].data_ptr(), 0, 0]
-            else:
+            if j >= n_states:
                 addr += [0, 0, 0, 0]
-        rows_of.append(tuple(addr))
-    key = (device, tuple(rows_of))
-    table = _cached(_TABLES, key, lambda: _to_device(torch.tensor(rows_of, dtype=torch.int64), device))
-    numels = tuple(r[3] for r in rows_of)
-    tasks = _cached(_TASKS, (device, block, ROWS, numels), lambda: _tasks(numels, block, device))
+            elif quant:
+                addr += [fields_in[2 * j].data_ptr(), fields_out[2 * j].data_ptr(),
+                         fields_in[2 * j + 1].data_ptr(), fields_out[2 * j + 1].data_ptr()]  # fmt: skip
+            else:
+                addr += [fields_in[j].data_ptr(), fields_out[j].data_ptr(), 0, 0]
+        rows.append(addr)
+    aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[4:])
+    table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+    tasks = _tasks(tuple(r[2] for r in rows), block, device)
+    return Group(rule_name, fmt, block, p_in[0].dtype, device, table, tasks, aligned)
+
+
+def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
+    """One kernel launch: ``grads`` (contiguous, in the group's order) and ``hp`` (float32 [rows, k])."""
+    ptrs = [g.data_ptr() for g in grads]
+    aligned = group.aligned and all(p % 16 == 0 for p in ptrs)
+    grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
+    rule = get_rule(group.rule)
+    n_states = len(rule.states)
     signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - n_states)
-    pdtype = _TL_DTYPES[p_in[0].dtype]
-    static = (rule_name, quant, p_in[0].dtype, block, ROWS, hp.shape[1], ENCODER, DECODER)
-    LAUNCH_KEYS.add(static)
-    code_ptr = _code_tables(device) if quant else hp  # unused without quantized states
-    _step_kernel[(tasks.shape[0],)](
-        table, tasks, hp, code_ptr,
+    quant = group.fmt != "fp32"
+    LAUNCH_KEYS.add((group.rule, group.fmt, group.dtype, group.block, ROWS, NUM_WARPS, VEC, hp.shape[1], aligned))
+    code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
+    _step_kernel[(group.tasks.shape[0],)](
+        group.table, group.tasks, grad_table, hp, code_ptr,
         MATH=rule.math, N_STATES=n_states, QUANT=quant,
         SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-        P_DTYPE=pdtype, HP_STRIDE=hp.shape[1], NF=NF, BLOCK=block, ROWS=ROWS, SOFT_BF16=interpreting(),
-        ENCODER=ENCODER, DECODER=DECODER,
+        P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
+        SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC,
         num_warps=NUM_WARPS,
     )  # fmt: skip
+
+
+def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name: str, fmt: str, block: int) -> None:
+    """Build the group and launch once (the uncached path: out-of-place steps and traced calls)."""
+    launch_group(build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block), grads, hp)
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}
 
 
 def _code_tables(device: torch.device) -> Tensor:
-    """Signed map, unsigned map, then the arithmetic decoder's rows: float32[552], cached per device."""
+    """Signed map then unsigned map, float32[512], cached per device."""
     t = _CODE_TABLES.get(device)
     if t is None:
-        pq = torch.tensor(decode_tables(), dtype=torch.float32, device=device)
-        t = torch.cat([dynamic_map(True, device), dynamic_map(False, device), pq]).contiguous()
+        t = torch.cat([dynamic_map(True, device), dynamic_map(False, device)]).contiguous()
         _CODE_TABLES[device] = t
     return t
