@@ -9,6 +9,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
+import operator
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +24,7 @@ from bnbf.kernels.multi_tensor import build_group, launch_group
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
-from bnbf.state import Layout, OptimSpec, is_state, new_state
+from bnbf.state import Layout, OptimSpec, State, is_state, new_state
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -95,12 +97,14 @@ def _check_step(step: Any) -> None:
 
 def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
     """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk."""
-    leaf = is_leaf or (lambda x: isinstance(x, Tensor))
-    if type(tree) is dict and all(leaf(v) for v in tree.values()):
-        return list(tree.values()), ("dict", tuple(tree))
-    if type(tree) in (list, tuple) and all(leaf(v) for v in tree):
+    leaf_type = State if is_leaf is is_state else Tensor
+    if type(tree) is dict:
+        values = list(tree.values())
+        if all(map(isinstance, values, itertools.repeat(leaf_type))):
+            return values, ("dict", tuple(tree))
+    elif type(tree) in (list, tuple) and all(map(isinstance, tree, itertools.repeat(leaf_type))):
         return list(tree), (type(tree), len(tree))
-    if leaf(tree):
+    elif isinstance(tree, leaf_type):
         return [tree], "leaf"
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
 
@@ -277,9 +281,15 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
     grads, g_spec = _flatten(grad)
     if g_spec != p_spec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
-    for i, (p, g) in enumerate(zip(params, grads)):
-        if not _grad_ok(p, g):
-            _check_leaf(_names(param)[i], p, g, states[i])
+    if not (  # the common case in C-level loops; the per-tensor checks below name what is wrong
+        list(map(_SHAPE, grads)) == plan.shapes
+        and list(map(_DTYPE, grads)) == plan.dtypes
+        and list(map(_DEVICE, grads)) == plan.device_list
+        and all(map(_STRIDED, map(_LAYOUT, grads)))
+    ):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if not _grad_ok(p, g):
+                _check_leaf(_names(param)[i], p, g, states[i])
     h = plan.rule.make_hparams(hparams)
     _check_step(step)
     values = plan.rule.scalars(h, step)
@@ -287,7 +297,8 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
     with torch.no_grad():
         for idx, group in plan.groups:
             gs = [grads[i] for i in idx]
-            gs = [g if g.is_contiguous() else g.contiguous() for g in gs]
+            if not all(map(Tensor.is_contiguous, gs)):
+                gs = [g.contiguous() for g in gs]
             launch_group(group, gs, rows[group.device])
     return param, state
 
@@ -306,6 +317,16 @@ class _Plan:
     rule: Any
     devices: set
     groups: list
+    shapes: list  # of the params, in order: what each grad must match
+    dtypes: list
+    device_list: list
+
+
+_SHAPE = operator.attrgetter("shape")
+_DTYPE = operator.attrgetter("dtype")
+_DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_STRIDED = functools.partial(operator.eq, torch.strided)
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
@@ -320,7 +341,7 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     key = (tuple(map(id, params)), tuple(map(id, states)))
     plan = _PLANS.get(key)
     if plan is not None:
-        if plan.ptrs == tuple(p.data_ptr() for p in params):
+        if plan.ptrs == tuple(map(Tensor.data_ptr, params)):
             _PLANS.move_to_end(key)
             return plan
         del _PLANS[key]
@@ -342,7 +363,10 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
         group = build_group(ps, ps, ss, ss, [0] * len(idx), layout.rule, layout.format, layout.block_size)
         built.append((idx, group))
     devices = {p.device for p in params}
-    plan = _Plan(params, states, tuple(p.data_ptr() for p in params), get_rule(rule_name), devices, built)
+    plan = _Plan(
+        params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built,
+        list(map(_SHAPE, params)), list(map(_DTYPE, params)), list(map(_DEVICE, params)),
+    )  # fmt: skip
     _PLANS[key] = plan
     if len(_PLANS) > _PLAN_CACHE_SIZE:
         _PLANS.popitem(last=False)

@@ -107,7 +107,7 @@ def state_class(layout: Layout) -> type:
         base = collections.namedtuple(layout.class_name, layout.field_names())
         cls = type(
             layout.class_name,
-            (base,),
+            (base, State),
             {"__slots__": (), "layout": layout, "__module__": __name__, "__doc__": _doc(layout)},
         )
         _CLASSES[layout] = cls
@@ -129,9 +129,16 @@ def __getattr__(name: str) -> Any:  # rebuilds pickled state classes
     return state_class(Layout(m["rule"], 8, int(m["bs"]), m["fmt"]))
 
 
+class State:
+    """Base of every state class (a marker: ``isinstance(x, State)``)."""
+
+    __slots__ = ()
+    layout: Layout
+
+
 def is_state(x: Any) -> bool:
     """True for a bnbf state NamedTuple."""
-    return isinstance(x, tuple) and isinstance(getattr(type(x), "layout", None), Layout)
+    return isinstance(x, State)
 
 
 def new_state(param: Tensor, spec: OptimSpec) -> tuple:

@@ -14,8 +14,22 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from bnbf._dispatch import interpreting
+
+# Compiled kernels use the hardware's approximate division; the interpreter has no such instruction.
+_COMPILED = tl.constexpr(not interpreting())
+
+@triton.jit
+def fast_div(a, b):
+    """a / b to about 2 ulp: one reciprocal and one multiply (IEEE division costs ~8 instructions more
+    per element, 69 -> 61 instructions per element in the AdamW step)."""
+    if _COMPILED:
+        return libdevice.fast_dividef(a, b)
+    else:
+        return a / b
+
 
 @triton.jit
 def _round(x):

@@ -15,6 +15,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
+from bnbf.kernels.codec import fast_div
 from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
 
 
@@ -69,7 +70,7 @@ def adam_math(p, g, m, v, unused, hp):
     m = b1 * m + (1.0 - b1) * g
     v = b2 * v + (1.0 - b2) * g * g
     denom = tl.sqrt(v) * inv_bc2_sqrt + eps
-    p = p * decay - step_size * tl.fdiv(m, denom)
+    p = p * decay - step_size * fast_div(m, denom)
     return p, m, v, unused
 
 
