@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# One call on the GPU machine: versions, the whole test suite (slow and GPU tests included), then the step
+# benchmark. Finishes in under 9 minutes; the LAST thing printed is a summary (test counts + benchmark table).
+#
+#   device run, carry [".peers"], command:  bash scripts/gpu_check.sh
+#
+# Logs and results go to $OUT (else /tmp/gpu_check): tests.log, bench.log, bench.json, bench.md.
+# Exits non-zero if the tests failed (or timed out) or the benchmark produced nothing; the benchmark runs
+# even when the tests fail. Knobs (environment): TEST_BUDGET_S (default 270), BENCH_BUDGET_S (200),
+# PYTEST_ARGS (extra pytest arguments), BENCH_ARGS (default "--quick").
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/gpu_check}
+mkdir -p "$OUT"
+if [ -d .peers/site ]; then
+  export PYTHONPATH="$PWD/.peers/site${PYTHONPATH:+:$PYTHONPATH}"
+else
+  echo "note: .peers/site not found (carry .peers): peer tests and peer benchmarks will be skipped"
+fi
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+PY=${PYTHON:-python3}
+t0=$(date +%s)
+
+echo "== machine"
+nvidia-smi -L 2>&1 || echo "nvidia-smi failed"
+$PY - <<'EOF'
+import sys, torch
+print("python", sys.version.split()[0], "| torch", torch.__version__, "| cuda", torch.version.cuda,
+      "| gpu", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NONE")
+try:
+    import triton; print("triton", triton.__version__)
+except ImportError as e:
+    print("triton missing:", e)
+EOF
+
+echo "== tests (budget ${TEST_BUDGET_S:-270} s)"
+timeout_arg=()
+$PY -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
+# -x-style: stop after a few failures so a broken kernel cannot eat the call; SIGINT at the budget makes
+# pytest print its summary before it exits
+timeout -s INT -k 20 "${TEST_BUDGET_S:-270}" \
+  $PY -m pytest tests -q --maxfail=5 -rfE -m "slow or not slow" -p no:cacheprovider "${timeout_arg[@]}" \
+  ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/tests.log"
+test_rc=$?
+t1=$(date +%s)
+
+echo "== benchmark (budget ${BENCH_BUDGET_S:-200} s)"
+rm -f "$OUT/bench.json" "$OUT/bench.md"
+timeout -s INT -k 20 "${BENCH_BUDGET_S:-200}" \
+  $PY benchmarks/bench_step.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+  2>&1 | tee "$OUT/bench.log"
+bench_rc=$?
+t2=$(date +%s)
+
+# ---- summary: the last thing printed
+summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|errors|skipped|deselected|xfailed|xpassed)' "$OUT/tests.log" | tail -1)
+count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' || echo 0; }
+case $test_rc in
+  0) test_status=PASS ;;
+  124|137) test_status="TIMED OUT after ${TEST_BUDGET_S:-270} s" ;;
+  5) test_status="NO TESTS COLLECTED" ;;
+  *) test_status="FAIL (pytest rc $test_rc)" ;;
+esac
+echo
+echo "================================ SUMMARY ================================"
+echo "| tests | passed | failed | errors | skipped | time |"
+echo "|---|---|---|---|---|---|"
+echo "| $test_status | $(count passed) | $(count failed) | $(count 'errors?') | $(count skipped) | $((t1 - t0)) s |"
+grep -E '^(FAILED|ERROR) ' "$OUT/tests.log" | head -10
+echo
+echo "benchmark: rc $bench_rc, $((t2 - t1)) s; total $((t2 - t0)) s; files in $OUT"
+if [ -s "$OUT/bench.md" ]; then
+  # the compact table (everything before the long per-row table), then the notes
+  awk '/^\| set \| params \| rule \| candidate \|/{skip=1} /^Notes:/{skip=0} !skip' "$OUT/bench.md"
+else
+  echo "no benchmark table (see $OUT/bench.log)"
+  tail -5 "$OUT/bench.log"
+fi
+[ "$test_rc" -eq 0 ] && [ -s "$OUT/bench.json" ] || exit 1
