@@ -1,0 +1,1 @@
+"""torch.optim adapters with bitsandbytes' class names (to come: see the project's open issues)."""
