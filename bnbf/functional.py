@@ -24,7 +24,7 @@ from bnbf.kernels.multi_tensor import build_group, launch_group
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
-from bnbf.state import Layout, OptimSpec, State, is_state, new_state
+from bnbf.state import Layout, OptimSpec, State, is_state, new_state, present_mask
 
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -42,12 +42,15 @@ def _check_param(p: Any, where: str) -> None:
         raise TypeError(f"param{where} must be a dense (strided) tensor, got layout {p.layout}")
 
 
-def init_state(param: Any, spec: OptimSpec) -> Any:
+def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
     """Zero optimizer state for a tensor or a pytree of tensors.
 
     Args:
         param: a tensor, or a dict/list/tuple pytree of tensors (e.g. ``dict(model.named_parameters())``).
         spec: the :class:`OptimSpec` (rule and storage).
+        hparams: the hyperparameters the state will be updated with, where they decide which states are
+            kept or their initial values (SGD/RMSprop momentum, RMSprop centered, Adagrad's
+            initial_accumulator_value); the rule's defaults otherwise.
 
     Returns:
         A state NamedTuple per tensor, in the same pytree structure. 8-bit states hold uint8 codes and
@@ -66,7 +69,8 @@ def init_state(param: Any, spec: OptimSpec) -> Any:
         raise ValueError("init_state needs at least one tensor")
     for path, p in leaves:
         _check_param(p, pytree.keystr(path))
-    return pytree.tree_unflatten([new_state(p.detach(), spec) for _, p in leaves], treespec)
+    get_rule(spec.rule).make_hparams(hparams)  # bad hyperparameters fail before anything is built
+    return pytree.tree_unflatten([new_state(p.detach(), spec, hparams) for _, p in leaves], treespec)
 
 
 @dataclasses.dataclass
@@ -80,6 +84,19 @@ class _Call:
     rule: Any
     hparams: Any
     step: Any
+
+
+def _check_present(rule: Any, h: Any, states: list) -> None:
+    """The states keep exactly the slots these hyperparameters use (e.g. a momentum buffer)."""
+    want = present_mask(rule, h)
+    for s in states:
+        have = type(s).layout.present
+        if have != want:
+            names = lambda mask: [slot.name for j, slot in enumerate(rule.states) if (mask >> j) & 1]
+            raise ValueError(
+                f"the state keeps {names(have)} but these {rule.name} hyperparameters need {names(want)}; "
+                f"build the state with bnbf.init_state(params, spec, hparams) using the same hyperparameters"
+            )
 
 
 def _check_step(step: Any) -> None:
@@ -208,6 +225,7 @@ def _prepare(param, grad, state, hparams, step) -> _Call:
             raise ValueError(f"state{_names(param)[i]} is for rule {r!r} but other states are for {rule_name!r}")
     rule = get_rule(rule_name)
     h = rule.make_hparams(hparams)
+    _check_present(rule, h, states)
     _check_step(step)
     return _Call(params, grads, states, p_spec, rule, h, step)
 
@@ -257,7 +275,8 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
-                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size
+                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
+                layout.present,
             )
             per = len(layout.field_names())
             cls = type(call.states[idx[0]])
@@ -291,6 +310,8 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
             if not _grad_ok(p, g):
                 _check_leaf(_names(param)[i], p, g, states[i])
     h = plan.rule.make_hparams(hparams)
+    if present_mask(plan.rule, h) != plan.present:
+        _check_present(plan.rule, h, states)
     _check_step(step)
     values = plan.rule.scalars(h, step)
     rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
@@ -317,6 +338,7 @@ class _Plan:
     rule: Any
     devices: set
     groups: list
+    present: int  # the state slots every state of the plan keeps
     shapes: list  # of the params, in order: what each grad must match
     dtypes: list
     device_list: list
@@ -360,11 +382,16 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     for (_, _, layout), idx in groups.items():
         ps = [params[i].detach() for i in idx]
         ss = [t for i in idx for t in states[i]]
-        group = build_group(ps, ps, ss, ss, [0] * len(idx), layout.rule, layout.format, layout.block_size)
+        group = build_group(
+            ps, ps, ss, ss, [0] * len(idx), layout.rule, layout.format, layout.block_size, layout.present
+        )
         built.append((idx, group))
     devices = {p.device for p in params}
+    presents = {type(s).layout.present for s in states}
+    if len(presents) != 1:
+        return None
     plan = _Plan(
-        params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built,
+        params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built, presents.pop(),
         list(map(_SHAPE, params)), list(map(_DTYPE, params)), list(map(_DEVICE, params)),
     )  # fmt: skip
     _PLANS[key] = plan
@@ -383,7 +410,10 @@ def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any)
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
-            ops.step_(work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size)
+            ops.step_(
+                work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
+                layout.present,
+            )  # fmt: skip
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)
@@ -398,7 +428,7 @@ def dequantize_state(state: Any) -> Any:
     if is_state(state):
         layout: Layout = type(state).layout
         out = {}
-        for slot in get_rule(layout.rule).states:
+        for slot in layout.slots():
             t = getattr(state, slot.name)
             if layout.quantized:
                 absmax = getattr(state, slot.name + "_absmax")

@@ -15,33 +15,33 @@ from bnbf._dispatch import use_triton
 from bnbf.reference import reference_step
 
 
-def _run(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size) -> None:
+def _run(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present) -> None:
     if use_triton(p_in[0]):
         from bnbf.kernels.multi_tensor import launch
 
-        launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size)
+        launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present)
     else:
-        reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size)
+        reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present)
 
 
-def step_(params, grads, states, hp, hp_rows, rule, fmt, block_size) -> None:
+def step_(params, grads, states, hp, hp_rows, rule, fmt, block_size, present) -> None:
     """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor)."""
     if torch.compiler.is_compiling():
-        return _step_op_(params, grads, states, hp, hp_rows, rule, fmt, block_size)
-    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size)
+        return _step_op_(params, grads, states, hp, hp_rows, rule, fmt, block_size, present)
+    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size, present)
 
 
-def step(params, grads, states, hp, hp_rows, rule, fmt, block_size):
+def step(params, grads, states, hp, hp_rows, rule, fmt, block_size, present):
     """Out-of-place step; eager calls skip the op's dispatch as :func:`step_` does."""
     if torch.compiler.is_compiling():
-        return _step_op(params, grads, states, hp, hp_rows, rule, fmt, block_size)
-    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size)
+        return _step_op(params, grads, states, hp, hp_rows, rule, fmt, block_size, present)
+    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present)
 
 
-def _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size):
+def _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present):
     new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
     new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
-    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, fmt, block_size)
+    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, fmt, block_size, present)
     return new_params, new_states
 
 
@@ -55,12 +55,13 @@ def _step_op_(
     rule: str,
     fmt: str,
     block_size: int,
+    present: int,
 ) -> None:
-    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size)
+    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size, present)
 
 
 @_step_op_.register_fake
-def _(params, grads, states, hp, hp_rows, rule, fmt, block_size) -> None:
+def _(params, grads, states, hp, hp_rows, rule, fmt, block_size, present) -> None:
     return None
 
 
@@ -74,10 +75,11 @@ def _step_op(
     rule: str,
     fmt: str,
     block_size: int,
+    present: int,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size)
+    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present)
 
 
 @_step_op.register_fake
-def _(params, grads, states, hp, hp_rows, rule, fmt, block_size):
+def _(params, grads, states, hp, hp_rows, rule, fmt, block_size, present):
     return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]

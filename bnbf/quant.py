@@ -29,6 +29,7 @@ __all__ = [
     "quantize_state_reference",
     "dequantize_state_reference",
     "zero_code",
+    "state_map",
 ]
 
 # The 8-bit formats of optimizer states. Both scale each block of 256 values by its absmax.
@@ -207,6 +208,21 @@ def dequantize_blockwise(
 
 # --------------------------------------------------------------------------------------------------
 # optimizer-state formats (reference implementations)
+
+
+def state_map(fmt: str, signed: bool, device: torch.device | str = "cpu") -> Tensor:
+    """The 256 values (times absmax) that the codes of ``fmt`` stand for: bitsandbytes' ``qmap``.
+
+    For ``"dynamic"`` this is the dynamic map; for ``"power"`` it is ``sign(q) * (q/127)**2`` with
+    ``q = code - 128`` (signed) or ``(code/255)**4`` (unsigned). Dequantizing as ``map[codes] * absmax``
+    is exact for both, so tools that read bitsandbytes' (codes, qmap, absmax) layout read either.
+    """
+    if fmt == "dynamic":
+        return dynamic_map(signed, device)
+    if fmt != "power":
+        raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
+    codes = torch.arange(256, dtype=torch.uint8, device=device)
+    return dequantize_state_reference(codes, torch.ones(1, device=device), "power", signed, 256)
 
 
 def zero_code(fmt: str, signed: bool) -> int:

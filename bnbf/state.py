@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from bnbf.quant import STATE_FORMATS, zero_code
+from bnbf.quant import STATE_FORMATS, quantize_state_reference, zero_code
 from bnbf.rules import get_rule
 
 
@@ -53,17 +53,25 @@ class OptimSpec:
         if self.state_format not in STATE_FORMATS:
             raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {self.state_format!r}")
 
-    def layout_for(self, numel: int) -> Layout:
-        """The layout of a tensor with ``numel`` elements under this spec."""
+    def layout_for(self, numel: int, present: int | None = None) -> Layout:
+        """The layout of a tensor with ``numel`` elements under this spec (``present``: bit j set when
+        the rule's state slot j is kept; all slots by default)."""
+        if present is None:
+            present = (1 << len(get_rule(self.rule).states)) - 1
         if self.state_bits == 8 and numel >= self.min_8bit_size:
-            return Layout(self.rule, 8, self.block_size, self.state_format)
-        return Layout(self.rule, 32, 0, "fp32")
+            return Layout(self.rule, 8, self.block_size, self.state_format, present)
+        return Layout(self.rule, 32, 0, "fp32", present)
 
 
-class Layout(collections.namedtuple("Layout", "rule bits block_size format")):
-    """Static storage of one tensor's state: rule name, 8 or 32 bits, block size, 8-bit format."""
+class Layout(collections.namedtuple("Layout", "rule bits block_size format present")):
+    """Static storage of one tensor's state: rule name, 8 or 32 bits, block size, 8-bit format, and which
+    of the rule's state slots are kept (bit j for slot j)."""
 
     __slots__ = ()
+
+    def slots(self):
+        """The rule's state slots this layout keeps, in order."""
+        return [slot for j, slot in enumerate(get_rule(self.rule).states) if (self.present >> j) & 1]
 
     @property
     def quantized(self) -> bool:
@@ -71,13 +79,15 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format")):
 
     @property
     def class_name(self) -> str:
+        full = (1 << len(get_rule(self.rule).states)) - 1
+        suffix = "" if self.present == full else f"_s{self.present}"
         if self.quantized:
-            return f"{self.rule}_state_8bit_{self.format}_b{self.block_size}"
-        return f"{self.rule}_state_32bit"
+            return f"{self.rule}_state_8bit_{self.format}_b{self.block_size}{suffix}"
+        return f"{self.rule}_state_32bit{suffix}"
 
     def field_names(self) -> tuple[str, ...]:
         names: list[str] = []
-        for slot in get_rule(self.rule).states:
+        for slot in self.slots():
             names.append(slot.name)
             if self.quantized:
                 names.append(slot.name + "_absmax")
@@ -87,7 +97,7 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format")):
         """Field name -> (shape, dtype) for a param of ``shape``."""
         numel = shape.numel()
         out = {}
-        for slot in get_rule(self.rule).states:
+        for slot in self.slots():
             if self.quantized:
                 out[slot.name] = (tuple(shape), torch.uint8)
                 out[slot.name + "_absmax"] = ((-(-numel // self.block_size),), torch.float32)
@@ -97,7 +107,7 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format")):
 
 
 _CLASSES: dict[Layout, type] = {}
-_NAME = re.compile(r"^(?P<rule>\w+?)_state_(?:8bit_(?P<fmt>[a-z0-9]+)_b(?P<bs>\d+)|32bit)$")
+_NAME = re.compile(r"^(?P<rule>\w+?)_state_(?:8bit_(?P<fmt>[a-z0-9]+)_b(?P<bs>\d+)|32bit)(?:_s(?P<present>\d+))?$")
 
 
 def state_class(layout: Layout) -> type:
@@ -124,9 +134,10 @@ def __getattr__(name: str) -> Any:  # rebuilds pickled state classes
     m = _NAME.match(name)
     if m is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    present = int(m["present"]) if m["present"] else (1 << len(get_rule(m["rule"]).states)) - 1
     if m["fmt"] is None:
-        return state_class(Layout(m["rule"], 32, 0, "fp32"))
-    return state_class(Layout(m["rule"], 8, int(m["bs"]), m["fmt"]))
+        return state_class(Layout(m["rule"], 32, 0, "fp32", present))
+    return state_class(Layout(m["rule"], 8, int(m["bs"]), m["fmt"], present))
 
 
 class State:
@@ -141,20 +152,38 @@ def is_state(x: Any) -> bool:
     return isinstance(x, State)
 
 
-def new_state(param: Tensor, spec: OptimSpec) -> tuple:
-    """Zero state for one tensor (8-bit states hold the format's code of 0 and absmax 0)."""
-    layout = spec.layout_for(param.numel())
+def present_mask(rule, hparams: Any) -> int:
+    """Bit j set when the rule keeps state slot j under these hyperparameters."""
+    return sum(1 << j for j, keep in enumerate(rule.slots_present(hparams)) if keep)
+
+
+def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None) -> tuple:
+    """Initial state for one tensor: each kept slot at the rule's initial value (zero by default).
+
+    ``hparams`` (a mapping or the rule's dataclass) decides which slots are kept and their initial values,
+    for rules where that depends on them (SGD's momentum, RMSprop's momentum and centered, Adagrad's
+    initial_accumulator_value).
+    """
+    rule = get_rule(spec.rule)
+    h = rule.make_hparams(hparams)
+    layout = spec.layout_for(param.numel(), present_mask(rule, h))
     cls = state_class(layout)
-    rule = get_rule(layout.rule)
+    initial = rule.initial_values(h)
     fields: list[Tensor] = []
-    for slot in rule.states:
+    for j, slot in enumerate(rule.states):
+        if not (layout.present >> j) & 1:
+            continue
         if layout.quantized:
-            zero = zero_code(layout.format, slot.signed)
-            fields.append(torch.full(param.shape, zero, dtype=torch.uint8, device=param.device))
-            nblocks = -(-param.numel() // layout.block_size)
-            fields.append(torch.zeros(nblocks, dtype=torch.float32, device=param.device))
+            if initial[j] == 0:
+                zero = zero_code(layout.format, slot.signed)
+                fields.append(torch.full(param.shape, zero, dtype=torch.uint8, device=param.device))
+                nblocks = -(-param.numel() // layout.block_size)
+                fields.append(torch.zeros(nblocks, dtype=torch.float32, device=param.device))
+            else:
+                full = torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device)
+                fields.extend(quantize_state_reference(full, layout.format, slot.signed, layout.block_size))
         else:
-            fields.append(torch.zeros(param.shape, dtype=torch.float32, device=param.device))
+            fields.append(torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device))
     return cls(*fields)
 
 

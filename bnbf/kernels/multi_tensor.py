@@ -119,7 +119,7 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
 
 @triton.jit
 def _step_tile(
-    table, g_ptr, hp, code_ptr, chunk, numel, MATH: tl.constexpr, N_STATES: tl.constexpr, QUANT: tl.constexpr,
+    table, g_ptr, hp, code_ptr, chunk, numel, MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
@@ -139,11 +139,11 @@ def _step_tile(
     s0 = 0.0
     s1 = 0.0
     s2 = 0.0
-    if N_STATES > 0:
+    if (PRESENT >> 0) & 1:
         s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
-    if N_STATES > 1:
+    if (PRESENT >> 1) & 1:
         s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
-    if N_STATES > 2:
+    if (PRESENT >> 2) & 1:
         s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
 
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp)
@@ -152,13 +152,13 @@ def _step_tile(
     finite = tl.abs(g) < float("inf")
     p_new = tl.where(finite, p_new, p)
     _st(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
-    if N_STATES > 0:
+    if (PRESENT >> 0) & 1:
         s0 = tl.where(finite, s0, 0.0)
         _store_state(table, 0, s0, offs, mask, rows, rmask, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
-    if N_STATES > 1:
+    if (PRESENT >> 1) & 1:
         s1 = tl.where(finite, s1, 0.0)
         _store_state(table, 1, s1, offs, mask, rows, rmask, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
-    if N_STATES > 2:
+    if (PRESENT >> 2) & 1:
         s2 = tl.where(finite, s2, 0.0)
         _store_state(table, 2, s2, offs, mask, rows, rmask, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
 
@@ -166,7 +166,7 @@ def _step_tile(
 @triton.jit
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr,
-    MATH: tl.constexpr, N_STATES: tl.constexpr, QUANT: tl.constexpr,
+    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -182,11 +182,11 @@ def _step_kernel(
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         for it in tl.range(0, ITERS, num_stages=STAGES):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, N_STATES, QUANT, SIGNED0, SIGNED1,
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
                        SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, False, ALIGNED, VEC)
     else:
         for it in tl.range(0, ITERS):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, N_STATES, QUANT, SIGNED0, SIGNED1,
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
                        SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, True, ALIGNED, VEC)
 
 
@@ -229,6 +229,7 @@ class Group:
     rule: str
     fmt: str  # "fp32", "dynamic" or "power"
     block: int
+    present: int  # bit j: the rule's state slot j is kept
     dtype: torch.dtype
     device: torch.device
     table: Tensor  # int64 [tensors, NF] on the device
@@ -236,36 +237,37 @@ class Group:
     aligned: bool  # every param and state address is 16-byte aligned
 
 
-def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int) -> Group:
+def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int, present: int) -> Group:
     """Address table and task list for tensors sharing device, param dtype and state layout.
 
-    ``s_in``/``s_out`` hold, per tensor, its state fields in layout order (codes and absmax interleaved
-    for 8-bit formats); ``hp_rows[i]`` is the scalar row of tensor ``i``. In and out may be the same
-    tensors (in place).
+    ``s_in``/``s_out`` hold, per tensor, the fields of its present state slots (bit j of ``present``:
+    the rule's slot j is kept) in slot order, codes and absmax interleaved for 8-bit formats;
+    ``hp_rows[i]`` is the scalar row of tensor ``i``. In and out may be the same tensors (in place).
     """
-    rule = get_rule(rule_name)
     quant = fmt != "fp32"
     block = block if quant else 256  # float32 states have no blocks; 256 is only the tile width
-    n_states = len(rule.states)
-    per = 2 * n_states if quant else n_states
+    slots = [j for j in range(MAX_STATES) if (present >> j) & 1]
+    per = 2 * len(slots) if quant else len(slots)
     device = p_in[0].device
     rows = []
     for i in range(len(p_in)):
         addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), p_in[i].numel(), int(hp_rows[i])]
         fields_in, fields_out = s_in[i * per : (i + 1) * per], s_out[i * per : (i + 1) * per]
         for j in range(MAX_STATES):
-            if j >= n_states:
+            if j not in slots:
                 addr += [0, 0, 0, 0]
-            elif quant:
-                addr += [fields_in[2 * j].data_ptr(), fields_out[2 * j].data_ptr(),
-                         fields_in[2 * j + 1].data_ptr(), fields_out[2 * j + 1].data_ptr()]  # fmt: skip
+                continue
+            k = slots.index(j)
+            if quant:
+                addr += [fields_in[2 * k].data_ptr(), fields_out[2 * k].data_ptr(),
+                         fields_in[2 * k + 1].data_ptr(), fields_out[2 * k + 1].data_ptr()]  # fmt: skip
             else:
-                addr += [fields_in[j].data_ptr(), fields_out[j].data_ptr(), 0, 0]
+                addr += [fields_in[k].data_ptr(), fields_out[k].data_ptr(), 0, 0]
         rows.append(addr)
     aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[4:])
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
     tasks = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
-    return Group(rule_name, fmt, block, p_in[0].dtype, device, table, tasks, aligned)
+    return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, aligned)
 
 
 def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
@@ -274,14 +276,13 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
     aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
     grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
     rule = get_rule(group.rule)
-    n_states = len(rule.states)
-    signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - n_states)
+    signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
     quant = group.fmt != "fp32"
-    LAUNCH_KEYS.add((group.rule, group.fmt, group.dtype, group.block, ROWS, NUM_WARPS, hp.shape[1], aligned))
+    LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS, hp.shape[1], aligned))
     code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
     _step_kernel[(group.tasks.shape[0],)](
         group.table, group.tasks, grad_table, hp, code_ptr,
-        MATH=rule.math, N_STATES=n_states, QUANT=quant,
+        MATH=rule.math, PRESENT=group.present, QUANT=quant,
         SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
         P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
         SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt], ITERS=ITERS[group.dtype], STAGES=STAGES,
@@ -289,9 +290,9 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
     )  # fmt: skip
 
 
-def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name: str, fmt: str, block: int) -> None:
+def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name, fmt, block, present) -> None:
     """Build the group and launch once (the uncached path: out-of-place steps and traced calls)."""
-    launch_group(build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block), grads, hp)
+    launch_group(build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block, present), grads, hp)
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}

@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from bnbf.rules.adagrad import ADAGRAD
 from bnbf.rules.adam import ADAM, ADAMW
+from bnbf.rules.ademamix import ADEMAMIX
 from bnbf.rules.base import Rule, StateSlot
+from bnbf.rules.lion import LION
+from bnbf.rules.rmsprop import RMSPROP
+from bnbf.rules.sgd import SGD
 
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW, LION, SGD, RMSPROP, ADAGRAD, ADEMAMIX)}
 
 
 def get_rule(name: str) -> Rule:

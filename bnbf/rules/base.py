@@ -8,7 +8,10 @@ A rule is one file in ``bnbf/rules/`` that defines:
   (or with tensor ops on the device when hyperparameters are tensors), packed into one float32 row;
 - ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp_ptr) -> (p, s0, s1, s2)`` on float32
   values, reading its scalars with ``tl.load(hp_ptr + k)``;
-- ``reference``: the same math in plain torch (the CPU path and the kernels' oracle).
+- ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives and
+  returns one float32 tensor per state slot, ``None`` for slots this state does not keep;
+- optionally ``present(hparams)``: which slots a state keeps (e.g. no momentum buffer when momentum is
+  0), and ``initial(hparams)``: the slots' initial values (zeros by default).
 
 Registering it is one row in :data:`bnbf.rules.RULES`.
 """
@@ -40,7 +43,15 @@ class Rule:
     states: tuple[StateSlot, ...]
     scalars: Callable[[Any, Number], Sequence[Number]]
     math: Any  # triton.JITFunction
-    reference: Callable[[Tensor, Tensor, list[Tensor], Sequence[Tensor]], tuple[Tensor, list[Tensor]]]
+    reference: Callable[[Tensor, Tensor, list[Tensor | None], Sequence[Tensor]], tuple[Tensor, list[Tensor | None]]]
+    present: Callable[[Any], tuple[bool, ...]] | None = None
+    initial: Callable[[Any], tuple[float, ...]] | None = None
+
+    def slots_present(self, hparams: Any) -> tuple[bool, ...]:
+        return (True,) * len(self.states) if self.present is None else tuple(self.present(hparams))
+
+    def initial_values(self, hparams: Any) -> tuple[float, ...]:
+        return (0.0,) * len(self.states) if self.initial is None else tuple(self.initial(hparams))
 
     def make_hparams(self, hparams: Any) -> Any:
         """Validated hyperparameter dataclass from a mapping, a dataclass of this rule, or None."""

@@ -1,0 +1,67 @@
+"""Adagrad as ``torch.optim.Adagrad``: lr_decay, L2 weight decay, initial_accumulator_value, eps.
+
+    g   = g + wd·p
+    clr = lr / (1 + (t − 1)·lr_decay)
+    sum = sum + g²
+    p   = p − clr · g / (√sum + ε)
+
+State: ``sum`` (unsigned: never negative), starting at ``initial_accumulator_value``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from bnbf.kernels.codec import fast_div
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdagradHparams:
+    lr: Number = 1e-2
+    lr_decay: Number = 0.0
+    weight_decay: Number = 0.0
+    initial_accumulator_value: float = 0.0
+    eps: Number = 1e-10
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        d = _value(self.lr_decay)
+        if d is not None and d < 0.0:
+            raise ValueError(f"Invalid lr_decay value: {self.lr_decay}")
+        check_weight_decay(self.weight_decay)
+        if not self.initial_accumulator_value >= 0.0:
+            raise ValueError(f"Invalid initial_accumulator_value value: {self.initial_accumulator_value}")
+        check_eps(self.eps)
+
+
+def scalars(h: AdagradHparams, step: Number):
+    return (h.lr / (1 + (step - 1) * h.lr_decay), h.weight_decay, h.eps)
+
+
+@triton.jit
+def adagrad_math(p, g, acc, unused1, unused2, hp):
+    clr = tl.load(hp + 0)
+    wd = tl.load(hp + 1)
+    eps = tl.load(hp + 2)
+    g = g + wd * p
+    acc = acc + g * g
+    p = p - clr * fast_div(g, tl.sqrt(acc) + eps)
+    return p, acc, unused1, unused2
+
+
+def adagrad_reference(p, g, states, s):
+    clr, wd, eps = s
+    (acc,) = states
+    g = g + wd * p
+    acc = acc + g * g
+    return p - clr * g / (acc.sqrt() + eps), [acc]
+
+
+ADAGRAD = Rule(
+    "adagrad", AdagradHparams, (StateSlot("sum", signed=False),), scalars, adagrad_math, adagrad_reference,
+    initial=lambda h: (float(h.initial_accumulator_value),),
+)  # fmt: skip

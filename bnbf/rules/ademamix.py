@@ -1,0 +1,121 @@
+"""AdEMAMix (Pagliardini et al., 2024): Adam plus a slow EMA of the gradient, decoupled weight decay.
+
+    m1 = β1·m1 + (1 − β1)·g
+    m2 = β3(t)·m2 + (1 − β3(t))·g
+    ν  = β2·ν + (1 − β2)·g²
+    p  = p·(1 − lr·wd) − lr · (m1/(1 − β1^t) + α(t)·m2) / (√(ν/(1 − β2^t)) + ε)
+
+with the optional warm-ups of the paper: α(t) = min(t·α/T_α, α) and
+β3(t) = min(exp(ln β1 · ln β3 / ((1 − t/T_β3)·ln β3 + (t/T_β3)·ln β1)), β3).
+
+States: ``exp_avg`` (m1, signed), ``exp_avg_slow`` (m2, signed), ``exp_avg_sq`` (ν, unsigned). Each is its
+own quantized tensor with its own per-block absmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from bnbf.kernels.codec import fast_div
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdEMAMixHparams:
+    lr: Number = 1e-3
+    betas: tuple[Number, Number, Number] = (0.9, 0.999, 0.9999)
+    alpha: Number = 5.0
+    t_alpha: int | None = None
+    t_beta3: int | None = None
+    eps: Number = 1e-8
+    weight_decay: Number = 1e-2
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        check_eps(self.eps)
+        if len(self.betas) != 3:
+            raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {self.betas}")
+        check_betas(self.betas)
+        check_weight_decay(self.weight_decay)
+        if not isinstance(self.alpha, torch.Tensor) and self.alpha < 0:
+            raise ValueError(f"Invalid alpha value: {self.alpha}")
+        for name in ("t_alpha", "t_beta3"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, int) or v < 1):
+                raise ValueError(f"Invalid {name} value: {v} (a positive number of steps, or None)")
+
+
+def _ln(x):
+    return x.log() if isinstance(x, torch.Tensor) else math.log(x)
+
+
+def _min(a, b):
+    return torch.minimum(a, torch.as_tensor(b, dtype=a.dtype)) if isinstance(a, torch.Tensor) else min(a, b)
+
+
+def _alpha(h: AdEMAMixHparams, step):
+    return h.alpha if h.t_alpha is None else _min(step * h.alpha / h.t_alpha, h.alpha)
+
+
+def _beta3(h: AdEMAMixHparams, step):
+    b1, _, b3 = h.betas
+    if h.t_beta3 is None:
+        return b3
+    frac = step / h.t_beta3
+    ln_b1, ln_b3 = _ln(b1), _ln(b3)
+    x = ln_b1 * ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)
+    return _min(x.exp() if isinstance(x, torch.Tensor) else math.exp(x), b3)
+
+
+def scalars(h: AdEMAMixHparams, step: Number):
+    b1, b2, _ = h.betas
+    return (
+        h.lr / (1 - b1**step),  # 0: step size of m1
+        h.lr * _alpha(h, step),  # 1: step size of m2
+        b1,  # 2
+        b2,  # 3
+        _beta3(h, step),  # 4
+        h.eps,  # 5
+        1 / (1 - b2**step) ** 0.5,  # 6
+        1 - h.lr * h.weight_decay,  # 7: decoupled decay
+    )
+
+
+@triton.jit
+def ademamix_math(p, g, m1, m2, nu, hp):
+    lr1 = tl.load(hp + 0)
+    lr2 = tl.load(hp + 1)
+    b1 = tl.load(hp + 2)
+    b2 = tl.load(hp + 3)
+    b3 = tl.load(hp + 4)
+    eps = tl.load(hp + 5)
+    inv_bc2_sqrt = tl.load(hp + 6)
+    decay = tl.load(hp + 7)
+    m1 = b1 * m1 + (1.0 - b1) * g
+    m2 = b3 * m2 + (1.0 - b3) * g
+    nu = b2 * nu + (1.0 - b2) * g * g
+    p = p * decay - fast_div(lr1 * m1 + lr2 * m2, tl.sqrt(nu) * inv_bc2_sqrt + eps)
+    return p, m1, m2, nu
+
+
+def ademamix_reference(p, g, states, s):
+    m1, m2, nu = states
+    lr1, lr2, b1, b2, b3, eps, inv_bc2_sqrt, decay = s
+    m1 = b1 * m1 + (1 - b1) * g
+    m2 = b3 * m2 + (1 - b3) * g
+    nu = b2 * nu + (1 - b2) * g * g
+    p = p * decay - (lr1 * m1 + lr2 * m2) / (nu.sqrt() * inv_bc2_sqrt + eps)
+    return p, [m1, m2, nu]
+
+
+_STATES = (
+    StateSlot("exp_avg", signed=True),
+    StateSlot("exp_avg_slow", signed=True),
+    StateSlot("exp_avg_sq", signed=False),
+)
+ADEMAMIX = Rule("ademamix", AdEMAMixHparams, _STATES, scalars, ademamix_math, ademamix_reference)

@@ -1,0 +1,94 @@
+"""RMSprop as ``torch.optim.RMSprop``: alpha, eps, L2 weight decay, momentum and centered.
+
+    g   = g + wd·p
+    sq  = α·sq + (1 − α)·g²
+    ga  = α·ga + (1 − α)·g                    (centered)
+    avg = √(sq − ga²) + ε   (centered)   or   √sq + ε
+    buf = μ·buf + g / avg;  p = p − lr·buf    (momentum > 0)
+    p   = p − lr·g / avg                      (otherwise)
+
+States: ``square_avg`` (unsigned: never negative), ``momentum_buffer`` (signed, when momentum > 0),
+``grad_avg`` (signed, when centered).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from bnbf.kernels.codec import fast_div
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RMSpropHparams:
+    lr: Number = 1e-2
+    alpha: Number = 0.99
+    eps: Number = 1e-8
+    weight_decay: Number = 0.0
+    momentum: Number = 0.0
+    centered: bool = False
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        check_eps(self.eps)
+        m = _value(self.momentum)
+        if m is not None and m < 0.0:
+            raise ValueError(f"Invalid momentum value: {self.momentum}")
+        check_weight_decay(self.weight_decay)
+        a = _value(self.alpha)
+        if a is not None and a < 0.0:
+            raise ValueError(f"Invalid alpha value: {self.alpha}")
+
+
+def scalars(h: RMSpropHparams, step: Number):
+    return (h.lr, h.alpha, h.eps, h.weight_decay, h.momentum, 1.0 if h.centered else 0.0)
+
+
+def present(h: RMSpropHparams) -> tuple[bool, ...]:
+    m = _value(h.momentum)
+    return (True, m is None or m != 0.0, bool(h.centered))
+
+
+@triton.jit
+def rmsprop_math(p, g, sq, buf, ga, hp):
+    lr = tl.load(hp + 0)
+    alpha = tl.load(hp + 1)
+    eps = tl.load(hp + 2)
+    wd = tl.load(hp + 3)
+    momentum = tl.load(hp + 4)
+    centered = tl.load(hp + 5)
+    g = g + wd * p
+    sq = alpha * sq + (1.0 - alpha) * g * g
+    ga = alpha * ga + (1.0 - alpha) * g
+    var = tl.where(centered != 0, sq - ga * ga, sq)
+    step = fast_div(g, tl.sqrt(tl.maximum(var, 0.0)) + eps)
+    buf = momentum * buf + step
+    p = p - lr * tl.where(momentum != 0, buf, step)
+    return p, sq, buf, ga
+
+
+def rmsprop_reference(p, g, states, s):
+    lr, alpha, eps, wd, momentum, centered = s
+    sq, buf, ga = states
+    g = g + wd * p
+    sq = alpha * sq + (1 - alpha) * g * g
+    if ga is not None:
+        ga = alpha * ga + (1 - alpha) * g
+        avg = (sq - ga * ga).clamp_min(0).sqrt() + eps
+    else:
+        avg = sq.sqrt() + eps
+    if buf is not None:
+        buf = momentum * buf + g / avg
+        return p - lr * buf, [sq, buf, ga]
+    return p - lr * g / avg, [sq, buf, ga]
+
+
+_STATES = (
+    StateSlot("square_avg", signed=False),
+    StateSlot("momentum_buffer", signed=True),
+    StateSlot("grad_avg", signed=True),
+)
+RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, scalars, rmsprop_math, rmsprop_reference, present=present)

@@ -1,0 +1,79 @@
+"""SGD with momentum, dampening, Nesterov and L2 weight decay, exactly as ``torch.optim.SGD``.
+
+    g   = g + wd·p
+    buf = g                                   (first step)
+    buf = μ·buf + (1 − dampening)·g           (later steps)
+    d   = g + μ·buf  (nesterov)   or   buf
+    p   = p − lr·d
+
+State: ``momentum_buffer`` (signed), only when momentum > 0 (plain SGD keeps no state).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import triton
+import triton.language as tl
+
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SGDHparams:
+    lr: Number = 1e-3
+    momentum: Number = 0.0
+    dampening: Number = 0.0
+    weight_decay: Number = 0.0
+    nesterov: bool = False
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        m = _value(self.momentum)
+        if m is not None and m < 0.0:
+            raise ValueError(f"Invalid momentum value: {self.momentum}")
+        check_weight_decay(self.weight_decay)
+        d = _value(self.dampening)
+        if self.nesterov and ((m is not None and m <= 0) or (d is not None and d != 0)):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
+
+
+def scalars(h: SGDHparams, step: Number):
+    first = step == 1 if not hasattr(step, "dtype") else (step == 1).float()
+    return (h.lr, h.weight_decay, h.momentum, 1 - h.dampening, 1.0 if h.nesterov else 0.0, first)
+
+
+def present(h: SGDHparams) -> tuple[bool, ...]:
+    m = _value(h.momentum)
+    return (m is None or m != 0.0,)
+
+
+@triton.jit
+def sgd_math(p, g, buf, unused1, unused2, hp):
+    lr = tl.load(hp + 0)
+    wd = tl.load(hp + 1)
+    momentum = tl.load(hp + 2)
+    one_minus_damp = tl.load(hp + 3)
+    nesterov = tl.load(hp + 4)
+    first = tl.load(hp + 5)
+    g = g + wd * p
+    buf = tl.where(first != 0, g, momentum * buf + one_minus_damp * g)
+    d = tl.where(nesterov != 0, g + momentum * buf, buf)
+    d = tl.where(momentum != 0, d, g)  # momentum 0: plain SGD (no state is kept)
+    p = p - lr * d
+    return p, buf, unused1, unused2
+
+
+def sgd_reference(p, g, states, s):
+    lr, wd, momentum, one_minus_damp, nesterov, first = s
+    g = g + wd * p
+    (buf,) = states
+    if buf is None:  # momentum 0
+        return p - lr * g, [None]
+    buf = g.clone() if bool(first) else momentum * buf + one_minus_damp * g
+    d = g + momentum * buf if bool(nesterov) else buf
+    return p - lr * d, [buf]
+
+
+SGD = Rule("sgd", SGDHparams, (StateSlot("momentum_buffer", signed=True),), scalars, sgd_math, sgd_reference,
+           present=present)  # fmt: skip
