@@ -244,7 +244,9 @@ def _scalar_rows(call: _Call) -> dict[torch.device, Tensor]:
     return {d: as_scalar_row(values, d)[None, :] for d in devices}
 
 
-def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:
+def update(
+    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False
+) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
     Args:
@@ -254,6 +256,9 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
         hparams: a mapping with torch.optim's names (``lr``, ``betas``, ``eps``, ``weight_decay``...) or
             the rule's hparams dataclass; Python numbers or 0-d tensors. Missing keys take defaults.
         step: 1-based index of this update (int or 0-d integer tensor), for bias correction.
+        skip_zeros: gradient elements that are exactly 0 leave their param element and states unchanged
+            (sparse updates such as embedding rows; for 8-bit states "unchanged" is up to requantization
+            with the block's new absmax).
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
@@ -276,7 +281,7 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
                 ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
-                layout.present,
+                layout.present, skip_zeros,
             )
             per = len(layout.field_names())
             cls = type(call.states[idx[0]])
@@ -286,7 +291,9 @@ def update(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1
     return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
 
 
-def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1) -> tuple[Any, Any]:
+def update_(
+    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False
+) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
     Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`. Repeated calls on
@@ -296,7 +303,7 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
     states, s_spec = _flatten(state, is_leaf=is_state)
     plan = _plan(params, states, p_spec, s_spec) if params else None
     if plan is None:
-        return _update_generic_(param, grad, state, hparams, step)
+        return _update_generic_(param, grad, state, hparams, step, skip_zeros)
     grads, g_spec = _flatten(grad)
     if g_spec != p_spec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
@@ -320,7 +327,7 @@ def update_(param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 
             gs = [grads[i] for i in idx]
             if not all(map(Tensor.is_contiguous, gs)):
                 gs = [g.contiguous() for g in gs]
-            launch_group(group, gs, rows[group.device])
+            launch_group(group, gs, rows[group.device], skip_zeros)
     return param, state
 
 
@@ -400,7 +407,7 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     return plan
 
 
-def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any) -> tuple[Any, Any]:
+def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: bool) -> tuple[Any, Any]:
     """In-place step without a cached plan: every check, then one op call per group."""
     call = _prepare(param, grad, state, hparams, step)
     rows = _scalar_rows(call)
@@ -412,7 +419,7 @@ def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any)
             ss = [t for i in idx for t in call.states[i]]
             ops.step_(
                 work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
-                layout.present,
+                layout.present, skip_zeros,
             )  # fmt: skip
             for p, w in zip(ps, work):
                 if w is not p:

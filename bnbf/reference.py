@@ -12,7 +12,7 @@ from bnbf.quant import dequantize_state_reference, quantize_state_reference
 from bnbf.rules import get_rule
 
 
-def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size, present) -> None:
+def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size, present, skip_zeros=False) -> None:
     rule = get_rule(rule_name)
     quant = fmt != "fp32"
     slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
@@ -32,6 +32,10 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt,
         new_p, new_states = rule.reference(p32, g32, states, scalars)
         # a non-finite gradient element leaves its param element alone and zeroes its states
         finite = torch.isfinite(g32)
+        if skip_zeros:  # an exactly-zero gradient element leaves its param element and states alone
+            keep = g32 == 0
+            new_p = torch.where(keep, p32, new_p)
+            new_states = [s if s is None else torch.where(keep, old, s) for s, old in zip(new_states, states)]
         new_p = torch.where(finite, new_p, p32)
         out = s_out[i * per : (i + 1) * per]
         p_out[i].copy_(new_p.to(p.dtype))

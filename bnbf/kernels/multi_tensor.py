@@ -123,6 +123,7 @@ def _step_tile(
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
 ):  # fmt: skip
     rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -146,10 +147,18 @@ def _step_tile(
     if (PRESENT >> 2) & 1:
         s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
 
+    s0_old = s0
+    s1_old = s1
+    s2_old = s2
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp)
 
     # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
     finite = tl.abs(g) < float("inf")
+    if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
+        p_new = tl.where(g == 0, p, p_new)
+        s0 = tl.where(g == 0, s0_old, s0)
+        s1 = tl.where(g == 0, s1_old, s1)
+        s2 = tl.where(g == 0, s2_old, s2)
     p_new = tl.where(finite, p_new, p)
     _st(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
     if (PRESENT >> 0) & 1:
@@ -171,6 +180,7 @@ def _step_kernel(
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, STAGES: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
 ):  # fmt: skip
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
@@ -183,11 +193,11 @@ def _step_kernel(
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         for it in tl.range(0, ITERS, num_stages=STAGES):
             _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
-                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, False, ALIGNED, VEC)
+                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, False, ALIGNED, VEC, SKIP_ZEROS)
     else:
         for it in tl.range(0, ITERS):
             _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
-                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, True, ALIGNED, VEC)
+                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, True, ALIGNED, VEC, SKIP_ZEROS)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -270,15 +280,18 @@ def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, blo
     return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, aligned)
 
 
-def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
-    """One kernel launch: ``grads`` (contiguous, in the group's order) and ``hp`` (float32 [rows, k])."""
+def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool = False) -> None:
+    """One kernel launch: ``grads`` (contiguous, in the group's order) and ``hp`` (float32 [rows, k]);
+    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states."""
     ptrs = list(map(Tensor.data_ptr, grads))
     aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
     grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
     rule = get_rule(group.rule)
     signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
     quant = group.fmt != "fp32"
-    LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS, hp.shape[1], aligned))
+    LAUNCH_KEYS.add(
+        (group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS, hp.shape[1], aligned, skip_zeros)
+    )
     code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
     _step_kernel[(group.tasks.shape[0],)](
         group.table, group.tasks, grad_table, hp, code_ptr,
@@ -286,13 +299,15 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor) -> None:
         SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
         P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
         SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt], ITERS=ITERS[group.dtype], STAGES=STAGES,
+        SKIP_ZEROS=skip_zeros,
         num_warps=NUM_WARPS,
     )  # fmt: skip
 
 
-def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name, fmt, block, present) -> None:
+def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name, fmt, block, present, skip_zeros) -> None:
     """Build the group and launch once (the uncached path: out-of-place steps and traced calls)."""
-    launch_group(build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block, present), grads, hp)
+    group = build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block, present)
+    launch_group(group, grads, hp, skip_zeros)
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}
