@@ -238,14 +238,28 @@ def _groups(call: _Call):
     return groups.items()
 
 
-def _scalar_rows(call: _Call) -> dict[torch.device, Tensor]:
-    values = call.rule.scalars(call.hparams, call.step)
+def _scalars(rule: Any, h: Any, step: Any, max_unorm: Any) -> tuple[tuple, bool]:
+    """The rule's scalars followed by the clipping pair (max_unorm, lr), and whether clipping is on."""
+    if isinstance(max_unorm, Tensor):
+        clip = True
+    else:
+        if not max_unorm >= 0.0:
+            raise ValueError(f"Invalid max_unorm value: {max_unorm}")
+        clip = max_unorm > 0
+    if clip and rule.norms is not None:
+        raise ValueError(f"max_unorm does not combine with {rule.name}, which scales its update by its own norms")
+    return (*rule.scalars(h, step), max_unorm, h.lr), clip
+
+
+def _scalar_rows(call: _Call, max_unorm: Any) -> tuple[dict[torch.device, Tensor], bool]:
+    values, clip = _scalars(call.rule, call.hparams, call.step, max_unorm)
     devices = {p.device for p in call.params}
-    return {d: as_scalar_row(values, d)[None, :] for d in devices}
+    return {d: as_scalar_row(values, d)[None, :] for d in devices}, clip
 
 
 def update(
-    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False
+    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
+    max_unorm: float = 0.0,
 ) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
@@ -259,6 +273,10 @@ def update(
         skip_zeros: gradient elements that are exactly 0 leave their param element and states unchanged
             (sparse updates such as embedding rows; for 8-bit states "unchanged" is up to requantization
             with the block's new absmax).
+        max_unorm: if > 0, each tensor's update is scaled down so that its norm is at most
+            ``max_unorm * ||p||`` (bitsandbytes' update clipping; the update is measured per unit of
+            learning rate, ``(p_new - p) / lr``). Costs a norm pass. Not for rules with their own norms
+            (LAMB, LARS).
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
@@ -271,7 +289,7 @@ def update(
         tensor([0.9000, 0.9000, 0.9000])
     """
     call = _prepare(param, grad, state, hparams, step)
-    rows = _scalar_rows(call)
+    rows, clip = _scalar_rows(call, max_unorm)
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     with torch.no_grad():
@@ -281,7 +299,7 @@ def update(
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
                 ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
-                layout.present, skip_zeros,
+                layout.present, skip_zeros, clip,
             )
             per = len(layout.field_names())
             cls = type(call.states[idx[0]])
@@ -292,7 +310,8 @@ def update(
 
 
 def update_(
-    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False
+    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
+    max_unorm: float = 0.0,
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
@@ -303,7 +322,7 @@ def update_(
     states, s_spec = _flatten(state, is_leaf=is_state)
     plan = _plan(params, states, p_spec, s_spec) if params else None
     if plan is None:
-        return _update_generic_(param, grad, state, hparams, step, skip_zeros)
+        return _update_generic_(param, grad, state, hparams, step, skip_zeros, max_unorm)
     grads, g_spec = _flatten(grad)
     if g_spec != p_spec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
@@ -320,14 +339,14 @@ def update_(
     if present_mask(plan.rule, h) != plan.present:
         _check_present(plan.rule, h, states)
     _check_step(step)
-    values = plan.rule.scalars(h, step)
+    values, clip = _scalars(plan.rule, h, step, max_unorm)
     rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
     with torch.no_grad():
         for idx, group in plan.groups:
             gs = [grads[i] for i in idx]
             if not all(map(Tensor.is_contiguous, gs)):
                 gs = [g.contiguous() for g in gs]
-            launch_group(group, gs, rows[group.device], skip_zeros)
+            launch_group(group, gs, rows[group.device], skip_zeros, clip)
     return param, state
 
 
@@ -407,10 +426,12 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     return plan
 
 
-def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: bool) -> tuple[Any, Any]:
+def _update_generic_(
+    param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: bool, max_unorm: Any
+) -> tuple[Any, Any]:
     """In-place step without a cached plan: every check, then one op call per group."""
     call = _prepare(param, grad, state, hparams, step)
-    rows = _scalar_rows(call)
+    rows, clip = _scalar_rows(call, max_unorm)
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call):
             ps = [call.params[i].detach() for i in idx]
@@ -419,7 +440,7 @@ def _update_generic_(param: Any, grad: Any, state: Any, hparams: Any, step: Any,
             ss = [t for i in idx for t in call.states[i]]
             ops.step_(
                 work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
-                layout.present, skip_zeros,
+                layout.present, skip_zeros, clip,
             )  # fmt: skip
             for p, w in zip(ps, work):
                 if w is not p:

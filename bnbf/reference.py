@@ -12,7 +12,9 @@ from bnbf.quant import dequantize_state_reference, quantize_state_reference
 from bnbf.rules import get_rule
 
 
-def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size, present, skip_zeros=False) -> None:
+def reference_step(
+    p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size, present, skip_zeros=False, clip=False
+) -> None:
     rule = get_rule(rule_name)
     quant = fmt != "fp32"
     slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
@@ -29,9 +31,24 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt,
                 states[j] = dequantize_state_reference(fields[2 * k], fields[2 * k + 1], fmt, signed, block_size)
             else:
                 states[j] = fields[k].float()
-        new_p, new_states = rule.reference(p32, g32, states, scalars)
+        *scalars, max_unorm, lr = scalars  # every row ends with the clipping scalars
         # a non-finite gradient element leaves its param element alone and zeroes its states
         finite = torch.isfinite(g32)
+        counted = finite & (g32 != 0) if skip_zeros else finite
+        if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
+            terms = rule.norms[1](p32, g32, states, scalars)
+            sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
+            new_p, new_states = rule.reference(p32, g32, states, scalars, sums)
+        else:
+            new_p, new_states = rule.reference(p32, g32, states, scalars)
+            if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
+                zero = torch.zeros_like(p32)
+                pnorm = torch.where(counted, p32 * p32, zero).sum().sqrt()
+                d = (new_p - p32) / lr
+                unorm = torch.where(counted, d * d, zero).sum().sqrt()
+                limit = max_unorm * pnorm
+                scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
+                new_p = p32 + scale * (new_p - p32)
         if skip_zeros:  # an exactly-zero gradient element leaves its param element and states alone
             keep = g32 == 0
             new_p = torch.where(keep, p32, new_p)

@@ -119,11 +119,12 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
 
 @triton.jit
 def _step_tile(
-    table, g_ptr, hp, code_ptr, chunk, numel, MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
+    table, g_ptr, hp, code_ptr, chunk, numel, nrm, part,
+    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
 ):  # fmt: skip
     rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
     offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
@@ -147,13 +148,34 @@ def _step_tile(
     if (PRESENT >> 2) & 1:
         s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
 
+    # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
+    finite = tl.abs(g) < float("inf")
+    counted = finite & (g != 0) if SKIP_ZEROS else finite
+    if MASKED:  # padding lanes hold arbitrary codes: keep them out of the sums
+        counted = counted & mask
+    if NORM_MODE == 1:  # norm pass: this tile's share of the tensor's three sums, nothing stored
+        if NORM_TERMS is not None:
+            a, b, c = NORM_TERMS(p, g, s0, s1, s2, hp)
+        else:  # update clipping (max_unorm): ||p||^2 and ||update / lr||^2
+            p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
+            d = (p_new - p) / tl.load(hp + HP_STRIDE - 1)
+            a = p * p
+            b = d * d
+            c = a * 0.0
+        tl.store(part + 0, tl.sum(tl.sum(tl.where(counted, a, 0.0), axis=1), axis=0))
+        tl.store(part + 1, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
+        tl.store(part + 2, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
+        return
     s0_old = s0
     s1_old = s1
     s2_old = s2
-    p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp)
-
-    # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
-    finite = tl.abs(g) < float("inf")
+    p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
+    if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
+        max_unorm = tl.load(hp + HP_STRIDE - 2)
+        limit = max_unorm * tl.sqrt(tl.load(nrm + 0))
+        unorm = tl.sqrt(tl.load(nrm + 1))
+        scale = tl.where(unorm > limit, limit / tl.maximum(unorm, 1e-30), 1.0)
+        p_new = p + scale * (p_new - p)
     if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
         p_new = tl.where(g == 0, p, p_new)
         s0 = tl.where(g == 0, s0_old, s0)
@@ -174,14 +196,16 @@ def _step_tile(
 
 @triton.jit
 def _step_kernel(
-    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr,
+    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, STAGES: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr,
 ):  # fmt: skip
+    """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[tile, 3].
+    2: the step of a rule that needs per-tensor sums, read from norm_ptr[tensor, 3]."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
@@ -189,15 +213,18 @@ def _step_kernel(
     numel = tl.load(table + 2)
     hp = hp_ptr + tl.load(table + 3) * HP_STRIDE
     g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
+    nrm = norm_ptr + tensor * 3
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         for it in tl.range(0, ITERS, num_stages=STAGES):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
-                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, False, ALIGNED, VEC, SKIP_ZEROS)
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + (pid * ITERS + it) * 3,
+                       MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                       False, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
     else:
         for it in tl.range(0, ITERS):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, MATH, PRESENT, QUANT, SIGNED0, SIGNED1,
-                       SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT, True, ALIGNED, VEC, SKIP_ZEROS)
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + (pid * ITERS + it) * 3,
+                       MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                       True, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -213,8 +240,9 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device) -> Tensor:
-    """(tensor index, chunk index) per program, int32 [programs, 2]; cached by the tensor sizes."""
+def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(tensor index, chunk index) per program, int32 [programs, 2], and per tensor the range of its
+    tiles, int64 [tensors, 2] (the rows of the norm pass's partial sums); cached by the tensor sizes."""
     key = (device, block, ROWS * iters, numels)
     hit = _TASKS.get(key)
     if hit is not None:
@@ -226,10 +254,11 @@ def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device
     starts = torch.cumsum(chunks, 0) - chunks
     chunk_idx = torch.arange(int(chunks.sum())) - torch.repeat_interleave(starts, chunks)
     tasks = _to_device(torch.stack([tensor_idx, chunk_idx], 1).to(torch.int32).contiguous(), device)
-    _TASKS[key] = tasks
+    ranges = _to_device(torch.stack([starts * iters, (starts + chunks) * iters], 1).contiguous(), device)
+    _TASKS[key] = tasks, ranges
     if len(_TASKS) > _CACHE_SIZE:
         _TASKS.popitem(last=False)
-    return tasks
+    return tasks, ranges
 
 
 @dataclasses.dataclass
@@ -244,6 +273,7 @@ class Group:
     device: torch.device
     table: Tensor  # int64 [tensors, NF] on the device
     tasks: Tensor  # int32 [programs, 2] on the device
+    ranges: Tensor  # int64 [tensors, 2]: each tensor's tiles (rows of the norm pass's partials)
     aligned: bool  # every param and state address is 16-byte aligned
 
 
@@ -276,38 +306,56 @@ def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, blo
         rows.append(addr)
     aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[4:])
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tasks = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
-    return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, aligned)
+    tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
+    return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned)
 
 
-def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool = False) -> None:
-    """One kernel launch: ``grads`` (contiguous, in the group's order) and ``hp`` (float32 [rows, k]);
-    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states."""
+def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool = False, clip: bool = False) -> None:
+    """The step for one group: one launch, or three for rules that need per-tensor norms (LAMB, LARS)
+    or with update clipping (``clip``: the last two scalars of each ``hp`` row are max_unorm and lr).
+
+    ``grads`` are contiguous, in the group's order; ``hp`` is float32 [rows, k]; ``skip_zeros``: elements
+    whose gradient is exactly 0 keep their param and states.
+    """
     ptrs = list(map(Tensor.data_ptr, grads))
     aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
     grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
     rule = get_rule(group.rule)
     signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
     quant = group.fmt != "fp32"
-    LAUNCH_KEYS.add(
-        (group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS, hp.shape[1], aligned, skip_zeros)
-    )
+    norm_terms = rule.norms[0] if rule.norms is not None else None
+    LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
+                     hp.shape[1], aligned, skip_zeros, clip))  # fmt: skip
     code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
-    _step_kernel[(group.tasks.shape[0],)](
-        group.table, group.tasks, grad_table, hp, code_ptr,
-        MATH=rule.math, PRESENT=group.present, QUANT=quant,
-        SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-        P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
-        SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt], ITERS=ITERS[group.dtype], STAGES=STAGES,
-        SKIP_ZEROS=skip_zeros,
-        num_warps=NUM_WARPS,
-    )  # fmt: skip
+    iters = ITERS[group.dtype]
+
+    def run(norm_ptr, mode):
+        _step_kernel[(group.tasks.shape[0],)](
+            group.table, group.tasks, grad_table, hp, code_ptr, norm_ptr,
+            MATH=rule.math, PRESENT=group.present, QUANT=quant,
+            SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
+            P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
+            SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
+            ITERS=iters, STAGES=STAGES, SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms,
+            num_warps=NUM_WARPS,
+        )  # fmt: skip
+
+    if norm_terms is None and not clip:
+        run(hp, 0)
+        return
+    partials = torch.empty(group.tasks.shape[0] * iters, 3, dtype=torch.float32, device=group.device)
+    run(partials, 1)
+    # per-tensor sums of the per-tile partials: a float64 prefix sum is exact enough and, unlike
+    # atomics, gives the same bits every run (restarted training must match uninterrupted training)
+    prefix = torch.nn.functional.pad(torch.cumsum(partials, 0, dtype=torch.float64), (0, 0, 1, 0))
+    sums = (prefix[group.ranges[:, 1]] - prefix[group.ranges[:, 0]]).float().contiguous()
+    run(sums, 2)
 
 
-def launch(p_in, p_out, grads, s_in, s_out, hp: Tensor, hp_rows, rule_name, fmt, block, present, skip_zeros) -> None:
-    """Build the group and launch once (the uncached path: out-of-place steps and traced calls)."""
+def launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block, present, skip_zeros, clip) -> None:
+    """Build the group and launch (the uncached path: out-of-place steps and traced calls)."""
     group = build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block, present)
-    launch_group(group, grads, hp, skip_zeros)
+    launch_group(group, grads, hp, skip_zeros, clip)
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}

@@ -6,11 +6,13 @@ from bnbf.rules.adagrad import ADAGRAD
 from bnbf.rules.adam import ADAM, ADAMW
 from bnbf.rules.ademamix import ADEMAMIX
 from bnbf.rules.base import Rule, StateSlot
+from bnbf.rules.lamb import LAMB
+from bnbf.rules.lars import LARS
 from bnbf.rules.lion import LION
 from bnbf.rules.rmsprop import RMSPROP
 from bnbf.rules.sgd import SGD
 
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW, LION, SGD, RMSPROP, ADAGRAD, ADEMAMIX)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW, LION, SGD, RMSPROP, ADAGRAD, ADEMAMIX, LAMB, LARS)}
 
 
 def get_rule(name: str) -> Rule:

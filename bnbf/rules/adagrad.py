@@ -43,7 +43,7 @@ def scalars(h: AdagradHparams, step: Number):
 
 
 @triton.jit
-def adagrad_math(p, g, acc, unused1, unused2, hp):
+def adagrad_math(p, g, acc, unused1, unused2, hp, nrm):
     clr = tl.load(hp + 0)
     wd = tl.load(hp + 1)
     eps = tl.load(hp + 2)

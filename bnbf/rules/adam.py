@@ -58,7 +58,7 @@ def _scalars(decoupled: bool):
 
 
 @triton.jit
-def adam_math(p, g, m, v, unused, hp):
+def adam_math(p, g, m, v, unused, hp, nrm):
     step_size = tl.load(hp + 0)
     b1 = tl.load(hp + 1)
     b2 = tl.load(hp + 2)

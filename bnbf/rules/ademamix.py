@@ -87,7 +87,7 @@ def scalars(h: AdEMAMixHparams, step: Number):
 
 
 @triton.jit
-def ademamix_math(p, g, m1, m2, nu, hp):
+def ademamix_math(p, g, m1, m2, nu, hp, nrm):
     lr1 = tl.load(hp + 0)
     lr2 = tl.load(hp + 1)
     b1 = tl.load(hp + 2)

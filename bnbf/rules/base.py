@@ -6,10 +6,15 @@ A rule is one file in ``bnbf/rules/`` that defines:
 - its state slots (name as torch.optim calls it, which dynamic map it uses when quantized);
 - ``scalars(hparams, step)``: the per-call numbers the math needs, derived once per call on the host
   (or with tensor ops on the device when hyperparameters are tensors), packed into one float32 row;
-- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp_ptr) -> (p, s0, s1, s2)`` on float32
-  values, reading its scalars with ``tl.load(hp_ptr + k)``;
+- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp_ptr, nrm_ptr) -> (p, s0, s1, s2)`` on
+  float32 values, reading its scalars with ``tl.load(hp_ptr + k)`` (and, for rules with ``norms``, the
+  tensor's three sums with ``tl.load(nrm_ptr + k)``);
 - ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives and
   returns one float32 tensor per state slot, ``None`` for slots this state does not keep;
+- optionally ``norms``: a pair (``@triton.jit`` fn, torch fn) of ``(p, g, s0, s1, s2, hp) -> (a, b, c)``,
+  elementwise terms whose per-tensor sums the math needs (LAMB: ||p||², ||adam step||²); the kernel then
+  runs a norm pass first (one launch for all tensors), and the reference passes the sums to
+  ``reference(p, g, states, scalars, sums)``;
 - optionally ``present(hparams)``: which slots a state keeps (e.g. no momentum buffer when momentum is
   0), and ``initial(hparams)``: the slots' initial values (zeros by default).
 
@@ -46,6 +51,7 @@ class Rule:
     reference: Callable[[Tensor, Tensor, list[Tensor | None], Sequence[Tensor]], tuple[Tensor, list[Tensor | None]]]
     present: Callable[[Any], tuple[bool, ...]] | None = None
     initial: Callable[[Any], tuple[float, ...]] | None = None
+    norms: tuple[Any, Callable] | None = None
 
     def slots_present(self, hparams: Any) -> tuple[bool, ...]:
         return (True,) * len(self.states) if self.present is None else tuple(self.present(hparams))

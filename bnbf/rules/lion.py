@@ -37,7 +37,7 @@ def scalars(h: LionHparams, step: Number):
 
 
 @triton.jit
-def lion_math(p, g, m, unused1, unused2, hp):
+def lion_math(p, g, m, unused1, unused2, hp, nrm):
     lr = tl.load(hp + 0)
     b1 = tl.load(hp + 1)
     b2 = tl.load(hp + 2)

@@ -53,7 +53,7 @@ def present(h: RMSpropHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def rmsprop_math(p, g, sq, buf, ga, hp):
+def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
     lr = tl.load(hp + 0)
     alpha = tl.load(hp + 1)
     eps = tl.load(hp + 2)

@@ -49,7 +49,7 @@ def present(h: SGDHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def sgd_math(p, g, buf, unused1, unused2, hp):
+def sgd_math(p, g, buf, unused1, unused2, hp, nrm):
     lr = tl.load(hp + 0)
     wd = tl.load(hp + 1)
     momentum = tl.load(hp + 2)

@@ -1,0 +1,107 @@
+"""LAMB (You et al., 2019) as ``torch_optimizer.Lamb``: Adam's step scaled per tensor by a trust ratio.
+
+    m = β1·m + (1 − β1)·g;  v = β2·v + (1 − β2)·g²
+    u = m / (√v + ε) + wd·p
+    r = min(‖p‖, clamp_value) / ‖u‖   (1 where either norm is 0, or with adam=True)
+    p = p − lr · c · r · u,   c = √(1 − β2^t) / (1 − β1^t) with debias=True, else 1
+
+The norms come from a norm pass over all tensors before the step (one launch each).
+States: ``exp_avg`` (signed), ``exp_avg_sq`` (unsigned).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import triton
+import triton.language as tl
+
+from bnbf.kernels.codec import fast_div
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LambHparams:
+    lr: Number = 1e-3
+    betas: tuple[Number, Number] = (0.9, 0.999)
+    eps: Number = 1e-6
+    weight_decay: Number = 0.0
+    clamp_value: float = 10.0
+    adam: bool = False
+    debias: bool = False
+
+    def __post_init__(self):
+        check_lr(self.lr)
+        check_eps(self.eps)
+        if len(self.betas) != 2:
+            raise ValueError(f"betas must be a pair, got {self.betas}")
+        check_betas(self.betas)
+        check_weight_decay(self.weight_decay)
+        if self.clamp_value < 0.0:
+            raise ValueError(f"Invalid clamp value: {self.clamp_value}")
+
+
+def scalars(h: LambHparams, step: Number):
+    b1, b2 = h.betas
+    c = (1 - b2**step) ** 0.5 / (1 - b1**step) if h.debias else 1.0
+    return (h.lr * c, b1, b2, h.eps, h.weight_decay, h.clamp_value, 1.0 if h.adam else 0.0)
+
+
+@triton.jit
+def _direction(p, g, m, v, hp):
+    b1 = tl.load(hp + 1)
+    b2 = tl.load(hp + 2)
+    eps = tl.load(hp + 3)
+    wd = tl.load(hp + 4)
+    m = b1 * m + (1.0 - b1) * g
+    v = b2 * v + (1.0 - b2) * g * g
+    u = fast_div(m, tl.sqrt(v) + eps) + wd * p
+    return u, m, v
+
+
+@triton.jit
+def lamb_norm_terms(p, g, m, v, unused, hp):
+    u, m, v = _direction(p, g, m, v, hp)
+    return p * p, u * u, u * 0.0
+
+
+@triton.jit
+def lamb_math(p, g, m, v, unused, hp, nrm):
+    u, m, v = _direction(p, g, m, v, hp)
+    step_size = tl.load(hp + 0)
+    clamp_value = tl.load(hp + 5)
+    adam = tl.load(hp + 6)
+    w_norm = tl.minimum(tl.sqrt(tl.load(nrm + 0)), clamp_value)
+    u_norm = tl.sqrt(tl.load(nrm + 1))
+    ratio = tl.where((w_norm > 0) & (u_norm > 0) & (adam == 0), w_norm / tl.maximum(u_norm, 1e-30), 1.0)
+    p = p - step_size * ratio * u
+    return p, m, v, unused
+
+
+def _direction_ref(p, g, states, s):
+    m, v = states
+    _, b1, b2, eps, wd, _, _ = s
+    m = b1 * m + (1 - b1) * g
+    v = b2 * v + (1 - b2) * g * g
+    return m / (v.sqrt() + eps) + wd * p, m, v
+
+
+def lamb_norm_terms_ref(p, g, states, s):
+    u, _, _ = _direction_ref(p, g, states, s)
+    return p * p, u * u, torch.zeros_like(u)
+
+
+def lamb_reference(p, g, states, s, sums):
+    u, m, v = _direction_ref(p, g, states, s)
+    step_size, clamp_value, adam = s[0], s[5], s[6]
+    w_norm = sums[0].sqrt().clamp(max=clamp_value)
+    u_norm = sums[1].sqrt()
+    ok = (w_norm > 0) & (u_norm > 0) & (adam == 0)
+    ratio = torch.where(ok, w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
+    return p - step_size * ratio * u, [m, v]
+
+
+_STATES = (StateSlot("exp_avg", signed=True), StateSlot("exp_avg_sq", signed=False))
+LAMB = Rule("lamb", LambHparams, _STATES, scalars, lamb_math, lamb_reference,
+            norms=(lamb_norm_terms, lamb_norm_terms_ref))  # fmt: skip
