@@ -229,7 +229,7 @@ def bnbf_candidate(name: str, rule: str, hparams: Any, **spec_kw: Any) -> Candid
     spec = bnbf.OptimSpec(rule=rule, **spec_kw)  # fails here (and is noted) for an unknown format
 
     def make(params: dict, grads: dict):
-        holder = {"state": bnbf.init_state(params, spec)}
+        holder = {"state": bnbf.init_state(params, spec, hparams)}
 
         def step(i: int) -> None:
             _, holder["state"] = bnbf.update_(params, grads, holder["state"], hparams, i)
@@ -280,9 +280,15 @@ def default_format() -> str | None:
     return d if isinstance(d, str) else None
 
 
+# rules benchmarked with the states they are usually run with (SGD and LARS keep a momentum buffer)
+RULE_EXTRA = {"sgd": {"momentum": 0.9}, "lars": {"momentum": 0.9}}
+
+
 def rule_hparams(rule: str) -> Any:
     if rule == "adamw":
         return {"lr": LR, "weight_decay": WEIGHT_DECAY}
+    if rule in RULE_EXTRA:
+        return {"lr": LR, **RULE_EXTRA[rule]}
     hp_for = getattr(bnbf, "hparams_for", None)
     if hp_for is None:
         return {"lr": LR}
@@ -293,10 +299,10 @@ def rule_hparams(rule: str) -> Any:
 
 
 def rule_moments(rule: str) -> int:
-    """How many param-sized moments the rule keeps (its registry row, else its 32-bit state; else 2)."""
-    states = getattr(getattr(bnbf, "RULES", {}).get(rule), "states", None)
-    if states:
-        return len(states)
+    """How many param-sized moments the rule keeps with the benchmarked hyperparameters."""
+    r = getattr(bnbf, "RULES", {}).get(rule)
+    if r is not None and hasattr(r, "slots_present"):
+        return sum(r.slots_present(r.make_hparams(rule_hparams(rule))))
     try:
         st = bnbf.init_state(torch.zeros(4096), bnbf.OptimSpec(rule=rule, state_bits=32))
         return max(1, sum(1 for t in tensors_in(st) if t.numel() == 4096))
