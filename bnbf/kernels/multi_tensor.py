@@ -347,8 +347,10 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool
     run(partials, 1)
     # per-tensor sums of the per-tile partials: a float64 prefix sum is exact enough and, unlike
     # atomics, gives the same bits every run (restarted training must match uninterrupted training)
-    prefix = torch.nn.functional.pad(torch.cumsum(partials, 0, dtype=torch.float64), (0, 0, 1, 0))
-    sums = (prefix[group.ranges[:, 1]] - prefix[group.ranges[:, 0]]).float().contiguous()
+    # (scanned along the last dimension: a scan along dim 0 of [tiles, 3] runs one thread per column,
+    # 820 ms for the 4.2M tiles of 1.07B params on the H200)
+    prefix = torch.nn.functional.pad(torch.cumsum(partials.t(), 1, dtype=torch.float64), (1, 0))
+    sums = (prefix[:, group.ranges[:, 1]] - prefix[:, group.ranges[:, 0]]).t().float().contiguous()
     run(sums, 2)
 
 
