@@ -119,7 +119,7 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
 
 @triton.jit
 def _step_tile(
-    table, g_ptr, hp, code_ptr, chunk, numel, nrm, part,
+    table, g_ptr, hp, code_ptr, chunk, numel, nrm, part, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -162,9 +162,9 @@ def _step_tile(
             a = p * p
             b = d * d
             c = a * 0.0
-        tl.store(part + 0, tl.sum(tl.sum(tl.where(counted, a, 0.0), axis=1), axis=0))
-        tl.store(part + 1, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
-        tl.store(part + 2, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
+        tl.store(part, tl.sum(tl.sum(tl.where(counted, a, 0.0), axis=1), axis=0))
+        tl.store(part + n_tiles, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
+        tl.store(part + 2 * n_tiles, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
         return
     s0_old = s0
     s1_old = s1
@@ -196,7 +196,7 @@ def _step_tile(
 
 @triton.jit
 def _step_kernel(
-    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr,
+    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
@@ -204,7 +204,7 @@ def _step_kernel(
     FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, STAGES: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr,
 ):  # fmt: skip
-    """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[tile, 3].
+    """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
     2: the step of a rule that needs per-tensor sums, read from norm_ptr[tensor, 3]."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
@@ -217,12 +217,12 @@ def _step_kernel(
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         for it in tl.range(0, ITERS, num_stages=STAGES):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + (pid * ITERS + it) * 3,
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + pid * ITERS + it, n_tiles,
                        MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                        False, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
     else:
         for it in tl.range(0, ITERS):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + (pid * ITERS + it) * 3,
+            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + pid * ITERS + it, n_tiles,
                        MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                        True, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
 
@@ -329,9 +329,11 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool
     code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
     iters = ITERS[group.dtype]
 
+    n_tiles = group.tasks.shape[0] * iters
+
     def run(norm_ptr, mode):
         _step_kernel[(group.tasks.shape[0],)](
-            group.table, group.tasks, grad_table, hp, code_ptr, norm_ptr,
+            group.table, group.tasks, grad_table, hp, code_ptr, norm_ptr, n_tiles,
             MATH=rule.math, PRESENT=group.present, QUANT=quant,
             SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
             P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
@@ -343,14 +345,17 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool
     if norm_terms is None and not clip:
         run(hp, 0)
         return
-    partials = torch.empty(group.tasks.shape[0] * iters, 3, dtype=torch.float32, device=group.device)
+    partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
     run(partials, 1)
-    # per-tensor sums of the per-tile partials: a float64 prefix sum is exact enough and, unlike
-    # atomics, gives the same bits every run (restarted training must match uninterrupted training)
-    # (scanned along the last dimension: a scan along dim 0 of [tiles, 3] runs one thread per column,
-    # 820 ms for the 4.2M tiles of 1.07B params on the H200)
-    prefix = torch.nn.functional.pad(torch.cumsum(partials.t(), 1, dtype=torch.float64), (1, 0))
-    sums = (prefix[:, group.ranges[:, 1]] - prefix[:, group.ranges[:, 0]]).t().float().contiguous()
+    # per-tensor sums of the per-tile partials: differences of a float64 prefix sum. Unlike atomics it
+    # gives the same bits every run (restarted training must match uninterrupted training). One flat
+    # scan: scanning a [tiles, 3] or [3, tiles] tensor along a dimension ran one block per column
+    # (820 and 0.76 ms on the H200 for the 1.07B and GPT-2 sets).
+    prefix = torch.nn.functional.pad(torch.cumsum(partials, 0, dtype=torch.float64), (1, 0))
+    offsets = torch.arange(3, device=group.device) * n_tiles
+    stops = group.ranges[:, 1:2] + offsets
+    starts = group.ranges[:, 0:1] + offsets
+    sums = (prefix[stops] - prefix[starts]).float()  # [tensors, 3]
     run(sums, 2)
 
 
