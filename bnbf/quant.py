@@ -221,8 +221,14 @@ def state_map(fmt: str, signed: bool, device: torch.device | str = "cpu") -> Ten
         return dynamic_map(signed, device)
     if fmt != "power":
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
-    codes = torch.arange(256, dtype=torch.uint8, device=device)
-    return dequantize_state_reference(codes, torch.ones(1, device=device), "power", signed, 256)
+    return _power_map(signed).to(device)
+
+
+@functools.cache
+def _power_map(signed: bool) -> Tensor:
+    c = torch.arange(256, dtype=torch.float64)
+    values = (c - 128) * (c - 128).abs() / 127.0**2 if signed else (c / 255.0) ** 4
+    return values.to(torch.float32)
 
 
 def zero_code(fmt: str, signed: bool) -> int:
@@ -267,11 +273,4 @@ def dequantize_state_reference(codes: Tensor, absmax: Tensor, fmt: str, signed: 
         return dequantize_blockwise_reference(codes, absmax, dynamic_map(signed, codes.device), block_size)
     if fmt != "power":
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
-    flat = codes.reshape(-1).float()
-    if signed:
-        f = flat - 128.0
-        values = f * f.abs() / (127.0 * 127.0)
-    else:
-        values = (flat / 255.0) ** 4
-    block_of = torch.arange(flat.numel(), device=codes.device) // block_size
-    return (values * absmax[block_of]).view(codes.shape)
+    return dequantize_blockwise_reference(codes, absmax, state_map("power", signed, codes.device), block_size)
