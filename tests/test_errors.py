@@ -1,0 +1,267 @@
+"""Bad input raises a clear error before any tensor is written.
+
+Every case runs through both ``bnbf.update`` and ``bnbf.update_`` with a snapshot (clones) of every
+param, grad and state leaf taken before the call, compared bitwise after it.
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+
+import bnbf
+from conftest import DEVICES, HAS_CUDA, assert_untouched, snapshot
+from optim_table import RULE_IDS, RULES
+
+UPDATES = [bnbf.update, bnbf.update_]
+UPDATE_IDS = ["update", "update_"]
+
+
+def spec(rule="adamw", bits=8, min_8bit_size=1, block_size=256):
+    return bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=min_8bit_size, block_size=block_size)
+
+
+def warm(p, s, rule="adamw"):
+    """A state with non-zero moments (so an accidental write is visible) and the param after one step."""
+    p, s = bnbf.update(p, torch.randn_like(p) * 0.01, s, {}, 1)
+    return p, s
+
+
+def expect_error(fn, exc, match, param, grad, state, hparams=None, step=2):
+    snap = snapshot(param, grad, state)
+    with pytest.raises(exc, match=match or None):
+        fn(param, grad, state, hparams if hparams is not None else {}, step)
+    assert_untouched(snap, f"{fn.__name__} after a {exc if isinstance(exc, type) else exc[0]}")
+
+
+@pytest.fixture(params=[8, 32], ids=["8bit", "32bit"])
+def bits(request):
+    return request.param
+
+
+@pytest.fixture
+def setup(device, bits):
+    p = torch.randn(4, 300, device=device)
+    s = bnbf.init_state(p, spec(bits=bits))
+    p, s = warm(p, s)
+    return p, torch.randn(4, 300, device=device) * 0.01, s
+
+
+# ------------------------------------------------------------------------------------------------
+# grads
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_grad_of_another_shape(setup, fn):
+    p, g, s = setup
+    expect_error(fn, (ValueError, TypeError), "shape", p, g.reshape(300, 4), s)
+    expect_error(fn, (ValueError, TypeError), "shape", p, g[:, :299].contiguous(), s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_grad_of_another_dtype(setup, fn):
+    p, g, s = setup
+    for dtype in (torch.float16, torch.bfloat16, torch.float64):
+        expect_error(fn, (ValueError, TypeError), "dtype", p, g.to(dtype), s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_grad_on_another_device(setup, fn, device):
+    p, g, s = setup
+    other = "meta" if not HAS_CUDA else ("cpu" if device == "cuda" else "cuda")
+    expect_error(fn, (ValueError, TypeError), "device|is on|cuda|cpu|meta", p, g.to(other), s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_sparse_grad(setup, fn):
+    p, g, s = setup
+    expect_error(fn, RuntimeError, "does not support sparse gradients", p, g.to_sparse(), s)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_error_names_the_key(device, fn):
+    params = {"encoder.weight": torch.randn(300, device=device), "decoder.bias": torch.randn(7, device=device)}
+    state = bnbf.init_state(params, spec())
+    grads = {"encoder.weight": torch.randn(300, device=device), "decoder.bias": torch.randn(8, device=device)}
+    expect_error(fn, (ValueError, TypeError), "decoder.bias", params, grads, state)
+    as_list = [params["encoder.weight"], params["decoder.bias"]]
+    expect_error(fn, (ValueError, TypeError), r"\[1\]", as_list,
+                 [grads["encoder.weight"], grads["decoder.bias"]], bnbf.init_state(as_list, spec()))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_bad_second_leaf_leaves_first_untouched(device, fn):
+    # all checks run before any write: a bad grad in the last leaf must not let the first leaf update
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device, dtype=torch.bfloat16),
+              "c": torch.randn(5, device=device)}
+    state = bnbf.init_state(params, spec(min_8bit_size=256))
+    grads = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device, dtype=torch.bfloat16),
+             "c": torch.randn(5, device=device, dtype=torch.float16)}
+    expect_error(fn, (ValueError, TypeError), "c", params, grads, state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_structure_mismatch(device, fn):
+    params = {"a": torch.randn(10, device=device), "b": torch.randn(10, device=device)}
+    state = bnbf.init_state(params, spec())
+    expect_error(fn, (ValueError, TypeError), "", params, {"a": torch.randn(10, device=device)}, state)
+    expect_error(fn, (ValueError, TypeError), "", params, params, {"a": state["a"]})
+
+
+# ------------------------------------------------------------------------------------------------
+# params
+
+
+BAD_PARAM_DTYPES = [torch.int32, torch.int64, torch.uint8, torch.bool, torch.complex64]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", BAD_PARAM_DTYPES, ids=str)
+def test_init_state_rejects_integer_and_complex_params(device, dtype):
+    p = torch.ones(300, device=device).to(dtype)
+    snap = snapshot(p)
+    with pytest.raises(TypeError):
+        bnbf.init_state(p, spec())
+    with pytest.raises(TypeError):
+        bnbf.init_state({"w": torch.randn(3, device=device), "bad": p}, spec())
+    assert_untouched(snap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", BAD_PARAM_DTYPES, ids=str)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_update_rejects_integer_and_complex_params(device, dtype, fn, bits):
+    s = bnbf.init_state(torch.zeros(300, device=device), spec(bits=bits))
+    _, s = warm(torch.zeros(300, device=device), s)
+    p = torch.ones(300, device=device).to(dtype)
+    expect_error(fn, TypeError, "", p, torch.ones(300, device=device).to(dtype), s)
+
+
+# ------------------------------------------------------------------------------------------------
+# states
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_state_for_another_shape(setup, fn, device, bits):
+    p, g, s = setup
+    other = bnbf.init_state(torch.zeros(300, 4, device=device), spec(bits=bits))  # same numel
+    expect_error(fn, ValueError, "", p, g, other)
+    bigger = bnbf.init_state(torch.zeros(4, 301, device=device), spec(bits=bits))
+    expect_error(fn, ValueError, "", p, g, bigger)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_state_layouts_mismatched(device, fn):
+    p = torch.randn(4, 300, device=device)
+    g = torch.randn(4, 300, device=device)
+    s8 = warm(p, bnbf.init_state(p, spec(bits=8)))[1]
+    s32 = warm(p, bnbf.init_state(p, spec(bits=32)))[1]
+    s8_64 = warm(p, bnbf.init_state(p, spec(bits=8, block_size=64)))[1]
+    # 32-bit layout holding 8-bit codes
+    expect_error(fn, (ValueError, TypeError), "", p, g, s32._replace(exp_avg=s8.exp_avg))
+    # 8-bit layout holding float32 moments
+    expect_error(fn, (ValueError, TypeError), "", p, g, s8._replace(exp_avg_sq=s32.exp_avg_sq))
+    # absmax of another block size (the layout says 256)
+    expect_error(fn, ValueError, "", p, g,
+                 s8._replace(exp_avg_absmax=s8_64.exp_avg_absmax, exp_avg_sq_absmax=s8_64.exp_avg_sq_absmax))
+    # an 8-bit state's fields in a 32-bit-layout tuple of the right length
+    expect_error(fn, (ValueError, TypeError), "", p, g, type(s32)(s8.exp_avg, s8.exp_avg_sq))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_states_of_two_rules_in_one_call(device, fn):
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device)}
+    state = {"a": bnbf.init_state(params["a"], spec("adam")), "b": bnbf.init_state(params["b"], spec("adamw"))}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    expect_error(fn, ValueError, "", params, grads, state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_not_a_state(setup, fn):
+    p, g, s = setup
+    expect_error(fn, (TypeError, ValueError), "", p, g, tuple(s))
+    expect_error(fn, (TypeError, ValueError), "", p, g, {"exp_avg": s[0], "exp_avg_sq": s[1]})
+
+
+# ------------------------------------------------------------------------------------------------
+# hyperparameters and step (torch.optim's wording)
+
+BAD_HPARAMS = [
+    ({"lr": -1.0}, "Invalid learning rate: -1.0"),
+    ({"eps": -1.0}, "Invalid epsilon value: -1.0"),
+    ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0: 1.0"),
+    ({"betas": (-0.1, 0.999)}, "Invalid beta parameter at index 0: -0.1"),
+    ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1: 1.0"),
+    ({"weight_decay": -1.0}, "Invalid weight_decay value: -1.0"),
+]
+BAD_IDS = ["lr", "eps", "beta0", "beta0_neg", "beta1", "weight_decay"]
+
+
+@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("bad,message", BAD_HPARAMS, ids=BAD_IDS)
+def test_torch_rejects_the_same_hparams(case, bad, message):
+    # the wording is torch's own: check it against torch so the table cannot drift from it
+    with pytest.raises(ValueError, match=re.escape(message)):
+        case.torch_opt([torch.zeros(1, requires_grad=True)], **{**case.hparams, **bad})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("bad,message", BAD_HPARAMS, ids=BAD_IDS)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_invalid_hparams(device, case, bad, message, fn, bits):
+    p = torch.randn(300, device=device)
+    s = bnbf.init_state(p, spec(case.name, bits=bits))
+    p, s = warm(p, s)
+    g = torch.randn(300, device=device)
+    expect_error(fn, ValueError, "^" + re.escape(message), p, g, s, hparams={**case.hparams, **bad})
+    with pytest.raises(ValueError, match="^" + re.escape(message)):
+        bnbf.hparams_for(case.name, **{**case.hparams, **bad})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_unknown_hparam(setup, fn):
+    p, g, s = setup
+    expect_error(fn, (ValueError, TypeError), "learning_rate", p, g, s, hparams={"learning_rate": 1e-3})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("step", [0, -1, "tensor0"])
+def test_invalid_step(setup, fn, step, device):
+    p, g, s = setup
+    if step == "tensor0":
+        if device != "cpu":
+            pytest.skip("a device step tensor is not read on the host (that would synchronise)")
+        step = torch.tensor(0)
+    expect_error(fn, ValueError, "", p, g, s, step=step)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor"])
+def test_non_integer_step(setup, fn, step, device):
+    p, g, s = setup
+    if step == "float_tensor":
+        step = torch.tensor(2.0, device=device)
+    expect_error(fn, (TypeError, ValueError), "", p, g, s, step=step)
+
+
+def test_invalid_spec():
+    for kw in ({"rule": "nope"}, {"state_bits": 4}, {"block_size": 100}, {"min_8bit_size": -1}):
+        with pytest.raises(ValueError):
+            bnbf.OptimSpec(**kw)

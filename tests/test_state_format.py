@@ -1,0 +1,60 @@
+"""The default 8-bit state format against bitsandbytes' dynamic map, over 200 steps without re-syncing.
+
+Problem (as ANCHORS.md describes it; benchmarks/format_drift.py explores more formats): a 257x129 param,
+gradients whose row scales are log-spaced over three decades plus a fixed per-element mean, AdamW
+(lr 1e-3, wd 0.01) for 200 steps. Drift = ||Δp_8bit − Δp_fp32|| / ||Δp_fp32||, Δp = p_200 − p_0, with the
+fp32 reference being torch.optim.AdamW. The bar for a new format: mean drift over three seeds at most
+1.25x the dynamic map's.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import bnbf
+from bnbf._dispatch import interpreting
+
+pytestmark = pytest.mark.skipif(
+    interpreting(), reason="200 steps of a 33k-element tensor: the reference path runs it (plain pass)"
+)
+
+STEPS = 200
+HP = {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.01}
+
+
+def problem(seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    p0 = torch.randn(257, 129, generator=gen) * 0.1
+    row = torch.logspace(-3, 0, 257).view(-1, 1)
+    mu = torch.randn(257, 129, generator=gen) * 0.75
+    grads = [row * (mu + torch.randn(257, 129, generator=gen)) for _ in range(STEPS)]
+    return p0, grads
+
+
+def drift(seed: int, fmt: str) -> float:
+    p0, grads = problem(seed)
+    ref = p0.clone().requires_grad_(True)
+    opt = torch.optim.AdamW([ref], **HP, foreach=False)
+    p = p0.clone()
+    state = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=8, state_format=fmt))
+    assert type(state).layout.format == fmt
+    for t, g in enumerate(grads, start=1):
+        ref.grad = g.clone()
+        opt.step()
+        bnbf.update_(p, g, state, HP, t)
+    d_ref = (ref.detach() - p0).double()
+    return ((p - p0).double() - d_ref).norm().item() / d_ref.norm().item()
+
+
+def test_power_format_drifts_no_more_than_the_dynamic_map():
+    dyn = [drift(s, "dynamic") for s in range(3)]
+    power = [drift(s, "power") for s in range(3)]
+    mean_dyn, mean_power = sum(dyn) / 3, sum(power) / 3
+    # the dynamic map reproduces the ANCHORS figure (2.3%), so the problem is the one described there
+    assert 0.01 < mean_dyn < 0.04, f"dynamic-map drift {dyn}"
+    assert mean_power <= 1.25 * mean_dyn, f"power drift {power} vs dynamic {dyn}"
+
+
+def test_default_format_is_the_power_format():
+    assert bnbf.OptimSpec().state_format == "power"

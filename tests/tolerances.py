@@ -1,0 +1,148 @@
+"""Every tolerance the suite uses, in one place, with where each figure comes from.
+
+Keys are ``(param dtype, state_bits)``. The figures are bitsandbytes' own test bars, quoted in
+``/work/shared/ANCHORS.md`` ("Accuracy bar"); do not loosen one to get a test green.
+
+* 32-bit state against the torch reference (``STATE32``): compare the *change* of the parameters from
+  their initial values and the moments, both in float32.
+* 8-bit state against the torch reference re-synced every step (``STATE8``): per state, fewer than
+  ``max_outside`` elements outside ``atol``/``rtol``; mean ``|p - p_ref|`` below ``mean_abs`` and mean
+  relative error below ``mean_rel`` (``strict`` says whether the bar is ``<`` or ``<=``, as bitsandbytes
+  writes it).
+* The quantizer (``QUANT``): mean errors of a signed-map round trip of ``randn``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Close:
+    atol: float
+    rtol: float
+
+
+@dataclass(frozen=True)
+class Resync8:
+    atol: float  # per-state element tolerance (dequantized state vs the reference's state)
+    rtol: float
+    max_outside: int  # fewer than this many elements may lie outside atol/rtol, per state, per step
+    mean_abs: float  # mean |p - p_ref| after one step from synced params and states
+    mean_rel: float  # mean |p - p_ref| / (|p_ref| + 1e-9)
+    strict: bool  # True: mean < bar; False: mean <= bar
+
+
+F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
+DTYPES = (F32, F16, BF16)
+
+# 32-bit state vs torch.optim (bitsandbytes test_optimizer32bit)
+STATE32: dict[tuple[torch.dtype, int], Close] = {
+    (F32, 32): Close(atol=1e-6, rtol=1e-5),
+    (F16, 32): Close(atol=1e-4, rtol=1e-3),
+    (BF16, 32): Close(atol=1e-3, rtol=1e-2),
+}
+
+# 8-bit state vs torch.optim, re-synced every step, 50 steps (bitsandbytes test_optimizer8bit)
+STATE8: dict[tuple[torch.dtype, int], Resync8] = {
+    (F32, 8): Resync8(atol=3e-3, rtol=1e-3, max_outside=20, mean_abs=6e-5, mean_rel=6e-4, strict=True),
+    (F16, 8): Resync8(atol=3e-3, rtol=1e-3, max_outside=20, mean_abs=6e-5, mean_rel=6e-4, strict=True),
+    (BF16, 8): Resync8(atol=3e-3, rtol=1e-3, max_outside=20, mean_abs=1.7e-4, mean_rel=1.6e-3, strict=False),
+}
+
+
+def tol(dtype: torch.dtype, state_bits: int) -> Close | Resync8:
+    """The tolerance for params of ``dtype`` with ``state_bits`` state."""
+    table = STATE32 if state_bits == 32 else STATE8
+    return table[(dtype, state_bits)]
+
+
+# Quantizer round trip of randn with the signed dynamic map, block 256 (bitsandbytes test_dynamic_blockwise)
+QUANT_SIGNED_MEAN_ABS = 0.011
+QUANT_SIGNED_MEAN_REL = 0.018
+
+# Round trip of one value: |x - dq(q(x))| <= half the local code gap * absmax + QUANT_ULPS float32 ulps of
+# absmax (x * (1/absmax) is one rounding away from x / absmax, and the product code * absmax another).
+QUANT_ULPS = 4
+
+# Two float32 evaluations of the same formula that differ only in how a hyperparameter reaches the
+# arithmetic (a Python float, rounded once to float32, vs a float32 0-d tensor; bias corrections in double
+# vs float32). The difference is a few float32 ulps per step of the *update*, so the 32-bit figure applies.
+SAME_MATH = STATE32[(F32, 32)]
+
+# Convergence of a small torch.func training loop: final loss relative to torch.optim.AdamW's.
+CONVERGENCE_REL = {32: 0.02, 8: 0.05}
+
+
+def assert_close_report(
+    actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float, what: str, show: int = 5
+) -> None:
+    """``|actual - expected| <= atol + rtol * |expected|`` elementwise (in float32), else fail with the
+    number of offending elements and the worst ``show`` of them (index, actual, expected, error)."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    a = actual.detach().float().cpu()
+    e = expected.detach().float().cpu()
+    err = (a - e).abs()
+    allowed = atol + rtol * e.abs()
+    bad = ~(err <= allowed)  # NaN counts as bad
+    if not bool(bad.any()):
+        return
+    excess = torch.where(bad, (err - allowed).nan_to_num(nan=float("inf")), torch.full_like(err, -1.0))
+    k = min(show, int(bad.sum()))
+    worst = excess.reshape(-1).topk(k).indices
+    lines = [
+        f"{what}: {int(bad.sum())} of {a.numel()} elements outside atol={atol:g} rtol={rtol:g} "
+        f"(max abs err {float(err.nan_to_num(nan=float('inf')).max()):.3e})"
+    ]
+    for flat in worst.tolist():
+        idx = tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), a.shape)) if a.dim() else ()
+        lines.append(
+            f"  at {idx}: actual {a.reshape(-1)[flat].item():.9g} expected {e.reshape(-1)[flat].item():.9g} "
+            f"err {err.reshape(-1)[flat].item():.3e} allowed {allowed.reshape(-1)[flat].item():.3e}"
+        )
+    raise AssertionError("\n".join(lines))
+
+
+def count_outside(actual: torch.Tensor, expected: torch.Tensor, atol: float, rtol: float) -> int:
+    """Number of elements not within ``atol + rtol * |expected|`` (NaN counts), compared in float32."""
+    a = actual.detach().float()
+    e = expected.detach().float()
+    return int((~torch.isclose(a, e, atol=atol, rtol=rtol)).sum())
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s raw bits as an integer tensor of the same shape (so NaN payloads compare too)."""
+    t = t.detach()
+    if t.is_sparse:
+        t = t.to_dense()
+    if t.is_complex():
+        t = torch.view_as_real(t)
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    if not t.is_floating_point():
+        return t
+    return t.contiguous().view(_BITS[t.element_size()])
+
+
+def assert_equal_report(actual: torch.Tensor, expected: torch.Tensor, what: str, show: int = 5) -> None:
+    """Bitwise equality (same shape, dtype and bits), else fail listing the first differing elements."""
+    assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
+    assert actual.dtype == expected.dtype, f"{what}: dtype {actual.dtype} != {expected.dtype}"
+    a_bits, e_bits = bits(actual), bits(expected)
+    if a_bits.device != e_bits.device:
+        e_bits = e_bits.to(a_bits.device)
+    if torch.equal(a_bits, e_bits):
+        return
+    a = (actual.to_dense() if actual.is_sparse else actual).detach().cpu().reshape(-1)
+    e = (expected.to_dense() if expected.is_sparse else expected).detach().cpu().reshape(-1)
+    diff = (a_bits != e_bits).cpu().reshape(-1) if not actual.is_complex() else (a != e)
+    where = diff.nonzero().reshape(-1)[:show].tolist()
+    lines = [f"{what}: {int(diff.sum())} of {a.numel()} elements differ bitwise"]
+    for flat in where:
+        lines.append(f"  flat index {flat}: actual {a[flat].item()!r} expected {e[flat].item()!r}")
+    raise AssertionError("\n".join(lines))
