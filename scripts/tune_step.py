@@ -6,7 +6,6 @@
 from __future__ import annotations
 
 import argparse
-import itertools
 import os
 import sys
 
@@ -61,8 +60,7 @@ def check():
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--quick", action="store_true")
-    args = ap.parse_args()
+    ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     bw = copy_gbs()
     print(f"copy {bw:.0f} GB/s")
@@ -89,12 +87,13 @@ def main():
                     st = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, state_format=fmt))
                     step = [0]
 
-                    def fn():
+                    def fn(params=params, grads=grads, st=st, step=step):
                         step[0] += 1
                         bnbf.update_(params, grads, st, {"lr": 1e-3, "weight_decay": 0.01}, step[0])
 
                     ms = triton.testing.do_bench(fn, warmup=5, rep=60)
-                    print(f"{set_name:10s} {str(dtype)[6:]:9s} {bits:2d}bit {fmt:7s} rows={rows} w={warps} vec={vec} it={iters} st={stages}: "
+                    tile = f"rows={rows} w={warps} vec={vec} it={iters} st={stages}"
+                    print(f"{set_name:10s} {str(dtype)[6:]:9s} {bits:2d}bit {fmt:7s} {tile}: "
                           f"{ms:7.3f} ms {nb / ms / 1e6:6.0f} GB/s {100 * nb / ms / 1e6 / bw:5.1f}% copy",
                           flush=True)
                 del st
