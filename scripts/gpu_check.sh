@@ -51,6 +51,14 @@ timeout -s INT -k 20 "${BENCH_BUDGET_S:-200}" \
   $PY benchmarks/bench_step.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
   2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
+
+echo "== every rule on big_1B (budget ${RULES_BUDGET_S:-100} s)"
+timeout -s INT -k 20 "${RULES_BUDGET_S:-100}" \
+  $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates bnbf8,bnbf32 \
+  --json "$OUT/rules.json" --markdown "$OUT/rules.md" > "$OUT/rules.log" 2>&1
+echo "rules benchmark rc $?"
+echo "== host and kernel time per step"
+timeout -s INT -k 10 "${PROFILE_BUDGET_S:-60}" $PY scripts/profile_step.py 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
 t2=$(date +%s)
 
 # ---- summary: the last thing printed
@@ -77,4 +85,5 @@ else
   echo "no benchmark table (see $OUT/bench.log)"
   tail -5 "$OUT/bench.log"
 fi
+[ -s "$OUT/rules.md" ] && grep -E '^\| big_1B' "$OUT/rules.md" | tail -n 18
 [ "$test_rc" -eq 0 ] && [ -s "$OUT/bench.json" ] || exit 1
