@@ -1,0 +1,123 @@
+"""``GlobalOptimManager``: per-parameter optimizer settings, as in bitsandbytes.
+
+Overrides are keyed by the parameter object itself (held weakly), so they survive ``model.to(device)``
+(which keeps the ``Parameter`` objects) and never leak or get mixed up when a parameter is freed and its
+``id`` reused. Every optimizer of :mod:`bnbf_nn` reads the overrides of its parameters:
+
+- settings that decide how a state is stored (``optim_bits``, ``min_8bit_size``, ``state_format``) apply
+  when the parameter's state is created (its first step);
+- hyperparameters (``betas``, ``eps``, ``weight_decay``, ``momentum``, ``skip_zeros``, ``max_unorm``...)
+  replace the group's value on every step, from the step after the override on;
+- ``lr`` is relative to the group: it is the parameter's learning rate while the group's ``lr`` is at its
+  starting value (``group["initial_lr"]``, which LR schedulers set, or the ``lr`` the group was created
+  with), and every change to the group's ``lr`` (a scheduler's or your own) scales it by the same factor.
+  bitsandbytes instead pins the parameter at the override's value, so a scheduler silently stops acting on it.
+
+Example (bitsandbytes' own, with ``bnbf_nn`` for ``bnb.optim``)::
+
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    model = MyModel()
+    mng.register_parameters(model.parameters())  # 1. register parameters while still on CPU
+    model = model.cuda()
+    adam = bnbf_nn.Adam(model.parameters(), lr=0.001, optim_bits=8)  # 8-bit state for every parameter
+    mng.override_config(model.fc1.weight, "optim_bits", 32)  # 2. ... but fp32 state for this one
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+__all__ = ["GlobalOptimManager"]
+
+
+class GlobalOptimManager:
+    """The process-wide registry of per-parameter optimizer settings (get it with :meth:`get_instance`)."""
+
+    _instance: GlobalOptimManager | None = None
+
+    def __init__(self):
+        raise RuntimeError("Call GlobalOptimManager.get_instance() instead")
+
+    @classmethod
+    def get_instance(cls) -> GlobalOptimManager:
+        """The one manager (made on first use)."""
+        if cls._instance is None:
+            inst = cls.__new__(cls)
+            inst.initialize()
+            cls._instance = inst
+        return cls._instance
+
+    def initialize(self) -> None:
+        """Forget every registration and override."""
+        self._configs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> {setting: value}
+        self._registered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> True
+        self._modules: list[tuple[weakref.ref, str, dict]] = []  # (module, attribute, settings)
+        # bumped on every change (never reset): optimizers rebuild their cached per-group plans
+        self.version = getattr(self, "version", 0) + 1
+
+    def register_parameters(self, params: Iterable[Any]) -> None:
+        """Register parameters (tensors, or param-group dicts as an optimizer takes them).
+
+        Overrides are keyed by the parameter object, so registering is optional here; it is kept so that
+        code written for bitsandbytes (register on the CPU, then move the model) runs unchanged.
+        """
+        for item in params:
+            tensors = item["params"] if isinstance(item, Mapping) else [item]
+            if isinstance(tensors, torch.Tensor):
+                tensors = [tensors]
+            for p in tensors:
+                self._registered[p] = True
+
+    def override_config(
+        self, parameters: Any, key: str | None = None, value: Any = None, key_value_dict: Mapping | None = None
+    ) -> None:
+        """Override settings for one parameter or several.
+
+        Args:
+            parameters: a tensor or an iterable of tensors.
+            key, value: one setting (``"optim_bits"``, ``"lr"``, ``"betas"``...) and its value.
+            key_value_dict: several settings at once (instead of ``key``/``value``).
+        """
+        if key is not None and key_value_dict is not None:
+            raise ValueError("give either key and value or key_value_dict, not both")
+        settings = {key: value} if key is not None else dict(key_value_dict or {})
+        if not settings:
+            raise ValueError("override_config needs key and value, or key_value_dict")
+        tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
+        for p in tensors:
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"override_config takes tensors, got {type(p).__name__}")
+            self._configs.setdefault(p, {}).update(settings)
+        self.version += 1
+
+    def register_module_override(self, module: torch.nn.Module, param_name: str, config: Mapping) -> None:
+        """Override settings for ``module.<param_name>``, whatever tensor that attribute holds when an optimizer
+        creates its state (the module is held weakly)."""
+        self._modules.append((weakref.ref(module), param_name, dict(config)))
+        self.version += 1
+
+    def configs_for(self, params: Iterable[torch.Tensor]) -> dict[int, dict]:
+        """``{id(p): settings}`` for those of ``params`` that have overrides (module overrides first, then
+        the parameter's own, which win)."""
+        wanted = {id(p): p for p in params}
+        out: dict[int, dict] = {}
+        alive = []
+        for ref, name, config in self._modules:
+            module = ref()
+            if module is None:
+                continue
+            alive.append((ref, name, config))
+            t = getattr(module, name, None)
+            if isinstance(t, torch.Tensor) and wanted.get(id(t)) is t:
+                out.setdefault(id(t), {}).update(config)
+        self._modules = alive
+        for i, p in wanted.items():
+            own = self._configs.get(p)
+            if own:
+                out.setdefault(i, {}).update(own)
+        return out

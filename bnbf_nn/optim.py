@@ -1,0 +1,593 @@
+"""torch.optim optimizers with bitsandbytes' class names, arguments, defaults and checkpoint layout.
+
+Every class is a ``torch.optim.Optimizer`` whose ``step`` calls :func:`bnbf.update_` once per param group
+(more only where parameters of a group carry different per-parameter overrides or step counts); all the
+math lives in :mod:`bnbf`. ``X``, ``X8bit`` and ``X32bit`` exist for X in Adam, AdamW, Lion, SGD, RMSprop,
+Adagrad, LAMB, LARS and AdEMAMix, generated from one table (:data:`FAMILIES`).
+
+    >>> import torch, bnbf_nn
+    >>> model = torch.nn.Linear(64, 64)
+    >>> opt = bnbf_nn.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=0)
+    >>> model(torch.randn(8, 64)).square().mean().backward()
+    >>> opt.step()
+    >>> opt.state[model.weight]["state"].exp_avg.dtype
+    torch.uint8
+
+Arguments. ``params`` and ``lr`` may be positional; every other argument is keyword-only. bitsandbytes'
+positional orders differ between ``X`` and ``X8bit`` (``Lion`` has ``optim_bits`` where ``Lion8bit`` has
+``args``) and shift when an argument is added or removed, so a positional call that happens to bind is a
+bug waiting; here it is a ``TypeError`` naming the argument. The base classes ``Optimizer1State`` and
+``Optimizer2State`` keep bitsandbytes' positional order, since subclasses call them positionally.
+Besides bitsandbytes' arguments every class takes ``optim_bits`` (``X8bit``/``X32bit`` only accept their
+own value), ``skip_zeros``, ``max_unorm`` (bnbf's update clipping), ``state_format`` (``"power"``, the
+default, or ``"dynamic"``, bitsandbytes' map) and the rule's hyperparameters bitsandbytes lacks (LAMB's
+``clamp_value``, LARS' ``trust_coefficient``...).
+
+Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
+``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``); ones bnbf has no
+rule for (``amsgrad=True``, ``is_paged=True``) raise ``NotImplementedError`` instead of being ignored.
+``Adam`` is ``torch.optim.Adam`` (L2 weight decay): bitsandbytes' ``Adam`` applies decoupled decay, so use
+``AdamW`` for its behaviour when ``weight_decay > 0``.
+
+Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
+``max_unorm`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides them per
+parameter. ``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>}``;
+``state_dict()`` writes bitsandbytes' layout (see :mod:`bnbf_nn._checkpoint`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import itertools
+import operator
+import sys
+from collections import defaultdict
+from collections.abc import Mapping
+from copy import deepcopy
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import bnbf
+from bnbf_nn import _checkpoint
+from bnbf_nn.manager import GlobalOptimManager
+
+__all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
+
+_UPDATE_KW = set(inspect.signature(bnbf.update_).parameters)
+_STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
+_CALL = {"skip_zeros": False, "max_unorm": 0.0}  # keyword arguments of bnbf.update_
+_BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
+# C-level loops over a group's params: the adapter's own cost is ~25-40 us a step on GPT-2 small's 148
+# tensors (H200 host; bnbf.update_ itself: ~300 us host, ~520 us GPU in fp32)
+_GRAD = operator.attrgetter("grad")
+_STEP = operator.itemgetter("step")
+
+
+@dataclasses.dataclass(frozen=True)
+class Family:
+    """One row of the class table: an optimizer family, its bnbf rule and bitsandbytes' defaults."""
+
+    name: str  # class name stem: X, X8bit, X32bit
+    rule: str  # key of bnbf.RULES
+    nstates: int  # bitsandbytes' state tensors: the base class is Optimizer1State or Optimizer2State
+    lr: float | None  # default lr; None: required (bitsandbytes' SGD and LARS)
+    args: tuple[tuple[str, Any], ...]  # the hyperparameters after lr, bitsandbytes' names and defaults
+    max_unorm: float | None = None  # bitsandbytes' default, for the families where it has the argument (else 0)
+    bnb_group: tuple[tuple[str, Any], ...] = ()  # bitsandbytes' group key -> our key, or tuple of keys/constants
+    bnb_slots: tuple[tuple[int, ...], ...] | None = None  # rule slots in state1, state2... (None: one each)
+    renames: tuple[tuple[str, str], ...] = ()  # bitsandbytes' argument -> the rule's hyperparameter
+
+    def extra_args(self) -> tuple[tuple[str, Any], ...]:
+        """The rule's hyperparameters bitsandbytes has no argument for (LAMB's clamp_value...), with the rule's
+        defaults: keyword arguments of the classes after bitsandbytes' own."""
+        rule = bnbf.RULES.get(self.rule)
+        if rule is None:
+            return ()
+        taken = {"lr"} | {k for k, _ in self.args} | {v for _, v in self.renames}
+        return tuple((f.name, f.default) for f in dataclasses.fields(rule.hparams) if f.name not in taken)
+
+
+_ADAM = (("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0.0), ("amsgrad", False))
+_SGD = (("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False))
+_SGD_GROUP = (("betas", ("momentum", "dampening")), ("eps", 0.0))
+
+FAMILIES: tuple[Family, ...] = (
+    Family("Adam", "adam", 2, 1e-3, _ADAM),
+    Family("AdamW", "adamw", 2, 1e-3, _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:]),
+    Family("Lion", "lion", 1, 1e-4, (("betas", (0.9, 0.99)), ("weight_decay", 0.0)), bnb_group=(("eps", 0.0),)),
+    Family("SGD", "sgd", 1, None, _SGD, bnb_group=_SGD_GROUP),
+    Family("RMSprop", "rmsprop", 1, 1e-2,
+           (("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0.0), ("momentum", 0.0), ("centered", False)),
+           bnb_group=(("betas", ("alpha", "momentum")),)),
+    Family("Adagrad", "adagrad", 1, 1e-2,
+           (("lr_decay", 0.0), ("weight_decay", 0.0), ("initial_accumulator_value", 0.0), ("eps", 1e-10)),
+           bnb_group=(("betas", (0.0, 0.0)),)),
+    Family("LAMB", "lamb", 2, 1e-3, (("bias_correction", True),) + _ADAM + (("adam_w_mode", True),), max_unorm=1.0,
+           renames=(("bias_correction", "debias"),)),
+    Family("LARS", "lars", 1, None, _SGD, max_unorm=0.02, bnb_group=_SGD_GROUP),
+    Family("AdEMAMix", "ademamix", 2, 1e-3,
+           (("betas", (0.9, 0.999, 0.9999)), ("alpha", 5.0), ("t_alpha", None), ("t_beta3", None), ("eps", 1e-8),
+            ("weight_decay", 1e-2)),
+           bnb_slots=((0, 1), (2,))),
+)  # fmt: skip
+_BY_NAME = {f.name: f for f in FAMILIES}
+# bitsandbytes' optimizer_name (Optimizer1State/2State's first argument) -> family; its "adam" decays decoupled
+_BNB_NAMES = {"adam": "AdamW", "lamb": "LAMB", "ademamix": "AdEMAMix", "momentum": "SGD", "lars": "LARS",
+              "rmsprop": "RMSprop", "adagrad": "Adagrad", "lion": "Lion"}  # fmt: skip
+
+
+def _rule(family: Family, cls_name: str):
+    rule = bnbf.RULES.get(family.rule)
+    if rule is None:
+        raise NotImplementedError(
+            f"{cls_name} needs bnbf's {family.rule!r} update rule, which this version of bnbf does not have yet"
+        )
+    return rule
+
+
+def _to_bnb_group(family: Family, group: Mapping) -> dict:
+    """bitsandbytes' spelling of a group's settings (``betas`` holds SGD's momentum and dampening...)."""
+    spell = dict(family.bnb_group)
+    out = {}
+    for key in _BNB_GROUP_KEYS:
+        how = spell.get(key, key)
+        if isinstance(how, tuple):
+            out[key] = tuple(group[k] if isinstance(k, str) else k for k in how)
+        elif isinstance(how, str):
+            if how in group:
+                out[key] = group[how]
+        else:
+            out[key] = how
+    return out
+
+
+def _from_bnb_group(family: Family, saved: Mapping, ours: set) -> dict:
+    """Our settings that ``saved`` (a bitsandbytes group) only holds in its own spelling."""
+    out = {}
+    for key, how in family.bnb_group:
+        if isinstance(how, tuple) and isinstance(saved.get(key), (tuple, list)):
+            out.update({k: v for k, v in zip(how, saved[key]) if isinstance(k, str) and k in ours and k not in saved})
+    return out
+
+
+class Optimizer8bit(torch.optim.Optimizer):
+    """Base of every bnbf_nn optimizer: a ``torch.optim.Optimizer`` that steps with :func:`bnbf.update_`.
+
+    Args:
+        params: an iterable of tensors or of param-group dicts.
+        defaults: every group's settings: ``lr`` and the rule's hyperparameters (torch.optim names), plus
+            ``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros`` and ``max_unorm``.
+        optim_bits: 8 or 32 (the default of ``defaults["optim_bits"]``).
+        is_paged: must be False (paged optimizers are not supported yet).
+        family: the row of :data:`FAMILIES` (subclasses set it as a class attribute).
+    """
+
+    family: Family
+
+    def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
+        if is_paged:
+            raise NotImplementedError("paged optimizers are not yet supported")
+        self.family = family or getattr(type(self), "family", None)
+        if self.family is None:
+            raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
+        self._rule = _rule(self.family, type(self).__name__)
+        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
+        self._init_caches()
+        super().__init__(params, {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults})
+
+    # ---- torch.optim plumbing --------------------------------------------------------------------------
+
+    def _init_caches(self) -> None:
+        self._plans: dict[int, _Plan] = {}  # id(group) -> its cached lists and states
+        self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
+        self._version = 0  # bumped when states are created or loaded: plans are rebuilt
+
+    def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
+        lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
+        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
+                "family": self.family, "_lr0": lr0}  # fmt: skip
+
+    def __setstate__(self, state: dict) -> None:
+        state = dict(state)
+        lr0 = state.pop("_lr0", [])
+        super().__setstate__(state)
+        self._rule = _rule(self.family, type(self).__name__)
+        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in self.defaults)
+        self._init_caches()
+        self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
+
+    def add_param_group(self, param_group: dict) -> None:
+        super().add_param_group(param_group)
+        group = self.param_groups[-1]
+        try:
+            self._check_group(group)
+            self._check_call(group, type(self).__name__)
+        except Exception:
+            self.param_groups.pop()
+            raise
+        self._lr0[id(group)] = group["lr"]
+
+    def _check_call(self, settings: Mapping, where: str) -> None:
+        for key, off in _CALL.items():
+            if settings.get(key, off) != off and key not in _UPDATE_KW:
+                raise NotImplementedError(f"{where}: {key} needs a bnbf whose update_ takes {key}=")
+
+    def _check_group(self, group: Mapping) -> None:
+        bnbf.hparams_for(self._rule.name, self._hparams(group))
+        bnbf.OptimSpec(rule=self._rule.name, state_bits=group["optim_bits"], min_8bit_size=group["min_8bit_size"],
+                       state_format=group["state_format"])  # fmt: skip
+
+    def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
+        hp = {k: group[k] for k in self._hkeys}
+        if override:
+            lr = override.get("lr")
+            hp.update((k, v) for k, v in override.items() if k in hp)
+            if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
+                base = group.get("initial_lr", self._lr0.get(id(group), group["lr"]))
+                hp["lr"] = lr * (group["lr"] / base) if base else lr
+        return hp
+
+    # ---- step ------------------------------------------------------------------------------------------
+
+    def step(self, closure=None):  # no torch.no_grad() here: bnbf.update_ enters it (saves ~5 us a step)
+        """One optimizer step for every parameter that has a gradient (``closure``: re-evaluates the model and
+        returns the loss, which ``step`` returns)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            self._step_group(group)
+        return loss
+
+    def _step_group(self, group: dict) -> None:
+        params = group["params"]
+        grads = list(map(_GRAD, params))
+        plan = self._plans.get(id(group))
+        if plan is None or not plan.valid(self, params):
+            plan = self._plan(group)
+        if not (plan.complete and all(map(operator.is_not, grads, itertools.repeat(None)))):
+            plan = self._create_states(group, grads, plan)
+            mask = [g is not None for g in grads]
+            for bucket in plan.buckets:
+                keep = [k for k, i in enumerate(bucket.idx) if mask[i]]
+                if keep:
+                    sub = bucket.subset(keep)
+                    self._run(group, sub, [grads[i] for i in sub.idx])
+                    bucket.uniform = bucket.uniform and len(keep) == len(bucket.idx)
+            return
+        for bucket in plan.buckets:
+            self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx])
+
+    def _run(self, group: dict, bucket: _Bucket, grads: list) -> None:
+        records = bucket.records
+        t = records[0]["step"]
+        if not bucket.uniform:
+            if list(map(_STEP, records)).count(t) != len(records):  # params of the group out of step: split
+                by_step: dict[int, list[int]] = defaultdict(list)
+                for k, r in enumerate(records):
+                    by_step[r["step"]].append(k)
+                for keep in by_step.values():
+                    self._run(group, bucket.subset(keep), [grads[k] for k in keep])
+                return
+            bucket.uniform = True  # until a step leaves some of its params out
+        kw = {}
+        for key, off in _CALL.items():
+            v = bucket.override.get(key, group[key])
+            if v != off:
+                kw[key] = v
+        bnbf.update_(bucket.params, grads, bucket.states, self._hparams(group, bucket.override), t + 1, **kw)
+        any(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)))  # r["step"] = t + 1
+
+    def _plan(self, group: dict) -> _Plan:
+        """Group the parameters that have state by their overrides: one bnbf.update_ call each."""
+        mng = GlobalOptimManager.get_instance()
+        params = group["params"]
+        configs = mng.configs_for(params)
+        allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
+        buckets: dict[tuple, list[int]] = {}
+        for i, p in enumerate(params):
+            cfg = configs.get(id(p), {})
+            unknown = sorted(set(cfg) - allowed)
+            if unknown:
+                raise ValueError(f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}; "
+                                 f"known: {sorted(allowed)}")  # fmt: skip
+            if "state" in self.state.get(p, {}):
+                key = tuple(sorted((k, repr(v)) for k, v in cfg.items() if k not in _STORAGE))
+                buckets.setdefault(key, []).append(i)
+        made = []
+        for idx in buckets.values():
+            cfg = {k: v for k, v in configs.get(id(params[idx[0]]), {}).items() if k not in _STORAGE}
+            self._check_call(cfg, "GlobalOptimManager override")
+            made.append(_Bucket(idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg,
+                                len(idx) == len(params)))  # fmt: skip
+        plan = _Plan(params, len(params), self.state, self._version, mng.version, made,
+                     sum(map(len, buckets.values())) == len(params), configs)  # fmt: skip
+        self._plans[id(group)] = plan
+        return plan
+
+    def _create_states(self, group: dict, grads: list, plan: _Plan) -> _Plan:
+        """States for the parameters that got their first gradient; returns the (re)built plan."""
+        new = False
+        for p, g in zip(group["params"], grads):
+            if g is None or "state" in self.state.get(p, {}):
+                continue
+            cfg = plan.configs.get(id(p), {})
+            storage = {k: cfg.get(k, group[k]) for k in _STORAGE}
+            spec = bnbf.OptimSpec(rule=self._rule.name, state_bits=storage["optim_bits"],
+                                  block_size=_checkpoint.BLOCK, min_8bit_size=storage["min_8bit_size"],
+                                  state_format=storage["state_format"])  # fmt: skip
+            self.state[p] = {"step": 0, "state": bnbf.init_state(p.detach(), spec, self._hparams(group, cfg))}
+            new = True
+        if new:
+            self._version += 1
+            plan = self._plan(group)
+        return plan
+
+    # ---- checkpoints -----------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """bitsandbytes' layout: per parameter index ``{"step": int, "__bnb_optimizer_quant_state__":
+        {"state1", "qmap1", "absmax1", "state2", ...}}``; groups also spell their settings as bitsandbytes
+        does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in torch.optim."""
+        for hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
+            hook(self)
+        index = {}
+        groups = []
+        for group in self.param_groups:
+            packed = {k: v for k, v in group.items() if k != "params"}
+            packed.update({k: v for k, v in _to_bnb_group(self.family, group).items() if k not in group})
+            packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
+            groups.append(packed)
+        state = {}
+        for group in self.param_groups:
+            for p in group["params"]:
+                rec = self.state.get(p)
+                if rec and "state" in rec:
+                    quant = _checkpoint.pack(rec["state"], self.family.bnb_slots, group["max_unorm"])
+                    state[index[id(p)]] = {"step": rec["step"], _checkpoint.QUANT_KEY: quant}
+        out = {"state": state, "param_groups": groups, "bnbf": {"optimizer": type(self).__name__,
+                                                                "rule": self._rule.name}}  # fmt: skip
+        for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
+            out = hook(self, out) or out
+        return out
+
+    def load_state_dict(self, state_dict: Mapping) -> None:
+        """Load a state dict of this class's family, ours or bitsandbytes' (8-bit codes are copied bit for bit,
+        their format read from the qmap). Everything is checked first: on any error (another optimizer,
+        other shapes, missing or mistyped entries) a ``ValueError`` says what, and the optimizer is unchanged."""
+        for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
+            state_dict = hook(self, state_dict) or state_dict
+        name = type(self).__name__
+        if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
+            raise ValueError(f"{name}.load_state_dict expects a dict with 'state' and 'param_groups'")
+        origin = state_dict.get("bnbf") or {}
+        if origin.get("rule", self._rule.name) != self._rule.name:
+            raise ValueError(f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
+                             f"{name} uses rule {self._rule.name!r}")  # fmt: skip
+        saved_groups = list(state_dict["param_groups"])
+        if len(saved_groups) != len(self.param_groups):
+            raise ValueError(f"the state dict has {len(saved_groups)} param groups, "
+                             f"{name} has {len(self.param_groups)}")
+        groups, id_map = [], {}
+        for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
+            if len(saved.get("params", ())) != len(group["params"]):
+                raise ValueError(f"param group {gi} of the state dict has {len(saved.get('params', ()))} params, "
+                                 f"{name}'s has {len(group['params'])}")  # fmt: skip
+            ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
+            new = {k: v for k, v in group.items() if k != "params"}
+            new.update({k: deepcopy(v) for k, v in saved.items() if k in ours or k not in
+                        {"params", *_STORAGE, *_BNB_GROUP_KEYS, "alpha", "t_alpha", "t_beta3"}})  # fmt: skip
+            new.update(_from_bnb_group(self.family, saved, ours))
+            new["params"] = group["params"]
+            try:
+                self._check_group(new)
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"param group {gi} of the state dict: {e}") from None
+            groups.append(new)
+            id_map.update({k: (p, new) for k, p in zip(saved["params"], group["params"])})
+        configs = GlobalOptimManager.get_instance().configs_for([p for g in groups for p in g["params"]])
+        state: defaultdict = defaultdict(dict)
+        for key, entry in state_dict["state"].items():
+            if key not in id_map:
+                raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
+            p, group = id_map[key]
+            where = f"param {key} (shape {tuple(p.shape)})"
+            if not isinstance(entry, Mapping):
+                raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
+            cfg = configs.get(id(p), {})
+            bits, min8 = (cfg.get(k, group[k]) for k in ("optim_bits", "min_8bit_size"))
+            want = 8 if bits == 8 and p.numel() >= min8 else 32
+            hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
+            step = _checkpoint.read_step(entry, where)
+            s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where)
+            state[p] = {"step": step, "state": s}
+        self.state = state
+        self.param_groups = groups
+        self._init_caches()
+        self._lr0 = {id(g): g.get("initial_lr", g["lr"]) for g in groups}
+        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            hook(self)
+
+
+@dataclasses.dataclass
+class _Bucket:
+    """Parameters of one group that share their overrides: one bnbf.update_ call."""
+
+    idx: list[int]  # positions in group["params"]
+    params: list[Tensor]
+    records: list[dict]  # optimizer.state[p] of each: {"step": int, "state": NamedTuple}
+    override: dict  # GlobalOptimManager settings (not storage) shared by these params
+    whole: bool  # the bucket is the whole group, in order
+    uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
+
+    def __post_init__(self):
+        self.states = [r["state"] for r in self.records]
+
+    def subset(self, keep: list[int]) -> _Bucket:
+        return _Bucket([self.idx[k] for k in keep], [self.params[k] for k in keep], [self.records[k] for k in keep],
+                       self.override, False)  # fmt: skip
+
+
+@dataclasses.dataclass
+class _Plan:
+    """A group's cached buckets, valid while the group's params list (the same list object, of the same
+    length: change a group's params by assigning a new list), the optimizer's states and the manager's
+    overrides are the ones it was built from."""
+
+    params: list
+    nparams: int
+    state_obj: Any
+    version: int
+    mng_version: int
+    buckets: list[_Bucket]
+    complete: bool  # every param of the group has state
+    configs: dict
+
+    def valid(self, opt: Optimizer8bit, params: list) -> bool:
+        return (
+            self.version == opt._version
+            and self.state_obj is opt.state
+            and self.mng_version == GlobalOptimManager.get_instance().version
+            and self.params is params
+            and self.nparams == len(params)
+        )
+
+
+# ---- bitsandbytes' base classes -------------------------------------------------------------------------
+
+
+def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_decay, **extra) -> tuple[Family, dict]:
+    family = _BY_NAME.get(_BNB_NAMES.get(optimizer_name, ""))
+    if family is None or family.nstates != nstates:
+        known = sorted(k for k, v in _BNB_NAMES.items() if _BY_NAME[v].nstates == nstates)
+        raise ValueError(f"unknown optimizer_name {optimizer_name!r} for a {nstates}-state optimizer; known: {known}")
+    rule = _rule(family, f"Optimizer{nstates}State({optimizer_name!r})")
+    ours = {f.name for f in dataclasses.fields(rule.hparams)}
+    spelled = {"betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **extra}
+    hp = {k: v for k, v in spelled.items() if k in ours and k not in dict(family.bnb_group)}
+    hp.update(_from_bnb_group(family, spelled, ours))
+    return family, {"lr": lr, **hp}
+
+
+class Optimizer2State(Optimizer8bit):
+    """bitsandbytes' two-state base class, with its positional arguments (for subclasses written for it).
+
+    ``optimizer_name`` is bitsandbytes' name: ``"adam"`` (decoupled weight decay, i.e. AdamW), ``"lamb"`` or
+    ``"ademamix"``. The other arguments are bitsandbytes'; ``state_format`` is bnbf's.
+    """
+
+    def __init__(self, optimizer_name, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, optim_bits=32,
+                 args=None, min_8bit_size=4096, max_unorm=0.0, skip_zeros=False, is_paged=False, alpha=0.0,
+                 t_alpha=None, t_beta3=None, *, state_format="power"):  # fmt: skip
+        extra = {"alpha": alpha, "t_alpha": t_alpha, "t_beta3": t_beta3} if optimizer_name == "ademamix" else {}
+        family, hp = _from_bnb_args(optimizer_name, 2, lr, betas, eps, weight_decay, **extra)
+        storage = _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format,
+                           bnbf.RULES[family.rule], family, f"Optimizer2State({optimizer_name!r})")  # fmt: skip
+        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
+
+
+class Optimizer1State(Optimizer8bit):
+    """bitsandbytes' one-state base class, with its positional arguments (for subclasses written for it).
+
+    ``optimizer_name`` is bitsandbytes' name: ``"momentum"`` (SGD; ``betas`` = (momentum, dampening)),
+    ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``.
+    """
+
+    def __init__(self, optimizer_name, params, lr=1e-3, betas=(0.9, 0.0), eps=1e-8, weight_decay=0.0, optim_bits=32,
+                 args=None, min_8bit_size=4096, max_unorm=0.0, skip_zeros=False, is_paged=False, *,
+                 state_format="power"):  # fmt: skip
+        family, hp = _from_bnb_args(optimizer_name, 1, lr, betas, eps, weight_decay)
+        storage = _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format,
+                           bnbf.RULES[family.rule], family, f"Optimizer1State({optimizer_name!r})")  # fmt: skip
+        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
+
+
+def _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format, rule, family, name) -> dict:
+    """The group settings that are not hyperparameters of the rule; bitsandbytes' ``args`` object wins."""
+    out = {"optim_bits": optim_bits, "min_8bit_size": min_8bit_size, "max_unorm": max_unorm,
+           "skip_zeros": skip_zeros, "state_format": state_format}  # fmt: skip
+    if args is not None:
+        out.update({k: getattr(args, k) for k in out if hasattr(args, k)})
+    if rule.norms is not None:  # LAMB, LARS: their trust ratio stands for bitsandbytes' update clipping
+        if out["max_unorm"] not in (0.0, family.max_unorm):
+            raise NotImplementedError(f"{name}: max_unorm={out['max_unorm']} is not supported: bnbf's {rule.name!r} "
+                                      f"rule scales its update by its own trust ratio")  # fmt: skip
+        out["max_unorm"] = 0.0
+    return out
+
+
+# ---- the generated classes ------------------------------------------------------------------------------
+
+_P = inspect.Parameter
+
+
+def _signature(family: Family, bits: int | None) -> inspect.Signature:
+    lr = _P.empty if family.lr is None else family.lr
+    ps = [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("params", _P.POSITIONAL_OR_KEYWORD),
+          _P("lr", _P.POSITIONAL_OR_KEYWORD, default=lr)]  # fmt: skip
+    ps += [_P(k, _P.KEYWORD_ONLY, default=v) for k, v in family.args + family.extra_args()]
+    ps += [_P("optim_bits", _P.KEYWORD_ONLY, default=bits or 32), _P("args", _P.KEYWORD_ONLY, default=None),
+           _P("min_8bit_size", _P.KEYWORD_ONLY, default=4096)]  # fmt: skip
+    ps.append(_P("max_unorm", _P.KEYWORD_ONLY, default=family.max_unorm or 0.0))
+    ps += [_P("skip_zeros", _P.KEYWORD_ONLY, default=False), _P("is_paged", _P.KEYWORD_ONLY, default=False),
+           _P("state_format", _P.KEYWORD_ONLY, default="power")]  # fmt: skip
+    return inspect.Signature(ps)
+
+
+def _make_class(family: Family, bits: int | None) -> type:
+    name = family.name + (f"{bits}bit" if bits else "")
+    sig = _signature(family, bits)
+
+    def __init__(self, *args, **kwargs):
+        a = sig.bind(self, *args, **kwargs)
+        a.apply_defaults()
+        a = a.arguments
+        if bits is not None and a["optim_bits"] != bits:
+            raise ValueError(f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
+                             f"(use {family.name}(optim_bits=...) to choose)")  # fmt: skip
+        rule = _rule(family, name)
+        fields = {f.name for f in dataclasses.fields(rule.hparams)}
+        hp = {"lr": a["lr"]}
+        renames = dict(family.renames)
+        for key, default in family.args + family.extra_args():
+            if renames.get(key, key) in fields:
+                hp[renames.get(key, key)] = a[key]
+            elif a[key] != default:
+                raise NotImplementedError(f"{name}: {key}={a[key]!r} is not supported (bnbf's {rule.name!r} rule "
+                                          f"has no such option)")  # fmt: skip
+        storage = _storage(a["args"], a["optim_bits"], a["min_8bit_size"], a["max_unorm"], a["skip_zeros"],
+                           a["state_format"], rule, family, name)  # fmt: skip
+        Optimizer8bit.__init__(self, a["params"], {**hp, **storage}, storage["optim_bits"], a["is_paged"])
+
+    __init__.__signature__ = sig
+    base = Optimizer2State if family.nstates == 2 else Optimizer1State
+    what = {None: "8-bit or 32-bit state (optim_bits, 32 by default)", 8: "8-bit state", 32: "32-bit state"}[bits]
+    doc = (
+        f"{family.name} with {what}: bitsandbytes.optim.{name}'s arguments and defaults, stepping with bnbf's "
+        f"{family.rule!r} rule.\n\nSignature: {name}{str(sig).replace('(self, ', '(')}\n\nArgs are "
+        f"bitsandbytes' and torch.optim's (see the module docstring of bnbf_nn.optim for what differs).\n\n"
+        f"Example::\n\n    opt = bnbf_nn.{name}(model.parameters(){', lr=0.1' if family.lr is None else ''})\n"
+        f"    loss.backward()\n    opt.step()\n    opt.zero_grad()\n"
+    )
+    cls = type(name, (base,), {"__init__": __init__, "family": family, "__doc__": doc, "__module__": __name__,
+                               "__qualname__": name})  # fmt: skip
+    return cls
+
+
+def _rule_doc(cls: type) -> str:
+    rule = bnbf.RULES.get(cls.family.rule)
+    mod = sys.modules.get(rule.hparams.__module__) if rule else None
+    return (mod.__doc__ or "") if mod else ""
+
+
+for _family in FAMILIES:
+    for _bits in (None, 8, 32):
+        _cls = _make_class(_family, _bits)
+        _cls.__doc__ += "\nUpdate (bnbf." + _family.rule + "):\n" + _rule_doc(_cls)
+        globals()[_cls.__name__] = _cls
+        __all__.append(_cls.__name__)
+del _family, _bits, _cls

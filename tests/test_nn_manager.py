@@ -1,0 +1,171 @@
+"""GlobalOptimManager (bitsandbytes' example verbatim, overrides, lr overrides under a scheduler) and the
+embeddings that keep 32-bit optimizer state."""
+
+from __future__ import annotations
+
+import gc
+import math
+
+import pytest
+import torch
+from test_nn_optim import MIN8, assert_same, make_grads, make_params, run_adapter
+
+import bnbf
+import bnbf_nn
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager():
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+    yield
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+
+
+class MyModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(64, 96)  # 6144 weights: 8-bit unless overridden
+        self.fc2 = torch.nn.Linear(96, 64)
+
+    def forward(self, x):
+        return self.fc2(self.fc1(x).relu())
+
+
+def test_bitsandbytes_override_example_runs_verbatim(device):
+    # bitsandbytes' optimizer overview, with bnbf_nn in place of bnb.optim (and .to(device) for .cuda())
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+
+    model = MyModel()
+    mng.register_parameters(model.parameters())  # 1. register parameters while still on CPU
+
+    model = model.cuda() if device == "cuda" else model.to(device)
+    # use 8-bit optimizer states for all parameters
+    adam = bnbf_nn.Adam(model.parameters(), lr=0.001, optim_bits=8)
+
+    # 2. override: the parameter model.fc1.weight now uses 32-bit Adam
+    mng.override_config(model.fc1.weight, "optim_bits", 32)
+
+    model(torch.randn(4, 64, device=device)).square().mean().backward()
+    adam.step()
+    layout = lambda p: type(adam.state[p]["state"]).layout
+    assert layout(model.fc1.weight).bits == 32
+    assert layout(model.fc2.weight).bits == 8
+    assert layout(model.fc1.bias).bits == 32  # below min_8bit_size
+
+
+def test_key_value_dict_and_hparam_overrides_make_their_own_call():
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 2)
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    opt = bnbf_nn.AdamW8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    mng.override_config([params[1]], key_value_dict={"weight_decay": 0.0, "betas": (0.5, 0.9), "optim_bits": 32})
+    run_adapter(opt, params, grads)
+    hp = {"lr": 1e-2, "weight_decay": 1e-2}
+    ps, states = [p.clone() for p in params0], []
+    states = [bnbf.init_state(ps[0], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8)),
+              bnbf.init_state(ps[1], bnbf.OptimSpec(rule="adamw", state_bits=32)),
+              bnbf.init_state(ps[2], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8))]  # fmt: skip
+    for t, gs in enumerate(grads, start=1):
+        bnbf.update_([ps[0], ps[2]], [gs[0], gs[2]], [states[0], states[2]], hp, t)
+        bnbf.update_(ps[1], gs[1], states[1], {**hp, "weight_decay": 0.0, "betas": (0.5, 0.9)}, t)
+    assert_same(opt, params, ps, states)
+
+
+def test_lr_override_follows_the_scheduler():
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 3)
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    mng.override_config(params[0], "lr", 1e-3)
+    opt = bnbf_nn.Lion8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    for gs in grads:
+        run_adapter(opt, params, [gs])
+        sched.step()
+    ps = [p.clone() for p in params0]
+    states = bnbf.init_state(ps, bnbf.OptimSpec(rule="lion", min_8bit_size=MIN8))
+    for t, gs in enumerate(grads, start=1):
+        scale = 0.5 ** (t - 1)
+        bnbf.update_(ps[:1], gs[:1], states[:1], {"lr": 1e-3 * scale}, t)  # the override, scaled like the group
+        bnbf.update_(ps[1:], gs[1:], states[1:], {"lr": 1e-2 * scale}, t)
+    assert_same(opt, params, ps, states)
+
+
+def test_override_after_the_first_step_applies_from_the_next():
+    params = make_params()
+    opt = bnbf_nn.SGD8bit(params, lr=0.1, momentum=0.9, min_8bit_size=MIN8)
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads[:1])
+    before = params[2].detach().clone()
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[2], "lr", 0.0)
+    run_adapter(opt, params, grads[1:])
+    assert torch.equal(params[2].detach(), before)
+    assert opt.state[params[2]]["step"] == 2
+
+
+def test_unknown_override_key_is_an_error():
+    params = make_params()
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[0], "momentum", 0.9)
+    opt = bnbf_nn.AdamW8bit(params)
+    with pytest.raises(ValueError, match="'momentum'.* not a setting of AdamW8bit"):
+        run_adapter(opt, params, make_grads(params, 1))
+
+
+def test_override_config_needs_a_setting():
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    with pytest.raises(ValueError):
+        mng.override_config(make_params()[0])
+    with pytest.raises(RuntimeError, match="get_instance"):
+        bnbf_nn.GlobalOptimManager()
+
+
+@pytest.mark.parametrize("cls", [bnbf_nn.StableEmbedding, bnbf_nn.Embedding])
+def test_embeddings_keep_32bit_state(cls):
+    torch.manual_seed(0)
+    emb = cls(1000, 16, padding_idx=0)
+    bound = math.sqrt(6 / (1000 + 16))  # Xavier uniform
+    assert emb.weight.abs().max() <= bound and emb.weight.abs().max() > 0.9 * bound
+    assert torch.equal(emb.weight[0], torch.zeros(16))
+    idx = torch.tensor([[1, 5, 7]])
+    out = emb(idx)
+    if cls is bnbf_nn.StableEmbedding:  # layer norm after the lookup
+        assert torch.allclose(out.mean(-1), torch.zeros(1, 3), atol=1e-5)
+    else:
+        assert torch.equal(out, emb.weight[idx].detach())
+    other = torch.nn.Linear(100, 64)
+    opt = bnbf_nn.AdamW8bit(list(emb.parameters()) + list(other.parameters()))
+    (out.square().sum() + other(torch.randn(2, 100)).square().sum()).backward()
+    opt.step()
+    assert type(opt.state[emb.weight]["state"]).layout.bits == 32
+    assert type(opt.state[other.weight]["state"]).layout.bits == 8
+
+
+def test_stable_embedding_keeps_the_weight_dtype():
+    emb = bnbf_nn.StableEmbedding(50, 8, dtype=torch.bfloat16)
+    assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16
+
+
+@pytest.mark.skipif("skip_zeros" not in __import__("inspect").signature(bnbf.update_).parameters,
+                    reason="bnbf.update_ has no skip_zeros yet")  # fmt: skip
+def test_skip_zeros_leaves_rows_not_looked_up():
+    torch.manual_seed(0)
+    emb = bnbf_nn.StableEmbedding(300, 16)
+    opt = bnbf_nn.AdamW8bit(emb.parameters(), lr=1e-2, weight_decay=0.1, skip_zeros=True)
+    before = emb.weight.detach().clone()
+    for _ in range(2):
+        opt.zero_grad()
+        emb(torch.tensor([3, 4, 200])).square().sum().backward()
+        opt.step()
+    changed = (emb.weight != before).any(dim=1).nonzero().flatten().tolist()
+    assert changed == [3, 4, 200]
+
+
+def test_module_overrides_are_held_weakly():
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    emb = bnbf_nn.Embedding(10, 4)
+    assert len(mng._modules) == 1
+    del emb
+    gc.collect()
+    mng.configs_for([])
+    assert mng._modules == []

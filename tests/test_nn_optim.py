@@ -1,0 +1,390 @@
+"""bnbf_nn's optimizers against the functional core and torch.optim's conventions, one table over all classes.
+
+Every class X, X8bit, X32bit of every family in ``bnbf_nn.FAMILIES`` gets: construction with defaults and
+bitsandbytes' argument names, bit-for-bit parity with ``bnbf.update_`` called directly (fp32, fp16, bf16
+params), and a state-dict round trip after which training continues bit for bit. The conventions (param
+groups, schedulers, GradScaler, hooks, closures, params without grad, skip_zeros, deepcopy, pickle) run on
+a few classes. Shapes are a few hundred elements so the Triton-interpreter pass stays fast; there the
+32-bit classes run fp32 only (8-bit classes run every dtype).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import inspect
+import io
+import pickle
+
+import pytest
+import torch
+from tolerances import assert_equal_report
+
+import bnbf
+import bnbf_nn
+from bnbf._dispatch import interpreting
+
+MIN8 = 256  # min_8bit_size in these tests: the (300,) and (16, 40) params get 8-bit state, (7,) 32-bit
+SHAPES = [(300,), (16, 40), (7,)]
+HAS_SKIP_ZEROS = "skip_zeros" in inspect.signature(bnbf.update_).parameters
+
+# family -> non-default hyperparameters the parity tests use (bitsandbytes' argument names)
+HPARAMS = {
+    "Adam": dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "AdamW": dict(lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1),
+    "Lion": dict(lr=1e-3, betas=(0.8, 0.95), weight_decay=0.1),
+    "SGD": dict(lr=1e-2, momentum=0.9, dampening=0.1, weight_decay=0.01),
+    "RMSprop": dict(lr=1e-2, alpha=0.9, eps=1e-6, weight_decay=0.01, momentum=0.5, centered=True),
+    "Adagrad": dict(lr=1e-2, lr_decay=0.01, weight_decay=0.01, initial_accumulator_value=0.1, eps=1e-8),
+    "LAMB": dict(lr=1e-2, bias_correction=False, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, clamp_value=5.0),
+    "LARS": dict(lr=1e-2, momentum=0.9, weight_decay=0.01, trust_coefficient=0.01),
+    "AdEMAMix": dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=10, t_beta3=10, eps=1e-6, weight_decay=0.1),
+}
+assert set(HPARAMS) == {f.name for f in bnbf_nn.FAMILIES}, "every family needs a row here"
+
+CLASSES = [(f, bits) for f in bnbf_nn.FAMILIES for bits in (None, 8, 32)]
+
+
+def cls_name(case) -> str:
+    family, bits = case
+    return family.name + (f"{bits}bit" if bits else "")
+
+
+def get_cls(case):
+    family, _ = case
+    if family.rule not in bnbf.RULES:
+        pytest.skip(f"bnbf has no {family.rule!r} rule yet: {cls_name(case)} raises NotImplementedError")
+    return getattr(bnbf_nn, cls_name(case))
+
+
+def make_params(dtype=torch.float32, shapes=SHAPES, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(device, dtype)) for s in shapes]
+
+
+def make_grads(params, steps, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [[(torch.randn(p.shape, generator=g) * 0.1).to(p.device, p.dtype) for p in params] for _ in range(steps)]
+
+
+def run_adapter(opt, params, grads):
+    for gs in grads:
+        for p, g in zip(params, gs):
+            p.grad = g.clone()
+        opt.step()
+
+
+def core_hparams(cls, kw: dict) -> dict:
+    """The rule's hyperparameters among ``kw`` (bitsandbytes' names renamed as the family says)."""
+    fields = {f.name for f in dataclasses.fields(bnbf.RULES[cls.family.rule].hparams)}
+    renames = dict(cls.family.renames)
+    return {renames.get(k, k): v for k, v in kw.items() if renames.get(k, k) in fields}
+
+
+def run_core(opt, params0, grads, bits, fmt="power", min8=MIN8, hp=None, **update_kw):
+    """The same steps through bnbf.init_state/bnbf.update_ directly."""
+    group = opt.param_groups[0]
+    hp = hp if hp is not None else core_hparams(type(opt), {k: group[k] for k in group if k != "params"})
+    if group["max_unorm"]:
+        update_kw.setdefault("max_unorm", group["max_unorm"])
+    ps = [p.detach().clone() for p in params0]
+    spec = bnbf.OptimSpec(rule=type(opt).family.rule, state_bits=bits, min_8bit_size=min8, state_format=fmt)
+    states = bnbf.init_state(ps, spec, hp)
+    for t, gs in enumerate(grads, start=1):
+        bnbf.update_(ps, gs, states, hp, t, **update_kw)
+    return ps, states
+
+
+def assert_same(opt, params, ref_params, ref_states, what=""):
+    for i, (p, rp, rs) in enumerate(zip(params, ref_params, ref_states)):
+        assert_equal_report(p.detach(), rp, f"{what}param {i}")
+        s = opt.state[p]["state"]
+        assert type(s) is type(rs), f"{what}param {i}: state {type(s).__name__} != {type(rs).__name__}"
+        for name, a, b in zip(s._fields, s, rs):
+            assert_equal_report(a, b, f"{what}param {i} state {name}")
+
+
+# ---- the table ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("case", CLASSES, ids=cls_name)
+def test_constructs_with_defaults_and_bnb_names(case):
+    family, bits = case
+    name = cls_name(case)
+    if family.rule not in bnbf.RULES:
+        with pytest.raises(NotImplementedError, match=f"{family.rule!r} update rule"):
+            getattr(bnbf_nn, name)(make_params(), lr=1e-3)
+        pytest.skip(f"bnbf has no {family.rule!r} rule yet (NotImplementedError checked)")
+    cls = getattr(bnbf_nn, name)
+    opt = cls(make_params()) if family.lr is not None else cls(make_params(), lr=0.1)
+    group = opt.param_groups[0]
+    assert group["optim_bits"] == (bits or 32) and group["min_8bit_size"] == 4096
+    assert isinstance(opt, torch.optim.Optimizer)
+    assert isinstance(opt, bnbf_nn.Optimizer2State if family.nstates == 2 else bnbf_nn.Optimizer1State)
+    ours = inspect.signature(cls).parameters
+    assert [n for n, p in ours.items() if p.kind != p.KEYWORD_ONLY] == ["params", "lr"]
+    bnb = pytest.importorskip("bitsandbytes.optim")
+    theirs = inspect.signature(getattr(bnb, name)).parameters
+    for n, p in theirs.items():
+        if n in ("self", "params"):
+            continue
+        assert n in ours, f"{name} lacks bitsandbytes' argument {n!r}"
+        if n != "optim_bits" or bits is None:  # bitsandbytes' X8bit(optim_bits=32) default is ignored there
+            assert ours[n].default == p.default, f"{name}({n}=...): default {ours[n].default!r} != {p.default!r}"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CLASSES, ids=cls_name)
+def test_matches_core_bitwise(case, dtype, device):
+    cls = get_cls(case)
+    family, bits = case
+    if interpreting() and bits != 8 and dtype != torch.float32:
+        pytest.skip("interpreter pass: 32-bit classes run fp32 only")
+    kw = HPARAMS[family.name]
+    params = make_params(dtype, device=device)
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 2)
+    opt = cls(params, **kw, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads)
+    ref_p, ref_s = run_core(opt, params0, grads, bits or 32, hp=core_hparams(cls, kw))
+    assert_same(opt, params, ref_p, ref_s)
+    assert all(opt.state[p]["step"] == 2 for p in params)
+
+
+@pytest.mark.parametrize("case", CLASSES, ids=cls_name)
+def test_state_dict_round_trip_continues_bitwise(case, device):
+    cls = get_cls(case)
+    family, bits = case
+    if interpreting() and bits != 8:
+        pytest.skip("interpreter pass: the round trip runs on the 8-bit classes")
+    kw = HPARAMS[family.name]
+    params = make_params(device=device)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    grads = make_grads(params, 3)
+    opt, opt2 = cls(params, **kw, min_8bit_size=MIN8), cls(twin, **kw, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads[:2])
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf, weights_only=True)
+    for entry in sd["state"].values():  # the layout bitsandbytes writes
+        quant = entry["__bnb_optimizer_quant_state__"]
+        assert isinstance(entry["step"], int) and entry["step"] == 2
+        assert {t.dtype for k, t in quant.items() if k.startswith(("absmax", "qmap"))} <= {torch.float32}
+    for p, q in zip(params, twin):
+        q.data.copy_(p.data)
+    opt2.load_state_dict(sd)
+    assert_same(opt2, twin, [p.detach() for p in params], [opt.state[p]["state"] for p in params], "loaded ")
+    run_adapter(opt, params, grads[2:])
+    run_adapter(opt2, twin, grads[2:])
+    assert_same(opt2, twin, [p.detach() for p in params], [opt.state[p]["state"] for p in params], "continued ")
+
+
+# ---- arguments --------------------------------------------------------------------------------------------
+
+
+def test_arguments_after_lr_are_keyword_only():
+    with pytest.raises(TypeError):
+        bnbf_nn.Adam8bit(make_params(), 1e-3, (0.9, 0.99))
+    with pytest.raises(TypeError, match="lr"):
+        bnbf_nn.SGD8bit(make_params())  # lr is required, as in bitsandbytes
+
+
+@pytest.mark.parametrize(
+    "make, error, match",
+    [
+        (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged=True), NotImplementedError, "paged optimizers are not yet"),
+        (lambda ps: bnbf_nn.Adam(ps, amsgrad=True), NotImplementedError, "amsgrad"),
+        (lambda ps: bnbf_nn.Adam8bit(ps, optim_bits=32), ValueError, "8-bit state"),
+        (lambda ps: bnbf_nn.Adam(ps, optim_bits=16), ValueError, "state_bits"),
+        (lambda ps: bnbf_nn.AdamW(ps, lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
+        (lambda ps: bnbf_nn.AdamW(ps, betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
+        (lambda ps: bnbf_nn.SGD(ps, lr=0.1, nesterov=True), ValueError, "Nesterov"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps, state_format="fp4"), ValueError, "state_format"),
+        (lambda ps: bnbf_nn.Optimizer2State("adamax", ps), ValueError, "optimizer_name"),
+        (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), NotImplementedError, "trust ratio"),
+    ],
+)
+def test_bad_arguments(make, error, match):
+    with pytest.raises(error, match=match):
+        make(make_params())
+
+
+def test_bnb_base_classes_keep_positional_order():
+    params, twin = make_params(), make_params()
+    grads = make_grads(params, 2)
+    # bitsandbytes' "adam" decays decoupled: AdamW; "momentum" is SGD with betas = (momentum, dampening)
+    a = bnbf_nn.Optimizer2State("adam", params, 1e-2, (0.8, 0.99), 1e-6, 0.1, 8, None, MIN8)
+    b = bnbf_nn.AdamW8bit(twin, lr=1e-2, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, min_8bit_size=MIN8)
+    run_adapter(a, params, grads)
+    run_adapter(b, twin, grads)
+    assert_same(a, params, [p.detach() for p in twin], [b.state[p]["state"] for p in twin])
+    sgd = bnbf_nn.Optimizer1State("momentum", make_params(), 0.1, (0.9, 0.0), 0.0, 0.0, 8)
+    assert (sgd.family.rule, sgd.param_groups[0]["momentum"]) == ("sgd", 0.9)
+
+
+# ---- torch.optim conventions -----------------------------------------------------------------------------
+
+
+def test_param_groups_with_their_own_settings():
+    a, b = make_params(seed=0), make_params(seed=1)
+    a0, b0 = [p.detach().clone() for p in a], [p.detach().clone() for p in b]
+    opt = bnbf_nn.AdamW8bit(
+        [{"params": a}, {"params": b, "lr": 3e-2, "weight_decay": 0.0, "optim_bits": 32, "betas": (0.5, 0.9)}],
+        lr=1e-2, min_8bit_size=MIN8,
+    )  # fmt: skip
+    ga, gb = make_grads(a, 2, seed=2), make_grads(b, 2, seed=3)
+    for t in range(2):
+        for p, g in zip(a + b, ga[t] + gb[t]):
+            p.grad = g.clone()
+        opt.step()
+    ra = run_core(opt, a0, ga, 8, hp=dict(lr=1e-2, weight_decay=0.01))
+    rb = run_core(opt, b0, gb, 32, hp=dict(lr=3e-2, weight_decay=0.0, betas=(0.5, 0.9)))
+    assert_same(opt, a, *ra, "group 0 ")
+    assert_same(opt, b, *rb, "group 1 ")
+
+
+def test_add_param_group_and_its_validation():
+    opt = bnbf_nn.Lion8bit(make_params(), min_8bit_size=MIN8)
+    later = make_params(seed=5)
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.add_param_group({"params": later, "lr": -1.0})
+    assert len(opt.param_groups) == 1
+    opt.add_param_group({"params": later, "lr": 1e-3})
+    run_adapter(opt, later, make_grads(later, 1))
+    assert all(opt.state[p]["step"] == 1 for p in later)
+
+
+def test_params_without_grad_are_skipped_and_steps_split():
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 2)
+    opt = bnbf_nn.Adam8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    params[1].grad = None
+    for p, g in zip([params[0], params[2]], [grads[0][0], grads[0][2]]):
+        p.grad = g.clone()
+    opt.step()
+    assert "state" not in opt.state.get(params[1], {})
+    run_adapter(opt, params, grads[1:])  # params[1] now at step 1, the others at step 2: two calls
+    assert [opt.state[p]["step"] for p in params] == [2, 1, 2]
+    ref = run_core(opt, [params0[0], params0[2]], [[grads[0][0], grads[0][2]], [grads[1][0], grads[1][2]]], 8)
+    assert_same(opt, [params[0], params[2]], *ref)
+    ref1 = run_core(opt, [params0[1]], [[grads[1][1]]], 8)
+    assert_same(opt, [params[1]], *ref1)
+
+
+def test_lr_scheduler_changes_lr_each_step():
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 3)
+    opt = bnbf_nn.AdamW8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda epoch: 0.5**epoch)
+    for gs in grads:
+        run_adapter(opt, params, [gs])
+        sched.step()
+    ps = [p.clone() for p in params0]
+    states = bnbf.init_state(ps, bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8), {})
+    for t, gs in enumerate(grads, start=1):
+        bnbf.update_(ps, gs, states, {"lr": 1e-2 * 0.5 ** (t - 1)}, t)
+    assert_same(opt, params, ps, states)
+
+
+def test_grad_scaler_skips_non_finite_steps():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=1e-2, min_8bit_size=MIN8)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**8)
+    x = torch.randn(8, 16)
+
+    def backward():
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(x).float().square().mean()
+        scaler.scale(loss).backward()
+
+    backward()
+    model[0].weight.grad[0, 0] = float("inf")
+    before = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**7  # the overflow halved the scale
+    for p, b in zip(model.parameters(), before):
+        assert_equal_report(p.detach(), b, "param after a skipped step")
+    assert not opt.state or all(r.get("step", 0) == 0 for r in opt.state.values())
+    backward()
+    params0 = [p.detach().clone() for p in model.parameters()]
+    scaler.step(opt)  # unscales the grads in place, then steps
+    grads = [[p.grad.clone() for p in model.parameters()]]
+    ref = run_core(opt, params0, grads, 8)
+    assert_same(opt, list(model.parameters()), *ref)
+
+
+def test_closure_hooks_and_zero_grad():
+    params = make_params()
+    opt = bnbf_nn.SGD8bit(params, lr=0.1, momentum=0.9, min_8bit_size=MIN8)
+    calls = []
+    opt.register_step_pre_hook(lambda o, args, kwargs: calls.append("pre"))
+    opt.register_step_post_hook(lambda o, args, kwargs: calls.append("post"))
+
+    def closure():
+        opt.zero_grad()
+        loss = sum(p.square().sum() for p in params)
+        loss.backward()
+        return loss
+
+    loss = opt.step(closure)
+    assert isinstance(loss, torch.Tensor) and calls == ["pre", "post"]
+    assert all(opt.state[p]["step"] == 1 for p in params)
+    opt.zero_grad()
+    assert all(p.grad is None for p in params)
+
+
+@pytest.mark.skipif(not HAS_SKIP_ZEROS, reason="bnbf.update_ has no skip_zeros yet")
+@pytest.mark.parametrize("bits", [8, 32])
+def test_skip_zeros_leaves_zero_grad_elements(bits):
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 2)
+    for gs in grads:
+        for g in gs:
+            g.view(-1)[::3] = 0.0
+    cls = bnbf_nn.Adam8bit if bits == 8 else bnbf_nn.Adam32bit
+    opt = cls(params, lr=1e-2, weight_decay=0.1, skip_zeros=True, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads)
+    for p, p0 in zip(params, params0):
+        assert_equal_report(p.detach().view(-1)[::3], p0.view(-1)[::3], "param elements whose grad was 0")
+    ref = run_core(opt, params0, grads, bits, hp=dict(lr=1e-2, weight_decay=0.1), skip_zeros=True)
+    assert_same(opt, params, *ref)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_are_independent_and_step_alike(how):
+    params = make_params()
+    grads = make_grads(params, 2)
+    opt = bnbf_nn.AdEMAMix8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads[:1])
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    twin_params = twin.param_groups[0]["params"]
+    assert all(a is not b for a, b in zip(twin_params, params))
+    run_adapter(opt, params, grads[1:])
+    run_adapter(twin, twin_params, grads[1:])
+    assert_same(twin, twin_params, [p.detach() for p in params], [opt.state[p]["state"] for p in params])
+
+
+def test_bitsandbytes_args_object_wins():
+    from types import SimpleNamespace
+
+    args = SimpleNamespace(optim_bits=32, min_8bit_size=100, max_unorm=0.0, skip_zeros=False)
+    opt = bnbf_nn.Adam(make_params(), optim_bits=8, args=args)
+    assert (opt.param_groups[0]["optim_bits"], opt.param_groups[0]["min_8bit_size"]) == (32, 100)
+
+
+def test_max_unorm_clips_like_the_core():
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 2)
+    opt = bnbf_nn.AdamW8bit(params, lr=0.5, max_unorm=0.01, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads)
+    assert_same(opt, params, *run_core(opt, params0, grads, 8, hp=dict(lr=0.5), max_unorm=0.01))
+    unclipped = run_core(opt, params0, grads, 8, hp=dict(lr=0.5), max_unorm=0.0)[0]
+    assert not torch.equal(unclipped[0], params[0].detach())  # the clipping did something
