@@ -378,7 +378,7 @@ _STRIDED = functools.partial(operator.eq, torch.strided)
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
-_PLAN_CACHE_SIZE = 4
+_PLAN_CACHE_SIZE = 32  # one per (optimizer, param group, override bucket) in use
 
 
 def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
