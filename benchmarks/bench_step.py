@@ -50,7 +50,7 @@ WEIGHT_DECAY = 0.01
 BLOCK = 256  # block size of the byte model (absmax: one float32 per 256 elements per moment)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PEERS = ("bnb", "torchao", "flashoptim")
-DEFAULT_CANDIDATES = "bnbf8,bnbf8_*,bnbf32,torch,bnb,torchao,flashoptim"
+DEFAULT_CANDIDATES = "bnbf8,bnbf8_*,bnbf_nn,bnbf32,torch,bnb,torchao,flashoptim"
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -359,7 +359,13 @@ def build_candidates(rule: str, device: torch.device, notes: list[str]) -> list[
             # step moves the same bytes as the other 8-bit candidates
             return FlashAdamW(ps, lr=LR, weight_decay=WEIGHT_DECAY, quantize=True, master_weight_bits=None)
 
+    def adapter_factory(ps):
+        import bnbf_nn
+
+        return bnbf_nn.AdamW8bit(ps, lr=LR, weight_decay=WEIGHT_DECAY)
+
     out += [
+        optim_candidate("bnbf_nn", rule, "8bit", adapter_factory, "bnbf_nn.AdamW8bit (adapter over bnbf.update_)"),
         optim_candidate("bnb", rule, "8bit", bnb_factory, "bitsandbytes.optim.AdamW8bit"),
         optim_candidate("torchao", rule, "8bit", torchao_factory, "torchao.optim.AdamW8bit"),
         optim_candidate("flashoptim", rule, "8bit", flash_factory, "FlashAdamW(master_weight_bits=None)"),
