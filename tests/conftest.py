@@ -13,9 +13,8 @@ import os
 import pytest
 import torch
 from hypothesis import HealthCheck, settings
-from torch.utils._pytree import tree_leaves
-
 from tolerances import assert_equal_report
+from torch.utils._pytree import tree_leaves
 
 HAS_CUDA = torch.cuda.is_available()
 DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])

@@ -236,9 +236,9 @@ EXTRA_RULES = [
     _row("ademamix", "", AdEMAMixReference, {"lr": 1e-3, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0},
          {"exp_avg": "exp_avg", "exp_avg_slow": "exp_avg_slow", "exp_avg_sq": "exp_avg_sq"}, 3e-2,
          torch_kwargs={}),
-    _row("ademamix", "warmup", AdEMAMixReference,
-         {"lr": 1e-3, "betas": (0.9, 0.999, 0.9999), "alpha": 5.0, "t_alpha": 10, "t_beta3": 10},
-         {"exp_avg": "exp_avg", "exp_avg_slow": "exp_avg_slow", "exp_avg_sq": "exp_avg_sq"}, 3e-2,
+    _row("ademamix", "warmup", AdEMAMixReference,  # β3 0.999: the slow EMA (and so t_alpha) matters in 20 steps
+         {"lr": 1e-3, "betas": (0.9, 0.999, 0.999), "alpha": 5.0, "t_alpha": 10, "t_beta3": 10},
+         {"exp_avg": "exp_avg", "exp_avg_slow": "exp_avg_slow", "exp_avg_sq": "exp_avg_sq"}, 1e-2,
          torch_kwargs={}),
     _row("lamb", "", _lamb, {"lr": 1e-3}, _ADAM_STATES, 3e-2, torch_kwargs={}),
     _row("lamb", "debias", _lamb, {"lr": 1e-3, "debias": True}, _ADAM_STATES, 3e-2, torch_kwargs={}),

@@ -10,10 +10,10 @@ import re
 
 import pytest
 import torch
-
-import bnbf
 from conftest import DEVICES, HAS_CUDA, assert_untouched, snapshot
 from optim_table import RULE_IDS, RULES
+
+import bnbf
 
 UPDATES = [bnbf.update, bnbf.update_]
 UPDATE_IDS = ["update", "update_"]

@@ -10,17 +10,17 @@ import math
 
 import pytest
 import torch
+from conftest import DEVICES, kernel_runs
 from hypothesis import given
 from hypothesis import strategies as st
-
-import bnbf
-from conftest import DEVICES, kernel_runs
 from tolerances import (
     QUANT_SIGNED_MEAN_ABS,
     QUANT_SIGNED_MEAN_REL,
     QUANT_ULPS,
     assert_equal_report,
 )
+
+import bnbf
 
 # A kernel code may differ from the reference's (by one code) only where x / absmax lies this close,
 # relatively, to the midpoint of two codes: about 16 float32 ulps, room for x * (1/absmax) vs x / absmax
@@ -335,6 +335,7 @@ def test_kernel_codes_at_codes_midpoints_and_decade_edges(device, explicit_code)
 try:  # the kernel must be a module-level function: the interpreter resolves names through its globals
     import triton
     import triton.language as tl
+
     from bnbf.kernels.codec import encode_dynamic
 
     @triton.jit
