@@ -115,8 +115,8 @@ def _check_code(code: Tensor, device: torch.device) -> None:
 # pure-torch reference
 
 
-def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
-    """Nearest-code block-wise quantization in plain torch (the oracle for the kernels)."""
+def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor, int]:
+    """``x`` in memory order as zero-padded [blocks, block_size] float32, its absmax per block, numel."""
     flat = x.detach().reshape(-1).float()
     n = flat.numel()
     nblocks = -(-n // block_size)
@@ -124,6 +124,12 @@ def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256)
     padded[:n] = flat
     blocks = padded.view(nblocks, block_size)
     absmax = blocks.abs().amax(dim=1)
+    return blocks, absmax, n
+
+
+def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
+    """Nearest-code block-wise quantization in plain torch (the oracle for the kernels)."""
+    blocks, absmax, n = _blocks(x, block_size)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)
     # nearest of the two neighbouring codes; ties go to the lower code
@@ -238,17 +244,6 @@ def zero_code(fmt: str, signed: bool) -> int:
     if fmt == "power":
         return 128 if signed else 0
     raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
-
-
-def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor, int]:
-    flat = x.detach().reshape(-1).float()
-    n = flat.numel()
-    nblocks = -(-n // block_size)
-    padded = torch.zeros(nblocks * block_size, dtype=torch.float32, device=flat.device)
-    padded[:n] = flat
-    blocks = padded.view(nblocks, block_size)
-    absmax = blocks.abs().amax(dim=1)
-    return blocks, absmax, n
 
 
 def quantize_state_reference(x: Tensor, fmt: str, signed: bool, block_size: int) -> tuple[Tensor, Tensor]:
