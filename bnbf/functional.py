@@ -463,7 +463,8 @@ def dequantize_state(state: Any) -> Any:
                 out[slot.name] = dequantize_state_reference(t, absmax, layout.format, slot.signed, layout.block_size)
             else:
                 out[slot.name] = t.clone()
-        return out
+        export = get_rule(layout.rule).export
+        return out if export is None else export(out)
     leaves, spec = pytree.tree_flatten(state, is_leaf=is_state)
     if not leaves or not all(is_state(s) for s in leaves):
         raise TypeError("dequantize_state expects a bnbf state or a pytree of them")

@@ -15,6 +15,8 @@ A rule is one file in ``bnbf/rules/`` that defines:
   elementwise terms whose per-tensor sums the math needs (LAMB: ||p||², ||adam step||²); the kernel then
   runs a norm pass first (one launch for all tensors), and the reference passes the sums to
   ``reference(p, g, states, scalars, sums)``;
+- optionally ``export``: maps the dequantized slots to torch.optim's state where a rule stores a
+  transformed quantity (centered RMSprop keeps the variance);
 - optionally ``present(hparams)``: which slots a state keeps (e.g. no momentum buffer when momentum is
   0), and ``initial(hparams)``: the slots' initial values (zeros by default).
 
@@ -52,6 +54,7 @@ class Rule:
     present: Callable[[Any], tuple[bool, ...]] | None = None
     initial: Callable[[Any], tuple[float, ...]] | None = None
     norms: tuple[Any, Callable] | None = None
+    export: Callable[[dict], dict] | None = None  # stored slots -> torch.optim's state (dequantize_state)
 
     def slots_present(self, hparams: Any) -> tuple[bool, ...]:
         return (True,) * len(self.states) if self.present is None else tuple(self.present(hparams))

@@ -1,14 +1,18 @@
 """RMSprop as ``torch.optim.RMSprop``: alpha, eps, L2 weight decay, momentum and centered.
 
     g   = g + wd·p
-    sq  = α·sq + (1 − α)·g²
+    sq  = α·sq + (1 − α)·g²                   (not centered)
+    var = α·var + α(1 − α)·(g − ga)²          (centered: var = sq − ga², updated directly)
     ga  = α·ga + (1 − α)·g                    (centered)
-    avg = √(sq − ga²) + ε   (centered)   or   √sq + ε
+    avg = √var + ε   (centered)   or   √sq + ε
     buf = μ·buf + g / avg;  p = p − lr·buf    (momentum > 0)
     p   = p − lr·g / avg                      (otherwise)
 
 States: ``square_avg`` (unsigned: never negative), ``momentum_buffer`` (signed, when momentum > 0),
-``grad_avg`` (signed, when centered).
+``grad_avg`` (signed, when centered). When centered, the ``square_avg`` slot stores the centered variance
+sq − ga² itself (the same quantity in exact arithmetic): quantized separately, sq and ga² cancel in 8 bits
+(the difference went negative and the step blew up). ``dequantize_state`` reports torch's
+``square_avg`` = var + ga².
 """
 
 from __future__ import annotations
@@ -61,10 +65,10 @@ def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
     momentum = tl.load(hp + 4)
     centered = tl.load(hp + 5)
     g = g + wd * p
-    sq = alpha * sq + (1.0 - alpha) * g * g
+    d = g - ga
+    sq = tl.where(centered != 0, alpha * sq + alpha * (1.0 - alpha) * d * d, alpha * sq + (1.0 - alpha) * g * g)
     ga = alpha * ga + (1.0 - alpha) * g
-    var = tl.where(centered != 0, sq - ga * ga, sq)
-    step = fast_div(g, tl.sqrt(tl.maximum(var, 0.0)) + eps)
+    step = fast_div(g, tl.sqrt(sq) + eps)
     buf = momentum * buf + step
     p = p - lr * tl.where(momentum != 0, buf, step)
     return p, sq, buf, ga
@@ -74,12 +78,12 @@ def rmsprop_reference(p, g, states, s):
     lr, alpha, eps, wd, momentum, centered = s
     sq, buf, ga = states
     g = g + wd * p
-    sq = alpha * sq + (1 - alpha) * g * g
-    if ga is not None:
+    if ga is not None:  # sq holds the centered variance
+        sq = alpha * sq + alpha * (1 - alpha) * (g - ga) ** 2
         ga = alpha * ga + (1 - alpha) * g
-        avg = (sq - ga * ga).clamp_min(0).sqrt() + eps
     else:
-        avg = sq.sqrt() + eps
+        sq = alpha * sq + (1 - alpha) * g * g
+    avg = sq.sqrt() + eps
     if buf is not None:
         buf = momentum * buf + g / avg
         return p - lr * buf, [sq, buf, ga]
@@ -91,4 +95,12 @@ _STATES = (
     StateSlot("momentum_buffer", signed=True),
     StateSlot("grad_avg", signed=True),
 )
-RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, scalars, rmsprop_math, rmsprop_reference, present=present)
+def export(states: dict) -> dict:
+    """torch.optim's view: with centered, square_avg = stored variance + grad_avg²."""
+    if "grad_avg" in states:
+        states = dict(states, square_avg=states["square_avg"] + states["grad_avg"] ** 2)
+    return states
+
+
+RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, scalars, rmsprop_math, rmsprop_reference, present=present,
+               export=export)  # fmt: skip
