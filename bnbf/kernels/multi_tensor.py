@@ -2,16 +2,16 @@
 
 Three layers:
 
-- ``_step_kernel``: each program takes ``ROWS`` quantization blocks of one tensor, found through a task
-  list (tensor index, chunk index). It dequantizes the states, runs the rule's ``math`` in float32,
-  writes the param in its own dtype and requantizes each state with the block's new absmax.
-- ``launch``: checks nothing (the functional layer validated), builds or reuses the address table and
-  the task list, and launches once.
-- ``bnbf::step_`` / ``bnbf::step``: the ``torch.library`` ops (in place / out of place) through which the
-  functional layer calls it, with fake implementations so that tracing needs no redesign.
-
-The address table (int64, one row of ``NF`` fields per tensor) is cached by the addresses it holds, and
-the task list by the tensor sizes, so a training loop on the same tensors rebuilds neither.
+- ``_step_kernel``: each program takes ``ITERS`` tiles of ``ROWS`` quantization blocks of one tensor,
+  found through a task list (tensor index, chunk index). It dequantizes the states, runs the rule's
+  ``math`` in float32, writes the param in its own dtype and requantizes each state with the block's new
+  absmax. Rules that need per-tensor norms (and ``max_unorm``) run it twice: a norm pass writing per-tile
+  partial sums, then the step reading the per-tensor sums.
+- ``build_group`` / ``launch_group``: the address table and task list of a group (built once; the
+  functional layer caches them in its plans), and the launch(es) of one step with that step's grad
+  pointers and scalars. They check nothing: the functional layer validated.
+- ``bnbf::step_`` / ``bnbf::step`` (:mod:`bnbf.ops`): the ``torch.library`` ops, with fake implementations,
+  through which traced calls reach ``launch``.
 """
 
 from __future__ import annotations
