@@ -275,6 +275,10 @@ class Group:
     tasks: Tensor  # int32 [programs, 2] on the device
     ranges: Tensor  # int64 [tensors, 2]: each tensor's tiles (rows of the norm pass's partials)
     aligned: bool  # every param and state address is 16-byte aligned
+    # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
+    # caching allocator usually hands a training loop's grads the same blocks every step)
+    grad_ptrs: tuple = ()
+    grad_table: Tensor | None = None
 
 
 def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int, present: int) -> Group:
@@ -317,9 +321,12 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool
     ``grads`` are contiguous, in the group's order; ``hp`` is float32 [rows, k]; ``skip_zeros``: elements
     whose gradient is exactly 0 keep their param and states.
     """
-    ptrs = list(map(Tensor.data_ptr, grads))
+    ptrs = tuple(map(Tensor.data_ptr, grads))
     aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
-    grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
+    if ptrs != group.grad_ptrs:
+        group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
+        group.grad_ptrs = ptrs
+    grad_table = group.grad_table
     rule = get_rule(group.rule)
     signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
     quant = group.fmt != "fp32"
