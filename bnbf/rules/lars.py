@@ -19,6 +19,8 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
+from bnbf.rules.sgd import momentum_step, momentum_step_reference, present
+from bnbf.rules.sgd import scalars as sgd_scalars
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -47,14 +49,7 @@ class LarsHparams:
 
 
 def scalars(h: LarsHparams, step: Number):
-    first = step == 1 if not hasattr(step, "dtype") else (step == 1).float()
-    return (h.lr, h.weight_decay, h.momentum, 1 - h.dampening, 1.0 if h.nesterov else 0.0, first,
-            h.trust_coefficient, h.eps)  # fmt: skip
-
-
-def present(h: LarsHparams) -> tuple[bool, ...]:
-    m = _value(h.momentum)
-    return (m is None or m != 0.0,)
+    return (*sgd_scalars(h, step), h.trust_coefficient, h.eps)  # SGD's layout, then LARS' own
 
 
 @triton.jit
@@ -66,21 +61,13 @@ def lars_norm_terms(p, g, buf, unused1, unused2, hp):
 def lars_math(p, g, buf, unused1, unused2, hp, nrm):
     lr = tl.load(hp + 0)
     wd = tl.load(hp + 1)
-    momentum = tl.load(hp + 2)
-    one_minus_damp = tl.load(hp + 3)
-    nesterov = tl.load(hp + 4)
-    first = tl.load(hp + 5)
     trust = tl.load(hp + 6)
     eps = tl.load(hp + 7)
     p_norm = tl.sqrt(tl.load(nrm + 0))
     g_norm = tl.sqrt(tl.load(nrm + 1))
     local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(trust * p_norm, g_norm + wd * p_norm + eps), 1.0)
-    d = local * (g + wd * p)
-    buf = tl.where(first != 0, d, momentum * buf + one_minus_damp * d)
-    step = tl.where(nesterov != 0, d + momentum * buf, buf)
-    step = tl.where(momentum != 0, step, d)
-    p = p - lr * step
-    return p, buf, unused1, unused2
+    step, buf = momentum_step(local * (g + wd * p), buf, hp)
+    return p - lr * step, buf, unused1, unused2
 
 
 def lars_norm_terms_ref(p, g, states, s):
@@ -88,16 +75,11 @@ def lars_norm_terms_ref(p, g, states, s):
 
 
 def lars_reference(p, g, states, s, sums):
-    lr, wd, momentum, one_minus_damp, nesterov, first, trust, eps = s
+    lr, wd, trust, eps = s[0], s[1], s[6], s[7]
     p_norm, g_norm = sums[0].sqrt(), sums[1].sqrt()
     ok = (p_norm > 0) & (g_norm > 0)
     local = torch.where(ok, trust * p_norm / (g_norm + wd * p_norm + eps), torch.ones_like(p_norm))
-    d = local * (g + wd * p)
-    (buf,) = states
-    if buf is None:
-        return p - lr * d, [None]
-    buf = d.clone() if bool(first) else momentum * buf + one_minus_damp * d
-    step = d + momentum * buf if bool(nesterov) else buf
+    step, buf = momentum_step_reference(local * (g + wd * p), states[0], s)
     return p - lr * step, [buf]
 
 

@@ -49,30 +49,40 @@ def present(h: SGDHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def sgd_math(p, g, buf, unused1, unused2, hp, nrm):
-    lr = tl.load(hp + 0)
-    wd = tl.load(hp + 1)
+def momentum_step(d, buf, hp):
+    """The step taken for direction ``d`` with torch's momentum buffer (scalars 2..5 of ``hp``: momentum,
+    1 - dampening, nesterov, first step); shared by SGD and LARS. Returns (step, new buffer)."""
     momentum = tl.load(hp + 2)
     one_minus_damp = tl.load(hp + 3)
     nesterov = tl.load(hp + 4)
     first = tl.load(hp + 5)
-    g = g + wd * p
-    buf = tl.where(first != 0, g, momentum * buf + one_minus_damp * g)
-    d = tl.where(nesterov != 0, g + momentum * buf, buf)
-    d = tl.where(momentum != 0, d, g)  # momentum 0: plain SGD (no state is kept)
-    p = p - lr * d
-    return p, buf, unused1, unused2
+    buf = tl.where(first != 0, d, momentum * buf + one_minus_damp * d)
+    step = tl.where(nesterov != 0, d + momentum * buf, buf)
+    step = tl.where(momentum != 0, step, d)  # momentum 0: plain steps (no state is kept)
+    return step, buf
+
+
+def momentum_step_reference(d, buf, s):
+    """:func:`momentum_step` in torch; ``buf`` is None when no momentum buffer is kept."""
+    _, _, momentum, one_minus_damp, nesterov, first = s[:6]
+    if buf is None:
+        return d, None
+    buf = d.clone() if bool(first) else momentum * buf + one_minus_damp * d
+    return (d + momentum * buf if bool(nesterov) else buf), buf
+
+
+@triton.jit
+def sgd_math(p, g, buf, unused1, unused2, hp, nrm):
+    lr = tl.load(hp + 0)
+    wd = tl.load(hp + 1)
+    step, buf = momentum_step(g + wd * p, buf, hp)
+    return p - lr * step, buf, unused1, unused2
 
 
 def sgd_reference(p, g, states, s):
-    lr, wd, momentum, one_minus_damp, nesterov, first = s
-    g = g + wd * p
-    (buf,) = states
-    if buf is None:  # momentum 0
-        return p - lr * g, [None]
-    buf = g.clone() if bool(first) else momentum * buf + one_minus_damp * g
-    d = g + momentum * buf if bool(nesterov) else buf
-    return p - lr * d, [buf]
+    lr, wd = s[0], s[1]
+    step, buf = momentum_step_reference(g + wd * p, states[0], s)
+    return p - lr * step, [buf]
 
 
 SGD = Rule("sgd", SGDHparams, (StateSlot("momentum_buffer", signed=True),), scalars, sgd_math, sgd_reference,
