@@ -66,7 +66,7 @@ class Rule:
         """Validated hyperparameter dataclass from a mapping, a dataclass of this rule, or None."""
         if hparams is None:
             return self.hparams()
-        if isinstance(hparams, self.hparams):
+        if type(hparams) is self.hparams:  # exact: AdamW's and LAMB's hparams subclass Adam's
             return hparams
         if dataclasses.is_dataclass(hparams):
             raise ValueError(

@@ -18,26 +18,19 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
+from bnbf.rules.adam import AdamHparams
+from bnbf.rules.base import Number, Rule, StateSlot
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LambHparams:
-    lr: Number = 1e-3
-    betas: tuple[Number, Number] = (0.9, 0.999)
-    eps: Number = 1e-6
-    weight_decay: Number = 0.0
+class LambHparams(AdamHparams):
+    eps: Number = 1e-6  # torch_optimizer.Lamb's default
     clamp_value: float = 10.0
     adam: bool = False
     debias: bool = False
 
     def __post_init__(self):
-        check_lr(self.lr)
-        check_eps(self.eps)
-        if len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair, got {self.betas}")
-        check_betas(self.betas)
-        check_weight_decay(self.weight_decay)
+        super().__post_init__()  # lr, eps, betas, weight_decay as Adam checks them
         if self.clamp_value < 0.0:
             raise ValueError(f"Invalid clamp value: {self.clamp_value}")
 
