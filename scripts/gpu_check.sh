@@ -37,6 +37,10 @@ EOF
 echo "== tests (budget ${TEST_BUDGET_S:-270} s)"
 timeout_arg=()
 $PY -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
+# the GPU machine has pytest-xdist and 16 cores: Triton compiles in parallel workers; CPU-device tests are
+# CI's job, so only the cuda parametrizations run here unless BNBF_TEST_DEVICES says otherwise
+$PY -c "import xdist" 2>/dev/null && timeout_arg+=(-n "${TEST_WORKERS:-8}")
+export BNBF_TEST_DEVICES=${BNBF_TEST_DEVICES:-cuda}
 # -x-style: stop after a few failures so a broken kernel cannot eat the call; SIGINT at the budget makes
 # pytest print its summary before it exits
 timeout -s INT -k 20 "${TEST_BUDGET_S:-270}" \

@@ -17,7 +17,10 @@ from tolerances import assert_equal_report
 from torch.utils._pytree import tree_leaves
 
 HAS_CUDA = torch.cuda.is_available()
-DEVICES = ["cpu"] + (["cuda"] if HAS_CUDA else [])
+# BNBF_TEST_DEVICES=cuda lets the GPU run skip the CPU duplicates that CI already runs
+DEVICES = os.environ.get("BNBF_TEST_DEVICES", "").split(",") if os.environ.get("BNBF_TEST_DEVICES") else (
+    ["cpu"] + (["cuda"] if HAS_CUDA else [])
+)
 
 # deterministic by default so CI failures reproduce; HYPOTHESIS_PROFILE=dev explores more and at random
 settings.register_profile(
