@@ -326,27 +326,32 @@ def update_(
     grads, g_spec = _flatten(grad)
     if g_spec != p_spec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
-    if not (  # the common case in C-level loops; the per-tensor checks below name what is wrong
+    # The common case in C-level loops (a step's host time is mostly these per-tensor reads). Contiguity
+    # also rules out sparse and other non-strided grads; the per-tensor checks below name what is wrong.
+    if not (
         list(map(_SHAPE, grads)) == plan.shapes
         and list(map(_DTYPE, grads)) == plan.dtypes
-        and list(map(_DEVICE, grads)) == plan.device_list
-        and all(map(_STRIDED, map(_LAYOUT, grads)))
+        and list(map(plan.device_key, grads)) == plan.device_keys
+        and all(map(Tensor.is_contiguous, grads))
     ):
         for i, (p, g) in enumerate(zip(params, grads)):
             if not _grad_ok(p, g):
                 _check_leaf(_names(param)[i], p, g, states[i])
+        grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     h = plan.rule.make_hparams(hparams)
     if present_mask(plan.rule, h) != plan.present:
         _check_present(plan.rule, h, states)
     _check_step(step)
     values, clip = _scalars(plan.rule, h, step, max_unorm)
-    rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
+    if any(isinstance(v, Tensor) for v in values):
+        rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
+    else:  # Python numbers reach the kernel as arguments: nothing to upload
+        floats = tuple(map(float, values))
+        rows = dict.fromkeys(plan.devices, floats)
     with torch.no_grad():
         for idx, group in plan.groups:
-            gs = [grads[i] for i in idx]
-            if not all(map(Tensor.is_contiguous, gs)):
-                gs = [g.contiguous() for g in gs]
-            launch_group(group, gs, rows[group.device], skip_zeros, clip)
+            launch_group(group, grads if idx is None else [grads[i] for i in idx], rows[group.device], skip_zeros,
+                         clip)  # fmt: skip
     return param, state
 
 
@@ -367,14 +372,13 @@ class _Plan:
     present: int  # the state slots every state of the plan keeps
     shapes: list  # of the params, in order: what each grad must match
     dtypes: list
-    device_list: list
+    device_key: Any  # Tensor.get_device where every param is on CUDA (cheaper than .device), else .device
+    device_keys: list
 
 
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
-_LAYOUT = operator.attrgetter("layout")
-_STRIDED = functools.partial(operator.eq, torch.strided)
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
@@ -386,10 +390,17 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     reference, non-contiguous params, tracing, or anything to report as an error)."""
     if torch.compiler.is_compiling() or s_spec != p_spec or len(states) != len(params):
         return None
-    key = (tuple(map(id, params)), tuple(map(id, states)))
+    # found by a few ids, then confirmed object by object (the plan holds its params and states, so
+    # their ids stay unique while it is cached) and by the params' storage
+    key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
     plan = _PLANS.get(key)
     if plan is not None:
-        if plan.ptrs == tuple(map(Tensor.data_ptr, params)):
+        if (
+            len(plan.params) == len(params)
+            and all(map(operator.is_, params, plan.params))
+            and all(map(operator.is_, states, plan.states))
+            and plan.ptrs == tuple(map(Tensor.data_ptr, params))
+        ):
             _PLANS.move_to_end(key)
             return plan
         del _PLANS[key]
@@ -416,9 +427,12 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     presents = {type(s).layout.present for s in states}
     if len(presents) != 1:
         return None
+    if len(built) == 1:
+        built = [(None, built[0][1])]  # one group of every tensor in order: the grads list as it is
+    device_key = Tensor.get_device if all(d.type == "cuda" for d in devices) else _DEVICE
     plan = _Plan(
         params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built, presents.pop(),
-        list(map(_SHAPE, params)), list(map(_DTYPE, params)), list(map(_DEVICE, params)),
+        list(map(_SHAPE, params)), list(map(_DTYPE, params)), device_key, list(map(device_key, params)),
     )  # fmt: skip
     _PLANS[key] = plan
     if len(_PLANS) > _PLAN_CACHE_SIZE:

@@ -58,11 +58,12 @@ bench_rc=$?
 
 echo "== every rule on big_1B (budget ${RULES_BUDGET_S:-100} s)"
 timeout -s INT -k 20 "${RULES_BUDGET_S:-100}" \
-  $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates bnbf8,bnbf32 \
+  $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates ${RULES_CANDIDATES:-bnbf8} \
   --json "$OUT/rules.json" --markdown "$OUT/rules.md" > "$OUT/rules.log" 2>&1
 echo "rules benchmark rc $?"
 echo "== host and kernel time per step"
 timeout -s INT -k 10 "${PROFILE_BUDGET_S:-60}" $PY scripts/profile_step.py 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
+timeout -s INT -k 10 "${PROFILE_BUDGET_S:-60}" $PY scripts/host_breakdown.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.log"
 t2=$(date +%s)
 
 # ---- summary: the last thing printed

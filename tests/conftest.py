@@ -59,7 +59,10 @@ def pytest_configure(config):
 
 def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="large shapes run only where CUDA is available")
+    cpu_only = pytest.mark.skip(reason="CPU-only end-to-end run; BNBF_TEST_DEVICES leaves out cpu")
     for item in items:
+        if "cpu" not in DEVICES and item.path.name in ("test_demo.py", "test_notebooks.py"):
+            item.add_marker(cpu_only)
         if "slow" in item.keywords and not HAS_CUDA:
             item.add_marker(skip_slow)
         if "gpu" in item.keywords and not HAS_CUDA:

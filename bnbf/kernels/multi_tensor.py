@@ -20,6 +20,7 @@ import collections
 import dataclasses
 import functools
 import operator
+import os
 
 import torch
 import triton
@@ -118,6 +119,14 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
 
 
 @triton.jit
+def _hp_at(row, K: tl.constexpr, N: tl.constexpr):
+    if K < N:
+        return tl.load(row + K)
+    else:
+        return 0.0
+
+
+@triton.jit
 def _step_tile(
     table, g_ptr, hp, code_ptr, chunk, numel, nrm, part, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
@@ -158,7 +167,7 @@ def _step_tile(
             a, b, c = NORM_TERMS(p, g, s0, s1, s2, hp)
         else:  # update clipping (max_unorm): ||p||^2 and ||update / lr||^2
             p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
-            d = (p_new - p) / tl.load(hp + HP_STRIDE - 1)
+            d = (p_new - p) / hp[HP_STRIDE - 1]
             a = p * p
             b = d * d
             c = a * 0.0
@@ -171,7 +180,7 @@ def _step_tile(
     s2_old = s2
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
     if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
-        max_unorm = tl.load(hp + HP_STRIDE - 2)
+        max_unorm = hp[HP_STRIDE - 2]
         limit = max_unorm * tl.sqrt(tl.load(nrm + 0))
         unorm = tl.sqrt(tl.load(nrm + 1))
         scale = tl.where(unorm > limit, limit / tl.maximum(unorm, 1e-30), 1.0)
@@ -197,6 +206,7 @@ def _step_tile(
 @triton.jit
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
+    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, HP_FROM_PTR: tl.constexpr,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
@@ -211,7 +221,16 @@ def _step_kernel(
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
     table = table_ptr + tensor * NF
     numel = tl.load(table + 2)
-    hp = hp_ptr + tl.load(table + 3) * HP_STRIDE
+    # the rule's scalars: kernel arguments (floats given on the host: nothing to upload), or a float32 row
+    # on the device (0-d tensor hyperparameters, traced calls)
+    if HP_FROM_PTR:
+        row = hp_ptr + tl.load(table + 3) * HP_STRIDE
+        hp = (_hp_at(row, 0, HP_STRIDE), _hp_at(row, 1, HP_STRIDE), _hp_at(row, 2, HP_STRIDE),
+              _hp_at(row, 3, HP_STRIDE), _hp_at(row, 4, HP_STRIDE), _hp_at(row, 5, HP_STRIDE),
+              _hp_at(row, 6, HP_STRIDE), _hp_at(row, 7, HP_STRIDE), _hp_at(row, 8, HP_STRIDE),
+              _hp_at(row, 9, HP_STRIDE), _hp_at(row, 10, HP_STRIDE), _hp_at(row, 11, HP_STRIDE))  # fmt: skip
+    else:
+        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11)
     g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
     nrm = norm_ptr + tensor * 3
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
@@ -228,6 +247,34 @@ def _step_kernel(
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
+
+# After a group's first launch of a configuration, later steps call the compiled kernel's launcher
+# directly. Triton's JIT dispatch (binding ~30 arguments, computing the specialization key, a pointer
+# query per tensor) costs more host time than the launch. BNBF_LAUNCH=jit keeps Triton's dispatch.
+DIRECT_LAUNCH = os.environ.get("BNBF_LAUNCH", "direct") != "jit"
+HP_MAX = 12  # scalars a rule may pass (h0..h11), the clipping pair included
+_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h11; then constexprs
+_CONSTEXPR_SLOTS = (None,) * (len(_step_kernel.arg_names) - _N_RUNTIME_ARGS)  # ignored by the launcher
+_NO_FLOATS = (0.0,) * HP_MAX
+
+
+def _direct_ok(device: torch.device) -> bool:
+    """A direct launch needs the group's device to be current (as Triton's dispatch assumes) and no
+    launch hooks (profilers such as Proton install them)."""
+    rt = triton.knobs.runtime
+    return device.index == torch.cuda.current_device() and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+
+
+def _idle(hook) -> bool:
+    return hook is None or getattr(hook, "calls", True) == []  # Triton 3.6 keeps an empty HookChain
+
+
+try:  # what Triton's own dispatch reads the stream with
+    from torch._C import _cuda_getCurrentRawStream as _current_stream
+except ImportError:  # pragma: no cover
+
+    def _current_stream(index: int) -> int:
+        return torch.cuda.current_stream(index).cuda_stream
 
 _TASKS: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 16
@@ -277,8 +324,11 @@ class Group:
     aligned: bool  # every param and state address is 16-byte aligned
     # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
     # caching allocator usually hands a training loop's grads the same blocks every step)
+    norms: bool  # the rule scales its update by per-tensor norms (a norm pass first)
     grad_ptrs: tuple = ()
     grad_table: Tensor | None = None
+    # compiled kernels of this group by launch configuration, launched without Triton's JIT dispatch
+    compiled: dict = dataclasses.field(default_factory=dict)
 
 
 def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int, present: int) -> Group:
@@ -311,15 +361,19 @@ def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, blo
     aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[4:])
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
     tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
-    return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned)
+    norms = get_rule(rule_name).norms is not None
+    return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned, norms)
 
 
-def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool = False, clip: bool = False) -> None:
+def launch_group(
+    group: Group, grads: list[Tensor], hp: Tensor | tuple, skip_zeros: bool = False, clip: bool = False
+) -> None:
     """The step for one group: one launch, or three for rules that need per-tensor norms (LAMB, LARS)
-    or with update clipping (``clip``: the last two scalars of each ``hp`` row are max_unorm and lr).
+    or with update clipping (``clip``: the last two scalars are max_unorm and lr).
 
-    ``grads`` are contiguous, in the group's order; ``hp`` is float32 [rows, k]; ``skip_zeros``: elements
-    whose gradient is exactly 0 keep their param and states.
+    ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
+    floats (passed as kernel arguments) or a float32 tensor [rows, k] on the device; ``skip_zeros``:
+    elements whose gradient is exactly 0 keep their param and states.
     """
     ptrs = tuple(map(Tensor.data_ptr, grads))
     aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
@@ -327,30 +381,49 @@ def launch_group(group: Group, grads: list[Tensor], hp: Tensor, skip_zeros: bool
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
         group.grad_ptrs = ptrs
     grad_table = group.grad_table
-    rule = get_rule(group.rule)
-    signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
+    if isinstance(hp, tuple):
+        from_ptr, n_hp, floats, hp_row = False, len(hp), hp + _NO_FLOATS[len(hp):], group.table
+    else:
+        from_ptr, n_hp, floats, hp_row = True, hp.shape[1], _NO_FLOATS, hp
     quant = group.fmt != "fp32"
-    norm_terms = rule.norms[0] if rule.norms is not None else None
-    LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
-                     hp.shape[1], aligned, skip_zeros, clip))  # fmt: skip
-    code_ptr = _code_tables(group.device) if quant else hp  # unused without quantized states
+    code_ptr = _code_tables(group.device) if quant else group.table  # unused without quantized states
     iters = ITERS[group.dtype]
-
-    n_tiles = group.tasks.shape[0] * iters
+    grid = group.tasks.shape[0]
+    n_tiles = grid * iters
 
     def run(norm_ptr, mode):
-        _step_kernel[(group.tasks.shape[0],)](
-            group.table, group.tasks, grad_table, hp, code_ptr, norm_ptr, n_tiles,
-            MATH=rule.math, PRESENT=group.present, QUANT=quant,
+        key = (mode, aligned, skip_zeros, n_hp, from_ptr)
+        compiled = group.compiled.get(key)
+        if compiled is not None and _direct_ok(group.device):
+            # the kernel this group compiled for this configuration, launched as Triton's own launcher
+            # would after its dispatch (which costs more host time than the launch itself); the pointer
+            # arguments are 16-byte aligned fresh allocations, as when it was compiled
+            compiled.run(
+                grid, 1, 1, _current_stream(group.device.index), compiled.function, compiled.packed_metadata,
+                None, None, None,
+                group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
+                code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS,
+            )  # fmt: skip
+            return
+        rule = get_rule(group.rule)
+        signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
+        norm_terms = rule.norms[0] if rule.norms is not None else None
+        LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
+                         n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
+        compiled = _step_kernel[(grid,)](
+            group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
+            HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=group.present, QUANT=quant,
             SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-            P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=hp.shape[1], NF=NF, BLOCK=group.block, ROWS=ROWS,
+            P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
             ITERS=iters, STAGES=STAGES, SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms,
             num_warps=NUM_WARPS,
         )  # fmt: skip
+        if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
+            group.compiled[key] = compiled
 
-    if norm_terms is None and not clip:
-        run(hp, 0)
+    if not (group.norms or clip):
+        run(group.table, 0)  # no norms: any pointer
         return
     partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
     run(partials, 1)

@@ -44,9 +44,9 @@ def scalars(h: AdagradHparams, step: Number):
 
 @triton.jit
 def adagrad_math(p, g, acc, unused1, unused2, hp, nrm):
-    clr = tl.load(hp + 0)
-    wd = tl.load(hp + 1)
-    eps = tl.load(hp + 2)
+    clr = hp[0]
+    wd = hp[1]
+    eps = hp[2]
     g = g + wd * p
     acc = acc + g * g
     p = p - clr * fast_div(g, tl.sqrt(acc) + eps)

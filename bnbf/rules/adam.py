@@ -59,13 +59,13 @@ def _scalars(decoupled: bool):
 
 @triton.jit
 def adam_math(p, g, m, v, unused, hp, nrm):
-    step_size = tl.load(hp + 0)
-    b1 = tl.load(hp + 1)
-    b2 = tl.load(hp + 2)
-    eps = tl.load(hp + 3)
-    inv_bc2_sqrt = tl.load(hp + 4)
-    l2 = tl.load(hp + 5)
-    decay = tl.load(hp + 6)
+    step_size = hp[0]
+    b1 = hp[1]
+    b2 = hp[2]
+    eps = hp[3]
+    inv_bc2_sqrt = hp[4]
+    l2 = hp[5]
+    decay = hp[6]
     g = g + l2 * p
     m = b1 * m + (1.0 - b1) * g
     v = b2 * v + (1.0 - b2) * g * g

@@ -88,14 +88,14 @@ def scalars(h: AdEMAMixHparams, step: Number):
 
 @triton.jit
 def ademamix_math(p, g, m1, m2, nu, hp, nrm):
-    lr1 = tl.load(hp + 0)
-    lr2 = tl.load(hp + 1)
-    b1 = tl.load(hp + 2)
-    b2 = tl.load(hp + 3)
-    b3 = tl.load(hp + 4)
-    eps = tl.load(hp + 5)
-    inv_bc2_sqrt = tl.load(hp + 6)
-    decay = tl.load(hp + 7)
+    lr1 = hp[0]
+    lr2 = hp[1]
+    b1 = hp[2]
+    b2 = hp[3]
+    b3 = hp[4]
+    eps = hp[5]
+    inv_bc2_sqrt = hp[6]
+    decay = hp[7]
     m1 = b1 * m1 + (1.0 - b1) * g
     m2 = b3 * m2 + (1.0 - b3) * g
     nu = b2 * nu + (1.0 - b2) * g * g

@@ -43,10 +43,10 @@ def scalars(h: LambHparams, step: Number):
 
 @triton.jit
 def _direction(p, g, m, v, hp):
-    b1 = tl.load(hp + 1)
-    b2 = tl.load(hp + 2)
-    eps = tl.load(hp + 3)
-    wd = tl.load(hp + 4)
+    b1 = hp[1]
+    b2 = hp[2]
+    eps = hp[3]
+    wd = hp[4]
     m = b1 * m + (1.0 - b1) * g
     v = b2 * v + (1.0 - b2) * g * g
     u = fast_div(m, tl.sqrt(v) + eps) + wd * p
@@ -62,9 +62,9 @@ def lamb_norm_terms(p, g, m, v, unused, hp):
 @triton.jit
 def lamb_math(p, g, m, v, unused, hp, nrm):
     u, m, v = _direction(p, g, m, v, hp)
-    step_size = tl.load(hp + 0)
-    clamp_value = tl.load(hp + 5)
-    adam = tl.load(hp + 6)
+    step_size = hp[0]
+    clamp_value = hp[5]
+    adam = hp[6]
     w_norm = tl.minimum(tl.sqrt(tl.load(nrm + 0)), clamp_value)
     u_norm = tl.sqrt(tl.load(nrm + 1))
     ratio = tl.where((w_norm > 0) & (u_norm > 0) & (adam == 0), w_norm / tl.maximum(u_norm, 1e-30), 1.0)

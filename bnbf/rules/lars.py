@@ -59,10 +59,10 @@ def lars_norm_terms(p, g, buf, unused1, unused2, hp):
 
 @triton.jit
 def lars_math(p, g, buf, unused1, unused2, hp, nrm):
-    lr = tl.load(hp + 0)
-    wd = tl.load(hp + 1)
-    trust = tl.load(hp + 6)
-    eps = tl.load(hp + 7)
+    lr = hp[0]
+    wd = hp[1]
+    trust = hp[6]
+    eps = hp[7]
     p_norm = tl.sqrt(tl.load(nrm + 0))
     g_norm = tl.sqrt(tl.load(nrm + 1))
     local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(trust * p_norm, g_norm + wd * p_norm + eps), 1.0)

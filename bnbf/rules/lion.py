@@ -38,10 +38,10 @@ def scalars(h: LionHparams, step: Number):
 
 @triton.jit
 def lion_math(p, g, m, unused1, unused2, hp, nrm):
-    lr = tl.load(hp + 0)
-    b1 = tl.load(hp + 1)
-    b2 = tl.load(hp + 2)
-    decay = tl.load(hp + 3)
+    lr = hp[0]
+    b1 = hp[1]
+    b2 = hp[2]
+    decay = hp[3]
     c = b1 * m + (1.0 - b1) * g
     sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay - lr * sign

@@ -58,12 +58,12 @@ def present(h: RMSpropHparams) -> tuple[bool, ...]:
 
 @triton.jit
 def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
-    lr = tl.load(hp + 0)
-    alpha = tl.load(hp + 1)
-    eps = tl.load(hp + 2)
-    wd = tl.load(hp + 3)
-    momentum = tl.load(hp + 4)
-    centered = tl.load(hp + 5)
+    lr = hp[0]
+    alpha = hp[1]
+    eps = hp[2]
+    wd = hp[3]
+    momentum = hp[4]
+    centered = hp[5]
     g = g + wd * p
     d = g - ga
     sq = tl.where(centered != 0, alpha * sq + alpha * (1.0 - alpha) * d * d, alpha * sq + (1.0 - alpha) * g * g)

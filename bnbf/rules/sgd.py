@@ -52,10 +52,10 @@ def present(h: SGDHparams) -> tuple[bool, ...]:
 def momentum_step(d, buf, hp):
     """The step taken for direction ``d`` with torch's momentum buffer (scalars 2..5 of ``hp``: momentum,
     1 - dampening, nesterov, first step); shared by SGD and LARS. Returns (step, new buffer)."""
-    momentum = tl.load(hp + 2)
-    one_minus_damp = tl.load(hp + 3)
-    nesterov = tl.load(hp + 4)
-    first = tl.load(hp + 5)
+    momentum = hp[2]
+    one_minus_damp = hp[3]
+    nesterov = hp[4]
+    first = hp[5]
     buf = tl.where(first != 0, d, momentum * buf + one_minus_damp * d)
     step = tl.where(nesterov != 0, d + momentum * buf, buf)
     step = tl.where(momentum != 0, step, d)  # momentum 0: plain steps (no state is kept)
@@ -73,8 +73,8 @@ def momentum_step_reference(d, buf, s):
 
 @triton.jit
 def sgd_math(p, g, buf, unused1, unused2, hp, nrm):
-    lr = tl.load(hp + 0)
-    wd = tl.load(hp + 1)
+    lr = hp[0]
+    wd = hp[1]
     step, buf = momentum_step(g + wd * p, buf, hp)
     return p - lr * step, buf, unused1, unused2
 

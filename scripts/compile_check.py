@@ -1,0 +1,53 @@
+"""Compile the step kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas), for every
+rule, state format and mode; prints the cubin size per variant.
+
+    python scripts/compile_check.py [rule ...]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bnbf  # noqa: E402
+import bnbf.kernels.multi_tensor as mt  # noqa: E402
+
+
+def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
+    rule = bnbf.RULES[rule_name]
+    signed = [s.signed for s in rule.states] + [True] * (mt.MAX_STATES - len(rule.states))
+    present = (1 << len(rule.states)) - 1
+    n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 2
+    sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "hp_ptr": "*fp32", "code_ptr": "*fp32",
+           "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(mt.HP_MAX)}}
+    norm_terms = rule.norms[0] if rule.norms is not None else None
+    const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=present, QUANT=fmt != "fp32",
+                 SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], P_DTYPE=dtype, HP_STRIDE=n_hp,
+                 NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
+                 VEC=mt.VEC[fmt], ITERS=4 if dtype != tl.float32 else 1, STAGES=1, SKIP_ZEROS=skip_zeros,
+                 NORM_MODE=mode, NORM_TERMS=norm_terms)
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mt.NUM_WARPS})
+
+
+def main(rules):
+    for rule_name in rules:
+        modes = (1, 2) if bnbf.RULES[rule_name].norms is not None else (0,)
+        for fmt in ("power", "dynamic", "fp32"):
+            for dtype in (tl.float32, tl.bfloat16):
+                for mode in modes:
+                    for from_ptr in (False, True):
+                        k = compile_variant(rule_name, fmt, dtype, mode, from_ptr)
+                        print(f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)}: "
+                              f"{len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared", flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:] or list(bnbf.RULES))
