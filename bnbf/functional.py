@@ -126,6 +126,17 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
 
 
+def _fast_leaves(tree: Any) -> tuple[list | None, Any]:
+    """:func:`_flatten`'s leaves and key for a flat dict, list or tuple, without checking the leaves' types
+    (``(None, None)`` for any other tree)."""
+    t = type(tree)
+    if t is dict:
+        return list(tree.values()), ("dict", tuple(tree))
+    if t is list or t is tuple:
+        return tree, (t, len(tree))
+    return None, None
+
+
 def _unflatten(leaves: list, spec: Any) -> Any:
     if spec == "leaf":
         return leaves[0]
@@ -318,22 +329,35 @@ def update_(
     Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`. Repeated calls on
     the same params and states reuse the validated plan and its address tables (see :func:`_plan`).
     """
-    params, p_spec = _flatten(param)
-    states, s_spec = _flatten(state, is_leaf=is_state)
+    # flat dicts and lists without a type check of each leaf: a cached plan confirms its params and states
+    # object by object, a new plan checks them, and the grad checks below fail on anything not a Tensor
+    params, p_spec = _fast_leaves(param)
+    states, s_spec = _fast_leaves(state)
+    if params is None or states is None:
+        params, p_spec = _flatten(param)
+        states, s_spec = _flatten(state, is_leaf=is_state)
     plan = _plan(params, states, p_spec, s_spec) if params else None
     if plan is None:
         return _update_generic_(param, grad, state, hparams, step, skip_zeros, max_unorm)
-    grads, g_spec = _flatten(grad)
-    if g_spec != p_spec:
-        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    grads, g_spec = _fast_leaves(grad)
+    if grads is None:
+        grads, g_spec = _flatten(grad)
     # The common case in C-level loops (a step's host time is mostly these per-tensor reads). Contiguity
     # also rules out sparse and other non-strided grads; the per-tensor checks below name what is wrong.
-    if not (
-        list(map(_SHAPE, grads)) == plan.shapes
-        and list(map(_DTYPE, grads)) == plan.dtypes
-        and list(map(plan.device_key, grads)) == plan.device_keys
-        and all(map(Tensor.is_contiguous, grads))
-    ):
+    try:
+        ok = (
+            g_spec == p_spec
+            and list(map(_SHAPE, grads)) == plan.shapes
+            and list(map(_DTYPE, grads)) == plan.dtypes
+            and list(map(plan.device_key, grads)) == plan.device_keys
+            and all(map(Tensor.is_contiguous, grads))
+        )
+    except (AttributeError, TypeError):  # a leaf that is not a Tensor
+        ok = False
+    if not ok:
+        grads, g_spec = _flatten(grad)
+        if g_spec != p_spec:
+            raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
         for i, (p, g) in enumerate(zip(params, grads)):
             if not _grad_ok(p, g):
                 _check_leaf(_names(param)[i], p, g, states[i])
