@@ -296,7 +296,7 @@ def test_kernel_matches_reference_path(device, bits, fmt, dtype, monkeypatch):
         what = f"tensor {i} {sh}"
         p0 = p[i].float().cpu()
         if dtype == torch.float32:
-            assert_close_report(p_k[i].float() - p0, p_r[i].float() - p0, t.atol, t.rtol, f"{what}: param change")
+            assert_close_report(p_k[i].float().cpu() - p0, p_r[i].float() - p0, t.atol, t.rtol, f"{what}: param change")
         else:  # both round the same fp32 value to the dtype: at most one ulp apart, nearly always equal
             off = (p_k[i].float().cpu() - p_r[i].float()).abs() > 2 * half_ulp(p_r[i], dtype)
             assert not bool(off.any()), f"{what}: kernel param more than one {dtype} ulp from the reference"
@@ -304,10 +304,10 @@ def test_kernel_matches_reference_path(device, bits, fmt, dtype, monkeypatch):
             assert same >= 0.99 or sh == (1,) and same == 1.0, f"{what}: only {same:.2%} of params agree"
         if bits == 32:
             for name in ("exp_avg", "exp_avg_sq"):
-                assert_close_report(getattr(s_k[i], name), getattr(s_r[i], name), t.atol, t.rtol, f"{what}: {name}")
+                assert_close_report(getattr(s_k[i], name).cpu(), getattr(s_r[i], name), t.atol, t.rtol, f"{what}: {name}")
             continue
         for name in ("exp_avg", "exp_avg_sq"):
-            assert_close_report(getattr(s_k[i], name + "_absmax"), getattr(s_r[i], name + "_absmax"), 0.0, 1e-6,
+            assert_close_report(getattr(s_k[i], name + "_absmax").cpu(), getattr(s_r[i], name + "_absmax"), 0.0, 1e-6,
                                 f"{what}: {name}_absmax")
             k = getattr(s_k[i], name).cpu().long()
             r = getattr(s_r[i], name).long()
