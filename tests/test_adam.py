@@ -304,7 +304,8 @@ def test_kernel_matches_reference_path(device, bits, fmt, dtype, monkeypatch):
             assert same >= 0.99 or sh == (1,) and same == 1.0, f"{what}: only {same:.2%} of params agree"
         if bits == 32:
             for name in ("exp_avg", "exp_avg_sq"):
-                assert_close_report(getattr(s_k[i], name).cpu(), getattr(s_r[i], name), t.atol, t.rtol, f"{what}: {name}")
+                ours, ref = getattr(s_k[i], name).cpu(), getattr(s_r[i], name)
+                assert_close_report(ours, ref, t.atol, t.rtol, f"{what}: {name}")
             continue
         for name in ("exp_avg", "exp_avg_sq"):
             assert_close_report(getattr(s_k[i], name + "_absmax").cpu(), getattr(s_r[i], name + "_absmax"), 0.0, 1e-6,
