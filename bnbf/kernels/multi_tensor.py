@@ -206,7 +206,7 @@ def _step_tile(
 @triton.jit
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
-    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, HP_FROM_PTR: tl.constexpr,
+    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, HP_FROM_PTR: tl.constexpr,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
@@ -228,9 +228,11 @@ def _step_kernel(
         hp = (_hp_at(row, 0, HP_STRIDE), _hp_at(row, 1, HP_STRIDE), _hp_at(row, 2, HP_STRIDE),
               _hp_at(row, 3, HP_STRIDE), _hp_at(row, 4, HP_STRIDE), _hp_at(row, 5, HP_STRIDE),
               _hp_at(row, 6, HP_STRIDE), _hp_at(row, 7, HP_STRIDE), _hp_at(row, 8, HP_STRIDE),
-              _hp_at(row, 9, HP_STRIDE), _hp_at(row, 10, HP_STRIDE), _hp_at(row, 11, HP_STRIDE))  # fmt: skip
+              _hp_at(row, 9, HP_STRIDE), _hp_at(row, 10, HP_STRIDE), _hp_at(row, 11, HP_STRIDE),
+              _hp_at(row, 12, HP_STRIDE), _hp_at(row, 13, HP_STRIDE), _hp_at(row, 14, HP_STRIDE),
+              _hp_at(row, 15, HP_STRIDE))  # fmt: skip
     else:
-        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11)
+        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15)
     g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
     nrm = norm_ptr + tensor * 3
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
@@ -252,8 +254,8 @@ def _step_kernel(
 # directly. Triton's JIT dispatch (binding ~30 arguments, computing the specialization key, a pointer
 # query per tensor) costs more host time than the launch. BNBF_LAUNCH=jit keeps Triton's dispatch.
 DIRECT_LAUNCH = os.environ.get("BNBF_LAUNCH", "direct") != "jit"
-HP_MAX = 12  # scalars a rule may pass (h0..h11), the clipping pair included
-_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h11; then constexprs
+HP_MAX = 16  # scalars a rule may pass (h0..h15), the clipping pair included
+_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h15; then constexprs
 _CONSTEXPR_SLOTS = (None,) * (len(_step_kernel.arg_names) - _N_RUNTIME_ARGS)  # ignored by the launcher
 _NO_FLOATS = (0.0,) * HP_MAX
 

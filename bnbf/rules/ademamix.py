@@ -74,15 +74,20 @@ def _beta3(h: AdEMAMixHparams, step):
 
 def scalars(h: AdEMAMixHparams, step: Number):
     b1, b2, _ = h.betas
+    b3 = _beta3(h, step)
     return (
         h.lr / (1 - b1**step),  # 0: step size of m1
         h.lr * _alpha(h, step),  # 1: step size of m2
         b1,  # 2
         b2,  # 3
-        _beta3(h, step),  # 4
+        b3,  # 4
         h.eps,  # 5
         1 / (1 - b2**step) ** 0.5,  # 6
         1 - h.lr * h.weight_decay,  # 7: decoupled decay
+        # 8-10: 1 - beta in double precision (from the float32 beta3 = 0.9999, 1 - beta3 is 2e-4 off)
+        1 - b1,
+        1 - b2,
+        1 - b3,
     )
 
 
@@ -96,19 +101,19 @@ def ademamix_math(p, g, m1, m2, nu, hp, nrm):
     eps = hp[5]
     inv_bc2_sqrt = hp[6]
     decay = hp[7]
-    m1 = b1 * m1 + (1.0 - b1) * g
-    m2 = b3 * m2 + (1.0 - b3) * g
-    nu = b2 * nu + (1.0 - b2) * g * g
+    m1 = b1 * m1 + hp[8] * g
+    m2 = b3 * m2 + hp[10] * g
+    nu = b2 * nu + hp[9] * g * g
     p = p * decay - fast_div(lr1 * m1 + lr2 * m2, tl.sqrt(nu) * inv_bc2_sqrt + eps)
     return p, m1, m2, nu
 
 
 def ademamix_reference(p, g, states, s):
     m1, m2, nu = states
-    lr1, lr2, b1, b2, b3, eps, inv_bc2_sqrt, decay = s
-    m1 = b1 * m1 + (1 - b1) * g
-    m2 = b3 * m2 + (1 - b3) * g
-    nu = b2 * nu + (1 - b2) * g * g
+    lr1, lr2, b1, b2, b3, eps, inv_bc2_sqrt, decay, omb1, omb2, omb3 = s
+    m1 = b1 * m1 + omb1 * g
+    m2 = b3 * m2 + omb3 * g
+    nu = b2 * nu + omb2 * g * g
     p = p * decay - (lr1 * m1 + lr2 * m2) / (nu.sqrt() * inv_bc2_sqrt + eps)
     return p, [m1, m2, nu]
 

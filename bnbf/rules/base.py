@@ -4,7 +4,7 @@ A rule is one file in ``bnbf/rules/`` that defines:
 
 - its hyperparameter dataclass (frozen, keyword-only, validated in ``__post_init__`` with torch's wording);
 - its state slots (name as torch.optim calls it, which dynamic map it uses when quantized);
-- ``scalars(hparams, step)``: the per-call numbers the math needs (at most 10), derived once per call on
+- ``scalars(hparams, step)``: the per-call numbers the math needs (at most 14), derived once per call on
   the host and passed as kernel arguments (with tensor ops on the device into a float32 row when
   hyperparameters are tensors);
 - ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp, nrm_ptr) -> (p, s0, s1, s2)`` on

@@ -38,7 +38,8 @@ class LambHparams(AdamHparams):
 def scalars(h: LambHparams, step: Number):
     b1, b2 = h.betas
     c = (1 - b2**step) ** 0.5 / (1 - b1**step) if h.debias else 1.0
-    return (h.lr * c, b1, b2, h.eps, h.weight_decay, h.clamp_value, 1.0 if h.adam else 0.0)
+    # 7, 8: 1 - beta in double precision (see adam.py)
+    return (h.lr * c, b1, b2, h.eps, h.weight_decay, h.clamp_value, 1.0 if h.adam else 0.0, 1 - b1, 1 - b2)
 
 
 @triton.jit
@@ -47,8 +48,8 @@ def _direction(p, g, m, v, hp):
     b2 = hp[2]
     eps = hp[3]
     wd = hp[4]
-    m = b1 * m + (1.0 - b1) * g
-    v = b2 * v + (1.0 - b2) * g * g
+    m = b1 * m + hp[7] * g
+    v = b2 * v + hp[8] * g * g
     u = fast_div(m, tl.sqrt(v) + eps) + wd * p
     return u, m, v
 
@@ -74,9 +75,9 @@ def lamb_math(p, g, m, v, unused, hp, nrm):
 
 def _direction_ref(p, g, states, s):
     m, v = states
-    _, b1, b2, eps, wd, _, _ = s
-    m = b1 * m + (1 - b1) * g
-    v = b2 * v + (1 - b2) * g * g
+    _, b1, b2, eps, wd, _, _, omb1, omb2 = s
+    m = b1 * m + omb1 * g
+    v = b2 * v + omb2 * g * g
     return m / (v.sqrt() + eps) + wd * p, m, v
 
 

@@ -33,7 +33,8 @@ class LionHparams:
 
 def scalars(h: LionHparams, step: Number):
     b1, b2 = h.betas
-    return (h.lr, b1, b2, 1 - h.lr * h.weight_decay)
+    # 1 - beta in double precision here, not from the float32 beta in the kernel (see adam.py)
+    return (h.lr, b1, b2, 1 - h.lr * h.weight_decay, 1 - b1, 1 - b2)
 
 
 @triton.jit
@@ -42,18 +43,20 @@ def lion_math(p, g, m, unused1, unused2, hp, nrm):
     b1 = hp[1]
     b2 = hp[2]
     decay = hp[3]
-    c = b1 * m + (1.0 - b1) * g
+    omb1 = hp[4]
+    omb2 = hp[5]
+    c = b1 * m + omb1 * g
     sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
     p = p * decay - lr * sign
-    m = b2 * m + (1.0 - b2) * g
+    m = b2 * m + omb2 * g
     return p, m, unused1, unused2
 
 
 def lion_reference(p, g, states, s):
     (m,) = states
-    lr, b1, b2, decay = s
-    p = p * decay - lr * (b1 * m + (1 - b1) * g).sign()
-    m = b2 * m + (1 - b2) * g
+    lr, b1, b2, decay, omb1, omb2 = s
+    p = p * decay - lr * (b1 * m + omb1 * g).sign()
+    m = b2 * m + omb2 * g
     return p, [m]
 
 

@@ -48,7 +48,8 @@ class RMSpropHparams:
 
 
 def scalars(h: RMSpropHparams, step: Number):
-    return (h.lr, h.alpha, h.eps, h.weight_decay, h.momentum, 1.0 if h.centered else 0.0)
+    # 6: 1 - alpha in double precision (see adam.py)
+    return (h.lr, h.alpha, h.eps, h.weight_decay, h.momentum, 1.0 if h.centered else 0.0, 1 - h.alpha)
 
 
 def present(h: RMSpropHparams) -> tuple[bool, ...]:
@@ -64,10 +65,11 @@ def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
     wd = hp[3]
     momentum = hp[4]
     centered = hp[5]
+    oma = hp[6]
     g = g + wd * p
     d = g - ga
-    sq = tl.where(centered != 0, alpha * sq + alpha * (1.0 - alpha) * d * d, alpha * sq + (1.0 - alpha) * g * g)
-    ga = alpha * ga + (1.0 - alpha) * g
+    sq = tl.where(centered != 0, alpha * sq + alpha * oma * d * d, alpha * sq + oma * g * g)
+    ga = alpha * ga + oma * g
     step = fast_div(g, tl.sqrt(sq) + eps)
     buf = momentum * buf + step
     p = p - lr * tl.where(momentum != 0, buf, step)
@@ -75,14 +77,14 @@ def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
 
 
 def rmsprop_reference(p, g, states, s):
-    lr, alpha, eps, wd, momentum, centered = s
+    lr, alpha, eps, wd, momentum, centered, oma = s
     sq, buf, ga = states
     g = g + wd * p
     if ga is not None:  # sq holds the centered variance
-        sq = alpha * sq + alpha * (1 - alpha) * (g - ga) ** 2
-        ga = alpha * ga + (1 - alpha) * g
+        sq = alpha * sq + alpha * oma * (g - ga) ** 2
+        ga = alpha * ga + oma * g
     else:
-        sq = alpha * sq + (1 - alpha) * g * g
+        sq = alpha * sq + oma * g * g
     avg = sq.sqrt() + eps
     if buf is not None:
         buf = momentum * buf + g / avg
