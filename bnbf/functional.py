@@ -241,16 +241,18 @@ def _prepare(param, grad, state, hparams, step) -> _Call:
     return _Call(params, grads, states, p_spec, rule, h, step)
 
 
-def _groups(call: _Call):
+def _groups(params: list, states: list):
     """Indices grouped by (device, dtype, layout): one kernel launch each."""
     groups: dict[tuple, list[int]] = {}
-    for i, (p, s) in enumerate(zip(call.params, call.states)):
+    for i, (p, s) in enumerate(zip(params, states)):
         groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
     return groups.items()
 
 
-def _scalars(rule: Any, h: Any, step: Any, max_unorm: Any) -> tuple[tuple, bool]:
-    """The rule's scalars followed by the clipping pair (max_unorm, lr), and whether clipping is on."""
+def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any) -> bool:
+    """Check ``update``'s ``skip_zeros`` and ``max_unorm`` for ``rule``; returns whether clipping is on."""
+    if not isinstance(skip_zeros, bool):
+        raise TypeError(f"skip_zeros must be a bool, got {type(skip_zeros).__name__}")
     if isinstance(max_unorm, Tensor):
         clip = True
     else:
@@ -259,13 +261,19 @@ def _scalars(rule: Any, h: Any, step: Any, max_unorm: Any) -> tuple[tuple, bool]
         clip = max_unorm > 0
     if clip and rule.norms is not None:
         raise ValueError(f"max_unorm does not combine with {rule.name}, which scales its update by its own norms")
+    return clip
+
+
+def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any) -> tuple[tuple, bool]:
+    """The rule's scalars followed by the clipping pair (max_unorm, lr), and whether clipping is on."""
+    clip = check_update_options(rule, skip_zeros, max_unorm)
     return (*rule.scalars(h, step), max_unorm, h.lr), clip
 
 
-def _scalar_rows(call: _Call, max_unorm: Any) -> tuple[dict[torch.device, Tensor], bool]:
-    values, clip = _scalars(call.rule, call.hparams, call.step, max_unorm)
+def _scalar_rows(call: _Call, skip_zeros: Any, max_unorm: Any) -> tuple[dict[torch.device, Tensor], bool]:
+    values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm)
     devices = {p.device for p in call.params}
-    return {d: as_scalar_row(values, d)[None, :] for d in devices}, clip
+    return {d: as_scalar_row(values, d) for d in devices}, clip
 
 
 def update(
@@ -300,16 +308,16 @@ def update(
         tensor([0.9000, 0.9000, 0.9000])
     """
     call = _prepare(param, grad, state, hparams, step)
-    rows, clip = _scalar_rows(call, max_unorm)
+    rows, clip = _scalar_rows(call, skip_zeros, max_unorm)
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     with torch.no_grad():
-        for (device, _, layout), idx in _groups(call):
+        for (device, _, layout), idx in _groups(call.params, call.states):
             ps = [call.params[i].detach().contiguous() for i in idx]
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
-                ps, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
+                ps, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
                 layout.present, skip_zeros, clip,
             )
             per = len(layout.field_names())
@@ -366,9 +374,9 @@ def update_(
     if present_mask(plan.rule, h) != plan.present:
         _check_present(plan.rule, h, states)
     _check_step(step)
-    values, clip = _scalars(plan.rule, h, step, max_unorm)
+    values, clip = _scalars(plan.rule, h, step, skip_zeros, max_unorm)
     if any(isinstance(v, Tensor) for v in values):
-        rows = {d: as_scalar_row(values, d)[None, :] for d in plan.devices}
+        rows = {d: as_scalar_row(values, d) for d in plan.devices}
     else:  # Python numbers reach the kernel as arguments: nothing to upload
         floats = tuple(map(float, values))
         rows = dict.fromkeys(plan.devices, floats)
@@ -436,21 +444,15 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
             rule_name = type(s).layout.rule
         elif type(s).layout.rule != rule_name:
             return None
-    groups: dict[tuple, list[int]] = {}
-    for i, (p, s) in enumerate(zip(params, states)):
-        groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
-    built = []
-    for (_, _, layout), idx in groups.items():
-        ps = [params[i].detach() for i in idx]
-        ss = [t for i in idx for t in states[i]]
-        group = build_group(
-            ps, ps, ss, ss, [0] * len(idx), layout.rule, layout.format, layout.block_size, layout.present
-        )
-        built.append((idx, group))
-    devices = {p.device for p in params}
     presents = {type(s).layout.present for s in states}
     if len(presents) != 1:
         return None
+    built = []
+    for (_, _, layout), idx in _groups(params, states):
+        ps = [params[i].detach() for i in idx]
+        ss = [t for i in idx for t in states[i]]
+        built.append((idx, build_group(ps, ps, ss, ss, layout.rule, layout.format, layout.block_size, layout.present)))
+    devices = {p.device for p in params}
     if len(built) == 1:
         built = [(None, built[0][1])]  # one group of every tensor in order: the grads list as it is
     device_key = Tensor.get_device if all(d.type == "cuda" for d in devices) else _DEVICE
@@ -469,15 +471,15 @@ def _update_generic_(
 ) -> tuple[Any, Any]:
     """In-place step without a cached plan: every check, then one op call per group."""
     call = _prepare(param, grad, state, hparams, step)
-    rows, clip = _scalar_rows(call, max_unorm)
+    rows, clip = _scalar_rows(call, skip_zeros, max_unorm)
     with torch.no_grad():
-        for (device, _, layout), idx in _groups(call):
+        for (device, _, layout), idx in _groups(call.params, call.states):
             ps = [call.params[i].detach() for i in idx]
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             ops.step_(
-                work, gs, ss, rows[device], [0] * len(idx), layout.rule, layout.format, layout.block_size,
+                work, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
                 layout.present, skip_zeros, clip,
             )  # fmt: skip
             for p, w in zip(ps, work):

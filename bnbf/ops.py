@@ -15,33 +15,33 @@ from bnbf._dispatch import use_triton
 from bnbf.reference import reference_step
 
 
-def _run(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip) -> None:
+def _run(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip) -> None:
     if use_triton(p_in[0]):
         from bnbf.kernels.multi_tensor import launch
 
-        launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+        launch(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip)
     else:
-        reference_step(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+        reference_step(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip)
 
 
-def step_(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip) -> None:
+def step_(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip) -> None:
     """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor)."""
     if torch.compiler.is_compiling():
-        return _step_op_(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
-    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+        return _step_op_(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
+    _run(params, params, grads, states, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
 
 
-def step(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip):
+def step(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip):
     """Out-of-place step; eager calls skip the op's dispatch as :func:`step_` does."""
     if torch.compiler.is_compiling():
-        return _step_op(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
-    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+        return _step_op(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
+    return _step_impl(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
 
 
-def _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip):
+def _step_impl(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip):
     new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
     new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
-    _run(params, new_params, grads, states, new_states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+    _run(params, new_params, grads, states, new_states, hp, rule, fmt, block_size, present, skip_zeros, clip)
     return new_params, new_states
 
 
@@ -51,7 +51,6 @@ def _step_op_(
     grads: list[Tensor],
     states: list[Tensor],
     hp: Tensor,
-    hp_rows: list[int],
     rule: str,
     fmt: str,
     block_size: int,
@@ -59,11 +58,11 @@ def _step_op_(
     skip_zeros: bool,
     clip: bool,
 ) -> None:
-    _run(params, params, grads, states, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+    _run(params, params, grads, states, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
 
 
 @_step_op_.register_fake
-def _(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip) -> None:
+def _(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip) -> None:
     return None
 
 
@@ -73,7 +72,6 @@ def _step_op(
     grads: list[Tensor],
     states: list[Tensor],
     hp: Tensor,
-    hp_rows: list[int],
     rule: str,
     fmt: str,
     block_size: int,
@@ -81,9 +79,9 @@ def _step_op(
     skip_zeros: bool,
     clip: bool,
 ) -> tuple[list[Tensor], list[Tensor]]:
-    return _step_impl(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip)
+    return _step_impl(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip)
 
 
 @_step_op.register_fake
-def _(params, grads, states, hp, hp_rows, rule, fmt, block_size, present, skip_zeros, clip):
+def _(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip):
     return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]

@@ -13,14 +13,14 @@ from bnbf.rules import get_rule
 
 
 def reference_step(
-    p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block_size, present, skip_zeros=False, clip=False
+    p_in, p_out, grads, s_in, s_out, hp, rule_name, fmt, block_size, present, skip_zeros=False, clip=False
 ) -> None:
     rule = get_rule(rule_name)
     quant = fmt != "fp32"
     slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
+    *scalars, max_unorm, lr = hp.unbind()  # the rule's scalars, then the clipping pair
     for i, (p, g) in enumerate(zip(p_in, grads)):
-        scalars = list(hp[hp_rows[i]].unbind())
         p32 = p.float()
         g32 = g.float()
         fields = s_in[i * per : (i + 1) * per]
@@ -31,7 +31,6 @@ def reference_step(
                 states[j] = dequantize_state_reference(fields[2 * k], fields[2 * k + 1], fmt, signed, block_size)
             else:
                 states[j] = fields[k].float()
-        *scalars, max_unorm, lr = scalars  # every row ends with the clipping scalars
         # a non-finite gradient element leaves its param element alone and zeroes its states
         finite = torch.isfinite(g32)
         counted = finite & (g32 != 0) if skip_zeros else finite

@@ -62,7 +62,7 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     plan = next(p for p in F._PLANS.values() if p.params[0] is next(iter(params.values())))
     gl = list(grads.values())
     launches = [(group, gl if idx is None else [gl[i] for i in idx]) for idx, group in plan.groups]
-    row = as_scalar_row(values, dev)[None, :]
+    row = as_scalar_row(values, dev)
 
     def launch_all(i):
         for group, gs in launches:

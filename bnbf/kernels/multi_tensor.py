@@ -33,7 +33,7 @@ from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
 MAX_STATES = 3
-NF = 4 + 4 * MAX_STATES  # p_in, p_out, numel, hp_row, then per state: s_in, s_out, absmax_in, absmax_out
+NF = 3 + 4 * MAX_STATES  # p_in, p_out, numel, then per state: s_in, s_out, absmax_in, absmax_out
 # Tile: one 256-element block per program and one warp (the block's absmax reduction then needs no
 # shared memory or barrier). Measured on the H200, 1.07B params, power format, fp32 params: 1 block x
 # 1 warp 4.26 ms, 2 x 1 4.82, 2 x 2 4.62, 4 x 4 4.74.
@@ -79,7 +79,7 @@ def _addr(table, field, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 @triton.jit
 def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr, QUANT: tl.constexpr,
                 SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
-    base: tl.constexpr = 4 + 4 * SLOT
+    base: tl.constexpr = 3 + 4 * SLOT
     if QUANT:
         q_ptr = _addr(table, base, tl.uint8, ALIGNED)
         a_ptr = tl.load(table + base + 2).to(tl.pointer_type(tl.float32))
@@ -99,7 +99,7 @@ def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr, QU
 @triton.jit
 def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: tl.constexpr,
                  SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
-    base: tl.constexpr = 4 + 4 * SLOT
+    base: tl.constexpr = 3 + 4 * SLOT
     if QUANT:
         q_ptr = _addr(table, base + 1, tl.uint8, ALIGNED)
         a_ptr = tl.load(table + base + 3).to(tl.pointer_type(tl.float32))
@@ -119,9 +119,9 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
 
 
 @triton.jit
-def _hp_at(row, K: tl.constexpr, N: tl.constexpr):
+def _hp_at(hp_ptr, K: tl.constexpr, N: tl.constexpr):
     if K < N:
-        return tl.load(row + K)
+        return tl.load(hp_ptr + K)
     else:
         return 0.0
 
@@ -224,13 +224,12 @@ def _step_kernel(
     # the rule's scalars: kernel arguments (floats given on the host: nothing to upload), or a float32 row
     # on the device (0-d tensor hyperparameters, traced calls)
     if HP_FROM_PTR:
-        row = hp_ptr + tl.load(table + 3) * HP_STRIDE
-        hp = (_hp_at(row, 0, HP_STRIDE), _hp_at(row, 1, HP_STRIDE), _hp_at(row, 2, HP_STRIDE),
-              _hp_at(row, 3, HP_STRIDE), _hp_at(row, 4, HP_STRIDE), _hp_at(row, 5, HP_STRIDE),
-              _hp_at(row, 6, HP_STRIDE), _hp_at(row, 7, HP_STRIDE), _hp_at(row, 8, HP_STRIDE),
-              _hp_at(row, 9, HP_STRIDE), _hp_at(row, 10, HP_STRIDE), _hp_at(row, 11, HP_STRIDE),
-              _hp_at(row, 12, HP_STRIDE), _hp_at(row, 13, HP_STRIDE), _hp_at(row, 14, HP_STRIDE),
-              _hp_at(row, 15, HP_STRIDE))  # fmt: skip
+        hp = (_hp_at(hp_ptr, 0, HP_STRIDE), _hp_at(hp_ptr, 1, HP_STRIDE), _hp_at(hp_ptr, 2, HP_STRIDE),
+              _hp_at(hp_ptr, 3, HP_STRIDE), _hp_at(hp_ptr, 4, HP_STRIDE), _hp_at(hp_ptr, 5, HP_STRIDE),
+              _hp_at(hp_ptr, 6, HP_STRIDE), _hp_at(hp_ptr, 7, HP_STRIDE), _hp_at(hp_ptr, 8, HP_STRIDE),
+              _hp_at(hp_ptr, 9, HP_STRIDE), _hp_at(hp_ptr, 10, HP_STRIDE), _hp_at(hp_ptr, 11, HP_STRIDE),
+              _hp_at(hp_ptr, 12, HP_STRIDE), _hp_at(hp_ptr, 13, HP_STRIDE), _hp_at(hp_ptr, 14, HP_STRIDE),
+              _hp_at(hp_ptr, 15, HP_STRIDE))  # fmt: skip
     else:
         hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15)
     g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
@@ -333,12 +332,12 @@ class Group:
     compiled: dict = dataclasses.field(default_factory=dict)
 
 
-def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, block: int, present: int) -> Group:
+def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, present: int) -> Group:
     """Address table and task list for tensors sharing device, param dtype and state layout.
 
     ``s_in``/``s_out`` hold, per tensor, the fields of its present state slots (bit j of ``present``:
-    the rule's slot j is kept) in slot order, codes and absmax interleaved for 8-bit formats;
-    ``hp_rows[i]`` is the scalar row of tensor ``i``. In and out may be the same tensors (in place).
+    the rule's slot j is kept) in slot order, codes and absmax interleaved for 8-bit formats. In and out
+    may be the same tensors (in place).
     """
     quant = fmt != "fp32"
     block = block if quant else 256  # float32 states have no blocks; 256 is only the tile width
@@ -347,7 +346,7 @@ def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, blo
     device = p_in[0].device
     rows = []
     for i in range(len(p_in)):
-        addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), p_in[i].numel(), int(hp_rows[i])]
+        addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), p_in[i].numel()]
         fields_in, fields_out = s_in[i * per : (i + 1) * per], s_out[i * per : (i + 1) * per]
         for j in range(MAX_STATES):
             if j not in slots:
@@ -360,7 +359,7 @@ def build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name: str, fmt: str, blo
             else:
                 addr += [fields_in[k].data_ptr(), fields_out[k].data_ptr(), 0, 0]
         rows.append(addr)
-    aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[4:])
+    aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[3:])
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
     tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
     norms = get_rule(rule_name).norms is not None
@@ -374,7 +373,7 @@ def launch_group(
     or with update clipping (``clip``: the last two scalars are max_unorm and lr).
 
     ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
-    floats (passed as kernel arguments) or a float32 tensor [rows, k] on the device; ``skip_zeros``:
+    floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
     elements whose gradient is exactly 0 keep their param and states.
     """
     ptrs = tuple(map(Tensor.data_ptr, grads))
@@ -386,7 +385,7 @@ def launch_group(
     if isinstance(hp, tuple):
         from_ptr, n_hp, floats, hp_row = False, len(hp), hp + _NO_FLOATS[len(hp):], group.table
     else:
-        from_ptr, n_hp, floats, hp_row = True, hp.shape[1], _NO_FLOATS, hp
+        from_ptr, n_hp, floats, hp_row = True, hp.shape[0], _NO_FLOATS, hp
     quant = group.fmt != "fp32"
     code_ptr = _code_tables(group.device) if quant else group.table  # unused without quantized states
     iters = ITERS[group.dtype]
@@ -441,9 +440,9 @@ def launch_group(
     run(sums, 2)
 
 
-def launch(p_in, p_out, grads, s_in, s_out, hp, hp_rows, rule_name, fmt, block, present, skip_zeros, clip) -> None:
+def launch(p_in, p_out, grads, s_in, s_out, hp, rule_name, fmt, block, present, skip_zeros, clip) -> None:
     """Build the group and launch (the uncached path: out-of-place steps and traced calls)."""
-    group = build_group(p_in, p_out, s_in, s_out, hp_rows, rule_name, fmt, block, present)
+    group = build_group(p_in, p_out, s_in, s_out, rule_name, fmt, block, present)
     launch_group(group, grads, hp, skip_zeros, clip)
 
 
