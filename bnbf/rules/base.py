@@ -117,6 +117,12 @@ def check_weight_decay(wd: Number) -> None:
         raise ValueError(f"Invalid weight_decay value: {wd}")
 
 
+def check_momentum(momentum: Number) -> None:
+    v = _value(momentum)
+    if v is not None and v < 0.0:
+        raise ValueError(f"Invalid momentum value: {momentum}")
+
+
 def check_betas(betas: Sequence[Number]) -> None:
     for i, b in enumerate(betas):
         v = _value(b)

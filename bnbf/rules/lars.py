@@ -18,34 +18,22 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
-from bnbf.rules.sgd import momentum_step, momentum_step_reference, present
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps
+from bnbf.rules.sgd import SGDHparams, momentum_step, momentum_step_reference, present
 from bnbf.rules.sgd import scalars as sgd_scalars
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LarsHparams:
-    lr: Number = 1e-3
-    momentum: Number = 0.0
-    dampening: Number = 0.0
-    weight_decay: Number = 0.0
-    nesterov: bool = False
+class LarsHparams(SGDHparams):
     trust_coefficient: Number = 1e-3
     eps: Number = 1e-8
 
     def __post_init__(self):
-        check_lr(self.lr)
-        m = _value(self.momentum)
-        if m is not None and m < 0.0:
-            raise ValueError(f"Invalid momentum value: {self.momentum}")
-        check_weight_decay(self.weight_decay)
+        super().__post_init__()  # lr, momentum, dampening, nesterov, weight_decay as SGD checks them
         check_eps(self.eps)
         tc = _value(self.trust_coefficient)
         if tc is not None and tc <= 0.0:
             raise ValueError(f"Invalid trust_coefficient value: {self.trust_coefficient}")
-        d = _value(self.dampening)
-        if self.nesterov and ((m is not None and m <= 0) or (d is not None and d != 0)):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
 
 def scalars(h: LarsHparams, step: Number):

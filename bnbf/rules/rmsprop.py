@@ -23,7 +23,16 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
+from bnbf.rules.base import (
+    Number,
+    Rule,
+    StateSlot,
+    _value,
+    check_eps,
+    check_lr,
+    check_momentum,
+    check_weight_decay,
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -38,9 +47,7 @@ class RMSpropHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        m = _value(self.momentum)
-        if m is not None and m < 0.0:
-            raise ValueError(f"Invalid momentum value: {self.momentum}")
+        check_momentum(self.momentum)
         check_weight_decay(self.weight_decay)
         a = _value(self.alpha)
         if a is not None and a < 0.0:

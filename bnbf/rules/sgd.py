@@ -16,7 +16,7 @@ import dataclasses
 import triton
 import triton.language as tl
 
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_lr, check_weight_decay
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_lr, check_momentum, check_weight_decay
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,11 +29,9 @@ class SGDHparams:
 
     def __post_init__(self):
         check_lr(self.lr)
-        m = _value(self.momentum)
-        if m is not None and m < 0.0:
-            raise ValueError(f"Invalid momentum value: {self.momentum}")
+        check_momentum(self.momentum)
         check_weight_decay(self.weight_decay)
-        d = _value(self.dampening)
+        m, d = _value(self.momentum), _value(self.dampening)
         if self.nesterov and ((m is not None and m <= 0) or (d is not None and d != 0)):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
