@@ -55,7 +55,6 @@ class GlobalOptimManager:
     def initialize(self) -> None:
         """Forget every registration and override."""
         self._configs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> {setting: value}
-        self._registered: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> True
         self._modules: list[tuple[weakref.ref, str, dict]] = []  # (module, attribute, settings)
         # bumped on every change (never reset): optimizers rebuild their cached per-group plans
         self.version = getattr(self, "version", 0) + 1
@@ -71,7 +70,8 @@ class GlobalOptimManager:
             if isinstance(tensors, torch.Tensor):
                 tensors = [tensors]
             for p in tensors:
-                self._registered[p] = True
+                if not isinstance(p, torch.Tensor):
+                    raise TypeError(f"register_parameters takes tensors or param groups, got {type(p).__name__}")
 
     def override_config(
         self, parameters: Any, key: str | None = None, value: Any = None, key_value_dict: Mapping | None = None
@@ -89,9 +89,10 @@ class GlobalOptimManager:
         if not settings:
             raise ValueError("override_config needs key and value, or key_value_dict")
         tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
-        for p in tensors:
+        for p in tensors:  # all checked before any is changed
             if not isinstance(p, torch.Tensor):
                 raise TypeError(f"override_config takes tensors, got {type(p).__name__}")
+        for p in tensors:
             self._configs.setdefault(p, {}).update(settings)
         self.version += 1
 

@@ -51,12 +51,12 @@ import torch
 from torch import Tensor
 
 import bnbf
+from bnbf.functional import check_update_options
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
 
 __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
 
-_UPDATE_KW = set(inspect.signature(bnbf.update_).parameters)
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
 _CALL = {"skip_zeros": False, "max_unorm": 0.0}  # keyword arguments of bnbf.update_
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
@@ -183,7 +183,6 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _init_caches(self) -> None:
         self._plans: dict[int, _Plan] = {}  # id(group) -> its cached lists and states
         self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
-        self._version = 0  # bumped when states are created or loaded: plans are rebuilt
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
@@ -204,21 +203,18 @@ class Optimizer8bit(torch.optim.Optimizer):
         group = self.param_groups[-1]
         try:
             self._check_group(group)
-            self._check_call(group, type(self).__name__)
         except Exception:
             self.param_groups.pop()
             raise
         self._lr0[id(group)] = group["lr"]
 
-    def _check_call(self, settings: Mapping, where: str) -> None:
-        for key, off in _CALL.items():
-            if settings.get(key, off) != off and key not in _UPDATE_KW:
-                raise NotImplementedError(f"{where}: {key} needs a bnbf whose update_ takes {key}=")
-
-    def _check_group(self, group: Mapping) -> None:
-        bnbf.hparams_for(self._rule.name, self._hparams(group))
-        bnbf.OptimSpec(rule=self._rule.name, state_bits=group["optim_bits"], min_8bit_size=group["min_8bit_size"],
-                       state_format=group["state_format"])  # fmt: skip
+    def _check_group(self, group: Mapping, override: Mapping | None = None) -> None:
+        """A group's settings (with a parameter's manager overrides) as bnbf checks them."""
+        settings = {**group, **(override or {})}
+        bnbf.hparams_for(self._rule.name, self._hparams(group, override))
+        bnbf.OptimSpec(rule=self._rule.name, state_bits=settings["optim_bits"],
+                       min_8bit_size=settings["min_8bit_size"], state_format=settings["state_format"])  # fmt: skip
+        check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"])
 
     def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
         hp = {k: group[k] for k in self._hkeys}
@@ -227,7 +223,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             hp.update((k, v) for k, v in override.items() if k in hp)
             if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
                 base = group.get("initial_lr", self._lr0.get(id(group), group["lr"]))
-                hp["lr"] = lr * (group["lr"] / base) if base else lr
+                hp["lr"] = lr * (group["lr"] / base) if isinstance(base, Tensor) or base else lr
         return hp
 
     # ---- step ------------------------------------------------------------------------------------------
@@ -277,7 +273,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         kw = {}
         for key, off in _CALL.items():
             v = bucket.override.get(key, group[key])
-            if v != off:
+            if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
                 kw[key] = v
         bnbf.update_(bucket.params, grads, bucket.states, self._hparams(group, bucket.override), t + 1, **kw)
         any(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)))  # r["step"] = t + 1
@@ -299,12 +295,12 @@ class Optimizer8bit(torch.optim.Optimizer):
                 key = tuple(sorted((k, repr(v)) for k, v in cfg.items() if k not in _STORAGE))
                 buckets.setdefault(key, []).append(i)
         made = []
-        for idx in buckets.values():
+        for idx in buckets.values():  # every bucket checked before any steps: no half-applied step
+            self._check_group(group, configs.get(id(params[idx[0]]), {}))
             cfg = {k: v for k, v in configs.get(id(params[idx[0]]), {}).items() if k not in _STORAGE}
-            self._check_call(cfg, "GlobalOptimManager override")
             made.append(_Bucket(idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg,
                                 len(idx) == len(params)))  # fmt: skip
-        plan = _Plan(params, len(params), self.state, self._version, mng.version, made,
+        plan = _Plan(params, len(params), self.state, mng.version, made,
                      sum(map(len, buckets.values())) == len(params), configs)  # fmt: skip
         self._plans[id(group)] = plan
         return plan
@@ -323,7 +319,6 @@ class Optimizer8bit(torch.optim.Optimizer):
             self.state[p] = {"step": 0, "state": bnbf.init_state(p.detach(), spec, self._hparams(group, cfg))}
             new = True
         if new:
-            self._version += 1
             plan = self._plan(group)
         return plan
 
@@ -441,7 +436,6 @@ class _Plan:
     params: list
     nparams: int
     state_obj: Any
-    version: int
     mng_version: int
     buckets: list[_Bucket]
     complete: bool  # every param of the group has state
@@ -449,8 +443,7 @@ class _Plan:
 
     def valid(self, opt: Optimizer8bit, params: list) -> bool:
         return (
-            self.version == opt._version
-            and self.state_obj is opt.state
+            self.state_obj is opt.state
             and self.mng_version == GlobalOptimManager.get_instance().version
             and self.params is params
             and self.nparams == len(params)

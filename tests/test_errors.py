@@ -265,3 +265,17 @@ def test_invalid_spec():
     for kw in ({"rule": "nope"}, {"state_bits": 4}, {"block_size": 100}, {"min_8bit_size": -1}):
         with pytest.raises(ValueError):
             bnbf.OptimSpec(**kw)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("kw,exc,match", [
+    ({"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
+    ({"max_unorm": -1.0}, ValueError, "Invalid max_unorm value: -1.0"),
+])  # fmt: skip
+def test_bad_update_options(setup, fn, kw, exc, match):
+    p, g, s = setup
+    snap = snapshot(p, g, s)
+    with pytest.raises(exc, match=match):
+        fn(p, g, s, {}, 2, **kw)
+    assert_untouched(snap, f"{fn.__name__} after {kw}")

@@ -169,3 +169,44 @@ def test_module_overrides_are_held_weakly():
     gc.collect()
     mng.configs_for([])
     assert mng._modules == []
+
+
+def test_bad_override_leaves_every_param_unstepped():
+    """An override that bnbf rejects fails the step before any bucket of the group has run."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit(params, lr=1e-3, min_8bit_size=MIN8)
+    for p, g in zip(params, make_grads(params, 1)[0]):
+        p.grad = g
+    opt.step()
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[-1], "lr", -1.0)
+    before = [p.detach().clone() for p in params]
+    states = {id(p): [t.clone() for t in opt.state[p]["state"]] for p in params}
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+        assert opt.state[p]["step"] == 1
+        assert all(torch.equal(a, c) for a, c in zip(opt.state[p]["state"], states[id(p)]))
+
+
+def test_override_config_with_a_non_tensor_changes_nothing():
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    a = torch.nn.Parameter(torch.zeros(3))
+    version = mng.version
+    with pytest.raises(TypeError, match="override_config takes tensors"):
+        mng.override_config([a, "not a tensor"], "lr", 1e-4)
+    assert mng.configs_for([a]) == {} and mng.version == version
+
+
+@pytest.mark.parametrize("cls,kw,exc,match", [
+    (bnbf_nn.AdamW8bit, {"max_unorm": -1.0}, ValueError, "Invalid max_unorm value"),
+    (bnbf_nn.AdamW8bit, {"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
+])  # fmt: skip
+def test_bad_call_settings_fail_at_construction(cls, kw, exc, match):
+    with pytest.raises(exc, match=match):
+        cls(make_params(), lr=1e-3, **kw)
+
+
+def test_lamb_group_with_max_unorm_fails_at_construction():
+    with pytest.raises(ValueError, match="max_unorm does not combine with lamb"):
+        bnbf_nn.LAMB8bit([{"params": make_params(), "max_unorm": 0.5}], lr=1e-3)
