@@ -245,18 +245,24 @@ class Optimizer8bit(torch.optim.Optimizer):
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
-        if not (plan.complete and all(map(operator.is_not, grads, itertools.repeat(None)))):
-            plan = self._create_states(group, grads, plan)
-            mask = [g is not None for g in grads]
+        has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+        if plan.complete and all(has_grad):
             for bucket in plan.buckets:
-                keep = [k for k, i in enumerate(bucket.idx) if mask[i]]
-                if keep:
-                    sub = bucket.subset(keep)
-                    self._run(group, sub, [grads[i] for i in sub.idx])
-                    bucket.uniform = bucket.uniform and len(keep) == len(bucket.idx)
+                self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx])
             return
-        for bucket in plan.buckets:
-            self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx])
+        # some params have no grad (frozen, or unused this step): the buckets' subsets for this pattern,
+        # kept in the plan while the pattern repeats (a frozen layer's every step)
+        if plan.has_grad != has_grad:
+            plan = self._create_states(group, grads, plan)
+            plan.has_grad = has_grad
+            plan.partial = []
+            for bucket in plan.buckets:
+                keep = [k for k, i in enumerate(bucket.idx) if has_grad[i]]
+                if keep:
+                    plan.partial.append((bucket, bucket.subset(keep)))
+        for bucket, sub in plan.partial:
+            self._run(group, sub, [grads[i] for i in sub.idx])
+            bucket.uniform = bucket.uniform and len(sub.idx) == len(bucket.idx)
 
     def _run(self, group: dict, bucket: _Bucket, grads: list) -> None:
         records = bucket.records
@@ -440,6 +446,8 @@ class _Plan:
     buckets: list[_Bucket]
     complete: bool  # every param of the group has state
     configs: dict
+    has_grad: tuple = ()  # the grad pattern `partial` was built for (steps where some params have none)
+    partial: list = dataclasses.field(default_factory=list)  # (bucket, its subset with grads)
 
     def valid(self, opt: Optimizer8bit, params: list) -> bool:
         return (

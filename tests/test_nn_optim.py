@@ -273,6 +273,26 @@ def test_params_without_grad_are_skipped_and_steps_split():
     assert_same(opt, [params[1]], *ref1)
 
 
+def test_frozen_param_every_step():
+    """A param that never gets a grad (a frozen layer): the others step as the core does, every step, on
+    the subsets cached for that grad pattern; unfreezing it later starts its state at step 1."""
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 5)
+    opt = bnbf_nn.Adam8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    live = [params[0], params[2]]
+    for gs in grads[:4]:
+        params[1].grad = None
+        for p, g in zip(live, [gs[0], gs[2]]):
+            p.grad = g.clone()
+        opt.step()
+    assert "state" not in opt.state.get(params[1], {}) and torch.equal(params[1].detach(), params0[1])
+    ref = run_core(opt, [params0[0], params0[2]], [[gs[0], gs[2]] for gs in grads[:4]], 8)
+    assert_same(opt, live, *ref)
+    run_adapter(opt, params, grads[4:])
+    assert [opt.state[p]["step"] for p in params] == [5, 1, 5]
+
+
 def test_lr_scheduler_changes_lr_each_step():
     params = make_params()
     params0 = [p.detach().clone() for p in params]
