@@ -83,9 +83,7 @@ class Family:
     def extra_args(self) -> tuple[tuple[str, Any], ...]:
         """The rule's hyperparameters bitsandbytes has no argument for (LAMB's clamp_value...), with the rule's
         defaults: keyword arguments of the classes after bitsandbytes' own."""
-        rule = bnbf.RULES.get(self.rule)
-        if rule is None:
-            return ()
+        rule = bnbf.RULES[self.rule]
         taken = {"lr"} | {k for k, _ in self.args} | {v for _, v in self.renames}
         return tuple((f.name, f.default) for f in dataclasses.fields(rule.hparams) if f.name not in taken)
 
@@ -117,15 +115,6 @@ _BY_NAME = {f.name: f for f in FAMILIES}
 # bitsandbytes' optimizer_name (Optimizer1State/2State's first argument) -> family; its "adam" decays decoupled
 _BNB_NAMES = {"adam": "AdamW", "lamb": "LAMB", "ademamix": "AdEMAMix", "momentum": "SGD", "lars": "LARS",
               "rmsprop": "RMSprop", "adagrad": "Adagrad", "lion": "Lion"}  # fmt: skip
-
-
-def _rule(family: Family, cls_name: str):
-    rule = bnbf.RULES.get(family.rule)
-    if rule is None:
-        raise NotImplementedError(
-            f"{cls_name} needs bnbf's {family.rule!r} update rule, which this version of bnbf does not have yet"
-        )
-    return rule
 
 
 def _to_bnb_group(family: Family, group: Mapping) -> dict:
@@ -173,7 +162,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self.family = family or getattr(type(self), "family", None)
         if self.family is None:
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
-        self._rule = _rule(self.family, type(self).__name__)
+        self._rule = bnbf.RULES[self.family.rule]
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
         self._init_caches()
         super().__init__(params, {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults})
@@ -193,7 +182,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         state = dict(state)
         lr0 = state.pop("_lr0", [])
         super().__setstate__(state)
-        self._rule = _rule(self.family, type(self).__name__)
+        self._rule = bnbf.RULES[self.family.rule]
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in self.defaults)
         self._init_caches()
         self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
@@ -466,7 +455,7 @@ def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_dec
     if family is None or family.nstates != nstates:
         known = sorted(k for k, v in _BNB_NAMES.items() if _BY_NAME[v].nstates == nstates)
         raise ValueError(f"unknown optimizer_name {optimizer_name!r} for a {nstates}-state optimizer; known: {known}")
-    rule = _rule(family, f"Optimizer{nstates}State({optimizer_name!r})")
+    rule = bnbf.RULES[family.rule]
     ours = {f.name for f in dataclasses.fields(rule.hparams)}
     spelled = {"betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **extra}
     hp = {k: v for k, v in spelled.items() if k in ours and k not in dict(family.bnb_group)}
@@ -550,7 +539,7 @@ def _make_class(family: Family, bits: int | None) -> type:
         if bits is not None and a["optim_bits"] != bits:
             raise ValueError(f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
                              f"(use {family.name}(optim_bits=...) to choose)")  # fmt: skip
-        rule = _rule(family, name)
+        rule = bnbf.RULES[family.rule]
         fields = {f.name for f in dataclasses.fields(rule.hparams)}
         hp = {"lr": a["lr"]}
         renames = dict(family.renames)
@@ -580,8 +569,7 @@ def _make_class(family: Family, bits: int | None) -> type:
 
 
 def _rule_doc(cls: type) -> str:
-    rule = bnbf.RULES.get(cls.family.rule)
-    mod = sys.modules.get(rule.hparams.__module__) if rule else None
+    mod = sys.modules.get(bnbf.RULES[cls.family.rule].hparams.__module__)
     return (mod.__doc__ or "") if mod else ""
 
 

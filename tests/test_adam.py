@@ -30,7 +30,7 @@ NUMELS_8BIT = [1, 255, 257, 4097]
 
 
 # 8-bit state formats under test: every format bnbf offers (the DESIGN.md contract names "dynamic")
-FORMATS = tuple(getattr(bnbf.quant, "STATE_FORMATS", ("dynamic",)))
+FORMATS = bnbf.quant.STATE_FORMATS
 LAYOUTS = [(8, f) for f in FORMATS] + [(32, None)]
 LAYOUT_IDS = [f"8bit-{f}" for f in FORMATS] + ["32bit"]
 

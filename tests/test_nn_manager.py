@@ -146,8 +146,6 @@ def test_stable_embedding_keeps_the_weight_dtype():
     assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16
 
 
-@pytest.mark.skipif("skip_zeros" not in __import__("inspect").signature(bnbf.update_).parameters,
-                    reason="bnbf.update_ has no skip_zeros yet")  # fmt: skip
 def test_skip_zeros_leaves_rows_not_looked_up():
     torch.manual_seed(0)
     emb = bnbf_nn.StableEmbedding(300, 16)

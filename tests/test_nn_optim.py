@@ -26,7 +26,6 @@ from bnbf._dispatch import interpreting
 
 MIN8 = 256  # min_8bit_size in these tests: the (300,) and (16, 40) params get 8-bit state, (7,) 32-bit
 SHAPES = [(300,), (16, 40), (7,)]
-HAS_SKIP_ZEROS = "skip_zeros" in inspect.signature(bnbf.update_).parameters
 
 # family -> non-default hyperparameters the parity tests use (bitsandbytes' argument names)
 HPARAMS = {
@@ -51,9 +50,6 @@ def cls_name(case) -> str:
 
 
 def get_cls(case):
-    family, _ = case
-    if family.rule not in bnbf.RULES:
-        pytest.skip(f"bnbf has no {family.rule!r} rule yet: {cls_name(case)} raises NotImplementedError")
     return getattr(bnbf_nn, cls_name(case))
 
 
@@ -111,10 +107,6 @@ def assert_same(opt, params, ref_params, ref_states, what=""):
 def test_constructs_with_defaults_and_bnb_names(case):
     family, bits = case
     name = cls_name(case)
-    if family.rule not in bnbf.RULES:
-        with pytest.raises(NotImplementedError, match=f"{family.rule!r} update rule"):
-            getattr(bnbf_nn, name)(make_params(), lr=1e-3)
-        pytest.skip(f"bnbf has no {family.rule!r} rule yet (NotImplementedError checked)")
     cls = getattr(bnbf_nn, name)
     opt = cls(make_params()) if family.lr is not None else cls(make_params(), lr=0.1)
     group = opt.param_groups[0]
@@ -359,7 +351,6 @@ def test_closure_hooks_and_zero_grad():
     assert all(p.grad is None for p in params)
 
 
-@pytest.mark.skipif(not HAS_SKIP_ZEROS, reason="bnbf.update_ has no skip_zeros yet")
 @pytest.mark.parametrize("bits", [8, 32])
 def test_skip_zeros_leaves_zero_grad_elements(bits):
     params = make_params()

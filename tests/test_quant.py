@@ -10,6 +10,8 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICES, kernel_runs
 from hypothesis import given
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from tolerances import (
 )
 
 import bnbf
+from bnbf.kernels.codec import encode_dynamic, encode_power
 
 # A kernel code may differ from the reference's (by one code) only where x / absmax lies this close,
 # relatively, to the midpoint of two codes: about 16 float32 ulps, room for x * (1/absmax) vs x / absmax
@@ -329,45 +332,26 @@ def test_kernel_codes_at_codes_midpoints_and_decade_edges(device, explicit_code)
     assert_equal_report(dq.cpu(), x[: 1 + 256].cpu(), "code values round trip exactly")
 
 
-# The 8-bit optimizer kernels encode moments with bnbf.kernels.codec.encode_dynamic (signed for exp_avg,
-# unsigned for exp_avg_sq) without a table search; the public quantize only reaches the signed variant, so
-# the unsigned one is driven through a small Triton kernel here.
-try:  # the kernel must be a module-level function: the interpreter resolves names through its globals
-    import triton
-    import triton.language as tl
-
-    from bnbf.kernels.codec import encode_dynamic
-
-    @triton.jit
-    def _encode_kernel(x_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, encode_dynamic(x, SIGNED).to(tl.int32), mask=mask)
-
-except ImportError:  # no Triton, or the encoder moved: the test below skips
-    _encode_kernel = None
-
-try:
-    from bnbf.kernels.codec import encode_power
-
-    @triton.jit
-    def _encode_power_kernel(x_ptr, out_ptr, n, SIGNED: tl.constexpr, BLOCK: tl.constexpr):
-        offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        x = tl.load(x_ptr + offs, mask=mask, other=0.0)
-        tl.store(out_ptr + offs, encode_power(x, SIGNED).to(tl.int32), mask=mask)
-
-except ImportError:
-    _encode_power_kernel = None
+# The 8-bit optimizer kernels encode moments with bnbf.kernels.codec's encoders (signed for first moments,
+# unsigned for the non-negative ones); the public quantize reaches only the signed dynamic one, so each is
+# driven through this small kernel (module level: the interpreter resolves names through its globals).
+@triton.jit
+def _encode_kernel(x_ptr, out_ptr, n, SIGNED: tl.constexpr, POWER: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    if POWER:
+        q = encode_power(x, SIGNED)
+    else:
+        q = encode_dynamic(x, SIGNED)
+    tl.store(out_ptr + offs, q.to(tl.int32), mask=mask)
 
 
 def run_encoder(x: torch.Tensor, signed: bool, fmt: str = "dynamic") -> torch.Tensor:
-    kernel = _encode_kernel if fmt == "dynamic" else _encode_power_kernel
-    if kernel is None:
-        pytest.skip(f"bnbf.kernels.codec has no encoder for {fmt!r}")
     out = torch.empty(x.shape, dtype=torch.int32, device=x.device)
-    kernel[(triton.cdiv(x.numel(), 1024),)](x, out, x.numel(), SIGNED=signed, BLOCK=1024)
+    _encode_kernel[(triton.cdiv(x.numel(), 1024),)](
+        x, out, x.numel(), SIGNED=signed, POWER=fmt == "power", BLOCK=1024
+    )
     return out
 
 
@@ -407,7 +391,7 @@ def test_arithmetic_encoder_is_nearest_code(device, signed):
 # ------------------------------------------------------------------------------------------------
 # the optimizer-state formats (bnbf.quant.STATE_FORMATS): reference quantizer and kernel encoders
 
-STATE_FORMATS = tuple(getattr(bnbf.quant, "STATE_FORMATS", ("dynamic",)))
+STATE_FORMATS = bnbf.quant.STATE_FORMATS
 
 
 @pytest.mark.parametrize("fmt", STATE_FORMATS)
