@@ -622,12 +622,15 @@ def test_tensor_hparams_equal_floats(device, rule, bits):
             scale = (a[0][k] - p[k]).abs().max().item()
             # a Python float is rounded to float32 once; a float32 tensor's arithmetic rounds each step
             assert_close_report(b[0][k] - p[k], a[0][k] - p[k], 1e-6 * max(scale, 1e-3), 1e-4, f"{rule} {v} {k}")
-            ma, mb = bnbf.dequantize_state(a[1][k]), bnbf.dequantize_state(b[1][k])
-            for name in ma:
-                atol = 1e-6 * max(ma[name].abs().max().item(), 1e-6)
-                if bits == 8:  # one code of 256 may flip where the two sit on a rounding boundary
-                    atol = 0.02 * ma[name].abs().max().item()
-                assert_close_report(mb[name], ma[name], atol, 1e-4, f"{rule} {v} {k}.{name}")
+            for name, fa, fb in zip(type(a[1][k])._fields, a[1][k], b[1][k]):
+                what = f"{rule} {v} {k}.{name}"
+                if fa.dtype == torch.uint8:  # a code may move by one where the value sits on a rounding boundary
+                    diff = (fa.long() - fb.long()).abs()
+                    assert int(diff.max()) <= 1, f"{what}: codes differ by {int(diff.max())}"
+                    n_diff = int((diff > 0).sum())
+                    assert n_diff <= max(2, fa.numel() // 100), f"{what}: {n_diff} codes differ"
+                else:
+                    assert_close_report(fb, fa, 1e-6 * max(fa.abs().max().item(), 1e-6), 1e-4, what)
 
 
 # ------------------------------------------------------------------------------------------------
