@@ -53,10 +53,6 @@ def kernel_runs(device: str | torch.device) -> bool:
     return device.type == "cuda" or (device.type == "cpu" and triton_mode())
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "triton_only: needs the Triton path (cuda, or TRITON_INTERPRET=1)")
-
-
 def pytest_collection_modifyitems(config, items):
     skip_slow = pytest.mark.skip(reason="large shapes run only where CUDA is available")
     cpu_only = pytest.mark.skip(reason="CPU-only end-to-end run; BNBF_TEST_DEVICES leaves out cpu")
@@ -108,3 +104,12 @@ def assert_untouched(snap, what: str = "input") -> None:
 def storages(tree) -> set[int]:
     """Data pointers of the storages behind every tensor leaf (to tell new tensors from aliases)."""
     return {t.untyped_storage().data_ptr() for t in _leaves(tree) if t.device.type != "meta" and t.numel()}
+
+
+def init_params(shape, dtype, device):
+    """ANCHORS.md's conditions: params ~ N(0, 0.1^2) (grads: :func:`make_grad`, N(0, 0.01^2))."""
+    return (torch.randn(shape) * 0.1).to(dtype).to(device)
+
+
+def make_grad(shape, dtype, device):
+    return (torch.randn(shape) * 0.01).to(dtype).to(device)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import DEVICES, assert_untouched, kernel_runs, snapshot, storages, triton_mode
+from conftest import DEVICES, assert_untouched, init_params, kernel_runs, make_grad, snapshot, storages, triton_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_table import RULE_IDS, RULES
@@ -21,6 +21,7 @@ from tolerances import (
     assert_close_report,
     assert_equal_report,
     count_outside,
+    half_ulp,
 )
 from torch.utils._pytree import tree_flatten, tree_leaves
 
@@ -44,25 +45,10 @@ def hp_with_wd(case, wd):
     return {**case.hparams, "weight_decay": wd}
 
 
-def init_params(shape, dtype, device):
-    # ANCHORS.md's conditions: params ~ N(0, 0.1^2), grads ~ N(0, 0.01^2)
-    return (torch.randn(shape) * 0.1).to(dtype).to(device)
-
-
-def make_grad(shape, dtype, device):
-    return (torch.randn(shape) * 0.01).to(dtype).to(device)
-
-
 def state_leaves(state):
     return [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
-def half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of ``dtype`` numbers at |x| (float32): the most a round-to-nearest store moves x."""
-    x = x.float().abs()
-    fi = torch.finfo(dtype)
-    exp = torch.floor(torch.log2(torch.clamp(x, min=fi.tiny)))
-    return torch.exp2(exp) * fi.eps / 2
 
 
 # ------------------------------------------------------------------------------------------------

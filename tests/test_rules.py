@@ -23,9 +23,17 @@ import re
 
 import pytest
 import torch
-from conftest import DEVICES, assert_untouched, kernel_runs, snapshot
+from conftest import DEVICES, assert_untouched, init_params, kernel_runs, make_grad, snapshot
 from optim_table import ALL_RULES, EXTRA_RULE_IDS, EXTRA_RULES, UnormClipped
-from tolerances import DTYPES, STATE8, STATE32, assert_close_report, assert_equal_report, count_outside
+from tolerances import (
+    DTYPES,
+    STATE8,
+    STATE32,
+    assert_close_report,
+    assert_equal_report,
+    count_outside,
+    half_ulp,
+)  # fmt: skip
 
 import bnbf
 from bnbf._dispatch import interpreting
@@ -63,21 +71,6 @@ def hp_of(case, wd: float, **extra) -> dict:
 def spec_of(case, bits: int, fmt: str = "power", block_size: int = 256) -> bnbf.OptimSpec:
     return bnbf.OptimSpec(rule=case.name, state_bits=bits, min_8bit_size=0, state_format=fmt, block_size=block_size)
 
-
-def init_params(shape, dtype, device):
-    # ANCHORS.md's conditions: params ~ N(0, 0.1^2), grads ~ N(0, 0.01^2)
-    return (torch.randn(shape) * 0.1).to(dtype).to(device)
-
-
-def make_grad(shape, dtype, device):
-    return (torch.randn(shape) * 0.01).to(dtype).to(device)
-
-
-def half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Half the spacing of ``dtype`` numbers at |x|: the most a round-to-nearest store moves x."""
-    x = x.float().abs()
-    fi = torch.finfo(dtype)
-    return torch.exp2(torch.floor(torch.log2(torch.clamp(x, min=fi.tiny)))) * fi.eps / 2
 
 
 def has_norms(case) -> bool:

@@ -53,12 +53,6 @@ STATE8: dict[tuple[torch.dtype, int], Resync8] = {
 }
 
 
-def tol(dtype: torch.dtype, state_bits: int) -> Close | Resync8:
-    """The tolerance for params of ``dtype`` with ``state_bits`` state."""
-    table = STATE32 if state_bits == 32 else STATE8
-    return table[(dtype, state_bits)]
-
-
 # Quantizer round trip of randn with the signed dynamic map, block 256 (bitsandbytes test_dynamic_blockwise)
 QUANT_SIGNED_MEAN_ABS = 0.011
 QUANT_SIGNED_MEAN_REL = 0.018
@@ -146,3 +140,10 @@ def assert_equal_report(actual: torch.Tensor, expected: torch.Tensor, what: str,
     for flat in where:
         lines.append(f"  flat index {flat}: actual {a[flat].item()!r} expected {e[flat].item()!r}")
     raise AssertionError("\n".join(lines))
+
+
+def half_ulp(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Half the spacing of ``dtype`` numbers at |x|: the most a round-to-nearest store moves x."""
+    x = x.float().abs()
+    fi = torch.finfo(dtype)
+    return torch.exp2(torch.floor(torch.log2(torch.clamp(x, min=fi.tiny)))) * fi.eps / 2
