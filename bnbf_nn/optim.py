@@ -354,6 +354,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         name = type(self).__name__
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(f"{name}.load_state_dict expects a dict with 'state' and 'param_groups'")
+        if not isinstance(state_dict["state"], Mapping) or not all(
+            isinstance(g, Mapping) for g in state_dict["param_groups"]
+        ):
+            raise ValueError(f"{name}.load_state_dict: 'state' must be a dict and 'param_groups' a list of dicts")
         origin = state_dict.get("bnbf") or {}
         if origin.get("rule", self._rule.name) != self._rule.name:
             raise ValueError(f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "

@@ -185,6 +185,8 @@ BAD = {
     "group count": (lambda sd, _: sd.update(param_groups=sd["param_groups"] * 2) or sd, "param groups"),
     "group size": (lambda sd, _: sd["param_groups"][0].update(params=[0]) or sd, "has 1 params"),
     "not a state dict": (lambda sd, _: {"state": {}}, "'state' and 'param_groups'"),
+    "group not a dict": (lambda sd, _: sd.update(param_groups=[["params"]]) or sd, "a list of dicts"),
+    "state not a dict": (lambda sd, _: sd.update(state=[1]) or sd, "'state' must be a dict"),
 }
 
 
