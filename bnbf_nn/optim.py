@@ -201,9 +201,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         """A group's settings (with a parameter's manager overrides) as bnbf checks them."""
         settings = {**group, **(override or {})}
         bnbf.hparams_for(self._rule.name, self._hparams(group, override))
-        bnbf.OptimSpec(rule=self._rule.name, state_bits=settings["optim_bits"],
-                       min_8bit_size=settings["min_8bit_size"], state_format=settings["state_format"])  # fmt: skip
+        self._spec(group, override)
         check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"])
+
+    def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
+        """The storage a parameter's state gets: the group's settings, with its manager overrides."""
+        storage = {k: (override or {}).get(k, group[k]) for k in _STORAGE}
+        return bnbf.OptimSpec(rule=self._rule.name, state_bits=storage["optim_bits"], block_size=_checkpoint.BLOCK,
+                              min_8bit_size=storage["min_8bit_size"], state_format=storage["state_format"])  # fmt: skip
 
     def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
         hp = {k: group[k] for k in self._hkeys}
@@ -307,10 +312,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             if g is None or "state" in self.state.get(p, {}):
                 continue
             cfg = plan.configs.get(id(p), {})
-            storage = {k: cfg.get(k, group[k]) for k in _STORAGE}
-            spec = bnbf.OptimSpec(rule=self._rule.name, state_bits=storage["optim_bits"],
-                                  block_size=_checkpoint.BLOCK, min_8bit_size=storage["min_8bit_size"],
-                                  state_format=storage["state_format"])  # fmt: skip
+            spec = self._spec(group, cfg)
             self.state[p] = {"step": 0, "state": bnbf.init_state(p.detach(), spec, self._hparams(group, cfg))}
             new = True
         if new:
@@ -393,8 +395,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             if not isinstance(entry, Mapping):
                 raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
             cfg = configs.get(id(p), {})
-            bits, min8 = (cfg.get(k, group[k]) for k in ("optim_bits", "min_8bit_size"))
-            want = 8 if bits == 8 and p.numel() >= min8 else 32
+            want = self._spec(group, cfg).layout_for(p.numel()).bits
             hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
             step = _checkpoint.read_step(entry, where)
             s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where)
