@@ -85,7 +85,7 @@ def _map_cpu(signed: bool) -> Tensor:
     return create_dynamic_map(signed=signed)
 
 
-_DEVICE_MAPS: dict[tuple[torch.device, bool], Tensor] = {}
+_DEVICE_MAPS: dict[tuple, Tensor] = {}  # (device, signed[, format]) -> map
 
 
 def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
@@ -227,7 +227,10 @@ def state_map(fmt: str, signed: bool, device: torch.device | str = "cpu") -> Ten
         return dynamic_map(signed, device)
     if fmt != "power":
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
-    return _power_map(signed).to(device)
+    key = (torch.device(device), signed, "power")
+    if key not in _DEVICE_MAPS:
+        _DEVICE_MAPS[key] = _power_map(signed).to(device)
+    return _DEVICE_MAPS[key]
 
 
 @functools.cache

@@ -35,19 +35,10 @@ _IGNORED = {"unorm_vec", "gnorm_vec"}  # bitsandbytes' scratch buffers, recomput
 
 
 @functools.cache
-def _cpu_map(fmt: str, signed: bool) -> Tensor:
-    return state_map(fmt, signed, "cpu").clone()
-
-
-_MAPS: dict[tuple, Tensor] = {}
-
-
 def qmap(fmt: str, signed: bool, device: torch.device) -> Tensor:
-    """The 256 values the codes of ``fmt`` stand for (one shared tensor per device)."""
-    key = (fmt, signed, device)
-    if key not in _MAPS:
-        _MAPS[key] = _cpu_map(fmt, signed).to(device)
-    return _MAPS[key]
+    """The 256 values the codes of ``fmt`` stand for, as state dicts carry them (one tensor per device,
+    apart from the maps the quantizer itself uses)."""
+    return state_map(fmt, signed, device).clone()
 
 
 def _slots(rule: Any, stacks: tuple | None) -> tuple[tuple[int, ...], ...]:
@@ -126,10 +117,10 @@ def unpack(entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hpara
             got = f"{a.dtype} {tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)
             _fail(where, f"absmax{k} must be float32 of shape {lead + (nblocks,)} for {n} elements, got {got}")
         signed = rule.states[kept[0]].signed
-        match = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), _cpu_map(f, signed))]
+        match = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, signed))]
         if not match:
             kind = "signed" if signed else "unsigned"
-            other = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), _cpu_map(f, not signed))]
+            other = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, not signed))]
             hint = (f"; it is the {'unsigned' if signed else 'signed'} {other[0]} map (bitsandbytes quantizes "
                     f"RMSprop's and Adagrad's non-negative state with its signed map), so these codes cannot be "
                     f"restored as bnbf's {kind} {rule.states[kept[0]].name}") if other else ""
