@@ -60,6 +60,7 @@ __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optim
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
 _CALL = {"skip_zeros": False, "max_unorm": 0.0}  # keyword arguments of bnbf.update_
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
+_BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 # C-level loops over a group's params: the adapter's own cost is ~25-40 us a step on GPT-2 small's 148
 # tensors (H200 host; bnbf.update_ itself: ~300 us host, ~520 us GPU in fp32)
 _GRAD = operator.attrgetter("grad")
@@ -162,12 +163,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         self.family = family or getattr(type(self), "family", None)
         if self.family is None:
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
-        self._rule = bnbf.RULES[self.family.rule]
-        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
+        self._set_rule(defaults)
         self._init_caches()
         super().__init__(params, {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults})
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
+
+    def _set_rule(self, defaults: Mapping) -> None:
+        self._rule = bnbf.RULES[self.family.rule]
+        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Plan] = {}  # id(group) -> its cached lists and states
@@ -182,8 +186,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         state = dict(state)
         lr0 = state.pop("_lr0", [])
         super().__setstate__(state)
-        self._rule = bnbf.RULES[self.family.rule]
-        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in self.defaults)
+        self._set_rule(self.defaults)
         self._init_caches()
         self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
 
@@ -376,7 +379,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
             new = {k: v for k, v in group.items() if k != "params"}
             new.update({k: deepcopy(v) for k, v in saved.items() if k in ours or k not in
-                        {"params", *_STORAGE, *_BNB_GROUP_KEYS, "alpha", "t_alpha", "t_beta3"}})  # fmt: skip
+                        {"params", *_STORAGE, *_BNB_GROUP_KEYS, *_BNB_2STATE_KEYS}})  # fmt: skip
             new.update(_from_bnb_group(self.family, saved, ours))
             new["params"] = group["params"]
             try:
@@ -478,8 +481,9 @@ class Optimizer2State(Optimizer8bit):
     def __init__(self, optimizer_name, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, optim_bits=32,
                  args=None, min_8bit_size=4096, max_unorm=0.0, skip_zeros=False, is_paged=False, alpha=0.0,
                  t_alpha=None, t_beta3=None, *, state_format="power"):  # fmt: skip
-        extra = {"alpha": alpha, "t_alpha": t_alpha, "t_beta3": t_beta3} if optimizer_name == "ademamix" else {}
-        family, hp = _from_bnb_args(optimizer_name, 2, lr, betas, eps, weight_decay, **extra)
+        # kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
+        family, hp = _from_bnb_args(optimizer_name, 2, lr, betas, eps, weight_decay, alpha=alpha, t_alpha=t_alpha,
+                                    t_beta3=t_beta3)  # fmt: skip
         storage = _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format,
                            bnbf.RULES[family.rule], family, f"Optimizer2State({optimizer_name!r})")  # fmt: skip
         Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
