@@ -16,6 +16,8 @@ from optim_table import RULE_IDS, RULES
 import bnbf
 
 UPDATES = [bnbf.update, bnbf.update_]
+GRAD_STRUCTURE = r"(?s)grad structure .* does not match param structure"
+STATE_STRUCTURE = r"(?s)state structure .* does not match param structure"
 UPDATE_IDS = ["update", "update_"]
 
 
@@ -113,8 +115,8 @@ def test_bad_second_leaf_leaves_first_untouched(device, fn):
 def test_structure_mismatch(device, fn):
     params = {"a": torch.randn(10, device=device), "b": torch.randn(10, device=device)}
     state = bnbf.init_state(params, spec())
-    expect_error(fn, (ValueError, TypeError), "", params, {"a": torch.randn(10, device=device)}, state)
-    expect_error(fn, (ValueError, TypeError), "", params, params, {"a": state["a"]})
+    expect_error(fn, ValueError, GRAD_STRUCTURE, params, {"a": torch.randn(10, device=device)}, state)
+    expect_error(fn, ValueError, STATE_STRUCTURE, params, params, {"a": state["a"]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -143,7 +145,7 @@ def test_update_rejects_integer_and_complex_params(device, dtype, fn, bits):
     s = bnbf.init_state(torch.zeros(300, device=device), spec(bits=bits))
     _, s = warm(torch.zeros(300, device=device), s)
     p = torch.ones(300, device=device).to(dtype)
-    expect_error(fn, TypeError, "", p, torch.ones(300, device=device).to(dtype), s)
+    expect_error(fn, TypeError, "params are not supported", p, torch.ones(300, device=device).to(dtype), s)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -155,9 +157,9 @@ def test_update_rejects_integer_and_complex_params(device, dtype, fn, bits):
 def test_state_for_another_shape(setup, fn, device, bits):
     p, g, s = setup
     other = bnbf.init_state(torch.zeros(300, 4, device=device), spec(bits=bits))  # same numel
-    expect_error(fn, ValueError, "", p, g, other)
+    expect_error(fn, ValueError, "does not fit the param", p, g, other)
     bigger = bnbf.init_state(torch.zeros(4, 301, device=device), spec(bits=bits))
-    expect_error(fn, ValueError, "", p, g, bigger)
+    expect_error(fn, ValueError, "does not fit the param", p, g, bigger)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -169,14 +171,14 @@ def test_state_layouts_mismatched(device, fn):
     s32 = warm(p, bnbf.init_state(p, spec(bits=32)))[1]
     s8_64 = warm(p, bnbf.init_state(p, spec(bits=8, block_size=64)))[1]
     # 32-bit layout holding 8-bit codes
-    expect_error(fn, (ValueError, TypeError), "", p, g, s32._replace(exp_avg=s8.exp_avg))
+    expect_error(fn, ValueError, "does not fit the param", p, g, s32._replace(exp_avg=s8.exp_avg))
     # 8-bit layout holding float32 moments
-    expect_error(fn, (ValueError, TypeError), "", p, g, s8._replace(exp_avg_sq=s32.exp_avg_sq))
+    expect_error(fn, ValueError, "does not fit the param", p, g, s8._replace(exp_avg_sq=s32.exp_avg_sq))
     # absmax of another block size (the layout says 256)
-    expect_error(fn, ValueError, "", p, g,
+    expect_error(fn, ValueError, "does not fit the param", p, g,
                  s8._replace(exp_avg_absmax=s8_64.exp_avg_absmax, exp_avg_sq_absmax=s8_64.exp_avg_sq_absmax))
     # an 8-bit state's fields in a 32-bit-layout tuple of the right length
-    expect_error(fn, (ValueError, TypeError), "", p, g, type(s32)(s8.exp_avg, s8.exp_avg_sq))
+    expect_error(fn, ValueError, "does not fit the param", p, g, type(s32)(s8.exp_avg, s8.exp_avg_sq))
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -185,15 +187,15 @@ def test_states_of_two_rules_in_one_call(device, fn):
     params = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device)}
     state = {"a": bnbf.init_state(params["a"], spec("adam")), "b": bnbf.init_state(params["b"], spec("adamw"))}
     grads = {k: torch.randn_like(v) for k, v in params.items()}
-    expect_error(fn, ValueError, "", params, grads, state)
+    expect_error(fn, ValueError, "is for rule 'adamw' but other states are for 'adam'", params, grads, state)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_not_a_state(setup, fn):
     p, g, s = setup
-    expect_error(fn, (TypeError, ValueError), "", p, g, tuple(s))
-    expect_error(fn, (TypeError, ValueError), "", p, g, {"exp_avg": s[0], "exp_avg_sq": s[1]})
+    expect_error(fn, ValueError, STATE_STRUCTURE, p, g, tuple(s))
+    expect_error(fn, ValueError, STATE_STRUCTURE, p, g, {"exp_avg": s[0], "exp_avg_sq": s[1]})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def test_invalid_step(setup, fn, step, device):
         if device != "cpu":
             pytest.skip("a device step tensor is not read on the host (that would synchronise)")
         step = torch.tensor(0)
-    expect_error(fn, ValueError, "", p, g, s, step=step)
+    expect_error(fn, ValueError, "Invalid step: .* \(steps count from 1\)", p, g, s, step=step)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -258,7 +260,7 @@ def test_non_integer_step(setup, fn, step, device):
     p, g, s = setup
     if step == "float_tensor":
         step = torch.tensor(2.0, device=device)
-    expect_error(fn, (TypeError, ValueError), "", p, g, s, step=step)
+    expect_error(fn, TypeError, "step must be an int or a 0-d integer tensor", p, g, s, step=step)
 
 
 def test_invalid_spec():
