@@ -250,7 +250,7 @@ def test_invalid_step(setup, fn, step, device):
         if device != "cpu":
             pytest.skip("a device step tensor is not read on the host (that would synchronise)")
         step = torch.tensor(0)
-    expect_error(fn, ValueError, "Invalid step: .* \(steps count from 1\)", p, g, s, step=step)
+    expect_error(fn, ValueError, r"Invalid step: .* \(steps count from 1\)", p, g, s, step=step)
 
 
 @pytest.mark.parametrize("device", DEVICES)
