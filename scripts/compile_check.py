@@ -30,8 +30,8 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=present, QUANT=fmt != "fp32",
                  SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], P_DTYPE=dtype, HP_STRIDE=n_hp,
                  NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
-                 VEC=mt.VEC[fmt], ITERS=4 if dtype != tl.float32 else 1, STAGES=1, SKIP_ZEROS=skip_zeros,
-                 NORM_MODE=mode, NORM_TERMS=norm_terms)
+                 VEC=mt.VEC[fmt], ITERS=4 if dtype != tl.float32 else 1, PREFETCH=mt.PREFETCH[fmt],
+                 SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mt.NUM_WARPS})

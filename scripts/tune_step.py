@@ -1,4 +1,5 @@
-"""Sweep the multi-tensor kernel's tile (blocks per program, warps) on the GPU; prints ms and % of copy.
+"""Sweep the multi-tensor kernel's tile (blocks per program, warps, vector width, tiles per program,
+prefetch of the next tile) on the GPU; prints ms and % of copy.
 
     python scripts/tune_step.py [--quick]
 """
@@ -64,14 +65,14 @@ def main():
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     bw = copy_gbs()
     print(f"copy {bw:.0f} GB/s")
-    tiles = [(1, 1, 4, 1, 1), (1, 1, 4, 2, 1), (1, 1, 4, 4, 1), (1, 1, 4, 2, 2), (1, 1, 4, 4, 3), (1, 1, 4, 8, 3),
-             (1, 1, 8, 1, 1), (2, 2, 4, 2, 2)]
-    configs = [("power", *t) for t in tiles] + [("dynamic", 1, 1, 1, 1, 1), ("dynamic", 1, 1, 1, 4, 3)]
+    # (rows, warps, vec, iters, prefetch)
+    tiles = [(1, 1, 4, 1, False), (1, 1, 4, 2, True), (1, 1, 4, 4, False), (1, 1, 4, 4, True), (1, 1, 4, 8, True),
+             (1, 1, 8, 4, True), (1, 1, 8, 2, True)]
+    configs = [("power", *t) for t in tiles] + [("dynamic", 1, 1, 1, 1, False), ("dynamic", 1, 1, 1, 4, False),
+                                                ("dynamic", 1, 1, 1, 4, True)]
     check()
     for set_name, shapes in sets().items():
         for dtype in (torch.float32, torch.bfloat16):
-            if set_name == "gpt2_124M" and dtype == torch.bfloat16:
-                continue
             torch.manual_seed(0)
             params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(shapes)}
             grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
@@ -81,9 +82,12 @@ def main():
                 if bits == 32 and set_name == "big_1B" and dtype == torch.bfloat16:
                     continue
                 nb = nbytes if bits == 8 else numel * (3 * params["0"].element_size() + 16)
-                todo = configs if bits == 8 and set_name == "big_1B" else [("power", 1, 1, 4, 1, 1)]
-                for fmt, rows, warps, vec, iters, stages in todo:
-                    mt.ROWS, mt.NUM_WARPS, mt.VEC[fmt], mt.ITERS[dtype], mt.STAGES = rows, warps, vec, iters, stages
+                todo = configs if bits == 8 else [("power", 1, 1, 4, 1, False), ("power", 1, 1, 4, 4, True)]
+                if set_name != "big_1B":
+                    todo = [c for c in todo if c[0] == "power"]
+                for fmt, rows, warps, vec, iters, prefetch in todo:
+                    mt.ROWS, mt.NUM_WARPS, mt.VEC[fmt], mt.ITERS[dtype] = rows, warps, vec, iters
+                    mt.PREFETCH[fmt if bits == 8 else "fp32"] = prefetch
                     st = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, state_format=fmt))
                     step = [0]
 
@@ -92,13 +96,34 @@ def main():
                         bnbf.update_(params, grads, st, {"lr": 1e-3, "weight_decay": 0.01}, step[0])
 
                     ms = triton.testing.do_bench(fn, warmup=5, rep=60)
-                    tile = f"rows={rows} w={warps} vec={vec} it={iters} st={stages}"
+                    tile = f"rows={rows} w={warps} vec={vec} it={iters} pf={int(prefetch)}"
                     print(f"{set_name:10s} {str(dtype)[6:]:9s} {bits:2d}bit {fmt:7s} {tile}: "
                           f"{ms:7.3f} ms {nb / ms / 1e6:6.0f} GB/s {100 * nb / ms / 1e6 / bw:5.1f}% copy",
                           flush=True)
                 del st
             del params, grads
             torch.cuda.empty_cache()
+    # rules with a norm pass against their single-pass counterparts, by tiles per program
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(sets()["big_1B"])}
+        grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
+        for rule in ("adamw", "lamb", "sgd", "lars"):
+            hp = {"lr": 1e-3, "momentum": 0.9} if rule in ("sgd", "lars") else {"lr": 1e-3}
+            for iters, prefetch in ((1, False), (2, True), (4, True), (8, True)):
+                mt.VEC["power"], mt.ITERS[dtype], mt.PREFETCH["power"] = 4, iters, prefetch
+                st = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, state_bits=8), hp)
+                step = [0]
+
+                def fn(params=params, grads=grads, st=st, step=step, hp=hp):
+                    step[0] += 1
+                    bnbf.update_(params, grads, st, hp, step[0])
+
+                ms = triton.testing.do_bench(fn, warmup=5, rep=60)
+                print(f"big_1B {str(dtype)[6:]:9s} {rule:6s} it={iters} pf={int(prefetch)}: {ms:7.3f} ms", flush=True)
+                del st
+        del params, grads
+        torch.cuda.empty_cache()
 
 
 if __name__ == "__main__":

@@ -44,9 +44,11 @@ NUM_WARPS = 1
 VEC = {"fp32": 4, "power": 4, "dynamic": 1}
 # Tiles per program (a loop). With 2-byte params a tile moves too few bytes to keep enough loads in
 # flight; four tiles per program: 3.32 -> 3.08 ms on 1.07B bf16 params (fp32 params: 4.21 -> 4.33).
-# STAGES > 1 software-pipelines the loop through shared memory, measured slower here (4.4-5.3 ms).
+# Software pipelining through shared memory (tl.range num_stages > 1) was measured slower (4.4-5.3 ms).
 ITERS = {torch.float32: 1, torch.bfloat16: 4, torch.float16: 4}
-STAGES = 1
+# PREFETCH (per state format): whole tiles are unrolled and each issues the next tile's loads before its own
+# arithmetic.
+PREFETCH = {"fp32": True, "power": True, "dynamic": True}
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -77,32 +79,82 @@ def _addr(table, field, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 
 
 @triton.jit
-def _load_state(table, SLOT: tl.constexpr, offs, mask, rows, rmask, code_ptr, QUANT: tl.constexpr,
-                SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
+def _slot_ptrs(table, SLOT: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr, ALIGNED: tl.constexpr):
+    """(in, out, absmax in, absmax out) of state slot ``SLOT``: codes and scales for 8-bit formats,
+    float32 values (and two unused fields) otherwise; placeholders for a slot the group does not keep."""
     base: tl.constexpr = 3 + 4 * SLOT
-    if QUANT:
-        q_ptr = _addr(table, base, tl.uint8, ALIGNED)
-        a_ptr = tl.load(table + base + 2).to(tl.pointer_type(tl.float32))
-        q = _ld(q_ptr + offs, mask, 0, MASKED).to(tl.int32)
-        absmax = _ld(a_ptr + rows, rmask, 0.0, MASKED)
-        if FORMAT == 2:  # power
-            v = decode_power(q, SIGNED)
-            absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
-        else:  # dynamic map: one gather from the 1 KiB map
-            v = tl.load((code_ptr if SIGNED else code_ptr + 256) + q)
-        return v * absmax[:, None]
+    if (PRESENT >> SLOT) & 1:
+        if QUANT:
+            return (_addr(table, base, tl.uint8, ALIGNED), _addr(table, base + 1, tl.uint8, ALIGNED),
+                    tl.load(table + base + 2).to(tl.pointer_type(tl.float32)),
+                    tl.load(table + base + 3).to(tl.pointer_type(tl.float32)))  # fmt: skip
+        else:
+            s_in = _addr(table, base, tl.float32, ALIGNED)
+            s_out = _addr(table, base + 1, tl.float32, ALIGNED)
+            return s_in, s_out, s_in, s_out
     else:
-        s_ptr = _addr(table, base, tl.float32, ALIGNED)
-        return _ld(s_ptr + offs, mask, 0.0, MASKED)
+        return table, table, table, table
 
 
 @triton.jit
-def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: tl.constexpr,
-                 SIGNED: tl.constexpr, FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr):  # fmt: skip
-    base: tl.constexpr = 3 + 4 * SLOT
+def _tile_offsets(chunk, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
+    rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
+    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them
+    offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])
+    return rows, offs, offs < numel, rows * BLOCK < numel
+
+
+@triton.jit
+def _load_slot(sp, offs, mask, rows, rmask, KEPT: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):
+    """A state's stored bytes for one tile: (codes, block absmax) or (float32 values, unused)."""
+    if KEPT:
+        if QUANT:
+            return _ld(sp[0] + offs, mask, 0, MASKED), _ld(sp[2] + rows, rmask, 0.0, MASKED)
+        else:
+            v = _ld(sp[0] + offs, mask, 0.0, MASKED)
+            return v, v
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def _tile_load(ptrs, chunk, numel, PRESENT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
+               ROWS: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """Everything one tile reads, as stored (decoding comes later, so the loads of the next tile can be
+    issued before this one's arithmetic)."""
+    rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
+    p = _ld(ptrs[0] + offs, mask, 0.0, MASKED)
+    g = _ld(ptrs[2] + offs, mask, 0.0, MASKED)
+    r0 = _load_slot(ptrs[3], offs, mask, rows, rmask, (PRESENT >> 0) & 1, QUANT, MASKED)
+    r1 = _load_slot(ptrs[4], offs, mask, rows, rmask, (PRESENT >> 1) & 1, QUANT, MASKED)
+    r2 = _load_slot(ptrs[5], offs, mask, rows, rmask, (PRESENT >> 2) & 1, QUANT, MASKED)
+    return p, g, r0, r1, r2
+
+
+@triton.jit
+def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.constexpr, FORMAT: tl.constexpr):
+    if KEPT:
+        if QUANT:
+            q = r[0].to(tl.int32)
+            absmax = r[1]
+            if FORMAT == 2:  # power
+                v = decode_power(q, SIGNED)
+                absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
+            else:  # dynamic map: one gather from the 1 KiB map
+                v = tl.load((code_ptr if SIGNED else code_ptr + 256) + q)
+            return v * absmax[:, None]
+        else:
+            return r[0]
+    else:
+        return 0.0
+
+
+@triton.jit
+def _store_state(sp, s, offs, mask, rows, rmask, QUANT: tl.constexpr, SIGNED: tl.constexpr,
+                 FORMAT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
     if QUANT:
-        q_ptr = _addr(table, base + 1, tl.uint8, ALIGNED)
-        a_ptr = tl.load(table + base + 3).to(tl.pointer_type(tl.float32))
         if MASKED:
             s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
@@ -111,11 +163,10 @@ def _store_state(table, SLOT: tl.constexpr, s, offs, mask, rows, rmask, QUANT: t
             q = encode_power(s * scale[:, None], SIGNED)
         else:
             q = encode_dynamic(s * scale[:, None], SIGNED)
-        _st(q_ptr + offs, q.to(tl.uint8), mask, MASKED)
-        _st(a_ptr + rows, absmax, rmask, MASKED)
+        _st(sp[1] + offs, q.to(tl.uint8), mask, MASKED)
+        _st(sp[3] + rows, absmax, rmask, MASKED)
     else:
-        s_ptr = _addr(table, base + 1, tl.float32, ALIGNED)
-        _st(s_ptr + offs, s, mask, MASKED)
+        _st(sp[1] + offs, s, mask, MASKED)
 
 
 @triton.jit
@@ -127,35 +178,21 @@ def _hp_at(hp_ptr, K: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
-def _step_tile(
-    table, g_ptr, hp, code_ptr, chunk, numel, nrm, part, n_tiles,
+def _tile_step(
+    raw, ptrs, hp, code_ptr, chunk, numel, nrm, part, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    FORMAT: tl.constexpr, MASKED: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr,
+    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
 ):  # fmt: skip
-    rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
-    # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
-    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them
-    offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])
-    mask = offs < numel
-    rmask = rows * BLOCK < numel
-
-    p_in = _addr(table, 0, P_DTYPE, ALIGNED)
-    p_out = _addr(table, 1, P_DTYPE, ALIGNED)
-    p = _ld(p_in + offs, mask, 0.0, MASKED).to(tl.float32)
-    g = _ld(g_ptr + offs, mask, 0.0, MASKED).to(tl.float32)
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    if (PRESENT >> 0) & 1:
-        s0 = _load_state(table, 0, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
-    if (PRESENT >> 1) & 1:
-        s1 = _load_state(table, 1, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
-    if (PRESENT >> 2) & 1:
-        s2 = _load_state(table, 2, offs, mask, rows, rmask, code_ptr, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
+    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`)."""
+    rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
+    p = raw[0].to(tl.float32)
+    g = raw[1].to(tl.float32)
+    s0 = _decode(raw[2], code_ptr, (PRESENT >> 0) & 1, QUANT, SIGNED0, FORMAT)
+    s1 = _decode(raw[3], code_ptr, (PRESENT >> 1) & 1, QUANT, SIGNED1, FORMAT)
+    s2 = _decode(raw[4], code_ptr, (PRESENT >> 2) & 1, QUANT, SIGNED2, FORMAT)
 
     # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
     finite = tl.abs(g) < float("inf")
@@ -191,16 +228,13 @@ def _step_tile(
         s1 = tl.where(g == 0, s1_old, s1)
         s2 = tl.where(g == 0, s2_old, s2)
     p_new = tl.where(finite, p_new, p)
-    _st(p_out + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
+    _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
     if (PRESENT >> 0) & 1:
-        s0 = tl.where(finite, s0, 0.0)
-        _store_state(table, 0, s0, offs, mask, rows, rmask, QUANT, SIGNED0, FORMAT, MASKED, ALIGNED)
+        _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, QUANT, SIGNED0, FORMAT, MASKED)
     if (PRESENT >> 1) & 1:
-        s1 = tl.where(finite, s1, 0.0)
-        _store_state(table, 1, s1, offs, mask, rows, rmask, QUANT, SIGNED1, FORMAT, MASKED, ALIGNED)
+        _store_state(ptrs[4], tl.where(finite, s1, 0.0), offs, mask, rows, rmask, QUANT, SIGNED1, FORMAT, MASKED)
     if (PRESENT >> 2) & 1:
-        s2 = tl.where(finite, s2, 0.0)
-        _store_state(table, 2, s2, offs, mask, rows, rmask, QUANT, SIGNED2, FORMAT, MASKED, ALIGNED)
+        _store_state(ptrs[5], tl.where(finite, s2, 0.0), offs, mask, rows, rmask, QUANT, SIGNED2, FORMAT, MASKED)
 
 
 @triton.jit
@@ -211,7 +245,7 @@ def _step_kernel(
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, STAGES: tl.constexpr,
+    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr,
 ):  # fmt: skip
     """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
@@ -232,19 +266,38 @@ def _step_kernel(
               _hp_at(hp_ptr, 15, HP_STRIDE))  # fmt: skip
     else:
         hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15)
-    g_ptr = _addr(grad_ptr, tensor, P_DTYPE, ALIGNED)  # grads change every step: their own small table
     nrm = norm_ptr + tensor * 3
+    # every address once per program (param in, param out, grad, then each state slot's four), not per tile:
+    # the compiler cannot hoist loads of the table past the tiles' stores
+    ptrs = (_addr(table, 0, P_DTYPE, ALIGNED), _addr(table, 1, P_DTYPE, ALIGNED),
+            _addr(grad_ptr, tensor, P_DTYPE, ALIGNED),  # grads change every step: their own small table
+            _slot_ptrs(table, 0, PRESENT, QUANT, ALIGNED), _slot_ptrs(table, 1, PRESENT, QUANT, ALIGNED),
+            _slot_ptrs(table, 2, PRESENT, QUANT, ALIGNED))  # fmt: skip
+    part = norm_ptr + pid * ITERS
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
-        for it in tl.range(0, ITERS, num_stages=STAGES):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + pid * ITERS + it, n_tiles,
-                       MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                       False, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
+        if PREFETCH:  # the next tile's loads are in flight while this tile computes
+            raw = _tile_load(ptrs, first, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+            for it in tl.static_range(ITERS):
+                if it + 1 < ITERS:
+                    nxt = _tile_load(ptrs, first + it + 1, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+                _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                           MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+                if it + 1 < ITERS:
+                    raw = nxt
+        else:
+            for it in tl.range(0, ITERS):
+                raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+                _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                           MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
     else:
         for it in tl.range(0, ITERS):
-            _step_tile(table, g_ptr, hp, code_ptr, first + it, numel, nrm, norm_ptr + pid * ITERS + it, n_tiles,
+            raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, True, VEC)
+            _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
                        MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                       True, ALIGNED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)
+                       True, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -417,7 +470,7 @@ def launch_group(
             SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
             P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
-            ITERS=iters, STAGES=STAGES, SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms,
+            ITERS=iters, PREFETCH=PREFETCH[group.fmt], SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms,
             num_warps=NUM_WARPS,
         )  # fmt: skip
         if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
