@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import sys
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -17,6 +18,8 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
 import bnbf.kernels.multi_tensor as mt  # noqa: E402
+
+_TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 
 
 def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
@@ -30,7 +33,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=present, QUANT=fmt != "fp32",
                  SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], P_DTYPE=dtype, HP_STRIDE=n_hp,
                  NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
-                 VEC=mt.VEC[fmt], ITERS=4 if dtype != tl.float32 else 1, PREFETCH=mt.PREFETCH[fmt],
+                 VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]], PREFETCH=mt.PREFETCH[fmt],
                  SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)

@@ -8,8 +8,8 @@
 # profile.log. Exits non-zero if the tests failed (or timed out) or the benchmark produced nothing; the
 # benchmark runs even when the tests fail. The whole suite took 300 s in 14 xdist workers (2026-11-30).
 # Knobs (environment): TEST_BUDGET_S (default 320), TEST_WORKERS (14), BNBF_TEST_DEVICES (cuda),
-# BENCH_BUDGET_S (110), RULES_BUDGET_S (70), PROFILE_BUDGET_S (35 per script), PYTEST_ARGS, BENCH_ARGS
-# (default "--quick"), RULES_CANDIDATES (bnbf8).
+# BENCH_BUDGET_S (130), RULES_BUDGET_S (70), PROFILE_BUDGET_S (35 per script), PYTEST_ARGS, BENCH_ARGS
+# (default "--quick --steps 20 --warmup 5": the anchors' step counts, without torchao), RULES_CANDIDATES (bnbf8).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -51,10 +51,10 @@ timeout -s INT -k 20 "${TEST_BUDGET_S:-320}" \
 test_rc=$?
 t1=$(date +%s)
 
-echo "== benchmark (budget ${BENCH_BUDGET_S:-110} s)"
+echo "== benchmark (budget ${BENCH_BUDGET_S:-130} s)"
 rm -f "$OUT/bench.json" "$OUT/bench.md"
-timeout -s INT -k 20 "${BENCH_BUDGET_S:-110}" \
-  $PY benchmarks/bench_step.py ${BENCH_ARGS:---quick} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
+timeout -s INT -k 20 "${BENCH_BUDGET_S:-130}" \
+  $PY benchmarks/bench_step.py ${BENCH_ARGS:---quick --steps 20 --warmup 5} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
   2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
 

@@ -86,8 +86,9 @@ def main():
                 if set_name != "big_1B":
                     todo = [c for c in todo if c[0] == "power"]
                 for fmt, rows, warps, vec, iters, prefetch in todo:
-                    mt.ROWS, mt.NUM_WARPS, mt.VEC[fmt], mt.ITERS[dtype] = rows, warps, vec, iters
-                    mt.PREFETCH[fmt if bits == 8 else "fp32"] = prefetch
+                    stored = fmt if bits == 8 else "fp32"
+                    mt.ROWS, mt.NUM_WARPS, mt.VEC[fmt], mt.ITERS[stored][dtype] = rows, warps, vec, iters
+                    mt.PREFETCH[stored] = prefetch
                     st = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, state_format=fmt))
                     step = [0]
 
@@ -111,7 +112,7 @@ def main():
         for rule in ("adamw", "lamb", "sgd", "lars"):
             hp = {"lr": 1e-3, "momentum": 0.9} if rule in ("sgd", "lars") else {"lr": 1e-3}
             for iters, prefetch in ((1, False), (2, True), (4, True), (8, True)):
-                mt.VEC["power"], mt.ITERS[dtype], mt.PREFETCH["power"] = 4, iters, prefetch
+                mt.VEC["power"], mt.ITERS["power"][dtype], mt.PREFETCH["power"] = 4, iters, prefetch
                 st = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, state_bits=8), hp)
                 step = [0]
 

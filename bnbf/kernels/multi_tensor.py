@@ -42,13 +42,20 @@ NUM_WARPS = 1
 # Elements per thread per load. The power format runs best with 16-byte fp32 loads (VEC=4: 4.26 ms
 # against 4.71 with VEC=1); the dynamic map, with its larger code, with VEC=1 (7.30 ms against 9.19).
 VEC = {"fp32": 4, "power": 4, "dynamic": 1}
-# Tiles per program (a loop). With 2-byte params a tile moves too few bytes to keep enough loads in
-# flight; four tiles per program: 3.32 -> 3.08 ms on 1.07B bf16 params (fp32 params: 4.21 -> 4.33).
+# Tiles per program, by state format and param dtype, and PREFETCH by state format: whole tiles are
+# unrolled and each issues the next tile's loads before its own arithmetic, so a program keeps loads in
+# flight while it computes. Measured on the H200 (scripts/tune_step.py, do_bench, 1.07B params, AdamW,
+# power format): fp32 params 1 tile 4.16 ms, 2 tiles with prefetch 4.05, 4 with prefetch 4.25; bf16 params
+# 4 tiles 3.26, 4 with prefetch 3.06, 2 with prefetch 3.09, 8 with prefetch 3.25. The dynamic map's larger
+# code runs slower unrolled (bf16 4 tiles 6.72 ms, with prefetch 7.90; fp32 1 tile 6.98, 4 tiles 7.63).
 # Software pipelining through shared memory (tl.range num_stages > 1) was measured slower (4.4-5.3 ms).
-ITERS = {torch.float32: 1, torch.bfloat16: 4, torch.float16: 4}
-# PREFETCH (per state format): whole tiles are unrolled and each issues the next tile's loads before its own
-# arithmetic.
-PREFETCH = {"fp32": True, "power": True, "dynamic": True}
+_TWO_BYTE = {torch.bfloat16: 4, torch.float16: 4}
+ITERS = {
+    "fp32": {torch.float32: 2, **_TWO_BYTE},
+    "power": {torch.float32: 2, **_TWO_BYTE},
+    "dynamic": {torch.float32: 1, **_TWO_BYTE},
+}
+PREFETCH = {"fp32": True, "power": True, "dynamic": False}
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -414,7 +421,7 @@ def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, 
         rows.append(addr)
     aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[3:])
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[p_in[0].dtype], device)
+    tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[fmt][p_in[0].dtype], device)
     norms = get_rule(rule_name).norms is not None
     return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned, norms)
 
@@ -441,7 +448,7 @@ def launch_group(
         from_ptr, n_hp, floats, hp_row = True, hp.shape[0], _NO_FLOATS, hp
     quant = group.fmt != "fp32"
     code_ptr = _code_tables(group.device) if quant else group.table  # unused without quantized states
-    iters = ITERS[group.dtype]
+    iters = ITERS[group.fmt][group.dtype]
     grid = group.tasks.shape[0]
     n_tiles = grid * iters
 
