@@ -56,6 +56,16 @@ ITERS = {
     "dynamic": {torch.float32: 1, **_TWO_BYTE},
 }
 PREFETCH = {"fp32": True, "power": True, "dynamic": False}
+# ... and only while tiles x kept states <= PREFETCH_SLOTS: beyond, the unrolled tiles' registers cost more
+# than the loads in flight gain. 1.07B params, bf16, 4 tiles, every rule with and without prefetch (H200,
+# bench_step.py): 1-state rules faster with it (RMSprop 2.28 -> 2.10 ms, Lion 2.25 -> 2.12, Adagrad 2.26 ->
+# 2.12), AdamW unchanged (3.12 / 3.11), LAMB slower (5.09 -> 5.78) and AdEMAMix's three states much slower
+# (4.03 -> 5.48).
+PREFETCH_SLOTS = 4
+
+
+def _prefetch(fmt: str, dtype: torch.dtype, present: int) -> bool:
+    return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -477,7 +487,8 @@ def launch_group(
             SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
             P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
-            ITERS=iters, PREFETCH=PREFETCH[group.fmt], SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms,
+            ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present), SKIP_ZEROS=skip_zeros,
+            NORM_MODE=mode, NORM_TERMS=norm_terms,
             num_warps=NUM_WARPS,
         )  # fmt: skip
         if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
