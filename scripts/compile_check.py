@@ -34,7 +34,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
                  SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], P_DTYPE=dtype, HP_STRIDE=n_hp,
                  NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
                  VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]],
-                 PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present),
+                 PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
                  SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)

@@ -56,18 +56,19 @@ ITERS = {
     "dynamic": {torch.float32: 1, **_TWO_BYTE},
 }
 PREFETCH = {"fp32": True, "power": True, "dynamic": False}
-# ... and only while tiles x kept states <= PREFETCH_SLOTS: beyond, the unrolled tiles' registers cost more
-# than the loads in flight gain. 1.07B params, bf16, 4 tiles, every rule with and without prefetch (H200,
-# bench_step.py): 1-state rules faster with it (RMSprop 2.28 -> 2.10 ms, Lion 2.25 -> 2.12, Adagrad 2.26 ->
-# 2.12), AdamW unchanged (3.12 / 3.11), LAMB slower (5.09 -> 5.78) and AdEMAMix's three states much slower
-# (4.03 -> 5.48).
-PREFETCH_SLOTS = 4
+# ... and only while tiles x kept states stays small: beyond, the unrolled tiles' registers cost more than
+# the loads in flight gain. 1.07B params, bf16 params (4 tiles), H200, bench_step.py, ms without / with
+# prefetch: AdamW 3.36 / 3.11 (2 states), RMSprop 2.28 / 2.10, Lion 2.25 / 2.12, Adagrad 2.26 / 2.12 (1 state),
+# AdEMAMix 3.91 / 5.48 (3 states), LAMB 5.19 / 5.78 (2 states, norm pass and step); fp32 params (2 tiles):
+# AdEMAMix 5.73 / 5.45.
+PREFETCH_SLOTS = {0: 8, 1: 4, 2: 4}  # by NORM_MODE: the plain step, the norm pass, the step after it
 
 
-def _prefetch(fmt: str, dtype: torch.dtype, present: int) -> bool:
-    return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS
+def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
+    return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS[mode]
+
+
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
-
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
 
 
@@ -487,7 +488,7 @@ def launch_group(
             SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
             P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
-            ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present), SKIP_ZEROS=skip_zeros,
+            ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode), SKIP_ZEROS=skip_zeros,
             NORM_MODE=mode, NORM_TERMS=norm_terms,
             num_warps=NUM_WARPS,
         )  # fmt: skip
