@@ -649,6 +649,7 @@ def test_step_as_tensor(device, bits, fmt, step_dtype):
 
 
 @pytest.mark.slow
+@pytest.mark.big_memory
 @pytest.mark.parametrize("device", ["cuda"])
 @pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
 def test_more_than_2_31_elements(device, bits, fmt):
