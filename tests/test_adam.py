@@ -12,15 +12,14 @@ from conftest import DEVICES, assert_untouched, init_params, kernel_runs, make_g
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from optim_table import RULE_IDS, RULES
+from resync import run_resync
 from tolerances import (
     CONVERGENCE_REL,
     DTYPES,
     SAME_MATH,
-    STATE8,
     STATE32,
     assert_close_report,
     assert_equal_report,
-    count_outside,
     half_ulp,
 )
 from torch.utils._pytree import tree_flatten, tree_leaves
@@ -123,7 +122,7 @@ def test_missing_hparams_take_torch_defaults(device, case):
 # 8-bit state against torch.optim, re-synced every step (bitsandbytes' test_optimizer8bit)
 
 
-def resync_steps(device, numel):
+def resync_steps(device):
     """bitsandbytes' 50 steps; in the Triton interpreter (CPU, about 60 us per element-step) 10: there the
     kernel is also pinned to the reference path (test_kernel_matches_reference_path), which runs the full
     50 steps in the plain pass."""
@@ -142,96 +141,6 @@ def skip_in_interpreter(device, case, dtype, numel, fmt):
                         "scalars); adam runs in float32 with the default format only")
 
 
-def assert_within_code_gap(state, name, expected, dequantized, what):
-    """``dequantized`` (our state) lies within one code gap of ``expected`` (the reference's new state
-    computed from the same synced inputs): |ours - ref| <= (c_hi - c_lo) * absmax, where c_lo <= ref/absmax
-    <= c_hi are neighbouring values of the format's map (half the gap for the nearest-code dynamic map),
-    plus float32 slack for two evaluations of the same moment formula."""
-    from bnbf.quant import state_map
-
-    layout = type(state).layout
-    slot = next(sl for sl in bnbf.RULES[layout.rule].states if sl.name == name)
-    # on the state's device: 4M elements x 50 steps in double took over 2 minutes on the CPU of the GPU run
-    dev = dequantized.device
-    c = state_map(layout.format, slot.signed).double().to(dev)
-    absmax = getattr(state, name + "_absmax").double()
-    n = expected.numel()
-    am = absmax.repeat_interleave(layout.block_size)[:n]
-    ref = expected.detach().double().to(dev).reshape(-1)
-    ours = dequantized.detach().double().reshape(-1)
-    x = torch.where(am > 0, ref / am, torch.zeros_like(am))
-    xn = x.clamp(float(c[0]), float(c[-1]))
-    hi = torch.searchsorted(c, xn).clamp(1, 255)
-    gap = c[hi] - c[hi - 1]
-    if layout.format == "dynamic":
-        gap = gap / 2
-    # beyond the map's ends the end code is the nearest: the signed dynamic map stops at -0.99297, so a
-    # block whose largest magnitude is negative cannot store that value exactly
-    gap = torch.where(x != xn, (x - xn).abs(), gap)
-    slack = 1e-5 * ref.abs() + 8 * torch.finfo(torch.float32).eps * am
-    bad = (ours - ref).abs() > gap * am + slack
-    if bool(bad.any()):
-        i = int(((ours - ref).abs() - gap * am - slack).argmax())
-        raise AssertionError(
-            f"{what}: {int(bad.sum())} of {n} elements more than a code gap from the reference; worst at "
-            f"flat {i}: ours {ours[i].item():.9g} reference {ref[i].item():.9g} absmax {am[i].item():.6g} "
-            f"allowed {(gap[i] * am[i] + slack[i]).item():.3e}"
-        )
-
-
-def run_8bit_resync(device, case, dtype, shape, fmt=None, steps=None, wd=0.01):
-    steps = steps or resync_steps(device, torch.Size(shape).numel())
-    hp = hp_with_wd(case, wd)
-    bar = STATE8[(dtype, 8)]
-    p = init_params(shape, dtype, device)
-    ref = p.float().clone().requires_grad_(True)
-    opt = case.torch_opt([ref], **hp)
-    state = bnbf.init_state(p, spec(case.name, 8, min_8bit_size=1, fmt=fmt))
-    assert state.exp_avg.dtype == torch.uint8, "min_8bit_size=1 must give 8-bit state"
-    if fmt is not None:
-        assert type(state).layout.format == fmt
-    numel = p.numel()
-    for step in range(1, steps + 1):
-        g = make_grad(shape, dtype, device)
-        ref.grad = g.float()
-        opt.step()
-        p, state = bnbf.update(p, g, state, hp, step)
-        moments = bnbf.dequantize_state(state)
-        for ours, theirs in case.state_names.items():
-            outside = count_outside(moments[ours], opt.state[ref][theirs], bar.atol, bar.rtol)
-            if outside >= bar.max_outside:
-                assert_close_report(moments[ours], opt.state[ref][theirs], bar.atol, bar.rtol,
-                                    f"step {step} {ours}: {outside} elements outside (bar: < {bar.max_outside})")
-            # stricter than bitsandbytes' bar (which lets a biased encoder through): from synced inputs,
-            # each dequantized state is one of the two codes around the reference's value
-            assert_within_code_gap(state, ours, opt.state[ref][theirs], moments[ours], f"step {step} {ours}")
-        err = (p.float() - ref.detach()).abs()
-        rel = err / (ref.detach().abs() + 1e-9)
-        if dtype == torch.float32 or numel >= 255:
-            mean_abs, mean_rel = err.mean().item(), rel.mean().item()
-            ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
-                 (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)
-            assert ok, (f"step {step}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
-                        f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")
-        else:
-            # a handful of 16-bit params: a mean of rounding errors says nothing; bound each element by
-            # the store's rounding plus the bar's allowance for quantization
-            allowed = half_ulp(ref.detach(), dtype) + bar.mean_abs
-            if bool((err > allowed).any()):
-                i = int((err - allowed).reshape(-1).argmax())
-                raise AssertionError(
-                    f"step {step}: |p - p_ref| = {err.reshape(-1)[i].item():.3e} at flat {i} "
-                    f"(p {p.float().reshape(-1)[i].item()!r}, p_ref {ref.detach().reshape(-1)[i].item()!r}) "
-                    f"above half an ulp + {bar.mean_abs:g} = {allowed.reshape(-1)[i].item():.3e}"
-                )
-        # re-sync: our param and our dequantized state into the reference
-        with torch.no_grad():
-            ref.copy_(p.float())
-            for ours, theirs in case.state_names.items():
-                opt.state[ref][theirs].copy_(moments[ours])
-    return p, state
-
-
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -239,14 +148,14 @@ def run_8bit_resync(device, case, dtype, shape, fmt=None, steps=None, wd=0.01):
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_8bit_resynced_matches_torch(device, case, dtype, numel, fmt):
     skip_in_interpreter(device, case, dtype, numel, fmt)
-    run_8bit_resync(device, case, dtype, (numel,), fmt)
+    run_resync(device, case, dtype, (numel,), fmt, resync_steps(device))
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_8bit_resynced_no_weight_decay(device, case, fmt):
-    run_8bit_resync(device, case, torch.float32, (2, 257), fmt, wd=0.0)
+    run_resync(device, case, torch.float32, (2, 257), fmt, resync_steps(device), wd=0.0)
 
 
 @pytest.mark.slow
@@ -255,7 +164,7 @@ def test_8bit_resynced_no_weight_decay(device, case, fmt):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_8bit_resynced_matches_torch_large(device, case, dtype, fmt):
-    run_8bit_resync(device, case, dtype, (1024, 4097), fmt)
+    run_resync(device, case, dtype, (1024, 4097), fmt, 50)
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -5,8 +5,9 @@ variant; see that module for the references).
 - 32-bit state vs the reference: per-dtype tolerances (``tolerances.STATE32``), 20 steps, weight decay 0
   and > 0, two tensors per call (one of one element).
 - 8-bit state vs the reference re-synced every step (``tolerances.STATE8``, bitsandbytes' bar), 50 steps,
-  numel 1, 257, 4097 (``min_8bit_size=0``), both formats; plus 1024×4097 on CUDA (slow). Each state is
-  also checked code by code: within one code of the reference's new state quantized by bnbf.quant.
+  numel 1, 257, 4097 (``min_8bit_size=0``), both formats; plus 1024×4097 on CUDA (slow); the harness
+  (``tests/resync.py``, shared with Adam's tests) also checks each stored state within one code gap of the
+  reference's new value.
 - A small real problem (an MLP, full batch) trains as well with 8-bit state as with 32-bit state.
 - No recompilation when hyperparameters change; bad hyperparameters rejected with torch's wording and
   nothing written; states built for other hyperparameters refused; ``max_unorm`` against a clipped
@@ -24,20 +25,19 @@ import re
 import pytest
 import torch
 from conftest import DEVICES, assert_untouched, init_params, kernel_runs, make_grad, snapshot
-from optim_table import ALL_RULES, EXTRA_RULE_IDS, EXTRA_RULES, UnormClipped
+from optim_table import ALL_RULES, EXTRA_RULE_IDS, EXTRA_RULES
+from resync import Ref, run_resync
 from tolerances import (
     DTYPES,
-    STATE8,
     STATE32,
     assert_close_report,
     assert_equal_report,
-    count_outside,
     half_ulp,
 )  # fmt: skip
 
 import bnbf
 from bnbf._dispatch import interpreting
-from bnbf.quant import quantize_state_reference, state_map
+from bnbf.quant import state_map
 
 INTERP = interpreting()
 F32 = torch.float32
@@ -79,35 +79,6 @@ def has_norms(case) -> bool:
 
 def slot_signed(case, name: str) -> bool:
     return next(s.signed for s in bnbf.RULES[case.name].states if s.name == name)
-
-
-class Ref:
-    """The reference optimizer on float32 copies of a dict of params."""
-
-    def __init__(self, case, params: dict, hp: dict, max_unorm: float = 0.0):
-        self.t = {k: v.detach().float().clone().requires_grad_(True) for k, v in params.items()}
-        opt = case.torch_opt(list(self.t.values()), **hp)
-        self.opt = UnormClipped(opt, max_unorm) if max_unorm else opt
-
-    def step(self, grads: dict) -> None:
-        for k, g in grads.items():
-            self.t[k].grad = g.detach().float().clone()
-        self.opt.step()
-
-    def p(self, k) -> torch.Tensor:
-        return self.t[k].detach()
-
-    def state(self, k) -> dict:
-        return self.opt.state[self.t[k]]
-
-    def sync(self, params: dict, moments: dict | None = None, names: dict | None = None) -> None:
-        """Our params (and dequantized states) into the reference."""
-        with torch.no_grad():
-            for k, v in params.items():
-                self.t[k].copy_(v.float())
-                if moments is not None:
-                    for ours, theirs in names.items():
-                        self.state(k)[theirs].copy_(moments[k][ours])
 
 
 def check_state(ours, theirs, t, what: str) -> None:
@@ -209,103 +180,6 @@ def test_ademamix_warmup_schedules_matter(device):
 
 # ------------------------------------------------------------------------------------------------
 # 8-bit state against the reference, re-synced every step (bitsandbytes' test_optimizer8bit)
-
-
-def check_codes(case, state, name, ref_state, fmt, block_size, what, extra=None):
-    """Each dequantized element within one code of the reference's new state quantized by bnbf.quant
-    (the quantizer is tested on its own in test_quant.py), or within 1e-3 (bitsandbytes' state rtol) of
-    the state's largest value: a per-element check whose strictness does not depend on the state's
-    magnitude. (Not tighter near 0, where the power format's codes are dense: bnbf's math takes the
-    hyperparameters as float32, so 1 - β carries float32(β)'s rounding, 1.3e-5 relative for β2 = 0.999
-    and 1.7e-4 for β3 = 0.9999, where the references compute 1 - β in double, and a new state that is a
-    cancellation of β·s and (1 - β)·g carries it.)"""
-    signed = slot_signed(case, name)
-    if case.name == "rmsprop" and name == "square_avg" and extra is not None and "grad_avg" in extra:
-        ref_state = ref_state - extra["grad_avg"] ** 2  # centered: the slot stores the variance
-    codes = getattr(state, name).long().reshape(-1)
-    absmax = getattr(state, name + "_absmax")
-    want_codes, want_absmax = quantize_state_reference(ref_state, fmt, signed, block_size)
-    want_codes = want_codes.long().reshape(-1)
-    qmap = state_map(fmt, signed, codes.device)
-    up = qmap[(want_codes + 1).clamp(max=255)] - qmap[want_codes]
-    down = qmap[want_codes] - qmap[(want_codes - 1).clamp(min=0)]
-    n = codes.numel()
-    block = lambda t: t.repeat_interleave(block_size)[:n]
-    ours = qmap[codes] * block(absmax)
-    want = qmap[want_codes] * block(want_absmax)
-    allowed = torch.maximum(up, down) * block(want_absmax) * (1 + 1e-5) + 1e-3 * ref_state.abs().max()
-    err = (ours - want).abs()
-    if not bool((err <= allowed).all()):
-        i = int((err - allowed).argmax())
-        raise AssertionError(
-            f"{what}: {name}: {int((err > allowed).sum())} of {n} elements more than one code from the "
-            f"reference's (flat {i}: code {int(codes[i])} of absmax {float(block(absmax)[i]):.6g} vs code "
-            f"{int(want_codes[i])} of absmax {float(block(want_absmax)[i]):.6g}; reference value "
-            f"{float(ref_state.reshape(-1)[i]):.6g}, ours {float(ours[i]):.6g})"
-        )
-
-
-def sign_ties(case, hp, m, g) -> torch.Tensor:
-    """Elements where Lion's sign input β1·m + (1 − β1)·g is zero up to float32 rounding of its terms:
-    two correct float32 evaluations (ours fused in the kernel, the reference's in torch) may disagree on
-    its sign there. ``m`` is the reference's state before the step (synced to ours), None at step 1."""
-    b1 = hp["betas"][0]
-    g = g.float()
-    m = torch.zeros_like(g) if m is None else m
-    c = b1 * m + (1 - b1) * g
-    return c.abs() <= 16 * torch.finfo(F32).eps * (b1 * m.abs() + (1 - b1) * g.abs())
-
-
-def run_resync(device, case, dtype, shape, fmt, steps, wd=None, max_unorm=0.0):
-    wd = case.weight_decays[-1] if wd is None else wd
-    hp = hp_of(case, wd)
-    bar = STATE8[(dtype, 8)]
-    params = {"w": init_params(shape, dtype, device)}
-    ref = Ref(case, params, hp, max_unorm)
-    state = bnbf.init_state(params, spec_of(case, 8, fmt), hp)
-    for name in case.state_names:
-        assert getattr(state["w"], name).dtype == torch.uint8, "min_8bit_size=0 must give 8-bit state"
-    numel = params["w"].numel()
-    for step in range(1, steps + 1):
-        grads = {"w": make_grad(shape, dtype, device)}
-        ties = sign_ties(case, hp, ref.state("w").get("exp_avg"), grads["w"]) if case.name == "lion" else None
-        ref.step(grads)
-        params, state = bnbf.update(params, grads, state, hp, step, max_unorm=max_unorm)
-        moments = bnbf.dequantize_state(state)
-        what = f"step {step}"
-        for ours, theirs in case.state_names.items():
-            theirs_t = ref.state("w")[theirs]
-            outside = count_outside(moments["w"][ours], theirs_t, bar.atol, bar.rtol)
-            if outside >= bar.max_outside and ours not in case.code_checked_only:
-                assert_close_report(
-                    moments["w"][ours],
-                    theirs_t,
-                    bar.atol,
-                    bar.rtol,
-                    f"{what} {ours}: {outside} elements outside (bar: < {bar.max_outside})",
-                )
-            check_codes(case, state["w"], ours, theirs_t, fmt, 256, what, ref.state("w"))
-        p, p_ref = params["w"].float(), ref.p("w")
-        err = (p - p_ref).abs()
-        if dtype != F32:  # every 16-bit param within its rounding plus the bar's allowance
-            allowed = half_ulp(p_ref, dtype) + bar.mean_abs
-            if ties is not None:  # there float rounding picks Lion's sign: a step of lr either way
-                allowed = torch.where(ties, allowed + 2 * hp["lr"], allowed)
-            assert bool((err <= allowed).all()), f"{what}: |p - p_ref| {err.max().item():.3e} > {allowed.max():.3e}"
-        # bitsandbytes' means (over 4M elements there), on enough elements to be means. With bf16 params
-        # the mean relative error measures the store's rounding, not the step: for a nearly constant step
-        # (RMSprop's first, ±3.3·lr) it is not the uniform 1.35e-3 and reached 1.65e-3 against the 1.6e-3
-        # bar; the per-element bound above is the check there
-        if dtype == F32 or numel >= 4096:
-            mean_abs, mean_rel = err.mean().item(), (err / (p_ref.abs() + 1e-9)).mean().item()
-            if dtype == torch.bfloat16:
-                mean_rel = 0.0
-            ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
-                 (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)  # fmt: skip
-            assert ok, (f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
-                        f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")  # fmt: skip
-        ref.sync(params, moments, case.state_names)
-    return ref
 
 
 def _resync_params():

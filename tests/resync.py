@@ -1,0 +1,165 @@
+"""The 8-bit re-synced comparison for every rule (bitsandbytes' test_optimizer8bit, made stricter), and the
+reference optimizer wrapper the rule tests share.
+
+Each step: the reference (``optim_table``'s optimizer on float32 copies) and ``bnbf.update`` take the same
+gradient from the same params and states; then the reference is re-synced to our params and dequantized
+states. Checked every step:
+
+- each state: bitsandbytes' bar (``tolerances.STATE8``: fewer than ``max_outside`` elements outside
+  atol/rtol), except the states a row names ``code_checked_only``; and, stricter, element by element, the
+  stored value lies within one code gap of the reference's new value (:func:`assert_within_code_gap`);
+- the params: 16-bit params element by element within their rounding plus the bar's ``mean_abs``; and the
+  bar's means (``mean_abs``, ``mean_rel``) wherever the tensor is large enough for a mean to say something.
+"""
+
+from __future__ import annotations
+
+import torch
+from conftest import init_params, make_grad
+from optim_table import UnormClipped
+from tolerances import STATE8, assert_close_report, count_outside, half_ulp
+
+import bnbf
+from bnbf.quant import state_map
+
+F32 = torch.float32
+
+
+class Ref:
+    """The reference optimizer on float32 copies of a dict of params."""
+
+    def __init__(self, case, params: dict, hp: dict, max_unorm: float = 0.0):
+        self.t = {k: v.detach().float().clone().requires_grad_(True) for k, v in params.items()}
+        opt = case.torch_opt(list(self.t.values()), **hp)
+        self.opt = UnormClipped(opt, max_unorm) if max_unorm else opt
+
+    def step(self, grads: dict) -> None:
+        for k, g in grads.items():
+            self.t[k].grad = g.detach().float().clone()
+        self.opt.step()
+
+    def p(self, k) -> torch.Tensor:
+        return self.t[k].detach()
+
+    def state(self, k) -> dict:
+        return self.opt.state[self.t[k]]
+
+    def sync(self, params: dict, moments: dict | None = None, names: dict | None = None) -> None:
+        """Our params (and dequantized states) into the reference."""
+        with torch.no_grad():
+            for k, v in params.items():
+                self.t[k].copy_(v.float())
+                if moments is not None:
+                    for ours, theirs in names.items():
+                        self.state(k)[theirs].copy_(moments[k][ours])
+
+
+def stored_reference(case, name: str, ref_state: dict, theirs: str) -> torch.Tensor:
+    """The reference's value of what bnbf's slot ``name`` stores (centered RMSprop keeps the variance
+    square_avg - grad_avg**2 in its square_avg slot)."""
+    t = ref_state[theirs]
+    if case.name == "rmsprop" and name == "square_avg" and "grad_avg" in ref_state:
+        return t - ref_state["grad_avg"] ** 2
+    return t
+
+
+def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) -> None:
+    """The stored value of slot ``name`` (its code times its block's absmax) lies within one code gap of
+    ``expected`` (the reference's new value computed from the same synced inputs):
+    |ours - ref| <= (c_hi - c_lo) * absmax, where c_lo <= ref/absmax <= c_hi are neighbouring values of the
+    format's map (half the gap for the nearest-code dynamic map), plus float32 slack for two evaluations of
+    the same formula. Computed on the state's device (4M elements x 50 steps in float64 took minutes on a
+    CPU)."""
+    layout = type(state).layout
+    signed = next(sl for sl in bnbf.RULES[layout.rule].states if sl.name == name).signed
+    codes = getattr(state, name)
+    dev = codes.device
+    c = state_map(layout.format, signed, dev).double()
+    n = codes.numel()
+    am = getattr(state, name + "_absmax").double().repeat_interleave(layout.block_size)[:n]
+    ours = c[codes.reshape(-1).long()] * am
+    ref = expected.detach().double().to(dev).reshape(-1)
+    x = torch.where(am > 0, ref / am, torch.zeros_like(am))
+    xn = x.clamp(float(c[0]), float(c[-1]))
+    hi = torch.searchsorted(c, xn).clamp(1, 255)
+    gap = c[hi] - c[hi - 1]
+    if layout.format == "dynamic":
+        gap = gap / 2
+    # beyond the map's ends the end code is the nearest: the signed dynamic map stops at -0.99297, so a
+    # block whose largest magnitude is negative cannot store that value exactly
+    gap = torch.where(x != xn, (x - xn).abs(), gap)
+    slack = 1e-5 * ref.abs() + 8 * torch.finfo(F32).eps * am
+    bad = (ours - ref).abs() > gap * am + slack
+    if bool(bad.any()):
+        i = int(((ours - ref).abs() - gap * am - slack).argmax())
+        raise AssertionError(
+            f"{what} {name}: {int(bad.sum())} of {n} elements more than a code gap from the reference; worst "
+            f"at flat {i}: ours {ours[i].item():.9g} reference {ref[i].item():.9g} absmax {am[i].item():.6g} "
+            f"allowed {(gap[i] * am[i] + slack[i]).item():.3e}"
+        )
+
+
+def sign_ties(case, hp, m, g) -> torch.Tensor:
+    """Elements where Lion's sign input β1·m + (1 − β1)·g is zero up to float32 rounding of its terms:
+    two correct float32 evaluations (ours fused in the kernel, the reference's in torch) may disagree on
+    its sign there. ``m`` is the reference's state before the step (synced to ours), None at step 1."""
+    b1 = hp["betas"][0]
+    g = g.float()
+    m = torch.zeros_like(g) if m is None else m
+    c = b1 * m + (1 - b1) * g
+    return c.abs() <= 16 * torch.finfo(F32).eps * (b1 * m.abs() + (1 - b1) * g.abs())
+
+
+def run_resync(device, case, dtype, shape, fmt, steps: int, wd: float | None = None, max_unorm: float = 0.0) -> Ref:
+    """``steps`` re-synced steps of ``case`` (an ``optim_table`` row) with 8-bit state in format ``fmt``
+    on a tensor of ``shape``; returns the reference (its optimizer counts clipped steps with max_unorm)."""
+    wd = case.weight_decays[-1] if wd is None else wd
+    hp = {**case.hparams, "weight_decay": wd}
+    bar = STATE8[(dtype, 8)]
+    params = {"w": init_params(shape, dtype, device)}
+    ref = Ref(case, params, hp, max_unorm)
+    spec = bnbf.OptimSpec(rule=case.name, state_bits=8, min_8bit_size=0, state_format=fmt)
+    state = bnbf.init_state(params, spec, hp)
+    for name in case.state_names:
+        assert getattr(state["w"], name).dtype == torch.uint8, "min_8bit_size=0 must give 8-bit state"
+    numel = params["w"].numel()
+    for step in range(1, steps + 1):
+        grads = {"w": make_grad(shape, dtype, device)}
+        ties = sign_ties(case, hp, ref.state("w").get("exp_avg"), grads["w"]) if case.name == "lion" else None
+        ref.step(grads)
+        params, state = bnbf.update(params, grads, state, hp, step, max_unorm=max_unorm)
+        moments = bnbf.dequantize_state(state)
+        what = f"step {step}"
+        for ours, theirs in case.state_names.items():
+            theirs_t = ref.state("w")[theirs]
+            outside = count_outside(moments["w"][ours], theirs_t, bar.atol, bar.rtol)
+            if outside >= bar.max_outside and ours not in case.code_checked_only:
+                msg = f"{what} {ours}: {outside} elements outside (bar: < {bar.max_outside})"
+                assert_close_report(moments["w"][ours], theirs_t, bar.atol, bar.rtol, msg)
+            assert_within_code_gap(state["w"], ours, stored_reference(case, ours, ref.state("w"), theirs), what)
+        p, p_ref = params["w"].float(), ref.p("w")
+        err = (p - p_ref).abs()
+        if dtype != F32:  # every 16-bit param within its rounding plus the bar's allowance
+            allowed = half_ulp(p_ref, dtype) + bar.mean_abs
+            if ties is not None:  # there float rounding picks Lion's sign: a step of lr either way
+                allowed = torch.where(ties, allowed + 2 * hp["lr"], allowed)
+            if not bool((err <= allowed).all()):
+                i = int((err - allowed).reshape(-1).argmax())
+                raise AssertionError(
+                    f"{what}: |p - p_ref| = {err.reshape(-1)[i].item():.3e} at flat {i} (p "
+                    f"{p.reshape(-1)[i].item()!r}, p_ref {p_ref.reshape(-1)[i].item()!r}) above half an ulp + "
+                    f"{bar.mean_abs:g} = {allowed.reshape(-1)[i].item():.3e}"
+                )
+        # bitsandbytes' means (over 4M elements there), on enough elements to be means: a few hundred 16-bit
+        # params measure their own rounding (fp16, 257 elements, Adagrad: mean rel 6.15e-4 against 6e-4),
+        # and the per-element bound above is the check there
+        if dtype == F32 or numel >= 4096:
+            mean_abs, mean_rel = err.mean().item(), (err / (p_ref.abs() + 1e-9)).mean().item()
+            if dtype == torch.bfloat16 and not case.bf16_mean_rel:
+                mean_rel = 0.0  # see RuleCase.bf16_mean_rel
+            ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
+                 (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)  # fmt: skip
+            assert ok, (f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
+                        f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")  # fmt: skip
+        ref.sync(params, moments, case.state_names)
+    return ref
