@@ -184,6 +184,38 @@ def _param_state_ok(p: Any, s: Any) -> bool:
     return True
 
 
+def _leaves_ok(params: list, grads: list, states: list) -> bool:
+    """:func:`_leaf_ok` for every leaf at once, in C-level loops (a pure call's host time is mostly these
+    checks); the common case of one device. False sends the call to the per-leaf checks, which name what
+    is wrong."""
+    try:
+        if not (
+            all(map(isinstance, params, itertools.repeat(Tensor)))
+            and all(map(isinstance, grads, itertools.repeat(Tensor)))
+            and all(map(isinstance, states, itertools.repeat(State)))
+        ):
+            return False
+        shapes = list(map(_SHAPE, params))
+        dtypes = list(map(_DTYPE, params))
+        devices = set(map(_DEVICE, params))
+        fields = [t for s in states for t in s]
+        expected = [e for s, shape in zip(states, shapes) for e in _expected(type(s).layout, shape)]
+        return (
+            len(devices) == 1
+            and set(dtypes) <= _PARAM_DTYPE_SET
+            and set(map(_LAYOUT, params)) == _STRIDED
+            and set(map(_LAYOUT, grads)) == _STRIDED
+            and list(map(_SHAPE, grads)) == shapes
+            and list(map(_DTYPE, grads)) == dtypes
+            and set(map(_DEVICE, grads)) == devices
+            and list(map(_SHAPE_DTYPE, fields)) == expected
+            and set(map(_DEVICE, fields)) == devices
+            and all(map(Tensor.is_contiguous, fields))
+        )
+    except (AttributeError, TypeError):  # a state field that is not a Tensor
+        return False
+
+
 def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
     """Raise the precise error for a leaf that failed :func:`_leaf_ok`."""
     _check_param(p, name)
@@ -225,15 +257,15 @@ def _prepare(param, grad, state, hparams, step) -> _Call:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
     if s_spec != p_spec:
         raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
-    rule_name = None
-    for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        if not _leaf_ok(p, g, s):
-            _check_leaf(_names(param)[i], p, g, s)
-        r = type(s).layout.rule
-        if rule_name is None:
-            rule_name = r
-        elif r != rule_name:
-            raise ValueError(f"state{_names(param)[i]} is for rule {r!r} but other states are for {rule_name!r}")
+    if not _leaves_ok(params, grads, states):
+        for i, (p, g, s) in enumerate(zip(params, grads, states)):
+            if not _leaf_ok(p, g, s):
+                _check_leaf(_names(param)[i], p, g, s)
+    rule_name = type(states[0]).layout.rule
+    for i, s in enumerate(states):
+        if type(s).layout.rule != rule_name:
+            raise ValueError(f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are "
+                             f"for {rule_name!r}")  # fmt: skip
     rule = get_rule(rule_name)
     h = rule.make_hparams(hparams)
     _check_present(rule, h, states)
@@ -313,18 +345,18 @@ def update(
     new_states: list[tuple | None] = [None] * len(call.params)
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
-            ps = [call.params[i].detach().contiguous() for i in idx]
-            gs = [call.grads[i].detach().contiguous() for i in idx]
+            ps = list(map(Tensor.contiguous, map(Tensor.detach, map(call.params.__getitem__, idx))))
+            gs = list(map(Tensor.contiguous, map(Tensor.detach, map(call.grads.__getitem__, idx))))
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(
                 ps, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
                 layout.present, skip_zeros, clip,
             )
             per = len(layout.field_names())
-            cls = type(call.states[idx[0]])
+            make = type(call.states[idx[0]])._make
             for k, i in enumerate(idx):
-                new_params[i] = out_p[k].view(call.params[i].shape)
-                new_states[i] = cls(*out_s[k * per : (k + 1) * per])
+                new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
+                new_states[i] = make(out_s[k * per : (k + 1) * per])
     return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
 
 
@@ -411,6 +443,10 @@ class _Plan:
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
+_LAYOUT = operator.attrgetter("layout")
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_STRIDED = {torch.strided}
+_PARAM_DTYPE_SET = set(_PARAM_DTYPES)
 
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()

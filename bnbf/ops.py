@@ -39,8 +39,11 @@ def step(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, 
 
 
 def _step_impl(params, grads, states, hp, rule, fmt, block_size, present, skip_zeros, clip):
-    new_params = [torch.empty_like(p, memory_format=torch.contiguous_format) for p in params]
-    new_states = [torch.empty_like(s, memory_format=torch.contiguous_format) for s in states]
+    # the inputs are contiguous (update makes its params so and checks its states), so empty_like's
+    # default (preserve the strides) gives contiguous outputs; mapped, it costs half a comprehension with
+    # keyword arguments (740 tensors for GPT-2's 148 with 8-bit Adam)
+    new_params = list(map(torch.empty_like, params))
+    new_states = list(map(torch.empty_like, states))
     _run(params, new_params, grads, states, new_states, hp, rule, fmt, block_size, present, skip_zeros, clip)
     return new_params, new_states
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import itertools
 import operator
 import os
 
@@ -415,24 +416,28 @@ def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, 
     slots = [j for j in range(MAX_STATES) if (present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
     device = p_in[0].device
-    rows = []
-    for i in range(len(p_in)):
-        addr = [p_in[i].data_ptr(), p_out[i].data_ptr(), p_in[i].numel()]
-        fields_in, fields_out = s_in[i * per : (i + 1) * per], s_out[i * per : (i + 1) * per]
-        for j in range(MAX_STATES):
-            if j not in slots:
-                addr += [0, 0, 0, 0]
-                continue
-            k = slots.index(j)
-            if quant:
-                addr += [fields_in[2 * k].data_ptr(), fields_out[2 * k].data_ptr(),
-                         fields_in[2 * k + 1].data_ptr(), fields_out[2 * k + 1].data_ptr()]  # fmt: skip
-            else:
-                addr += [fields_in[k].data_ptr(), fields_out[k].data_ptr(), 0, 0]
-        rows.append(addr)
-    aligned = all(a % 16 == 0 for r in rows for a in r[:2] + r[3:])
+    # the table column by column, in C-level loops (a pure call builds it every time)
+
+    def ptrs(ts):
+        return list(map(Tensor.data_ptr, ts))
+
+    zeros = [0] * len(p_in)
+    columns = [ptrs(p_in), ptrs(p_out)]
+    for j in range(MAX_STATES):
+        if j not in slots:
+            columns += [zeros] * 4
+            continue
+        k = slots.index(j)
+        if quant:  # codes in, codes out, absmax in, absmax out
+            columns += [ptrs(s_in[2 * k :: per]), ptrs(s_out[2 * k :: per]),
+                        ptrs(s_in[2 * k + 1 :: per]), ptrs(s_out[2 * k + 1 :: per])]  # fmt: skip
+        else:
+            columns += [ptrs(s_in[k::per]), ptrs(s_out[k::per]), zeros, zeros]
+    aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(columns)) % 16 == 0
+    numels = list(map(Tensor.numel, p_in))
+    rows = list(zip(columns[0], columns[1], numels, *columns[2:]))
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tasks, ranges = _tasks(tuple(r[2] for r in rows), block, ITERS[fmt][p_in[0].dtype], device)
+    tasks, ranges = _tasks(tuple(numels), block, ITERS[fmt][p_in[0].dtype], device)
     norms = get_rule(rule_name).norms is not None
     return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned, norms)
 
