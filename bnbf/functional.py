@@ -157,67 +157,43 @@ def _expected(layout: Layout, shape: torch.Size) -> tuple:
     return tuple(layout.expected(shape).values())
 
 
-def _grad_ok(p: Tensor, g: Any) -> bool:
-    return (
-        isinstance(g, Tensor)
-        and g.shape == p.shape
-        and g.dtype == p.dtype
-        and g.device == p.device
-        and g.layout == torch.strided
-    )
-
-
-def _leaf_ok(p: Any, g: Any, s: Any) -> bool:
-    """The common case in a few attribute reads; anything unusual goes to :func:`_check_leaf`."""
-    return _param_state_ok(p, s) and _grad_ok(p, g)
-
-
-def _param_state_ok(p: Any, s: Any) -> bool:
-    if not isinstance(p, Tensor) or p.dtype not in _PARAM_DTYPES or p.layout != torch.strided:
-        return False
-    if not is_state(s):
-        return False
-    dev = p.device
-    for t, (shape, dtype) in zip(s, _expected(type(s).layout, p.shape)):
-        if t.shape != shape or t.dtype != dtype or t.device != dev or not t.is_contiguous():
-            return False
-    return True
-
-
-def _leaves_ok(params: list, grads: list, states: list) -> bool:
-    """:func:`_leaf_ok` for every leaf at once, in C-level loops (a pure call's host time is mostly these
-    checks); the common case of one device. False sends the call to the per-leaf checks, which name what
-    is wrong."""
+def _states_ok(params: list, states: list) -> bool:
+    """Float params (strided) with bnbf states whose fields fit them: shape, dtype, the param's device,
+    contiguous. In C-level loops over all leaves (a pure call's host time is mostly these checks); a list
+    of one leaf checks that leaf. False: :func:`_check_leaf` names what is wrong."""
     try:
-        if not (
-            all(map(isinstance, params, itertools.repeat(Tensor)))
-            and all(map(isinstance, grads, itertools.repeat(Tensor)))
-            and all(map(isinstance, states, itertools.repeat(State)))
-        ):
+        if not (all(map(isinstance, params, itertools.repeat(Tensor)))
+                and all(map(isinstance, states, itertools.repeat(State)))):  # fmt: skip
             return False
-        shapes = list(map(_SHAPE, params))
-        dtypes = list(map(_DTYPE, params))
-        devices = set(map(_DEVICE, params))
+        devices = list(map(_DEVICE, params))
+        one_device = len(set(devices)) == 1
         fields = [t for s in states for t in s]
-        expected = [e for s, shape in zip(states, shapes) for e in _expected(type(s).layout, shape)]
+        expected = [e for s, shape in zip(states, map(_SHAPE, params)) for e in _expected(type(s).layout, shape)]
         return (
-            len(devices) == 1
-            and set(dtypes) <= _PARAM_DTYPE_SET
+            set(map(_DTYPE, params)) <= _PARAM_DTYPE_SET
             and set(map(_LAYOUT, params)) == _STRIDED
-            and set(map(_LAYOUT, grads)) == _STRIDED
-            and list(map(_SHAPE, grads)) == shapes
-            and list(map(_DTYPE, grads)) == dtypes
-            and set(map(_DEVICE, grads)) == devices
             and list(map(_SHAPE_DTYPE, fields)) == expected
-            and set(map(_DEVICE, fields)) == devices
+            and (set(map(_DEVICE, fields)) <= {devices[0]} if one_device else
+                 list(map(_DEVICE, fields)) == [d for d, s in zip(devices, states) for _ in s])  # fmt: skip
             and all(map(Tensor.is_contiguous, fields))
         )
     except (AttributeError, TypeError):  # a state field that is not a Tensor
         return False
 
 
+def _grads_ok(params: list, grads: list) -> bool:
+    """Strided tensors of their params' shapes, dtypes and devices (params already checked)."""
+    return (
+        all(map(isinstance, grads, itertools.repeat(Tensor)))
+        and set(map(_LAYOUT, grads)) == _STRIDED
+        and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
+        and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
+        and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
+    )
+
+
 def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
-    """Raise the precise error for a leaf that failed :func:`_leaf_ok`."""
+    """Raise the precise error for a leaf that failed :func:`_states_ok` or :func:`_grads_ok`."""
     _check_param(p, name)
     if not isinstance(g, Tensor):
         raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
@@ -244,7 +220,7 @@ def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
             raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
         if not t.is_contiguous():
             raise ValueError(f"state{name}.{field} must be contiguous")
-    raise AssertionError(f"unexpected input at {name}")  # _leaf_ok and _check_leaf disagree
+    raise AssertionError(f"unexpected input at {name}")  # the checks and _check_leaf disagree
 
 
 def _prepare(param, grad, state, hparams, step) -> _Call:
@@ -257,9 +233,9 @@ def _prepare(param, grad, state, hparams, step) -> _Call:
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
     if s_spec != p_spec:
         raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
-    if not _leaves_ok(params, grads, states):
+    if not (_states_ok(params, states) and _grads_ok(params, grads)):
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
-            if not _leaf_ok(p, g, s):
+            if not (_states_ok([p], [s]) and _grads_ok([p], [g])):
                 _check_leaf(_names(param)[i], p, g, s)
     rule_name = type(states[0]).layout.rule
     for i, s in enumerate(states):
@@ -399,7 +375,7 @@ def update_(
         if g_spec != p_spec:
             raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
         for i, (p, g) in enumerate(zip(params, grads)):
-            if not _grad_ok(p, g):
+            if not _grads_ok([p], [g]):
                 _check_leaf(_names(param)[i], p, g, states[i])
         grads = [g if g.is_contiguous() else g.contiguous() for g in grads]
     h = plan.rule.make_hparams(hparams)
@@ -472,14 +448,12 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
             _PLANS.move_to_end(key)
             return plan
         del _PLANS[key]
-    rule_name = None
-    for p, s in zip(params, states):
-        if not _param_state_ok(p, s) or not use_triton(p) or not p.is_contiguous():
-            return None
-        if rule_name is None:
-            rule_name = type(s).layout.rule
-        elif type(s).layout.rule != rule_name:
-            return None
+    if not (_states_ok(params, states) and all(map(use_triton, params)) and all(map(Tensor.is_contiguous, params))):
+        return None
+    rules = {type(s).layout.rule for s in states}
+    if len(rules) != 1:
+        return None
+    rule_name = rules.pop()
     presents = {type(s).layout.present for s in states}
     if len(presents) != 1:
         return None
