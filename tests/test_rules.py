@@ -652,16 +652,22 @@ def _requant_bound(fmt: str, signed: bool, absmax: torch.Tensor, numel: int) -> 
     return per_block.repeat_interleave(256)[:numel]
 
 
+def _after_two_steps(case, bits: int, hp: dict, n: int, device):
+    """Params of ``n`` elements and their state after two ordinary steps (non-zero moments to keep)."""
+    p = init_params((n,), F32, device)
+    state = bnbf.init_state(p, spec_of(case, bits), hp)
+    for step in (1, 2):
+        p, state = bnbf.update(p, make_grad((n,), F32, device), state, hp, step)
+    return p, state
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", CASES, ids=IDS)
 @pytest.mark.parametrize("bits", [8, 32])
 def test_skip_zeros(device, case, bits):
     n = 300
     hp = hp_of(case, 0.1)  # weight decay would move every param element: skipping must stop it
-    p = init_params((n,), F32, device)
-    state = bnbf.init_state(p, spec_of(case, bits), hp)
-    for step in (1, 2):
-        p, state = bnbf.update(p, make_grad((n,), F32, device), state, hp, step)
+    p, state = _after_two_steps(case, bits, hp, n, device)
     g = make_grad((n,), F32, device)
     zero = torch.zeros(n, dtype=torch.bool, device=device)
     zero[::3] = True
@@ -705,10 +711,7 @@ def test_skip_zeros(device, case, bits):
 def test_non_finite_grad_elements(device, case, bits):
     n = 300
     hp = hp_of(case, case.weight_decays[-1])
-    p = init_params((n,), F32, device)
-    state = bnbf.init_state(p, spec_of(case, bits), hp)
-    for step in (1, 2):
-        p, state = bnbf.update(p, make_grad((n,), F32, device), state, hp, step)
+    p, state = _after_two_steps(case, bits, hp, n, device)
     g = make_grad((n,), F32, device)
     bad = torch.zeros(n, dtype=torch.bool, device=device)
     bad[[0, 3, 257, 299]] = True
