@@ -38,7 +38,8 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
                  SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mt.NUM_WARPS})
+    options = {"num_warps": mt.NUM_WARPS, **mt._maxnreg(fmt, _TORCH[dtype])}
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def main(rules):

@@ -1,7 +1,7 @@
-"""Sweep the multi-tensor kernel's tile (blocks per program, warps, vector width, tiles per program,
-prefetch of the next tile) on the GPU, AdamW on the 1.07B and GPT-2 sets, then tiles per program for the
-rules with a norm pass against their single-pass counterparts; prints ms (triton's do_bench) and % of copy.
-About 110 s on the H200.
+"""Sweep the multi-tensor kernel's launch configuration on the GPU (vector width, tiles per program,
+prefetch of the next tile, register cap): AdamW on the 1.07B and GPT-2 sets for each state storage, then
+the other rules on the 1.07B set with and without the register cap; prints ms (triton's do_bench) and % of
+copy. Starts with a check of the CUDA kernels against the CPU reference.
 
     python scripts/tune_step.py
 """
@@ -61,70 +61,79 @@ def check():
     print(f"cuda vs cpu reference: worst |dp| / (lr * max|p|) = {worst:.3g}")
 
 
+def bench(params, grads, rule, bits, fmt, hp):
+    st = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, state_bits=bits, state_format=fmt), hp)
+    step = [0]
+
+    def fn():
+        step[0] += 1
+        bnbf.update_(params, grads, st, hp, step[0])
+
+    return triton.testing.do_bench(fn, warmup=5, rep=60)
+
+
+def configure(stored, dtype, vec, iters, prefetch, maxnreg):
+    mt.VEC[stored if stored != "fp32" else "power"] = vec
+    mt.ITERS[stored][dtype], mt.PREFETCH[stored] = iters, prefetch
+    mt.MAXNREG[stored][dtype] = maxnreg
+
+
+# (vec, tiles per program, prefetch, register cap): the AdamW sweep, by state storage and param dtype
+SWEEP = {
+    ("power", torch.float32): [(4, 1, False, None), (4, 2, True, None), (4, 2, True, 64), (4, 4, True, 64)],
+    ("power", torch.bfloat16): [(4, 2, True, None), (4, 2, True, 64), (4, 4, True, None), (4, 4, True, 64),
+                                (4, 4, True, 80), (4, 8, True, 64), (4, 4, False, 64)],
+    ("dynamic", torch.float32): [(1, 1, False, None), (1, 1, False, 64)],
+    ("dynamic", torch.bfloat16): [(1, 4, False, None), (1, 4, False, 64)],
+    ("fp32", torch.float32): [(4, 2, True, None), (4, 2, True, 64)],
+    ("fp32", torch.bfloat16): [(4, 4, True, None), (4, 4, True, 64)],
+}
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     bw = copy_gbs()
     print(f"copy {bw:.0f} GB/s")
-    # (rows, warps, vec, iters, prefetch)
-    tiles = [(1, 1, 4, 1, False), (1, 1, 4, 2, True), (1, 1, 4, 4, False), (1, 1, 4, 4, True), (1, 1, 4, 8, True),
-             (1, 1, 8, 4, True), (1, 1, 8, 2, True)]
-    configs = [("power", *t) for t in tiles] + [("dynamic", 1, 1, 1, 1, False), ("dynamic", 1, 1, 1, 4, False),
-                                                ("dynamic", 1, 1, 1, 4, True)]
     check()
+    hp = {"lr": 1e-3, "weight_decay": 0.01}
     for set_name, shapes in sets().items():
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(shapes)}
             grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
             numel = sum(p.numel() for p in params.values())
-            nbytes = numel * (3 * params["0"].element_size() + 4) + numel // 256 * 16
-            for bits in (8, 32):
-                if bits == 32 and set_name == "big_1B" and dtype == torch.bfloat16:
+            size = params["0"].element_size()
+            for stored in ("power", "dynamic", "fp32"):
+                if set_name != "big_1B" and stored != "power":
                     continue
-                nb = nbytes if bits == 8 else numel * (3 * params["0"].element_size() + 16)
-                todo = configs if bits == 8 else [("power", 1, 1, 4, 1, False), ("power", 1, 1, 4, 4, True)]
-                if set_name != "big_1B":
-                    todo = [c for c in todo if c[0] == "power"]
-                for fmt, rows, warps, vec, iters, prefetch in todo:
-                    stored = fmt if bits == 8 else "fp32"
-                    mt.ROWS, mt.NUM_WARPS, mt.VEC[fmt], mt.ITERS[stored][dtype] = rows, warps, vec, iters
-                    mt.PREFETCH[stored] = prefetch
-                    st = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, state_format=fmt))
-                    step = [0]
-
-                    def fn(params=params, grads=grads, st=st, step=step):
-                        step[0] += 1
-                        bnbf.update_(params, grads, st, {"lr": 1e-3, "weight_decay": 0.01}, step[0])
-
-                    ms = triton.testing.do_bench(fn, warmup=5, rep=60)
-                    tile = f"rows={rows} w={warps} vec={vec} it={iters} pf={int(prefetch)}"
-                    print(f"{set_name:10s} {str(dtype)[6:]:9s} {bits:2d}bit {fmt:7s} {tile}: "
-                          f"{ms:7.3f} ms {nb / ms / 1e6:6.0f} GB/s {100 * nb / ms / 1e6 / bw:5.1f}% copy",
-                          flush=True)
-                del st
+                nb = numel * (3 * size + 16) if stored == "fp32" else numel * (3 * size + 4) + numel // 256 * 16
+                saved = (mt.VEC["power"], mt.VEC["dynamic"], dict(mt.ITERS[stored]), mt.PREFETCH[stored],
+                         dict(mt.MAXNREG[stored]))  # fmt: skip
+                for vec, iters, prefetch, maxnreg in SWEEP[(stored, dtype)]:
+                    configure(stored, dtype, vec, iters, prefetch, maxnreg)
+                    bits, fmt = (32, "power") if stored == "fp32" else (8, stored)
+                    ms = bench(params, grads, "adamw", bits, fmt, hp)
+                    gbs = nb / ms / 1e6
+                    print(f"{set_name:10s} {str(dtype)[6:]:9s} {stored:7s} vec={vec} it={iters} pf={int(prefetch)} "
+                          f"maxnreg={maxnreg}: {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy", flush=True)
+                mt.VEC["power"], mt.VEC["dynamic"], mt.ITERS[stored], mt.PREFETCH[stored], mt.MAXNREG[stored] = saved
             del params, grads
             torch.cuda.empty_cache()
-    # rules with a norm pass against their single-pass counterparts, by tiles per program
+    # the other rules with the defaults, with and without a 64-register cap
     for dtype in (torch.float32, torch.bfloat16):
         torch.manual_seed(0)
         params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(sets()["big_1B"])}
         grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
-        for rule in ("adamw", "lamb", "sgd", "lars"):
-            hp = {"lr": 1e-3, "momentum": 0.9} if rule in ("sgd", "lars") else {"lr": 1e-3}
-            for iters, prefetch in ((1, False), (2, True), (4, True), (8, True)):
-                mt.VEC["power"], mt.ITERS["power"][dtype], mt.PREFETCH["power"] = 4, iters, prefetch
-                st = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, state_bits=8), hp)
-                step = [0]
-
-                def fn(params=params, grads=grads, st=st, step=step, hp=hp):
-                    step[0] += 1
-                    bnbf.update_(params, grads, st, hp, step[0])
-
-                ms = triton.testing.do_bench(fn, warmup=5, rep=60)
-                print(f"big_1B {str(dtype)[6:]:9s} {rule:6s} it={iters} pf={int(prefetch)}: {ms:7.3f} ms", flush=True)
-                del st
+        for rule in ("lion", "ademamix", "lamb", "lars"):
+            hp = {"lr": 1e-3, "momentum": 0.9} if rule == "lars" else {"lr": 1e-4 if rule == "lion" else 1e-3}
+            for maxnreg in (None, 64):
+                saved = mt.MAXNREG["power"].get(dtype)
+                mt.MAXNREG["power"][dtype] = maxnreg
+                ms = bench(params, grads, rule, 8, "power", hp)
+                mt.MAXNREG["power"][dtype] = saved
+                print(f"big_1B {str(dtype)[6:]:9s} {rule:8s} maxnreg={maxnreg}: {ms:7.3f} ms", flush=True)
         del params, grads
         torch.cuda.empty_cache()
 

@@ -38,32 +38,63 @@ def _round(x):
 
 
 @triton.jit
-def _small_int_to_float(q, offset: tl.constexpr):
-    """float32(q - offset) for 0 <= q < 2**22, exactly, without a conversion instruction."""
-    return (q | 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + offset)
-
-
-@triton.jit
 def encode_power(x, SIGNED: tl.constexpr):
     """Code of ``x`` (float32 in [-1, 1]) in the "power" format: square-law codes for the signed
     state (code 128 + round(127 * sign(x) * sqrt|x|)), fourth-power-law codes for the non-negative one
     (round(255 * x ** 0.25)). A sqrt and a rounding: about a fifth of the dynamic map's instructions."""
+    return encode_power_scaled(x, 127.0 if SIGNED else 255.0, SIGNED)
+
+
+@triton.jit
+def power_root_scale(absmax, SIGNED: tl.constexpr):
+    """The multiplier :func:`encode_power_scaled` takes for a block of absmax ``absmax``:
+    127 / sqrt(absmax) (signed) or 255 / absmax ** 0.25, and 0 for an all-zero block. One or two
+    reciprocal roots per block replace a division per block and a multiply per element."""
+    r = tl.where(absmax > 0, tl.rsqrt(tl.where(absmax > 0, absmax, 1.0)), 0.0)
     if SIGNED:
-        q = _round(tl.sqrt(tl.abs(x)) * 127.0)
-        return 128 + tl.where(x < 0, -q, q)
+        return r * 127.0
     else:
-        return _round(tl.sqrt(tl.sqrt(tl.maximum(x, 0.0))) * 255.0)
+        return tl.sqrt(r) * 255.0
+
+
+@triton.jit
+def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr):
+    """:func:`encode_power` of ``s / absmax`` given ``root_scale = power_root_scale(absmax)``: the scale
+    applies in the root domain (sqrt(|s| / absmax) = sqrt|s| / sqrt(absmax)), folded into the rounding's
+    multiply. Non-negative states are read through |s|, which the root instruction takes for free."""
+    if SIGNED:
+        t = tl.sqrt(tl.abs(s)) * root_scale
+        sign = s.to(tl.uint32, bitcast=True) & 0x80000000
+        t = (t.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # copysign: one logic op
+        return (t + (12582912.0 + 128.0)).to(tl.int32, bitcast=True) - 0x4B400000  # 128 + round(t)
+    else:
+        return _round(tl.sqrt(tl.sqrt(tl.abs(s))) * root_scale)
+
+
+@triton.jit
+def _code_bits(q):
+    """uint8 codes -> int32 ``0x4B000000 | q``: float32 bits of 2**23 + q. Compiled, one byte permute
+    per code (four codes of a 32-bit word at a time) instead of an extract and an or."""
+    if _COMPILED:
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 hi; mov.b32 hi, 0x4B000000; prmt.b32 $0, $4, hi, 0x7650; prmt.b32 $1, $4, hi, 0x7651;"
+            " prmt.b32 $2, $4, hi, 0x7652; prmt.b32 $3, $4, hi, 0x7653; }",
+            "=r,=r,=r,=r,r", [q], dtype=tl.int32, is_pure=True, pack=4,
+        )
+    else:
+        return q.to(tl.int32) | 0x4B000000
 
 
 @triton.jit
 def decode_power(q, SIGNED: tl.constexpr):
-    """Value of code ``q`` (int32) in the "power" format, times 127**2 (signed) or 255**4 (unsigned);
+    """Value of uint8 code ``q`` in the "power" format, times 127**2 (signed) or 255**4 (unsigned);
     callers fold those constants into the block scale."""
+    f = _code_bits(q).to(tl.float32, bitcast=True)
     if SIGNED:
-        f = _small_int_to_float(q, 128.0)
+        f = f - (8388608.0 + 128.0)  # exactly q - 128
         return f * tl.abs(f)
     else:
-        f = _small_int_to_float(q, 0.0)
+        f = f - 8388608.0
         f = f * f
         return f * f
 

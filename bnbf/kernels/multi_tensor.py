@@ -29,7 +29,7 @@ import triton.language as tl
 from torch import Tensor
 
 from bnbf._dispatch import interpreting
-from bnbf.kernels.codec import decode_power, encode_dynamic, encode_power, to_dtype
+from bnbf.kernels.codec import decode_power, encode_dynamic, encode_power_scaled, power_root_scale, to_dtype
 from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
@@ -68,6 +68,10 @@ PREFETCH_SLOTS = {0: 8, 1: 4, 2: 4}  # by NORM_MODE: the plain step, the norm pa
 def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
     return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS[mode]
 
+
+# Register cap per thread (ptxas maxnreg), by state format and param dtype; None leaves it to ptxas. A
+# one-warp program is one of at most 32 resident blocks per SM, so registers beyond 64 cost resident warps.
+MAXNREG = {"fp32": {}, "power": {}, "dynamic": {}}
 
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -156,13 +160,12 @@ def _tile_load(ptrs, chunk, numel, PRESENT: tl.constexpr, QUANT: tl.constexpr, B
 def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.constexpr, FORMAT: tl.constexpr):
     if KEPT:
         if QUANT:
-            q = r[0].to(tl.int32)
             absmax = r[1]
             if FORMAT == 2:  # power
-                v = decode_power(q, SIGNED)
+                v = decode_power(r[0], SIGNED)
                 absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
             else:  # dynamic map: one gather from the 1 KiB map
-                v = tl.load((code_ptr if SIGNED else code_ptr + 256) + q)
+                v = tl.load((code_ptr if SIGNED else code_ptr + 256) + r[0].to(tl.int32))
             return v * absmax[:, None]
         else:
             return r[0]
@@ -177,10 +180,10 @@ def _store_state(sp, s, offs, mask, rows, rmask, QUANT: tl.constexpr, SIGNED: tl
         if MASKED:
             s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
-        scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
         if FORMAT == 2:
-            q = encode_power(s * scale[:, None], SIGNED)
+            q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED)
         else:
+            scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
             q = encode_dynamic(s * scale[:, None], SIGNED)
         _st(sp[1] + offs, q.to(tl.uint8), mask, MASKED)
         _st(sp[3] + rows, absmax, rmask, MASKED)
@@ -495,7 +498,7 @@ def launch_group(
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
             ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode), SKIP_ZEROS=skip_zeros,
             NORM_MODE=mode, NORM_TERMS=norm_terms,
-            num_warps=NUM_WARPS,
+            num_warps=NUM_WARPS, **_maxnreg(group.fmt, group.dtype),
         )  # fmt: skip
         if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
             group.compiled[key] = compiled
@@ -515,6 +518,11 @@ def launch_group(
     starts = group.ranges[:, 0:1] + offsets
     sums = (prefix[stops] - prefix[starts]).float()  # [tensors, 3]
     run(sums, 2)
+
+
+def _maxnreg(fmt: str, dtype: torch.dtype) -> dict:
+    cap = MAXNREG[fmt].get(dtype)
+    return {} if cap is None or interpreting() else {"maxnreg": cap}
 
 
 def launch(p_in, p_out, grads, s_in, s_out, hp, rule_name, fmt, block, present, skip_zeros, clip) -> None:
