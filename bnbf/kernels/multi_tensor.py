@@ -69,9 +69,18 @@ def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
     return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS[mode]
 
 
-# Register cap per thread (ptxas maxnreg), by state format and param dtype; None leaves it to ptxas. A
-# one-warp program is one of at most 32 resident blocks per SM, so registers beyond 64 cost resident warps.
-MAXNREG = {"fp32": {}, "power": {}, "dynamic": {}}
+# Register cap per thread (ptxas maxnreg), by state format and param dtype; absent leaves it to ptxas. A
+# one-warp program is one of at most 32 resident blocks per SM, so every register beyond 64 costs resident
+# warps: AdamW with bf16 params and 4 prefetched tiles took 96 registers (21 warps per SM). Measured on the
+# H200 (scripts/tune_step.py, do_bench, AdamW), ms without / with a cap of 64: power format, bf16 params,
+# 1.07B set 3.03 / 2.67 (80 registers: 2.87), GPT-2 set 0.368 / 0.326; fp32 params 4.04 / 4.07 (not
+# capped); dynamic map 6.99 / 6.86 (fp32), 6.72 / 6.45 (bf16); float32 states with bf16 params 5.64 / 7.93
+# (not capped). Other rules with bf16 params, power format: AdEMAMix 3.67 / 3.46, LARS 3.83 / 3.63, Lion
+# 2.04 / 2.04, LAMB 4.84 / 4.89. The power-format AdamW and LAMB kernels fit the cap without spilling;
+# those keeping three states (AdEMAMix, centered RMSprop with momentum) and the dynamic map's spill 8-88
+# bytes per thread to the stack, and the measured ones still ran faster. float16 params share bf16's caps.
+_CAP_TWO_BYTE = {torch.bfloat16: 64, torch.float16: 64}
+MAXNREG = {"fp32": {}, "power": _CAP_TWO_BYTE, "dynamic": {torch.float32: 64, **_CAP_TWO_BYTE}}
 
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
