@@ -389,9 +389,8 @@ def update_(
         floats = tuple(map(float, values))
         rows = dict.fromkeys(plan.devices, floats)
     with torch.no_grad():
-        for idx, group in plan.groups:
-            launch_group(group, grads if idx is None else [grads[i] for i in idx], rows[group.device], skip_zeros,
-                         clip)  # fmt: skip
+        for pick, group in plan.groups:
+            launch_group(group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip)
     return param, state
 
 
@@ -465,6 +464,8 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     devices = {p.device for p in params}
     if len(built) == 1:
         built = [(None, built[0][1])]  # one group of every tensor in order: the grads list as it is
+    else:  # each group's grads picked in one C-level call (a tuple, also for one index)
+        built = [(_picker(idx), group) for idx, group in built]
     device_key = Tensor.get_device if all(d.type == "cuda" for d in devices) else _DEVICE
     plan = _Plan(
         params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built, presents.pop(),
@@ -474,6 +475,11 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     if len(_PLANS) > _PLAN_CACHE_SIZE:
         _PLANS.popitem(last=False)
     return plan
+
+
+def _picker(idx: list[int]):
+    get = operator.itemgetter(*idx)
+    return get if len(idx) > 1 else (lambda items: (get(items),))
 
 
 def _update_generic_(

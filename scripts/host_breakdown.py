@@ -61,7 +61,7 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     out["scalar row upload"] = host_us(lambda i: as_scalar_row(values, dev))
     plan = next(p for p in F._PLANS.values() if p.params[0] is next(iter(params.values())))
     gl = list(grads.values())
-    launches = [(group, gl if idx is None else [gl[i] for i in idx]) for idx, group in plan.groups]
+    launches = [(group, gl if pick is None else pick(gl)) for pick, group in plan.groups]
     row = as_scalar_row(values, dev)
 
     def launch_all(i):

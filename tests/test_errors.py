@@ -235,6 +235,25 @@ def test_invalid_hparams(device, case, bad, message, fn, bits):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_one_hparams_dict_edited_between_calls(device):
+    """Validated hparams are reused for a dict of the same numbers (bnbf.rules.base): editing the dict in
+    place must change the step, and a bad value after good ones must still raise."""
+    p = torch.randn(300, device=device)
+    g = torch.randn(300, device=device) * 0.01
+    hp = {"lr": 0.1, "weight_decay": 0.0}
+    s = bnbf.init_state(p, spec(bits=32))
+    p1, _ = bnbf.update(p, g, s, hp, 1)
+    hp["lr"] = 0.2
+    p2, _ = bnbf.update(p, g, s, hp, 1)
+    # the first AdamW step moves each element by lr * g / (|g| + eps)
+    step1 = g / (g.abs() + 1e-8)
+    torch.testing.assert_close(p - p1, 0.1 * step1, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p - p2, 0.2 * step1, rtol=1e-5, atol=1e-6)
+    hp["lr"] = -1.0
+    expect_error(bnbf.update_, ValueError, re.escape("Invalid learning rate: -1.0"), p, g, s, hparams=hp)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_unknown_hparam(setup, fn):
     p, g, s = setup

@@ -412,6 +412,7 @@ class Group:
     norms: bool  # the rule scales its update by per-tensor norms (a norm pass first)
     grad_ptrs: tuple = ()
     grad_table: Tensor | None = None
+    grads_aligned: bool = False
     # compiled kernels of this group by launch configuration, launched without Triton's JIT dispatch
     compiled: dict = dataclasses.field(default_factory=dict)
 
@@ -465,10 +466,11 @@ def launch_group(
     elements whose gradient is exactly 0 keep their param and states.
     """
     ptrs = tuple(map(Tensor.data_ptr, grads))
-    aligned = group.aligned and functools.reduce(operator.or_, ptrs) % 16 == 0
     if ptrs != group.grad_ptrs:
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
         group.grad_ptrs = ptrs
+        group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
+    aligned = group.aligned and group.grads_aligned
     grad_table = group.grad_table
     if isinstance(hp, tuple):
         from_ptr, n_hp, floats, hp_row = False, len(hp), hp + _NO_FLOATS[len(hp):], group.table

@@ -69,6 +69,20 @@ class Rule:
             return self.hparams()
         if type(hparams) is self.hparams:  # exact: AdamW's and LAMB's hparams subclass Adam's
             return hparams
+        # a dict of plain numbers (the usual call, every step) validates once; never keyed by tensors,
+        # whose equality would read their values
+        if type(hparams) is dict and all(map(_is_plain, hparams.values())):
+            key = (self.name, *hparams.items())
+            hit = _HPARAMS.get(key)
+            if hit is None:
+                hit = self._make_hparams(hparams)
+                if len(_HPARAMS) >= 256:  # e.g. a schedule's new lr every step
+                    _HPARAMS.clear()
+                _HPARAMS[key] = hit
+            return hit
+        return self._make_hparams(hparams)
+
+    def _make_hparams(self, hparams: Any) -> Any:
         if dataclasses.is_dataclass(hparams):
             raise ValueError(
                 f"hparams of type {type(hparams).__name__} do not belong to rule {self.name!r} "
@@ -83,6 +97,14 @@ class Rule:
         if unknown:
             raise ValueError(f"unknown hyperparameters for rule {self.name!r}: {unknown}; known: {sorted(known)}")
         return self.hparams(**items)
+
+
+_HPARAMS: dict = {}  # (rule name, *items) -> validated hparams, for dicts of plain numbers
+_PLAIN = (float, int)
+
+
+def _is_plain(v: Any) -> bool:
+    return type(v) in _PLAIN or (type(v) is tuple and all(type(x) in _PLAIN for x in v))
 
 
 # ---- checks with torch.optim's wording ----------------------------------------------------------------
