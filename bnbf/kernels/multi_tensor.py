@@ -484,14 +484,14 @@ def launch_group(
 
     def run(norm_ptr, mode):
         key = (mode, aligned, skip_zeros, n_hp, from_ptr)
-        compiled = group.compiled.get(key)
-        if compiled is not None and _direct_ok(group.device):
+        direct = group.compiled.get(key)
+        if direct is not None and _direct_ok(group.device):
             # the kernel this group compiled for this configuration, launched as Triton's own launcher
             # would after its dispatch (which costs more host time than the launch itself); the pointer
             # arguments are 16-byte aligned fresh allocations, as when it was compiled
-            compiled.run(
-                grid, 1, 1, _current_stream(group.device.index), compiled.function, compiled.packed_metadata,
-                None, None, None,
+            launch_c, function, head = direct
+            launch_c(
+                grid, 1, 1, _current_stream(group.device.index), function, *head,
                 group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
                 code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS,
             )  # fmt: skip
@@ -512,7 +512,7 @@ def launch_group(
             num_warps=NUM_WARPS, **_maxnreg(group.fmt, group.dtype),
         )  # fmt: skip
         if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
-            group.compiled[key] = compiled
+            group.compiled[key] = _direct_launch(compiled)
 
     if not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
@@ -529,6 +529,19 @@ def launch_group(
     starts = group.ranges[:, 0:1] + offsets
     sums = (prefix[stops] - prefix[starts]).float()  # [tensors, 3]
     run(sums, 2)
+
+
+def _direct_launch(compiled) -> tuple:
+    """(launch function, CUfunction, the arguments before the kernel's own) of a compiled kernel: the
+    launcher's C function itself where the kernel needs no scratch memory (Triton 3.6's Python wrapper
+    around it only allocates scratch), else the wrapper."""
+    launcher = compiled.run
+    hooks = (compiled.packed_metadata, None, None, None)  # launch metadata and enter/exit hooks: none
+    c_launch = getattr(launcher, "launch", None)
+    if (c_launch is not None and getattr(launcher, "global_scratch_size", 1) == 0
+            and getattr(launcher, "profile_scratch_size", 1) == 0):  # fmt: skip
+        return c_launch, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *hooks)
+    return launcher, compiled.function, hooks
 
 
 def _maxnreg(fmt: str, dtype: torch.dtype) -> dict:
