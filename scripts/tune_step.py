@@ -1,9 +1,10 @@
 """Sweep the multi-tensor kernel's launch configuration on the GPU (vector width, tiles per program,
 prefetch of the next tile, register cap): AdamW on the 1.07B and GPT-2 sets for each state storage, then
 the other rules on the 1.07B set with and without the register cap; prints ms (triton's do_bench) and % of
-copy. Starts with a check of the CUDA kernels against the CPU reference.
+copy. Starts with a check of the CUDA kernels against the CPU reference. ``--slots``: only the sweep of
+the prefetch limits (tiles x kept states) for LAMB, AdEMAMix and AdamW.
 
-    python scripts/tune_step.py
+    python scripts/tune_step.py [--slots]
 """
 
 from __future__ import annotations
@@ -90,10 +91,33 @@ SWEEP = {
 }
 
 
+def sweep_slots():
+    """Prefetch limits (tiles x kept states, by kernel mode) for the rules they gate on the 1.07B set."""
+    for dtype in (torch.bfloat16, torch.float32):
+        torch.manual_seed(0)
+        params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(sets()["big_1B"])}
+        grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
+        for rule, limits in (("lamb", ({1: 4, 2: 4}, {1: 8, 2: 4}, {1: 4, 2: 8}, {1: 8, 2: 8})),
+                             ("ademamix", ({0: 8}, {0: 12})), ("adamw", ({0: 8}, {0: 4}))):  # fmt: skip
+            for limit in limits:
+                saved = dict(mt.PREFETCH_SLOTS)
+                mt.PREFETCH_SLOTS.update(limit)
+                ms = bench(params, grads, rule, 8, "power", {"lr": 1e-3})
+                mt.PREFETCH_SLOTS.clear()
+                mt.PREFETCH_SLOTS.update(saved)
+                print(f"big_1B {str(dtype)[6:]:9s} {rule:8s} prefetch limits {limit}: {ms:7.3f} ms", flush=True)
+        del params, grads
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
-    ap.parse_args()
+    ap.add_argument("--slots", action="store_true", help="only the prefetch-limit sweep (PREFETCH_SLOTS)")
+    args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
+    if args.slots:
+        sweep_slots()
+        return
     bw = copy_gbs()
     print(f"copy {bw:.0f} GB/s")
     check()

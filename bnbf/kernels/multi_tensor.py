@@ -61,8 +61,10 @@ PREFETCH = {"fp32": True, "power": True, "dynamic": False}
 # the loads in flight gain. 1.07B params, bf16 params (4 tiles), H200, bench_step.py, ms without / with
 # prefetch: AdamW 3.36 / 3.11 (2 states), RMSprop 2.28 / 2.10, Lion 2.25 / 2.12, Adagrad 2.26 / 2.12 (1 state),
 # AdEMAMix 3.91 / 5.48 (3 states), LAMB 5.19 / 5.78 (2 states, norm pass and step); fp32 params (2 tiles):
-# AdEMAMix 5.73 / 5.45.
-PREFETCH_SLOTS = {0: 8, 1: 4, 2: 4}  # by NORM_MODE: the plain step, the norm pass, the step after it
+# AdEMAMix 5.73 / 5.45. Re-measured under the register cap (MAXNREG; scripts/tune_step.py --slots, do_bench,
+# ms): LAMB bf16 with the norm pass prefetched 4.74 against 4.85 (the step after it prefetched too: 4.95),
+# AdEMAMix bf16 prefetched 3.50 against 3.46, AdamW bf16 unprefetched 3.01 against 2.70.
+PREFETCH_SLOTS = {0: 8, 1: 8, 2: 4}  # by NORM_MODE: the plain step, the norm pass, the step after it
 
 
 def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
