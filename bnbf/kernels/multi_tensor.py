@@ -271,6 +271,23 @@ def _tile_step(
 
 
 @triton.jit
+def _tiles_in_turn(
+    ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
+    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
+    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
+):  # fmt: skip
+    """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
+    for it in tl.range(0, ITERS):
+        raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
+        _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                   MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                   MASKED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+
+
+@triton.jit
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
     h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, HP_FROM_PTR: tl.constexpr,
@@ -320,17 +337,13 @@ def _step_kernel(
                 if it + 1 < ITERS:
                     raw = nxt
         else:
-            for it in tl.range(0, ITERS):
-                raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
-                _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+            _tiles_in_turn(ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
                            MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                           False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+                           False, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
     else:
-        for it in tl.range(0, ITERS):
-            raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, True, VEC)
-            _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+        _tiles_in_turn(ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
                        MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                       True, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+                       True, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
 
 # ---- launcher ---------------------------------------------------------------------------------------
@@ -409,13 +422,14 @@ class Group:
     tasks: Tensor  # int32 [programs, 2] on the device
     ranges: Tensor  # int64 [tensors, 2]: each tensor's tiles (rows of the norm pass's partials)
     aligned: bool  # every param and state address is 16-byte aligned
+    norms: bool  # the rule scales its update by per-tensor norms (a norm pass first)
     # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
     # caching allocator usually hands a training loop's grads the same blocks every step)
-    norms: bool  # the rule scales its update by per-tensor norms (a norm pass first)
     grad_ptrs: tuple = ()
     grad_table: Tensor | None = None
     grads_aligned: bool = False
-    # compiled kernels of this group by launch configuration, launched without Triton's JIT dispatch
+    # by launch configuration, what launches this group's compiled kernel without Triton's JIT dispatch:
+    # (launch function, CUfunction, the arguments before the kernel's own), see _direct_launch
     compiled: dict = dataclasses.field(default_factory=dict)
 
 
@@ -538,12 +552,13 @@ def _direct_launch(compiled) -> tuple:
     launcher's C function itself where the kernel needs no scratch memory (Triton 3.6's Python wrapper
     around it only allocates scratch), else the wrapper."""
     launcher = compiled.run
-    hooks = (compiled.packed_metadata, None, None, None)  # launch metadata and enter/exit hooks: none
+    meta = (compiled.packed_metadata, None, None, None)  # then launch metadata and enter/exit hooks: none
     c_launch = getattr(launcher, "launch", None)
     if (c_launch is not None and getattr(launcher, "global_scratch_size", 1) == 0
             and getattr(launcher, "profile_scratch_size", 1) == 0):  # fmt: skip
-        return c_launch, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *hooks)
-    return launcher, compiled.function, hooks
+        # cooperative grid, PDL, global and profile scratch (none), then what the wrapper passes on
+        return c_launch, compiled.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *meta)
+    return launcher, compiled.function, meta
 
 
 def _maxnreg(fmt: str, dtype: torch.dtype) -> dict:
