@@ -44,6 +44,7 @@ try:
 except ImportError:  # run as `python benchmarks/bench_step.py` from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import bnbf
+from bnbf import _host_checks as host_checks
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -99,13 +100,16 @@ class Timer:
         self.cuda = device.type == "cuda"
         self.pending: list[Any] = []
         self.cpu_ms: list[float] = []
+        self.host_ms: list[float] = []  # on a GPU: the host time of each timed call, for reference
 
     def time(self, fn: Callable[[], None]) -> None:
         if self.cuda:
             torch.cuda.synchronize()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
+            t0 = time.perf_counter()
             fn()
+            self.host_ms.append((time.perf_counter() - t0) * 1e3)
             end.record()
             self.pending.append((start, end))
         else:
@@ -416,7 +420,9 @@ def run_one(
     sbytes = state_nbytes(get_state())
     del step, get_state, params
     free_memory(device)
-    return {"ms": statistics.median(times), "ms_min": min(times), "state_bytes": sbytes, "finite": finite}
+    host = statistics.median(timer.host_ms) if timer.host_ms else None
+    return {"ms": statistics.median(times), "ms_min": min(times), "host_ms": host, "state_bytes": sbytes,
+            "finite": finite}  # fmt: skip
 
 
 def bench_group(
@@ -443,7 +449,7 @@ def bench_group(
         gbs = nbytes / (res["ms"] * 1e-3) / 1e9
         row = {
             "set": set_name, "dtype": dname, "rule": rule, "candidate": cand.name,
-            "ms": res["ms"], "ms_min": res["ms_min"], "gbs": gbs,
+            "ms": res["ms"], "ms_min": res["ms_min"], "host_ms": res["host_ms"], "gbs": gbs,
             "pct_copy": 100 * gbs / meta["copy_gbs"], "model_bytes": nbytes,
             "state_bytes": res["state_bytes"], "state_bytes_per_param": res["state_bytes"] / numel,
             "numel": numel, "byte_model": cand.kind, "finite": res["finite"], "note": cand.note,
@@ -455,6 +461,7 @@ def bench_group(
         print(
             f"{set_name:>16} {dname:>4} {rule:>6} {cand.name:>14}: {res['ms']:9.3f} ms {gbs:7.0f} GB/s "
             f"{row['pct_copy']:5.1f}% copy {row['state_bytes_per_param']:6.3f} B/p ({row['wall_s']:.1f} s)"
+            + (f" host {res['host_ms']:.3f} ms" if res["host_ms"] is not None else "")
             + ("" if res["finite"] else "  NON-FINITE PARAMS"),
             flush=True,
         )
@@ -485,7 +492,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, bnbf {meta['bnbf']}, peers {meta['peers']}; "
         f"device copy {meta['copy_gbs']:.0f} GB/s; median of {meta['steps']} steps after {meta['warmup']} "
-        f"warm-ups; {meta['date']}.",
+        f"warm-ups; {meta['date']}. Host checks: {meta['host_checks'].split(' (')[0]}.",
         "",
     ]
     results = [r for r in rows if r["candidate"] != "bnbf_vs_torch"]
@@ -596,11 +603,11 @@ def main(argv: list[str] | None = None) -> int:
         "peers": ", ".join(f"{k} {v}" for k, v in peer_versions().items()) if want_peers else "not asked",
         "steps": args.steps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d"),
         "timing": "cuda events after synchronize" if device.type == "cuda" else "time.perf_counter",
-        "smoke": args.smoke, "notes": [],
+        "smoke": args.smoke, "notes": [], "host_checks": host_checks.status(),
     }  # fmt: skip
     print(f"GPU: {gpu}\ntorch {meta['torch']}  triton {triton_v}  bnbf {meta['bnbf']}", end="")
     print(f"  python {meta['python']}")
-    print(f"peers: {meta['peers']}")
+    print(f"peers: {meta['peers']}\nhost checks: {meta['host_checks']}")
     copy_bytes = (64 << 20) if args.smoke else (2 << 30)
     meta["copy_gbs"] = copy_bandwidth_gbs(device, copy_bytes)
     print(f"device copy: {meta['copy_gbs']:.0f} GB/s (read + written, {copy_bytes >> 20} MiB buffer)")

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from bnbf import _host_checks as host_checks
 from bnbf import ops
 from bnbf._dispatch import use_triton
 from bnbf.kernels.multi_tensor import build_group, launch_group
@@ -358,18 +359,9 @@ def update_(
     grads, g_spec = _fast_leaves(grad)
     if grads is None:
         grads, g_spec = _flatten(grad)
-    # The common case in C-level loops (a step's host time is mostly these per-tensor reads). Contiguity
-    # also rules out sparse and other non-strided grads; the per-tensor checks below name what is wrong.
-    try:
-        ok = (
-            g_spec == p_spec
-            and list(map(_SHAPE, grads)) == plan.shapes
-            and list(map(_DTYPE, grads)) == plan.dtypes
-            and list(map(plan.device_key, grads)) == plan.device_keys
-            and all(map(Tensor.is_contiguous, grads))
-        )
-    except (AttributeError, TypeError):  # a leaf that is not a Tensor
-        ok = False
+    # the common case in one call over all grads (compiled where possible: see bnbf/_host_checks.py); the
+    # per-tensor checks below name what is wrong, and make non-contiguous grads contiguous
+    ok = g_spec == p_spec and plan.grads_match(grads)
     if not ok:
         grads, g_spec = _flatten(grad)
         if g_spec != p_spec:
@@ -409,10 +401,8 @@ class _Plan:
     devices: set
     groups: list
     present: int  # the state slots every state of the plan keeps
-    shapes: list  # of the params, in order: what each grad must match
-    dtypes: list
-    device_key: Any  # Tensor.get_device where every param is on CUDA (cheaper than .device), else .device
-    device_keys: list
+    host: Any  # the per-step checks (bnbf._host_checks.impl())
+    grads_match: Any  # grads -> whether they fit the params (bnbf._host_checks.grads_matcher)
 
 
 _SHAPE = operator.attrgetter("shape")
@@ -438,11 +428,11 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
     plan = _PLANS.get(key)
     if plan is not None:
+        host = plan.host
         if (
-            len(plan.params) == len(params)
-            and all(map(operator.is_, params, plan.params))
-            and all(map(operator.is_, states, plan.states))
-            and plan.ptrs == tuple(map(Tensor.data_ptr, params))
+            host.same_objects(params, plan.params)
+            and host.same_objects(states, plan.states)
+            and host.ptrs_equal(params, plan.ptrs)
         ):
             _PLANS.move_to_end(key)
             return plan
@@ -466,10 +456,9 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
         built = [(None, built[0][1])]  # one group of every tensor in order: the grads list as it is
     else:  # each group's grads picked in one C-level call (a tuple, also for one index)
         built = [(_picker(idx), group) for idx, group in built]
-    device_key = Tensor.get_device if all(d.type == "cuda" for d in devices) else _DEVICE
     plan = _Plan(
-        params, states, tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built, presents.pop(),
-        list(map(_SHAPE, params)), list(map(_DTYPE, params)), device_key, list(map(device_key, params)),
+        list(params), list(states), tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built,
+        presents.pop(), host_checks.impl(), host_checks.grads_matcher(params),
     )  # fmt: skip
     _PLANS[key] = plan
     if len(_PLANS) > _PLAN_CACHE_SIZE:

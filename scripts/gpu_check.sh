@@ -37,6 +37,11 @@ except ImportError as e:
     print("triton missing:", e)
 EOF
 
+echo "== host checks (bnbf/_host_checks.py: the compiled module is built here, once, for every test worker)"
+export BNBF_REQUIRE_NATIVE=1
+(command -v c++ && c++ --version | head -1) || echo "no c++ on PATH"
+$PY -c "from bnbf import _host_checks as h; print('host checks:', h.status())"
+
 echo "== tests (budget ${BIG_BUDGET_S:-45} s for the big-memory tests alone, ${TEST_BUDGET_S:-320} s for the rest)"
 timeout_arg=()
 $PY -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)

@@ -3,8 +3,9 @@
     python scripts/host_breakdown.py [--profile]
 
 Prints, per parameter set, the median host microseconds of: the whole call; the call with the launch
-stubbed out (Python only); uploading the scalar row; the launch alone through the direct path and
-through Triton's dispatch; and for scale, one torch kernel launch and torch's fused AdamW step.
+stubbed out (Python only); the whole call with the pure-Python twins of the compiled checks; uploading
+the scalar row; the launch alone through the direct path and through Triton's dispatch; and for scale,
+one torch kernel launch and torch's fused AdamW step.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import bnbf  # noqa: E402
 import bnbf.functional as F  # noqa: E402
 import bnbf.kernels.multi_tensor as mt  # noqa: E402
 from benchmarks.bench_step import SETS  # noqa: E402
+from bnbf import _host_checks as hc  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
 
 PROFILE = "--profile" in sys.argv
@@ -54,6 +56,16 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
         out["python only"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
     finally:
         F.launch_group = real
+    # the same call with the pure-Python twins of the compiled checks (a new plan picks them up)
+    saved_impl = hc._IMPL
+    hc._IMPL = (hc.PYTHON, "python (host_breakdown)")
+    F._PLANS.clear()
+    try:
+        out["update_ (Python checks)"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
+    finally:
+        hc._IMPL = saved_impl
+        F._PLANS.clear()
+    bnbf.update_(params, grads, state, hp, 1)  # the plan with the compiled checks again
     rule = bnbf.RULES["adamw"]
     h = rule.make_hparams(hp)
     values = (*rule.scalars(h, 5), 0.0, h.lr)
@@ -108,7 +120,7 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
 
 
 if __name__ == "__main__":
-    print(torch.cuda.get_device_name(), torch.__version__)
+    print(torch.cuda.get_device_name(), torch.__version__, "| host checks:", hc.status())
     rows = {name: breakdown(name) for name in ("single_4096x4096", "gpt2_124M")}
     keys = list(next(iter(rows.values())))
     print("| host us (median) | " + " | ".join(rows) + " |")

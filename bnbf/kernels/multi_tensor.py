@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from bnbf import _host_checks as host_checks
 from bnbf._dispatch import interpreting
 from bnbf.kernels.codec import decode_power, encode_dynamic, encode_power_scaled, power_root_scale, to_dtype
 from bnbf.quant import dynamic_map
@@ -481,8 +482,8 @@ def launch_group(
     floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
     elements whose gradient is exactly 0 keep their param and states.
     """
-    ptrs = tuple(map(Tensor.data_ptr, grads))
-    if ptrs != group.grad_ptrs:
+    if not host_checks.impl().ptrs_equal(grads, group.grad_ptrs):
+        ptrs = tuple(map(Tensor.data_ptr, grads))
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
         group.grad_ptrs = ptrs
         group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
