@@ -432,6 +432,10 @@ class Group:
     # by launch configuration, what launches this group's compiled kernel without Triton's JIT dispatch:
     # (launch function, CUfunction, the arguments before the kernel's own), see _direct_launch
     compiled: dict = dataclasses.field(default_factory=dict)
+    # the norm pass's scratch, made at the first step that needs it: per-tile partial sums [3, tiles] and
+    # per-tensor sums [tensors, 3]
+    partials: Tensor | None = None
+    sums: Tensor | None = None
 
 
 def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, present: int) -> Group:
@@ -534,18 +538,48 @@ def launch_group(
     if not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
         return
-    partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
-    run(partials, 1)
-    # per-tensor sums of the per-tile partials: differences of a float64 prefix sum. Unlike atomics it
-    # gives the same bits every run (restarted training must match uninterrupted training). One flat
-    # scan: scanning a [tiles, 3] or [3, tiles] tensor along a dimension ran one block per column
-    # (820 and 0.76 ms on the H200 for the 1.07B and GPT-2 sets).
-    prefix = torch.nn.functional.pad(torch.cumsum(partials, 0, dtype=torch.float64), (1, 0))
-    offsets = torch.arange(3, device=group.device) * n_tiles
-    stops = group.ranges[:, 1:2] + offsets
-    starts = group.ranges[:, 0:1] + offsets
-    sums = (prefix[stops] - prefix[starts]).float()  # [tensors, 3]
-    run(sums, 2)
+    if group.partials is None:  # scratch kept with the group: no allocation per step
+        group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
+        group.sums = torch.empty(group.ranges.shape[0], 3, dtype=torch.float32, device=group.device)
+    run(group.partials, 1)
+    _launch_sums(group, n_tiles)
+    run(group.sums, 2)
+
+
+@triton.jit
+def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.constexpr):
+    """Per tensor (one program each), its three sums from the norm pass's per-tile partials [3, n_tiles],
+    accumulated in float64 in a fixed order: the same bits every run (restarted training matches an
+    uninterrupted one), unlike atomics."""
+    t = tl.program_id(0)
+    start = tl.load(range_ptr + 2 * t)
+    stop = tl.load(range_ptr + 2 * t + 1)
+    for k in tl.static_range(3):
+        acc = tl.zeros([CHUNK], dtype=tl.float64)
+        row = partial_ptr + k * n_tiles
+        i = start
+        while i < stop:  # a while loop: Triton's interpreter cannot bound a for loop by a loaded value
+            offs = i + tl.arange(0, CHUNK)
+            acc += tl.load(row + offs, mask=offs < stop, other=0.0).to(tl.float64)
+            i += CHUNK
+        tl.store(sum_ptr + 3 * t + k, tl.sum(acc, 0).to(tl.float32))
+
+
+_SUMS_CHUNK = 1024
+
+
+def _launch_sums(group: Group, n_tiles: int) -> None:
+    """One launch summing every tensor's partials of ``group`` into ``group.sums`` [tensors, 3]."""
+    grid = group.ranges.shape[0]
+    direct = group.compiled.get("sums")
+    if direct is not None and _direct_ok(group.device):
+        launch_c, function, head = direct
+        launch_c(grid, 1, 1, _current_stream(group.device.index), function, *head, group.partials.data_ptr(),
+                 group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, None)  # fmt: skip
+        return
+    compiled = _tensor_sums_kernel[(grid,)](group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK)
+    if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
+        group.compiled["sums"] = _direct_launch(compiled)
 
 
 def _direct_launch(compiled) -> tuple:
