@@ -35,7 +35,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
                  NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
                  VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]],
                  PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
-                 SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms)
+                 SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=mt.SUM_SPLIT)
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)
     options = {"num_warps": mt.NUM_WARPS, **mt._maxnreg(fmt, _TORCH[dtype])}

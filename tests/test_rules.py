@@ -289,36 +289,39 @@ def test_max_unorm_8bit_resynced(device, cid, numel):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_per_tensor_sums_of_the_norm_pass(device):
-    """The kernel between the norm pass and the step: each tensor's three sums of its per-tile partials,
-    against float64 sums in torch, over ranges of 0, 1 and around the kernel's chunk of tiles, and the same
-    bits on a second run (no atomics)."""
+    """The kernel between the norm pass and the step: each tensor's three sums of its per-tile partials
+    (in SUM_SPLIT float64 parts, which the step adds), against float64 sums in torch, over ranges of 0, 1,
+    fewer tiles than parts and around the kernel's chunk of tiles; the same bits on a second run (no
+    atomics)."""
     if not kernel_runs(device):
         pytest.skip("the reference path has no norm-pass kernel")
     from bnbf.kernels import multi_tensor as mt
 
-    chunk = mt._SUMS_CHUNK
-    lengths = [3, 0, 1, chunk - 1, chunk, chunk + 1, 2 * chunk + 5, 9 * chunk]
+    chunk, split = mt._SUMS_CHUNK, mt.SUM_SPLIT
+    lengths = [3, 0, 1, split + 1, chunk - 1, split * chunk + 1, split * (chunk + 3), 9 * split * chunk]
     stops = torch.tensor(lengths).cumsum(0)
     ranges = torch.stack([stops - torch.tensor(lengths), stops], 1).to(device)
     n_tiles = int(stops[-1])
     gen = torch.Generator().manual_seed(0)
     partials = torch.rand(3, n_tiles, generator=gen) * 10.0 ** torch.randint(-6, 7, (3, n_tiles), generator=gen)
-    # the last tensor: a first chunk of 2^24 then ones, which float32 accumulators would drop (0.5 ulp each),
-    # 8 of 2^24 + 8 per lane: 5e-7 relative, four times the tolerance below
-    partials[:, -9 * chunk :] = 1.0
-    partials[:, -9 * chunk : -8 * chunk] = 2.0**24
+    # the last tensor: a first chunk of 2^24 in each part, then ones, which float32 accumulators would drop
+    # (half an ulp each): 8 of 2^24 + 8 per lane, 5e-7 relative, four times the tolerance below
+    last = partials[:, -9 * split * chunk :].view(3, split, 9 * chunk)
+    last[:] = 1.0
+    last[:, :, :chunk] = 2.0**24
     partials = partials.reshape(-1)
     group = types.SimpleNamespace(ranges=ranges, partials=partials.to(device), compiled={}, device=ranges.device,
-                                  sums=torch.full((len(lengths), 3), float("nan"), device=device))  # fmt: skip
+                                  sums=torch.full((len(lengths), 3, split), float("nan"), dtype=torch.float64,
+                                                  device=device))  # fmt: skip
     mt._launch_sums(group, n_tiles)
     first = group.sums.clone()
     group.sums.fill_(float("nan"))
     mt._launch_sums(group, n_tiles)  # the direct launch on CUDA
+    assert torch.equal(group.sums, first), "a second run gave other bits"
     rows = partials.double().view(3, n_tiles)
     want = torch.stack([rows[:, a:b].sum(1) for a, b in ranges.tolist()]).float()
     # within one float32 ulp of the float64 sum in torch's order (float32 partial sums would be off by far more)
-    torch.testing.assert_close(first.cpu(), want, rtol=2**-23, atol=0.0)
-    assert torch.equal(group.sums, first), "a second run gave other bits"
+    torch.testing.assert_close(first.sum(-1).float().cpu(), want, rtol=2**-23, atol=0.0)
 
 
 @pytest.mark.parametrize("device", DEVICES)

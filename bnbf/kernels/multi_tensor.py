@@ -252,8 +252,8 @@ def _tile_step(
     p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
     if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
         max_unorm = hp[HP_STRIDE - 2]
-        limit = max_unorm * tl.sqrt(tl.load(nrm + 0))
-        unorm = tl.sqrt(tl.load(nrm + 1))
+        limit = max_unorm * tl.sqrt(nrm[0])
+        unorm = tl.sqrt(nrm[1])
         scale = tl.where(unorm > limit, limit / tl.maximum(unorm, 1e-30), 1.0)
         p_new = p + scale * (p_new - p)
     if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
@@ -297,10 +297,11 @@ def _step_kernel(
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, PREFETCH: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, SUM_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
-    2: the step of a rule that needs per-tensor sums, read from norm_ptr[tensor, 3]."""
+    2: the step of a rule that needs per-tensor sums, from norm_ptr[tensor, 3, SUM_SPLIT] (see
+    _tensor_sums_kernel)."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
@@ -317,7 +318,12 @@ def _step_kernel(
               _hp_at(hp_ptr, 15, HP_STRIDE))  # fmt: skip
     else:
         hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15)
-    nrm = norm_ptr + tensor * 3
+    if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
+        base = norm_ptr + tensor * (3 * SUM_SPLIT)
+        nrm = (_split_sum(base, SUM_SPLIT), _split_sum(base + SUM_SPLIT, SUM_SPLIT),
+               _split_sum(base + 2 * SUM_SPLIT, SUM_SPLIT))  # fmt: skip
+    else:
+        nrm = (0.0, 0.0, 0.0)
     # every address once per program (param in, param out, grad, then each state slot's four), not per tile:
     # the compiler cannot hoist loads of the table past the tiles' stores
     ptrs = (_addr(table, 0, P_DTYPE, ALIGNED), _addr(table, 1, P_DTYPE, ALIGNED),
@@ -433,7 +439,7 @@ class Group:
     # (launch function, CUfunction, the arguments before the kernel's own), see _direct_launch
     compiled: dict = dataclasses.field(default_factory=dict)
     # the norm pass's scratch, made at the first step that needs it: per-tile partial sums [3, tiles] and
-    # per-tensor sums [tensors, 3]
+    # float64 parts of the per-tensor sums [tensors, 3, SUM_SPLIT]
     partials: Tensor | None = None
     sums: Tensor | None = None
 
@@ -529,7 +535,7 @@ def launch_group(
             P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
             SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
             ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode), SKIP_ZEROS=skip_zeros,
-            NORM_MODE=mode, NORM_TERMS=norm_terms,
+            NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,
             num_warps=NUM_WARPS, **_maxnreg(group.fmt, group.dtype),
         )  # fmt: skip
         if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
@@ -540,44 +546,63 @@ def launch_group(
         return
     if group.partials is None:  # scratch kept with the group: no allocation per step
         group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
-        group.sums = torch.empty(group.ranges.shape[0], 3, dtype=torch.float32, device=group.device)
+        group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
     run(group.partials, 1)
     _launch_sums(group, n_tiles)
     run(group.sums, 2)
 
 
 @triton.jit
-def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.constexpr):
-    """Per tensor (one program each), its three sums from the norm pass's per-tile partials [3, n_tiles],
-    accumulated in float64 in a fixed order: the same bits every run (restarted training matches an
-    uninterrupted one), unlike atomics."""
+def _split_sum(ptr, SPLIT: tl.constexpr):
+    return tl.sum(tl.load(ptr + tl.arange(0, SPLIT)).to(tl.float64), 0).to(tl.float32)
+
+
+@triton.jit
+def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """Between the norm pass and the step: program (tensor t, part s) adds part s of the SPLIT equal parts
+    of t's per-tile partials [3, n_tiles] into sum_ptr[t, :, s], in float64 and in a fixed order, so the
+    step's final sums (_split_sum) have the same bits every run (restarted training matches an
+    uninterrupted one), unlike atomics. SPLIT parts keep a large tensor's tiles from being added by one
+    program alone (GPT-2's embedding: 150k tiles, 0.2 ms)."""
     t = tl.program_id(0)
+    part = tl.program_id(1)
     start = tl.load(range_ptr + 2 * t)
     stop = tl.load(range_ptr + 2 * t + 1)
-    for k in tl.static_range(3):
-        acc = tl.zeros([CHUNK], dtype=tl.float64)
-        row = partial_ptr + k * n_tiles
-        i = start
-        while i < stop:  # a while loop: Triton's interpreter cannot bound a for loop by a loaded value
-            offs = i + tl.arange(0, CHUNK)
-            acc += tl.load(row + offs, mask=offs < stop, other=0.0).to(tl.float64)
-            i += CHUNK
-        tl.store(sum_ptr + 3 * t + k, tl.sum(acc, 0).to(tl.float32))
+    span = (stop - start + SPLIT - 1) // SPLIT
+    i = start + part * span
+    end = tl.minimum(i + span, stop)
+    acc0 = tl.zeros([CHUNK], dtype=tl.float64)
+    acc1 = tl.zeros([CHUNK], dtype=tl.float64)
+    acc2 = tl.zeros([CHUNK], dtype=tl.float64)
+    while i < end:  # a while loop: Triton's interpreter cannot bound a for loop by a loaded value
+        offs = i + tl.arange(0, CHUNK)
+        mask = offs < end
+        acc0 += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        acc1 += tl.load(partial_ptr + n_tiles + offs, mask=mask, other=0.0).to(tl.float64)
+        acc2 += tl.load(partial_ptr + 2 * n_tiles + offs, mask=mask, other=0.0).to(tl.float64)
+        i += CHUNK
+    out = sum_ptr + t * (3 * SPLIT) + part
+    tl.store(out, tl.sum(acc0, 0))
+    tl.store(out + SPLIT, tl.sum(acc1, 0))
+    tl.store(out + 2 * SPLIT, tl.sum(acc2, 0))
 
 
 _SUMS_CHUNK = 1024
+SUM_SPLIT = 32  # parts per tensor: one load per lane of the step's one-warp programs
 
 
 def _launch_sums(group: Group, n_tiles: int) -> None:
-    """One launch summing every tensor's partials of ``group`` into ``group.sums`` [tensors, 3]."""
-    grid = group.ranges.shape[0]
+    """One launch adding every tensor's partials of ``group`` into ``group.sums`` [tensors, 3, SUM_SPLIT]."""
+    grid = (group.ranges.shape[0], SUM_SPLIT, 1)
     direct = group.compiled.get("sums")
     if direct is not None and _direct_ok(group.device):
         launch_c, function, head = direct
-        launch_c(grid, 1, 1, _current_stream(group.device.index), function, *head, group.partials.data_ptr(),
-                 group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, None)  # fmt: skip
+        launch_c(*grid, _current_stream(group.device.index), function, *head, group.partials.data_ptr(),
+                 group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, None, None)  # fmt: skip
         return
-    compiled = _tensor_sums_kernel[(grid,)](group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK)
+    compiled = _tensor_sums_kernel[grid](
+        group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT
+    )
     if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
         group.compiled["sums"] = _direct_launch(compiled)
 

@@ -7,9 +7,9 @@ A rule is one file in ``bnbf/rules/`` that defines:
 - ``scalars(hparams, step)``: the per-call numbers the math needs (at most 14), derived once per call on
   the host and passed as kernel arguments (with tensor ops on the device into a float32 row when
   hyperparameters are tensors);
-- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp, nrm_ptr) -> (p, s0, s1, s2)`` on
+- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp, nrm) -> (p, s0, s1, s2)`` on
   float32 values, reading its scalars as ``hp[k]`` (and, for rules with ``norms``, the tensor's three
-  sums with ``tl.load(nrm_ptr + k)``);
+  sums as ``nrm[k]``, float32 scalars);
 - ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives and
   returns one float32 tensor per state slot, ``None`` for slots this state does not keep;
 - optionally ``norms``: a pair (``@triton.jit`` fn, torch fn) of ``(p, g, s0, s1, s2, hp) -> (a, b, c)``,

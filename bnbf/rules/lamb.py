@@ -66,8 +66,8 @@ def lamb_math(p, g, m, v, unused, hp, nrm):
     step_size = hp[0]
     clamp_value = hp[5]
     adam = hp[6]
-    w_norm = tl.minimum(tl.sqrt(tl.load(nrm + 0)), clamp_value)
-    u_norm = tl.sqrt(tl.load(nrm + 1))
+    w_norm = tl.minimum(tl.sqrt(nrm[0]), clamp_value)
+    u_norm = tl.sqrt(nrm[1])
     ratio = tl.where((w_norm > 0) & (u_norm > 0) & (adam == 0), w_norm / tl.maximum(u_norm, 1e-30), 1.0)
     p = p - step_size * ratio * u
     return p, m, v, unused

@@ -51,8 +51,8 @@ def lars_math(p, g, buf, unused1, unused2, hp, nrm):
     wd = hp[1]
     trust = hp[6]
     eps = hp[7]
-    p_norm = tl.sqrt(tl.load(nrm + 0))
-    g_norm = tl.sqrt(tl.load(nrm + 1))
+    p_norm = tl.sqrt(nrm[0])
+    g_norm = tl.sqrt(nrm[1])
     local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(trust * p_norm, g_norm + wd * p_norm + eps), 1.0)
     step, buf = momentum_step(local * (g + wd * p), buf, hp)
     return p - lr * step, buf, unused1, unused2
