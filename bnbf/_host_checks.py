@@ -33,6 +33,7 @@ import tempfile
 import types
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -45,6 +46,7 @@ _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
+_GRAD = operator.attrgetter("grad")
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -85,7 +87,26 @@ def py_same_objects(a: list | tuple, b: list | tuple) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
-PYTHON = types.SimpleNamespace(grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, same_objects=py_same_objects)
+def py_grads_of(params: list | tuple) -> tuple[list, bool]:
+    """Each param's ``.grad`` (None where it has none), and whether every param has one."""
+    if not isinstance(params, list | tuple):
+        raise TypeError("grads_of expects a list or tuple of params")
+    grads = list(map(_GRAD, params))
+    return grads, all(map(operator.is_not, grads, itertools.repeat(None)))
+
+
+def py_set_each(objs: list | tuple, key: Any, value: Any) -> None:
+    """``obj[key] = value`` for every obj."""
+    if not isinstance(objs, list | tuple):
+        raise TypeError("set_each expects a list or tuple")
+    for obj in objs:
+        obj[key] = value
+
+
+PYTHON = types.SimpleNamespace(
+    grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, same_objects=py_same_objects, grads_of=py_grads_of,
+    set_each=py_set_each,
+)
 
 
 def py_grads_matcher(params: list) -> Callable[[list | tuple], bool]:
@@ -214,3 +235,17 @@ def grads_matcher(params: list) -> Callable[[list | tuple], bool]:
     if host is PYTHON:
         return py_grads_matcher(params)
     return functools.partial(host.grads_match, list(params))
+
+
+_TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
+
+
+def grads_of(params: list | tuple) -> tuple[list, bool]:
+    """Each param's ``.grad`` (None where it has none), and whether every param has one (see
+    :func:`py_grads_of`). Under a torch function mode, which sees every ``.grad`` read, read in Python."""
+    return (PYTHON if _TORCH_FUNCTION_MODE() else impl()).grads_of(params)
+
+
+def set_each(objs: list | tuple, key: Any, value: Any) -> None:
+    """``obj[key] = value`` for every obj (see :func:`py_set_each`)."""
+    impl().set_each(objs, key, value)

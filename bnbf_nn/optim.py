@@ -51,6 +51,7 @@ import torch
 from torch import Tensor
 
 import bnbf
+from bnbf import _host_checks as host_checks
 from bnbf.functional import check_update_options
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -63,7 +64,6 @@ _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups s
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 # C-level loops over a group's params: the adapter's own cost is ~25-40 us a step on GPT-2 small's 148
 # tensors (H200 host; bnbf.update_ itself: ~300 us host, ~520 us GPU in fp32)
-_GRAD = operator.attrgetter("grad")
 _STEP = operator.itemgetter("step")
 
 
@@ -238,15 +238,15 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _step_group(self, group: dict) -> None:
         params = group["params"]
-        grads = list(map(_GRAD, params))
+        grads, every = host_checks.grads_of(params)
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
-        has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
-        if plan.complete and all(has_grad):
+        if plan.complete and every:
             for bucket in plan.buckets:
                 self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx])
             return
+        has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
         # some params have no grad (frozen, or unused this step): the buckets' subsets for this pattern,
         # kept in the plan while the pattern repeats (a frozen layer's every step)
         if plan.has_grad != has_grad:
@@ -279,7 +279,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
                 kw[key] = v
         bnbf.update_(bucket.params, grads, bucket.states, self._hparams(group, bucket.override), t + 1, **kw)
-        any(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)))  # r["step"] = t + 1
+        host_checks.set_each(records, "step", t + 1)
 
     def _plan(self, group: dict) -> _Plan:
         """Group the parameters that have state by their overrides: one bnbf.update_ call each."""

@@ -138,3 +138,56 @@ def test_disabled_by_environment(monkeypatch):
     monkeypatch.setattr(hc, "_IMPL", None)
     assert hc.impl() is hc.PYTHON
     assert hc.status() == "python (BNBF_NATIVE=0)"
+
+
+@pytest.mark.parametrize("host", impls())
+def test_grads_of(host):
+    params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
+    for p in params[:-1]:
+        p.grad = torch.randn_like(p)
+    grads, every = host.grads_of(params)
+    assert every is False and grads[-1] is None
+    assert all(g is p.grad for g, p in zip(grads[:-1], params[:-1]))  # the grad objects themselves
+    params[-1].grad = torch.randn_like(params[-1])
+    grads, every = host.grads_of(tuple(params))
+    assert every is True and all(g is p.grad for g, p in zip(grads, params))
+    sub = params[0].detach().as_subclass(Sub).requires_grad_()
+    sub.grad = torch.ones_like(sub)
+    grads, every = host.grads_of([sub, *params[1:]])  # a subclass: read through Python
+    assert every is True and torch.equal(grads[0], torch.ones_like(sub))
+    assert host.grads_of([]) == ([], True)
+    with pytest.raises(TypeError):
+        host.grads_of(iter(params))
+
+
+@pytest.mark.parametrize("host", impls())
+def test_set_each(host):
+    class Mapping(dict):
+        pass
+
+    objs = [{"step": 1}, Mapping(step=1), {}]
+    host.set_each(objs, "step", 7)
+    assert [o["step"] for o in objs] == [7, 7, 7]
+    with pytest.raises(TypeError):
+        host.set_each([{}, 3], "step", 1)  # an int takes no items: the error propagates
+    with pytest.raises(TypeError):
+        host.set_each(iter(objs), "step", 1)
+
+
+def test_grads_of_under_a_torch_function_mode_reads_through_python():
+    from torch.overrides import TorchFunctionMode
+
+    class Count(TorchFunctionMode):
+        seen = 0
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func == torch.Tensor.grad.__get__:  # an attribute read: the grad getter
+                Count.seen += 1
+            return func(*args, **(kwargs or {}))
+
+    params = [torch.nn.Parameter(torch.randn(3)) for _ in range(4)]
+    for p in params:
+        p.grad = torch.zeros(3)
+    with Count():
+        grads, every = hc.grads_of(params)
+    assert every and Count.seen == len(params), Count.seen

@@ -103,10 +103,74 @@ PyObject* same_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// grads_of(params) -> (grads, every): each param's .grad (None where it has none) as a new list, and
+// whether every param has one. Plain tensors' grads are read in C++; any other object's through Python.
+PyObject* grads_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 1) {
+    PyErr_Format(PyExc_TypeError, "expected 1 argument, got %zd", nargs);
+    return nullptr;
+  }
+  PyObject* params = args[0];
+  if (!(PyList_Check(params) || PyTuple_Check(params))) {
+    PyErr_SetString(PyExc_TypeError, "grads_of expects a list or tuple of params");
+    return nullptr;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(params);
+  PyObject** ps = PySequence_Fast_ITEMS(params);
+  PyObject* grads = PyList_New(n);
+  if (grads == nullptr) return nullptr;
+  bool every = true;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* g = nullptr;
+    const at::Tensor* p = plain_tensor(ps[i]);
+    if (p != nullptr) {
+      const at::Tensor& grad = p->grad();
+      if (grad.defined()) {
+        g = THPVariable_Wrap(grad);
+      } else {
+        Py_INCREF(Py_None);
+        g = Py_None;
+      }
+    } else {
+      g = PyObject_GetAttrString(ps[i], "grad");
+    }
+    if (g == nullptr) {
+      Py_DECREF(grads);
+      return nullptr;
+    }
+    every = every && g != Py_None;
+    PyList_SET_ITEM(grads, i, g);  // steals the reference
+  }
+  PyObject* out = Py_BuildValue("(NO)", grads, every ? Py_True : Py_False);
+  return out;
+}
+
+// set_each(objs, key, value) -> None: objs[i][key] = value for every i (a list or tuple of mappings).
+PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 3) {
+    PyErr_Format(PyExc_TypeError, "expected 3 arguments, got %zd", nargs);
+    return nullptr;
+  }
+  PyObject *objs = args[0], *key = args[1], *value = args[2];
+  if (!(PyList_Check(objs) || PyTuple_Check(objs))) {
+    PyErr_SetString(PyExc_TypeError, "set_each expects a list or tuple");
+    return nullptr;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
+  PyObject** os = PySequence_Fast_ITEMS(objs);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const int rc = PyDict_CheckExact(os[i]) ? PyDict_SetItem(os[i], key, value) : PyObject_SetItem(os[i], key, value);
+    if (rc != 0) return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"grads_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_match)), METH_FASTCALL, "grads_match(params, grads) -> bool"},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)), METH_FASTCALL, "ptrs_equal(tensors, ptrs) -> bool"},
     {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL, "same_objects(a, b) -> bool"},
+    {"grads_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_of)), METH_FASTCALL, "grads_of(params) -> (grads, every)"},
+    {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL, "set_each(objs, key, value) -> None"},
     {nullptr, nullptr, 0, nullptr},
 };
 
