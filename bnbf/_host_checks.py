@@ -17,7 +17,6 @@ headers, ``BNBF_NATIVE=0``), the pure-Python twins below give the same answers, 
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import functools
 import hashlib
 import importlib.machinery
@@ -147,11 +146,14 @@ def _compiler() -> str | None:
     return None
 
 
-def _build_command(cxx: str, out: Path) -> list[str]:
+_STANDARDS = ("-std=c++20", "-std=c++17")  # torch's extensions use C++20 from torch 2.12 on; older: C++17
+
+
+def _build_command(cxx: str, out: Path, std: str) -> list[str]:
     torch_dir = Path(torch.__file__).parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
     return [
-        cxx, "-O2", "-shared", "-fPIC", "-std=c++17", "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+        cxx, "-O2", "-shared", "-fPIC", std, "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
         f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
         f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(out),
         f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
@@ -162,7 +164,7 @@ def _build_command(cxx: str, out: Path) -> list[str]:
 def _target(cxx: str) -> Path:
     key = hashlib.sha256()
     key.update(_SOURCE.read_bytes())
-    for part in (torch.__version__, str(Path(torch.__file__).parent), sys.version, cxx):
+    for part in (torch.__version__, str(Path(torch.__file__).parent), sys.version, cxx, *_STANDARDS):
         key.update(part.encode())
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
     return _cache_dir() / f"host_checks_{key.hexdigest()[:20]}{suffix}"
@@ -170,6 +172,8 @@ def _target(cxx: str) -> Path:
 
 def _build(cxx: str, target: Path) -> None:
     """Compile into ``target`` once: under a file lock, written to a temporary name and renamed."""
+    import fcntl  # POSIX only; elsewhere the import fails and the Python twins run
+
     target.parent.mkdir(parents=True, exist_ok=True)
     with open(target.parent / "build.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
@@ -179,10 +183,13 @@ def _build(cxx: str, target: Path) -> None:
             fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
             os.close(fd)
             try:
-                proc = subprocess.run(
-                    _build_command(cxx, Path(tmp)), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
-                )
-                if proc.returncode != 0:
+                for std in _STANDARDS:  # the first standard the compiler and torch's headers accept
+                    proc = subprocess.run(
+                        _build_command(cxx, Path(tmp), std), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
+                    )
+                    if proc.returncode == 0:
+                        break
+                else:
                     tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
                     raise RuntimeError(f"{cxx} exited with {proc.returncode}: " + " | ".join(tail))
                 os.replace(tmp, target)
