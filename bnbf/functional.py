@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 from bnbf import _host_checks as host_checks
 from bnbf import ops
 from bnbf._dispatch import use_triton
+from bnbf._host_checks import _DEVICE, _DTYPE, _LAYOUT, _SHAPE
 from bnbf.kernels.multi_tensor import build_group, launch_group
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
@@ -405,10 +406,6 @@ class _Plan:
     grads_match: Any  # grads -> whether they fit the params (bnbf._host_checks.grads_matcher)
 
 
-_SHAPE = operator.attrgetter("shape")
-_DTYPE = operator.attrgetter("dtype")
-_DEVICE = operator.attrgetter("device")
-_LAYOUT = operator.attrgetter("layout")
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
 _STRIDED = {torch.strided}
 _PARAM_DTYPE_SET = set(_PARAM_DTYPES)

@@ -22,6 +22,8 @@ import functools
 import itertools
 import operator
 import os
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import triton
@@ -510,36 +512,26 @@ def launch_group(
     n_tiles = grid * iters
 
     def run(norm_ptr, mode):
-        key = (mode, aligned, skip_zeros, n_hp, from_ptr)
-        direct = group.compiled.get(key)
-        if direct is not None and _direct_ok(group.device):
-            # the kernel this group compiled for this configuration, launched as Triton's own launcher
-            # would after its dispatch (which costs more host time than the launch itself); the pointer
-            # arguments are 16-byte aligned fresh allocations, as when it was compiled
-            launch_c, function, head = direct
-            launch_c(
-                grid, 1, 1, _current_stream(group.device.index), function, *head,
-                group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
-                code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS,
+        def dispatch():
+            rule = get_rule(group.rule)
+            signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
+            norm_terms = rule.norms[0] if rule.norms is not None else None
+            LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
+                             n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
+            return _step_kernel[(grid,)](
+                group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
+                HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=group.present, QUANT=quant,
+                SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
+                P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
+                SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
+                ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode),
+                SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,
+                num_warps=NUM_WARPS, **_maxnreg(group.fmt, group.dtype),
             )  # fmt: skip
-            return
-        rule = get_rule(group.rule)
-        signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
-        norm_terms = rule.norms[0] if rule.norms is not None else None
-        LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
-                         n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
-        compiled = _step_kernel[(grid,)](
-            group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
-            HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=group.present, QUANT=quant,
-            SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-            P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
-            SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
-            ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode), SKIP_ZEROS=skip_zeros,
-            NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,
-            num_warps=NUM_WARPS, **_maxnreg(group.fmt, group.dtype),
-        )  # fmt: skip
-        if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
-            group.compiled[key] = _direct_launch(compiled)
+
+        args = (group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
+                code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS)  # fmt: skip
+        _launch(group, (mode, aligned, skip_zeros, n_hp, from_ptr), (grid, 1, 1), args, dispatch)
 
     if not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
@@ -554,7 +546,7 @@ def launch_group(
 
 @triton.jit
 def _split_sum(ptr, SPLIT: tl.constexpr):
-    return tl.sum(tl.load(ptr + tl.arange(0, SPLIT)).to(tl.float64), 0).to(tl.float32)
+    return tl.sum(tl.load(ptr + tl.arange(0, SPLIT)), 0).to(tl.float32)  # float64 parts
 
 
 @triton.jit
@@ -589,22 +581,31 @@ def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.cons
 
 _SUMS_CHUNK = 1024
 SUM_SPLIT = 32  # parts per tensor: one load per lane of the step's one-warp programs
+_SUMS_CONSTEXPRS = (None,) * (len(_tensor_sums_kernel.arg_names) - 4)  # after partials, ranges, sums, n_tiles
 
 
 def _launch_sums(group: Group, n_tiles: int) -> None:
     """One launch adding every tensor's partials of ``group`` into ``group.sums`` [tensors, 3, SUM_SPLIT]."""
     grid = (group.ranges.shape[0], SUM_SPLIT, 1)
-    direct = group.compiled.get("sums")
+    args = (group.partials.data_ptr(), group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, *_SUMS_CONSTEXPRS)
+    _launch(group, "sums", grid, args, lambda: _tensor_sums_kernel[grid](
+        group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT))  # fmt: skip
+
+
+def _launch(group: Group, key: Any, grid: tuple, args: tuple, dispatch: Callable[[], Any]) -> None:
+    """Launch one of ``group``'s kernels. After its first launch of configuration ``key`` through Triton's
+    dispatch (``dispatch()``, which returns the compiled kernel), later ones call that kernel's launcher
+    directly with ``args`` (the kernel's arguments as the launcher takes them: pointers as ints, None for
+    constexprs): Triton's dispatch costs more host time than the launch itself. The pointer arguments are
+    16-byte aligned fresh allocations, as when it was compiled."""
+    direct = group.compiled.get(key)
     if direct is not None and _direct_ok(group.device):
         launch_c, function, head = direct
-        launch_c(*grid, _current_stream(group.device.index), function, *head, group.partials.data_ptr(),
-                 group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, None, None)  # fmt: skip
+        launch_c(*grid, _current_stream(group.device.index), function, *head, *args)
         return
-    compiled = _tensor_sums_kernel[grid](
-        group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT
-    )
+    compiled = dispatch()
     if group.device.type == "cuda" and DIRECT_LAUNCH and hasattr(compiled, "packed_metadata"):
-        group.compiled["sums"] = _direct_launch(compiled)
+        group.compiled[key] = _direct_launch(compiled)
 
 
 def _direct_launch(compiled) -> tuple:
