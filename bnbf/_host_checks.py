@@ -4,8 +4,8 @@ An in-place step on a cached plan must still confirm, every call, that the param
 planned objects with their planned storage and that each grad is a dense, contiguous tensor of its
 param's shape, dtype and device. Done with Python attribute reads this is most of a step's host time for
 a model with many tensors, and the GPU waits for it before the first launch: for GPT-2's 148 tensors
-``update_`` took 137-220 us of the H200 machine's host with these checks in Python and 47-77 us with them
-compiled (scripts/host_breakdown.py, four calls). ``csrc/host_checks.cpp`` answers the same questions in
+``update_`` took 137-261 us of the H200 machine's host with these checks in Python and 47-87 us with them
+compiled (scripts/host_breakdown.py, five calls). ``csrc/host_checks.cpp`` answers the same questions in
 C++; the adapters' step reads its grads and writes its step counts through it too (:func:`grads_of`,
 :func:`set_each`).
 
