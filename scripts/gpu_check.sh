@@ -1,16 +1,24 @@
 #!/usr/bin/env bash
-# One call on the GPU machine: versions, the whole test suite (slow and GPU tests included), then the step
-# benchmark. The budgets below add up to 595 s, inside the device tool's 600 s per call; the LAST thing printed
-# is a summary (test counts + benchmark table).
+# One call on the GPU machine: versions, the whole test suite (slow and GPU tests included), the step
+# benchmark, then the training-quality benchmark. The device tool allows 600 s per call; the LAST thing printed
+# is a summary (test counts + benchmark and quality tables).
 #
 #   device run, carry [".peers"], command:  bash scripts/gpu_check.sh
 #
+# Budgets: 45 + 300 (tests) + 100 (benchmark) + 60 (rules) + 150 (quality) + 2 x 25 (profile) = 705 s, more than
+# the call. TEST_BUDGET_S went 320 -> 300 and BENCH_BUDGET_S 120 -> 100 to make room, and the quality step gets
+# at most what is left of CALL_BUDGET_S (590) after the steps before it, less the profile's 50 s (skipped under
+# 30 s). After a suite of its usual 282-315 s that leaves it well under 150 s: it then stops at its budget and
+# the summary shows the rows it finished (rule by rule). For the whole quality table (about 150 s on an H200),
+# use a call of its own: python benchmarks/quality.py --json $OUT/quality.json --markdown $OUT/quality.md
+#
 # Logs and results go to $OUT (else /tmp/gpu_check): tests.log, bench.log, bench.json, bench.md, rules.*,
-# profile.log. Exits non-zero if the tests failed (or timed out) or the benchmark produced nothing; the
-# benchmark runs even when the tests fail. The whole suite took 282-315 s in 14 xdist workers (2026-11-30).
-# Knobs (environment): BIG_BUDGET_S (default 45), TEST_BUDGET_S (320), TEST_WORKERS (14), BNBF_TEST_DEVICES
-# (cuda), BENCH_BUDGET_S (120), RULES_BUDGET_S (60), PROFILE_BUDGET_S (25 per script), PYTEST_ARGS, BENCH_ARGS
-# (default "--quick --steps 20 --warmup 5": the anchors' step counts, without torchao), RULES_CANDIDATES (bnbf8).
+# quality.log, quality.json, quality.md, profile.log. Exits non-zero if the tests failed (or timed out) or the
+# benchmark produced nothing; the benchmarks run even when the tests fail. The whole suite took 282-315 s in 14
+# xdist workers (2026-11-30). Knobs (environment): BIG_BUDGET_S (default 45), TEST_BUDGET_S (300), TEST_WORKERS
+# (14), BNBF_TEST_DEVICES (cuda), BENCH_BUDGET_S (100), RULES_BUDGET_S (60), QUALITY_BUDGET_S (150), QUALITY_ARGS,
+# CALL_BUDGET_S (590), PROFILE_BUDGET_S (25 per script), PYTEST_ARGS, BENCH_ARGS (default "--quick --steps 20
+# --warmup 5": the anchors' step counts, without torchao), RULES_CANDIDATES (bnbf8).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
@@ -42,7 +50,7 @@ export BNBF_REQUIRE_NATIVE=1
 (command -v c++ && c++ --version | head -1) || echo "no c++ on PATH"
 $PY -c "from bnbf import _host_checks as h; print('host checks:', h.status())"
 
-echo "== tests (budget ${BIG_BUDGET_S:-45} s for the big-memory tests alone, ${TEST_BUDGET_S:-320} s for the rest)"
+echo "== tests (budget ${BIG_BUDGET_S:-45} s for the big-memory tests alone, ${TEST_BUDGET_S:-300} s for the rest)"
 timeout_arg=()
 $PY -c "import pytest_timeout" 2>/dev/null && timeout_arg=(--timeout 120)
 export BNBF_TEST_DEVICES=${BNBF_TEST_DEVICES:-cuda}
@@ -56,16 +64,16 @@ big_rc=$?
 $PY -c "import xdist" 2>/dev/null && timeout_arg+=(-n "${TEST_WORKERS:-14}")
 # -x-style: stop after a few failures so a broken kernel cannot eat the call; SIGINT at the budget makes
 # pytest print its summary before it exits
-timeout -s INT -k 20 "${TEST_BUDGET_S:-320}" \
+timeout -s INT -k 20 "${TEST_BUDGET_S:-300}" \
   $PY -m pytest tests -q --maxfail=5 -rfE -m "(slow or not slow) and not big_memory" -p no:cacheprovider \
   "${timeout_arg[@]}" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log"
 test_rc=$?
 case $big_rc in 0|5) ;; *) [ "$test_rc" -eq 0 ] && test_rc=$big_rc ;; esac  # 5: none collected
 t1=$(date +%s)
 
-echo "== benchmark (budget ${BENCH_BUDGET_S:-120} s)"
+echo "== benchmark (budget ${BENCH_BUDGET_S:-100} s)"
 rm -f "$OUT/bench.json" "$OUT/bench.md"
-timeout -s INT -k 20 "${BENCH_BUDGET_S:-120}" \
+timeout -s INT -k 20 "${BENCH_BUDGET_S:-100}" \
   $PY benchmarks/bench_step.py ${BENCH_ARGS:---quick --steps 20 --warmup 5} --json "$OUT/bench.json" --markdown "$OUT/bench.md" \
   2>&1 | tee "$OUT/bench.log"
 bench_rc=$?
@@ -75,6 +83,26 @@ timeout -s INT -k 20 "${RULES_BUDGET_S:-60}" \
   $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates ${RULES_CANDIDATES:-bnbf8} \
   --json "$OUT/rules.json" --markdown "$OUT/rules.md" > "$OUT/rules.log" 2>&1
 echo "rules benchmark rc $?"
+
+# training quality, 8-bit vs 32-bit state (benchmarks/quality.py); capped by what is left of the call
+quality_budget=${QUALITY_BUDGET_S:-150}
+quality_left=$(( ${CALL_BUDGET_S:-590} - ($(date +%s) - t0) - 2 * ${PROFILE_BUDGET_S:-25} ))
+[ "$quality_left" -lt "$quality_budget" ] && quality_budget=$quality_left
+echo "== quality (budget ${QUALITY_BUDGET_S:-150} s; $quality_budget s left for it in this call)"
+rm -f "$OUT/quality.json" "$OUT/quality.md" "$OUT/quality.log"
+tq=$(date +%s)
+if [ "$quality_budget" -ge 30 ]; then
+  # SIGINT at the budget: the script writes the rows it finished and prints its table
+  timeout -s INT -k 20 "$quality_budget" \
+    $PY benchmarks/quality.py --json "$OUT/quality.json" --markdown "$OUT/quality.md" ${QUALITY_ARGS:-} \
+    > "$OUT/quality.log" 2>&1
+  quality_rc=$?
+else
+  quality_rc="skipped"
+  echo "quality skipped: $quality_budget s left in the call (run benchmarks/quality.py in a call of its own)"
+fi
+quality_s=$(( $(date +%s) - tq ))
+echo "quality benchmark rc $quality_rc, $quality_s s"
 echo "== host and kernel time per step"
 timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/profile_step.py 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
 timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/host_breakdown.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.log"
@@ -86,7 +114,7 @@ summary=$(grep -E '^(=+ )?[0-9]+ (passed|failed|error|errors|skipped|deselected|
 count() { echo "$summary" | grep -oE "[0-9]+ $1" | grep -oE '^[0-9]+' | awk '{n += $1} END {print n + 0}'; }
 case $test_rc in
   0) test_status=PASS ;;
-  124|137) test_status="TIMED OUT after ${TEST_BUDGET_S:-320} s" ;;
+  124|137) test_status="TIMED OUT after ${TEST_BUDGET_S:-300} s" ;;
   5) test_status="NO TESTS COLLECTED" ;;
   *) test_status="FAIL (pytest rc $test_rc)" ;;
 esac
@@ -106,4 +134,13 @@ else
   tail -5 "$OUT/bench.log"
 fi
 [ -s "$OUT/rules.md" ] && grep -E '^\| big_1B' "$OUT/rules.md" | tail -n 18
+echo
+echo "quality: rc $quality_rc, $quality_s s (budget $quality_budget s)"
+if [ -s "$OUT/quality.md" ]; then
+  # the noise floor, any interruption note, then the table (one row per rule, variant and state)
+  grep -E '^(Noise: |interrupted|\|)' "$OUT/quality.md"
+else
+  echo "no quality table (see $OUT/quality.log)"
+  [ -f "$OUT/quality.log" ] && tail -5 "$OUT/quality.log"
+fi
 [ "$test_rc" -eq 0 ] && [ -s "$OUT/bench.json" ] || exit 1
