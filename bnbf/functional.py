@@ -23,7 +23,7 @@ from bnbf import ops
 from bnbf._dispatch import use_triton
 from bnbf._host_checks import _DEVICE, _DTYPE, _LAYOUT, _SHAPE
 from bnbf.kernels.multi_tensor import build_group, launch_group
-from bnbf.quant import dequantize_state_reference
+from bnbf.quant import DITHER_SEED_MOD, dequantize_state_reference
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout, OptimSpec, State, is_state, new_state, present_mask
@@ -62,7 +62,7 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
         >>> p = torch.zeros(4096)
         >>> s = init_state(p, OptimSpec(rule="adamw"))
         >>> type(s).__name__, s.exp_avg.dtype
-        ('adamw_state_8bit_dynamic_b256', torch.uint8)
+        ('adamw_state_8bit_power_b256_s3', torch.uint8)
     """
     if not isinstance(spec, OptimSpec):
         raise TypeError(f"spec must be an OptimSpec, got {type(spec).__name__}")
@@ -259,10 +259,13 @@ def _groups(params: list, states: list):
     return groups.items()
 
 
-def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any) -> bool:
-    """Check ``update``'s ``skip_zeros`` and ``max_unorm`` for ``rule``; returns whether clipping is on."""
+def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: Any = False) -> bool:
+    """Check ``update``'s ``skip_zeros``, ``max_unorm`` and ``maximize`` for ``rule``; returns whether clipping
+    is on."""
     if not isinstance(skip_zeros, bool):
         raise TypeError(f"skip_zeros must be a bool, got {type(skip_zeros).__name__}")
+    if not isinstance(maximize, bool):
+        raise TypeError(f"maximize must be a bool, got {type(maximize).__name__}")
     if isinstance(max_unorm, Tensor):
         clip = True
     else:
@@ -274,21 +277,26 @@ def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any) -> bool:
     return clip
 
 
-def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any) -> tuple[tuple, bool]:
-    """The rule's scalars followed by the clipping pair (max_unorm, lr), and whether clipping is on."""
-    clip = check_update_options(rule, skip_zeros, max_unorm)
-    return (*rule.scalars(h, step), max_unorm, h.lr), clip
+def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:
+    """The rule's scalars followed by the four the step adds: the gradient's sign (-1 with ``maximize``), the
+    seed of the states' stochastic rounding (the step mod 2**24, see bnbf.quant), and the clipping pair
+    (max_unorm, lr); and whether clipping is on."""
+    clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
+    seed = step % DITHER_SEED_MOD  # an int, or a device op on a tensor step (no host sync)
+    return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
 
 
-def _scalar_rows(call: _Call, skip_zeros: Any, max_unorm: Any) -> tuple[dict[torch.device, Tensor], bool]:
-    values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm)
+def _scalar_rows(
+    call: _Call, skip_zeros: Any, max_unorm: Any, maximize: Any
+) -> tuple[dict[torch.device, Tensor], bool]:
+    values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
     devices = {p.device for p in call.params}
     return {d: as_scalar_row(values, d) for d in devices}, clip
 
 
 def update(
     param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
-    max_unorm: float = 0.0,
+    max_unorm: float = 0.0, maximize: bool = False,
 ) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
@@ -306,6 +314,7 @@ def update(
             ``max_unorm * ||p||`` (bitsandbytes' update clipping; the update is measured per unit of
             learning rate, ``(p_new - p) / lr``). Costs a norm pass. Not for rules with their own norms
             (LAMB, LARS).
+        maximize: step along the gradient instead of against it (torch.optim's ``maximize``).
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
@@ -318,7 +327,7 @@ def update(
         tensor([0.9000, 0.9000, 0.9000])
     """
     call = _prepare(param, grad, state, hparams, step)
-    rows, clip = _scalar_rows(call, skip_zeros, max_unorm)
+    rows, clip = _scalar_rows(call, skip_zeros, max_unorm, maximize)
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     with torch.no_grad():
@@ -340,7 +349,7 @@ def update(
 
 def update_(
     param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
-    max_unorm: float = 0.0,
+    max_unorm: float = 0.0, maximize: bool = False,
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
@@ -356,7 +365,7 @@ def update_(
         states, s_spec = _flatten(state, is_leaf=is_state)
     plan = _plan(params, states, p_spec, s_spec) if params else None
     if plan is None:
-        return _update_generic_(param, grad, state, hparams, step, skip_zeros, max_unorm)
+        return _update_generic_(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize)
     grads, g_spec = _fast_leaves(grad)
     if grads is None:
         grads, g_spec = _flatten(grad)
@@ -375,7 +384,7 @@ def update_(
     if present_mask(plan.rule, h) != plan.present:
         _check_present(plan.rule, h, states)
     _check_step(step)
-    values, clip = _scalars(plan.rule, h, step, skip_zeros, max_unorm)
+    values, clip = _scalars(plan.rule, h, step, skip_zeros, max_unorm, maximize)
     if any(isinstance(v, Tensor) for v in values):
         rows = {d: as_scalar_row(values, d) for d in plan.devices}
     else:  # Python numbers reach the kernel as arguments: nothing to upload
@@ -469,11 +478,11 @@ def _picker(idx: list[int]):
 
 
 def _update_generic_(
-    param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: bool, max_unorm: Any
+    param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: bool, max_unorm: Any, maximize: Any
 ) -> tuple[Any, Any]:
     """In-place step without a cached plan: every check, then one op call per group."""
     call = _prepare(param, grad, state, hparams, step)
-    rows, clip = _scalar_rows(call, skip_zeros, max_unorm)
+    rows, clip = _scalar_rows(call, skip_zeros, max_unorm, maximize)
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ps = [call.params[i].detach() for i in idx]

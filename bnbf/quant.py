@@ -30,6 +30,7 @@ __all__ = [
     "dequantize_state_reference",
     "zero_code",
     "state_map",
+    "state_dither",
 ]
 
 # The 8-bit formats of optimizer states. Both scale each block of 256 values by its absmax.
@@ -132,12 +133,14 @@ def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256)
     blocks, absmax, n = _blocks(x, block_size)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)
-    # nearest of the two neighbouring codes; ties go to the lower code
+    return _nearest(normed, code)[:n].to(torch.uint8).view(x.shape), absmax
+
+
+def _nearest(normed: Tensor, code: Tensor) -> Tensor:
+    """Index (int64) of the value of sorted ``code`` nearest to each of ``normed``; ties go to the lower."""
     hi = torch.searchsorted(code, normed).clamp_(1, 255)
     lo = hi - 1
-    pick_hi = (code[hi] - normed).abs() < (normed - code[lo]).abs()
-    codes = torch.where(pick_hi, hi, lo).to(torch.uint8)
-    return codes[:n].view(x.shape), absmax
+    return torch.where((code[hi] - normed).abs() < (normed - code[lo]).abs(), hi, lo)
 
 
 def dequantize_blockwise_reference(
@@ -249,20 +252,111 @@ def zero_code(fmt: str, signed: bool) -> int:
     raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
 
 
-def quantize_state_reference(x: Tensor, fmt: str, signed: bool, block_size: int) -> tuple[Tensor, Tensor]:
-    """Block-wise 8-bit codes of ``x`` in state format ``fmt`` (nearest code), and float32 absmax."""
-    if fmt == "dynamic":
-        return quantize_blockwise_reference(x, dynamic_map(signed, x.device), block_size)
-    if fmt != "power":
+# The zero point. Adam-like rules divide by the square root of a quantized second moment, so a nonzero second
+# moment that decodes to 0, or far below its value, while its first moment does not, turns the next update into
+# about m / eps: thousands of learning rates. Non-negative states therefore round up in the coarse bottom of
+# their map (power format: below code position 8; dynamic map: below 1e-5 of the block's absmax, where a code
+# step is 50-140% of the value) and never encode a nonzero value below POWER_FLOOR (power: (4/255)**4 = 6e-8 of
+# the absmax) or 1 (dynamic: 3.3e-7). In the step, stochastic rounding keeps a quantized EMA from sticking at a
+# code (a second moment stuck 10-30x below its value, a first moment that never decays to 0).
+POWER_CEIL_BELOW = 8.0
+POWER_FLOOR = 4  # so a first moment held a few codes up by rounding over a second moment at the floor stays small
+DYNAMIC_CEIL_BELOW = 1e-5
+_CEIL = 0.5 - 2.0**-17  # round(t + _CEIL) = ceil(t) for t < 8, as the kernels compute it
+
+# Stochastic rounding in the step: slot j of element i (block r = i // block_size, lane i % block_size) at step t
+# rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane_hash + block_hash (mod 2**32):
+#   lane_hash = mix(lane * LANE),  block_hash = mix(r * BLOCK + (t mod 2**24) * STEP + j * SLOT)
+# mix(h) is half of a 32-bit integer hash (h ^= h >> 16; h *= MIX; h ^= h >> 15). The kernels hash each block
+# once per tile and each lane once per program: the dither costs four ops per element. Without a hash (a Weyl
+# sequence in the step) the dither locked into the phase of a decaying moment's codes and pumped it up.
+DITHER_LANE = 0x9E3779B1  # odd constants: 2**32 / golden ratio, and murmur3's and lowbias32's
+DITHER_BLOCK = 0x85EBCA77
+DITHER_STEP = 0xC2B2AE3D
+DITHER_SLOT = 0x27D4EB2F
+DITHER_MIX = 0x7FEB352D
+DITHER_SEED_MOD = 2**24  # the step travels as a float32 scalar: exact below 2**24
+_M32 = 0xFFFFFFFF
+
+
+def _mix(h: Tensor) -> Tensor:
+    h = h ^ (h >> 16)
+    h = (h * DITHER_MIX) & _M32
+    return h ^ (h >> 15)
+
+
+def state_dither(numel: int, seed: int, slot: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """The offsets in (-1/2, 1/2) that the step adds to state slot ``slot``'s code positions before rounding
+    (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit."""
+    i = torch.arange(numel, dtype=torch.int64, device=device)
+    lane = _mix((i % block_size) * DITHER_LANE & _M32)
+    block = (i // block_size) * DITHER_BLOCK + (int(seed) * DITHER_STEP & _M32) + slot * DITHER_SLOT
+    h = (lane + _mix(block & _M32)) & _M32
+    return ((2 * (h >> 16) + 1).double() / 2.0**17 - 0.5).float()
+
+
+def _dynamic_constants(signed: bool):
+    """Per decade (rows 0..6): the lower edge, the scale s and the offset b of encode_dynamic's bin position
+    u = a * s - b (float32), for the default dynamic maps."""
+    k = 0 if signed else 1
+    n = [2 ** (i + k) for i in range(7)]
+    edge = torch.tensor([0.0] + [10.0 ** (i - 7) for i in range(1, 7)], dtype=torch.float32)
+    s = torch.tensor([10 ** (6 - i) * n[i] / 0.9 for i in range(7)], dtype=torch.float32)
+    b = torch.tensor([0.1 * n[i] / 0.9 + 0.5 for i in range(7)], dtype=torch.float32)
+    return edge, s, b, torch.tensor(n), k
+
+
+def _dynamic_rounded(normed: Tensor, signed: bool, d: Tensor) -> Tensor:
+    """The kernels' stochastic dynamic-map code (codec.encode_dynamic with STOCHASTIC): round(u + d) in the
+    decade's bins, -1 and n reaching the neighbouring decades' codes."""
+    edge, s, b, n_of, k_off = _dynamic_constants(signed)
+    a = normed.abs().clamp_max(1.0) if signed else normed.clamp(0.0, 1.0)
+    i = (a[:, None] >= edge[None, 1:]).sum(1)
+    u = a * s[i] - b[i]
+    n = n_of[i]
+    u = torch.where((i == 6) & (u > n - 1), 2.0 * u - (n - 1), u)
+    k = torch.round(u + d).long().clamp_min(-1)
+    k = torch.minimum(k, torch.where((i == 6) & (normed < 0), n - 1, n))
+    k = torch.where(a == 0, -1, k)
+    rank = n - 1 - k_off + k
+    if signed:
+        return torch.where(normed < 0, 126 - rank, 128 + rank)
+    return 1 + rank
+
+
+def quantize_state_reference(
+    x: Tensor, fmt: str, signed: bool, block_size: int, dither: Tensor | None = None
+) -> tuple[Tensor, Tensor]:
+    """Block-wise 8-bit codes of ``x`` in state format ``fmt``, and float32 absmax.
+
+    Codes are the nearest map value, or with ``dither`` (:func:`state_dither`, as the step passes) stochastically
+    rounded between the two map values around each value; non-negative states round up near zero and keep
+    nonzero values off code 0 (the zero point, above)."""
+    if fmt not in STATE_FORMATS:
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
     blocks, absmax, n = _blocks(x, block_size)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
-    normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0)
-    if signed:
-        codes = 128 + torch.round(normed.abs().sqrt() * 127.0) * normed.sign()
+    normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)[:n]
+    nonzero = blocks.reshape(-1)[:n] != 0
+    d = torch.zeros_like(normed) if dither is None else dither.to(normed.device).reshape(-1)
+    if fmt == "power":
+        if signed:
+            mag = torch.round((normed.abs().sqrt() * 127.0 + d).clamp_max(127.0))
+            codes = 128 + mag * normed.sign()
+        else:
+            t = normed.abs().sqrt().sqrt() * 255.0
+            codes = torch.round((t + torch.where(t < POWER_CEIL_BELOW, _CEIL, d)).clamp_max(255.0))
+            codes = torch.maximum(codes, torch.where(nonzero, float(POWER_FLOOR), 0.0))
     else:
-        codes = torch.round(normed.clamp_min(0.0).sqrt().sqrt() * 255.0)
-    return codes.reshape(-1)[:n].to(torch.uint8).view(x.shape), absmax
+        if dither is None:
+            codes = _nearest(normed, dynamic_map(signed, x.device))
+        else:
+            codes = _dynamic_rounded(normed, signed, d)
+        if not signed:  # up below the ceiling (the rounding's own, as the kernels), never 0 for a nonzero value
+            up = _dynamic_rounded(normed, signed, torch.full_like(normed, _CEIL))
+            codes = torch.where(normed < DYNAMIC_CEIL_BELOW, up, codes)
+            codes = torch.maximum(codes, nonzero.long())
+    return codes.to(torch.uint8).view(x.shape), absmax
 
 
 def dequantize_state_reference(codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size: int) -> Tensor:

@@ -1,14 +1,14 @@
 """The pure-torch optimizer step: the CPU path and the oracle the Triton kernels are tested against.
 
 Per tensor: dequantize the states to float32, run the rule's ``reference`` math, apply the non-finite
-gradient rule, write the param in its dtype and requantize the states with nearest-code rounding.
+gradient rule, write the param in its dtype and requantize the states (stochastic rounding, see bnbf.quant).
 """
 
 from __future__ import annotations
 
 import torch
 
-from bnbf.quant import dequantize_state_reference, quantize_state_reference
+from bnbf.quant import dequantize_state_reference, quantize_state_reference, state_dither
 from bnbf.rules import get_rule
 
 
@@ -19,10 +19,10 @@ def reference_step(
     quant = fmt != "fp32"
     slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
-    *scalars, max_unorm, lr = hp.unbind()  # the rule's scalars, then the clipping pair
+    *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
     for i, (p, g) in enumerate(zip(p_in, grads)):
         p32 = p.float()
-        g32 = g.float()
+        g32 = g.float() * grad_sign
         fields = s_in[i * per : (i + 1) * per]
         states: list = [None] * len(rule.states)
         for k, j in enumerate(slots):
@@ -58,7 +58,8 @@ def reference_step(
         for k, j in enumerate(slots):
             s = torch.where(finite, new_states[j], torch.zeros_like(new_states[j]))
             if quant:
-                codes, absmax = quantize_state_reference(s, fmt, rule.states[j].signed, block_size)
+                d = state_dither(s.numel(), int(seed), j, block_size, s.device)  # stochastic rounding, as the kernels
+                codes, absmax = quantize_state_reference(s, fmt, rule.states[j].signed, block_size, d)
                 out[2 * k].copy_(codes)
                 out[2 * k + 1].copy_(absmax)
             else:

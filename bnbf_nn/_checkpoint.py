@@ -5,8 +5,9 @@ dict holds ``state1``/``state2`` (uint8 codes of the param's shape, or float32 v
 state ``qmap1``/``qmap2`` (the 256 values the codes stand for) and ``absmax1``/``absmax2`` (float32, one
 per block of 256). State k holds the rule's slot k-1 (AdEMAMix stacks its two first moments in ``state1``,
 shape ``(2, *param.shape)``, as bitsandbytes does). Slots bitsandbytes does not have (RMSprop's momentum
-and centered buffers) continue the numbering: RMSprop keeps ``square_avg``, ``momentum_buffer``,
-``grad_avg`` in ``state1``, ``state2``, ``state3``.
+and centered buffers, Adam's amsgrad maximum) continue the numbering: RMSprop keeps ``square_avg``,
+``momentum_buffer``, ``grad_avg`` in ``state1``, ``state2``, ``state3``; Adam and AdamW with
+``amsgrad=True`` keep ``max_exp_avg_sq`` in ``state3`` (``qmap3``, ``absmax3``).
 
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
 the only map bitsandbytes itself creates) or bnbf's power map (``"power"``, bnbf's default). Loading reads
@@ -20,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -93,6 +95,10 @@ def unpack(entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hpara
     tensors = {k: v for k, v in entry.items() if k != "step" and k not in _IGNORED}
     for key in sorted(set(tensors) - {f"{p}{k[5:]}" for k in expected for p in ("state", "qmap", "absmax")}):
         hint = " (bitsandbytes' non-blockwise 8-bit state is not supported)" if key.startswith(("max", "new_")) else ""
+        slot = re.fullmatch(r"(?:state|qmap|absmax)(\d+)", key)
+        if slot and 1 <= int(slot[1]) <= len(slots):  # e.g. amsgrad's maximum loaded with amsgrad=False
+            names = [rule.states[j].name for j in slots[int(slot[1]) - 1]]
+            hint = f" (the {rule.name} state {names}, which these hyperparameters do not keep)"
         _fail(where, f"unexpected entry {key!r}{hint}; a {rule.name} state here holds {sorted(expected)}")
     bits = set()
     fmts = set()

@@ -20,19 +20,28 @@ bug waiting; here it is a ``TypeError`` naming the argument. The base classes ``
 ``Optimizer2State`` keep bitsandbytes' positional order, since subclasses call them positionally.
 Besides bitsandbytes' arguments every class takes ``optim_bits`` (``X8bit``/``X32bit`` only accept their
 own value), ``skip_zeros``, ``max_unorm`` (bnbf's update clipping), ``state_format`` (``"power"``, the
-default, or ``"dynamic"``, bitsandbytes' map) and the rule's hyperparameters bitsandbytes lacks (LAMB's
-``clamp_value``, LARS' ``trust_coefficient``...).
+default, or ``"dynamic"``, bitsandbytes' map), torch.optim's ``maximize``, and the rule's hyperparameters
+bitsandbytes lacks (LAMB's ``clamp_value``, LARS' ``trust_coefficient``...). The classes of torch's families
+(Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``, ``fused``, ``capturable`` and
+``differentiable``: ``foreach``/``fused`` change nothing (bnbf's step is one fused launch per group; CPU
+params run the reference path) and are refused only in the combinations torch refuses;
+``capturable=True``/``differentiable=True`` raise ``NotImplementedError``. Every setting is checked before
+the params are read, with torch's messages where torch has them (tests/test_torch_contract.py runs torch's
+own optimizer test data against these classes).
 
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
-``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``); ones bnbf has no
-rule for (``amsgrad=True``, ``is_paged=True``) raise ``NotImplementedError`` instead of being ignored.
-``Adam`` is ``torch.optim.Adam`` (L2 weight decay): bitsandbytes' ``Adam`` applies decoupled decay, so use
-``AdamW`` for its behaviour when ``weight_decay > 0``.
+``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's
+``amsgrad``); ones bnbf has no rule for (LAMB's ``amsgrad=True``, ``is_paged=True``) raise
+``NotImplementedError`` instead of being ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay):
+bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``.
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
-``max_unorm`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides them per
-parameter. ``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>}``;
-``state_dict()`` writes bitsandbytes' layout (see :mod:`bnbf_nn._checkpoint`).
+``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
+them per parameter; ``step`` checks every group's settings before it steps any group. A tensor may appear once
+among all groups (torch refuses it in two groups and only warns for twice in one; a group is one fused call,
+which would write it twice). ``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>}``;
+``state_dict()`` writes bitsandbytes' layout (see :mod:`bnbf_nn._checkpoint`) and, as torch.optim, keeps the
+keys of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
 """
 
 from __future__ import annotations
@@ -42,6 +51,7 @@ import inspect
 import itertools
 import operator
 import sys
+import warnings
 from collections import defaultdict
 from collections.abc import Mapping
 from copy import deepcopy
@@ -52,14 +62,15 @@ from torch import Tensor
 
 import bnbf
 from bnbf import _host_checks as host_checks
-from bnbf.functional import check_update_options
+from bnbf.functional import _check_present, check_update_options
+from bnbf.state import present_mask
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
 
 __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
 
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
-_CALL = {"skip_zeros": False, "max_unorm": 0.0}  # keyword arguments of bnbf.update_
+_CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 # C-level loops over a group's params: the adapter's own cost is ~25-40 us a step on GPT-2 small's 148
@@ -80,6 +91,9 @@ class Family:
     bnb_group: tuple[tuple[str, Any], ...] = ()  # bitsandbytes' group key -> our key, or tuple of keys/constants
     bnb_slots: tuple[tuple[int, ...], ...] | None = None  # rule slots in state1, state2... (None: one each)
     renames: tuple[tuple[str, str], ...] = ()  # bitsandbytes' argument -> the rule's hyperparameter
+    # torch.optim's implementation switches the torch class of this name takes (besides maximize, which every
+    # class has): accepted as torch accepts them, see _check_torch_flags
+    torch_flags: tuple[str, ...] = ()
 
     def extra_args(self) -> tuple[tuple[str, Any], ...]:
         """The rule's hyperparameters bitsandbytes has no argument for (LAMB's clamp_value...), with the rule's
@@ -92,18 +106,21 @@ class Family:
 _ADAM = (("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0.0), ("amsgrad", False))
 _SGD = (("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False))
 _SGD_GROUP = (("betas", ("momentum", "dampening")), ("eps", 0.0))
+_TORCH_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}  # torch's defaults
+_ADAM_FLAGS = tuple(_TORCH_FLAGS)
+_NO_CAPTURABLE = ("foreach", "fused", "differentiable")  # torch's SGD and Adagrad
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Adam", "adam", 2, 1e-3, _ADAM),
-    Family("AdamW", "adamw", 2, 1e-3, _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:]),
+    Family("Adam", "adam", 2, 1e-3, _ADAM, torch_flags=_ADAM_FLAGS),
+    Family("AdamW", "adamw", 2, 1e-3, _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:], torch_flags=_ADAM_FLAGS),
     Family("Lion", "lion", 1, 1e-4, (("betas", (0.9, 0.99)), ("weight_decay", 0.0)), bnb_group=(("eps", 0.0),)),
-    Family("SGD", "sgd", 1, None, _SGD, bnb_group=_SGD_GROUP),
+    Family("SGD", "sgd", 1, None, _SGD, bnb_group=_SGD_GROUP, torch_flags=_NO_CAPTURABLE),
     Family("RMSprop", "rmsprop", 1, 1e-2,
            (("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0.0), ("momentum", 0.0), ("centered", False)),
-           bnb_group=(("betas", ("alpha", "momentum")),)),
+           bnb_group=(("betas", ("alpha", "momentum")),), torch_flags=("foreach", "capturable", "differentiable")),
     Family("Adagrad", "adagrad", 1, 1e-2,
            (("lr_decay", 0.0), ("weight_decay", 0.0), ("initial_accumulator_value", 0.0), ("eps", 1e-10)),
-           bnb_group=(("betas", (0.0, 0.0)),)),
+           bnb_group=(("betas", (0.0, 0.0)),), torch_flags=_NO_CAPTURABLE),
     Family("LAMB", "lamb", 2, 1e-3, (("bias_correction", True),) + _ADAM + (("adam_w_mode", True),), max_unorm=1.0,
            renames=(("bias_correction", "debias"),)),
     Family("LARS", "lars", 1, None, _SGD, max_unorm=0.02, bnb_group=_SGD_GROUP),
@@ -116,6 +133,38 @@ _BY_NAME = {f.name: f for f in FAMILIES}
 # bitsandbytes' optimizer_name (Optimizer1State/2State's first argument) -> family; its "adam" decays decoupled
 _BNB_NAMES = {"adam": "AdamW", "lamb": "LAMB", "ademamix": "AdEMAMix", "momentum": "SGD", "lars": "LARS",
               "rmsprop": "RMSprop", "adagrad": "Adagrad", "lion": "Lion"}  # fmt: skip
+
+
+def _check_unique(params: list) -> None:
+    if len(set(map(id, params))) != len(params):
+        raise ValueError("optimizer contains a parameter group with duplicate parameters (a tensor listed twice): "
+                         "bnbf steps a group's tensors in one fused call, which would write it twice")  # fmt: skip
+
+
+def _check_adam_betas(betas: Any, tensor_refused: bool) -> None:
+    """torch.optim.Adam's checks of tensor betas, in its words (a float/Tensor mix; Tensors with foreach)."""
+    if not isinstance(betas, tuple | list) or len(betas) != 2:
+        return  # the rule's own check names it
+    if isinstance(betas[0], Tensor) != isinstance(betas[1], Tensor):
+        raise ValueError("betas must be either both floats or both Tensors")
+    for i, b in enumerate(betas):
+        if isinstance(b, Tensor) and tensor_refused:
+            raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
+
+
+def _check_torch_flags(settings: Mapping) -> None:
+    """torch.optim's implementation switches, where the class has them. bnbf always runs one fused step per
+    group (on CPU, the reference path), so ``foreach`` and ``fused`` change nothing and are accepted where
+    torch accepts them, ``fused=True`` with CPU params included (torch runs a fused CPU kernel there);
+    ``differentiable`` and ``capturable`` have no bnbf implementation yet."""
+    get = settings.get
+    if get("fused") and get("differentiable"):
+        raise RuntimeError("`fused` does not support `differentiable`")
+    if get("fused") and get("foreach"):
+        raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
+    for name in ("differentiable", "capturable"):
+        if get(name):
+            raise NotImplementedError(f"{name}=True is not supported by bnbf_nn yet (pass {name}=False)")
 
 
 def _to_bnb_group(family: Family, group: Mapping) -> dict:
@@ -149,7 +198,7 @@ class Optimizer8bit(torch.optim.Optimizer):
     Args:
         params: an iterable of tensors or of param-group dicts.
         defaults: every group's settings: ``lr`` and the rule's hyperparameters (torch.optim names), plus
-            ``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros`` and ``max_unorm``.
+            ``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``, ``max_unorm`` and ``maximize``.
         optim_bits: 8 or 32 (the default of ``defaults["optim_bits"]``).
         is_paged: must be False (paged optimizers are not supported yet).
         family: the row of :data:`FAMILIES` (subclasses set it as a class attribute).
@@ -165,7 +214,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
         self._set_rule(defaults)
         self._init_caches()
-        super().__init__(params, {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults})
+        defaults = {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults}
+        self._check_group(defaults)  # before torch.optim reads params: bad settings say so, whatever params are
+        super().__init__(params, defaults)
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
 
@@ -186,14 +237,22 @@ class Optimizer8bit(torch.optim.Optimizer):
         state = dict(state)
         lr0 = state.pop("_lr0", [])
         super().__setstate__(state)
+        for group in [self.defaults, *self.param_groups]:  # pickled before a bnbf.update_ option existed
+            for key, off in _CALL.items():
+                group.setdefault(key, off)
         self._set_rule(self.defaults)
         self._init_caches()
         self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
 
     def add_param_group(self, param_group: dict) -> None:
-        super().add_param_group(param_group)
+        """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
+        refused (torch only warns: a group is one fused bnbf.update_ call, which would write it twice)."""
+        with warnings.catch_warnings():  # torch's warning for it precedes the error below
+            warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
+            super().add_param_group(param_group)  # torch refuses a tensor already in another group
         group = self.param_groups[-1]
         try:
+            _check_unique(group["params"])
             self._check_group(group)
         except Exception:
             self.param_groups.pop()
@@ -201,11 +260,18 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._lr0[id(group)] = group["lr"]
 
     def _check_group(self, group: Mapping, override: Mapping | None = None) -> None:
-        """A group's settings (with a parameter's manager overrides) as bnbf checks them."""
+        """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches
+        where the family has torch's class (in torch's order and wording where torch checks them)."""
         settings = {**group, **(override or {})}
+        adam = self.family.rule in ("adam", "adamw") and "foreach" in settings
+        if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
+            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         bnbf.hparams_for(self._rule.name, self._hparams(group, override))
+        if adam:
+            _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         self._spec(group, override)
-        check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"])
+        check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"], settings["maximize"])
+        _check_torch_flags(settings)
 
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
@@ -232,19 +298,52 @@ class Optimizer8bit(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group in self.param_groups:
-            self._step_group(group)
+        # every group's settings are checked before any group steps, so that an error (a bad lr in the last
+        # group) leaves every param and state as it was
+        jobs = [self._prepare_group(group) for group in self.param_groups]
+        for job in jobs:
+            self._step_group(*job)
         return loss
 
-    def _step_group(self, group: dict) -> None:
+    def _prepare_group(self, group: dict) -> tuple:
+        """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
+        params that get their first state this step checked; nothing is written."""
         params = group["params"]
         grads, every = host_checks.grads_of(params)
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
+        for bucket in plan.buckets:
+            bucket.call = self._settings(group, bucket)
+        if not (plan.complete and every):
+            checked = set()
+            for p, g in zip(params, grads):
+                cfg = plan.configs.get(id(p))
+                if g is not None and id(cfg) not in checked and "state" not in self.state.get(p, {}):
+                    self._check_group(group, cfg)
+                    checked.add(id(cfg))
+        return group, plan, grads, every
+
+    def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
+        """A bucket's hyperparameters, validated into the rule's dataclass (which bnbf.update_ then takes as
+        it is: the check costs nothing extra), and bnbf.update_'s keywords."""
+        override = bucket.override
+        h = self._rule.make_hparams(self._hparams(group, override))
+        kw = {}
+        for key, off in _CALL.items():
+            v = override.get(key, group[key])
+            if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
+                kw[key] = v
+        check_update_options(self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0),
+                             kw.get("maximize", False))  # fmt: skip
+        if present_mask(self._rule, h) != bucket.present:  # e.g. momentum switched on after states were made
+            _check_present(self._rule, h, bucket.states)
+        return h, kw
+
+    def _step_group(self, group: dict, plan: _Plan, grads: list, every: bool) -> None:
         if plan.complete and every:
             for bucket in plan.buckets:
-                self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx])
+                self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx], bucket.call)
             return
         has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
         # some params have no grad (frozen, or unused this step): the buckets' subsets for this pattern,
@@ -258,10 +357,12 @@ class Optimizer8bit(torch.optim.Optimizer):
                 if keep:
                     plan.partial.append((bucket, bucket.subset(keep)))
         for bucket, sub in plan.partial:
-            self._run(group, sub, [grads[i] for i in sub.idx])
+            # a plan rebuilt for new states has buckets the checks above did not see: same settings, checked
+            call = bucket.call if bucket.call is not None else self._settings(group, bucket)
+            self._run(group, sub, [grads[i] for i in sub.idx], call)
             bucket.uniform = bucket.uniform and len(sub.idx) == len(bucket.idx)
 
-    def _run(self, group: dict, bucket: _Bucket, grads: list) -> None:
+    def _run(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
         records = bucket.records
         t = records[0]["step"]
         if not bucket.uniform:
@@ -270,21 +371,17 @@ class Optimizer8bit(torch.optim.Optimizer):
                 for k, r in enumerate(records):
                     by_step[r["step"]].append(k)
                 for keep in by_step.values():
-                    self._run(group, bucket.subset(keep), [grads[k] for k in keep])
+                    self._run(group, bucket.subset(keep), [grads[k] for k in keep], call)
                 return
             bucket.uniform = True  # until a step leaves some of its params out
-        kw = {}
-        for key, off in _CALL.items():
-            v = bucket.override.get(key, group[key])
-            if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
-                kw[key] = v
-        bnbf.update_(bucket.params, grads, bucket.states, self._hparams(group, bucket.override), t + 1, **kw)
+        bnbf.update_(bucket.params, grads, bucket.states, call[0], t + 1, **call[1])
         host_checks.set_each(records, "step", t + 1)
 
     def _plan(self, group: dict) -> _Plan:
         """Group the parameters that have state by their overrides: one bnbf.update_ call each."""
         mng = GlobalOptimManager.get_instance()
         params = group["params"]
+        _check_unique(params)  # also for a params list edited in place after add_param_group
         configs = mng.configs_for(params)
         allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
         buckets: dict[tuple, list[int]] = {}
@@ -337,7 +434,13 @@ class Optimizer8bit(torch.optim.Optimizer):
             packed.update({k: v for k, v in _to_bnb_group(self.family, group).items() if k not in group})
             packed["params"] = [index.setdefault(id(p), len(index)) for p in group["params"]]
             groups.append(packed)
-        state = {}
+        # keys of optimizer.state that are not tensors (a hook's "test" entry...) are kept as they are, as
+        # torch.optim keeps them; ints are refused: load_state_dict reads an int key as a param index
+        state = {k: v for k, v in self.state.items() if not isinstance(k, Tensor)}
+        ints = [k for k in state if isinstance(k, int) and not isinstance(k, bool)]
+        if ints:
+            raise ValueError(f"optimizer.state has the int keys {sorted(ints)}, which a state dict reserves for "
+                             f"param indices: use other keys (strings, say)")  # fmt: skip
         for group in self.param_groups:
             for p in group["params"]:
                 rec = self.state.get(p)
@@ -392,6 +495,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         state: defaultdict = defaultdict(dict)
         for key, entry in state_dict["state"].items():
             if key not in id_map:
+                if not isinstance(key, int) or isinstance(key, bool):  # not a param index: kept, as torch does
+                    state[key] = entry
+                    continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
             p, group = id_map[key]
             where = f"param {key} (shape {tuple(p.shape)})"
@@ -421,9 +527,12 @@ class _Bucket:
     override: dict  # GlobalOptimManager settings (not storage) shared by these params
     whole: bool  # the bucket is the whole group, in order
     uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
+    call: tuple | None = None  # this step's (validated hparams, bnbf.update_ keywords), see _prepare_group
 
     def __post_init__(self):
         self.states = [r["state"] for r in self.records]
+        presents = {type(s).layout.present for s in self.states}
+        self.present = presents.pop() if len(presents) == 1 else -1  # the state slots all of them keep
 
     def subset(self, keep: list[int]) -> _Bucket:
         return _Bucket([self.idx[k] for k in keep], [self.params[k] for k in keep], [self.records[k] for k in keep],
@@ -533,7 +642,9 @@ def _signature(family: Family, bits: int | None) -> inspect.Signature:
            _P("min_8bit_size", _P.KEYWORD_ONLY, default=4096)]  # fmt: skip
     ps.append(_P("max_unorm", _P.KEYWORD_ONLY, default=family.max_unorm or 0.0))
     ps += [_P("skip_zeros", _P.KEYWORD_ONLY, default=False), _P("is_paged", _P.KEYWORD_ONLY, default=False),
-           _P("state_format", _P.KEYWORD_ONLY, default="power")]  # fmt: skip
+           _P("state_format", _P.KEYWORD_ONLY, default="power"),
+           _P("maximize", _P.KEYWORD_ONLY, default=False)]  # fmt: skip
+    ps += [_P(k, _P.KEYWORD_ONLY, default=_TORCH_FLAGS[k]) for k in family.torch_flags]
     return inspect.Signature(ps)
 
 
@@ -560,7 +671,8 @@ def _make_class(family: Family, bits: int | None) -> type:
                                           f"has no such option)")  # fmt: skip
         storage = _storage(a["args"], a["optim_bits"], a["min_8bit_size"], a["max_unorm"], a["skip_zeros"],
                            a["state_format"], rule, family, name)  # fmt: skip
-        Optimizer8bit.__init__(self, a["params"], {**hp, **storage}, storage["optim_bits"], a["is_paged"])
+        flags = {k: a[k] for k in ("maximize",) + family.torch_flags}  # group settings, as torch.optim keeps them
+        Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], a["is_paged"])
 
     __init__.__signature__ = sig
     base = Optimizer2State if family.nstates == 2 else Optimizer1State

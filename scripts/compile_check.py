@@ -18,6 +18,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
 import bnbf.kernels.multi_tensor as mt  # noqa: E402
+from bnbf.state import present_mask  # noqa: E402
 
 _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 
@@ -25,8 +26,8 @@ _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     rule = bnbf.RULES[rule_name]
     signed = [s.signed for s in rule.states] + [True] * (mt.MAX_STATES - len(rule.states))
-    present = (1 << len(rule.states)) - 1
-    n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 2
+    present = present_mask(rule, rule.make_hparams({}))  # the default hyperparameters' slots
+    n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 4  # the rule's scalars, then the four the step adds
     sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "hp_ptr": "*fp32", "code_ptr": "*fp32",
            "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(mt.HP_MAX)}}
     norm_terms = rule.norms[0] if rule.norms is not None else None

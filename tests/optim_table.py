@@ -224,6 +224,9 @@ def _row(name, variant, cls, hparams, states, train_lr, **kw):
 EXTRA_RULES = [
     _row("lion", "", _lion, {"lr": 1e-4, "betas": (0.9, 0.99)}, {"exp_avg": "exp_avg"}, 1e-2,
          weight_decays=(0.0, 1.0), torch_kwargs={}),
+    # β2 0.9: exp_avg_sq falls often enough in 20 steps for the maximum to matter (with 0.999 it rarely falls)
+    _row("adamw", "amsgrad", torch.optim.AdamW, {"lr": 1e-3, "betas": (0.9, 0.9), "amsgrad": True},
+         {**_ADAM_STATES, "max_exp_avg_sq": "max_exp_avg_sq"}, 1e-2),
     _row("sgd", "plain", _SGD, {"lr": 1e-2}, {}, 0.2),
     _row("sgd", "momentum", _SGD, {"lr": 1e-2, "momentum": 0.9}, _MB, 0.05),
     _row("sgd", "dampening", _SGD, {"lr": 1e-2, "momentum": 0.9, "dampening": 0.2}, _MB, 0.05),

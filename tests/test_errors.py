@@ -208,8 +208,22 @@ BAD_HPARAMS = [
     ({"betas": (-0.1, 0.999)}, "Invalid beta parameter at index 0: -0.1"),
     ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1: 1.0"),
     ({"weight_decay": -1.0}, "Invalid weight_decay value: -1.0"),
+    ({"lr": float("nan")}, "Invalid learning rate: nan"),
+    ({"eps": float("nan")}, "Invalid epsilon value: nan"),
+    ({"betas": (0.9, float("nan"))}, "Invalid beta parameter at index 1: nan"),
+    ({"weight_decay": float("nan")}, "Invalid weight_decay value: nan"),
 ]
-BAD_IDS = ["lr", "eps", "beta0", "beta0_neg", "beta1", "weight_decay"]
+BAD_IDS = ["lr", "eps", "beta0", "beta0_neg", "beta1", "weight_decay", "lr_nan", "eps_nan", "beta1_nan", "wd_nan"]
+# refused by bnbf only (torch.optim.Adam takes inf, and 1e39 as a float64): the kernels compute in float32,
+# where each is inf, and the step would turn the params into NaN
+BEYOND_TORCH = [
+    ({"lr": float("inf")}, "Invalid learning rate: inf"),
+    ({"lr": 1e39}, "Invalid learning rate: 1e+39"),
+    ({"eps": float("inf")}, "Invalid epsilon value: inf"),
+    ({"weight_decay": -float("inf")}, "Invalid weight_decay value: -inf"),
+    ({"lr": torch.tensor([1e-3, 1e-3])}, "Tensor lr must be 1-element"),
+]
+BEYOND_IDS = ["lr_inf", "lr_1e39", "eps_inf", "wd_neg_inf", "lr_2_elements"]
 
 
 @pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
@@ -222,7 +236,7 @@ def test_torch_rejects_the_same_hparams(case, bad, message):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bad,message", BAD_HPARAMS, ids=BAD_IDS)
+@pytest.mark.parametrize("bad,message", BAD_HPARAMS + BEYOND_TORCH, ids=BAD_IDS + BEYOND_IDS)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_invalid_hparams(device, case, bad, message, fn, bits):
     p = torch.randn(300, device=device)

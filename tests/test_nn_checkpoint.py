@@ -15,7 +15,7 @@ import io
 import pytest
 import torch
 from test_nn_optim import MIN8, make_grads, make_params, run_adapter
-from tolerances import STATE8, assert_equal_report, count_outside
+from tolerances import STATE8, assert_equal_report
 
 import bnbf
 import bnbf_nn
@@ -56,7 +56,12 @@ def bnb_moments(entry) -> dict[str, torch.Tensor]:
     return out
 
 
-def assert_within_8bit_bars(ours_sd, theirs_sd, ours_params, theirs_params, what):
+def assert_within_8bit_bars(ours_sd, theirs_sd, ours_params, theirs_params, what, steps=3):
+    """Params within bitsandbytes' mean bar; states within bitsandbytes' atol/rtol bar, or, element by
+    element, within ``steps`` widest code gaps of its value times the block's absmax: bnbf rounds states
+    stochastically (bnbf.quant's zero point) where bitsandbytes rounds to nearest, so after ``steps`` steps
+    from the same state each element may differ by up to one code gap per step (SGD's momentum buffer, of
+    order 0.1 here, is above the atol of 3e-3 that bitsandbytes wrote for Adam's moments)."""
     bar = STATE8[(torch.float32, 8)]
     for i, (a, b) in enumerate(zip(ours_params, theirs_params)):
         mean = (a.detach() - b.detach()).abs().mean().item()
@@ -64,9 +69,18 @@ def assert_within_8bit_bars(ours_sd, theirs_sd, ours_params, theirs_params, what
     for key, entry in theirs_sd["state"].items():
         ours, theirs = bnb_moments(ours_sd["state"][key]), bnb_moments(entry)
         assert ours.keys() == theirs.keys()
+        quant = {**entry, **entry.get(QUANT_KEY, {})}
         for k in ours:
-            n = count_outside(ours[k], theirs[k], bar.atol, bar.rtol)
-            assert n < bar.max_outside, f"{what}: param {key} {k}: {n} elements outside atol/rtol"
+            outside = ~torch.isclose(ours[k], theirs[k], rtol=bar.rtol, atol=bar.atol)
+            if "qmap" + k[-1] in quant:
+                qmap = quant["qmap" + k[-1]]
+                gap = float((qmap[1:] - qmap[:-1]).max())
+                absmax = quant["absmax" + k[-1]].float()
+                am = absmax[..., torch.arange(ours[k].reshape(absmax.shape[:-1] + (-1,)).shape[-1]) // 256]
+                allowed = (steps * gap * am).reshape(ours[k].shape)
+                outside &= (ours[k] - theirs[k]).abs() > allowed
+            n = int(outside.sum())
+            assert n < bar.max_outside, f"{what}: param {key} {k}: {n} elements outside atol/rtol and the code gaps"
 
 
 @pytest.mark.parametrize("name", list(INTEROP))
@@ -217,3 +231,41 @@ def test_bits_must_match_this_optimizer():
     with pytest.raises(ValueError, match="8-bit state but this optimizer keeps 32-bit"):
         b.load_state_dict(reload(a.state_dict()))
     assert not b.state
+
+
+@pytest.mark.parametrize("name", ["Adam8bit", "AdamW32bit"])
+def test_amsgrad_keeps_its_maximum_in_state3(name):
+    """amsgrad's third state (max_exp_avg_sq) continues bitsandbytes' numbering: state3, and with 8-bit state
+    qmap3 (the unsigned map) and absmax3; it loads back and training continues bit for bit. A checkpoint
+    saved with amsgrad sets it in the loading optimizer's groups (torch.optim loads group settings)."""
+    params = make_params(shapes=SHAPES)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    grads = make_grads(params, 4)
+    cls = getattr(bnbf_nn, name)
+    opt = cls(params, lr=1e-2, amsgrad=True, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads[:2])
+    sd = reload(opt.state_dict())
+    quant = sd["state"][0][QUANT_KEY]
+    state = opt.state[params[0]]["state"]
+    assert_equal_report(quant["state3"], state.max_exp_avg_sq, "state3")
+    if name.endswith("8bit"):
+        assert quant["state3"].dtype == torch.uint8
+        assert_equal_report(quant["qmap3"], bnbf.quant.state_map("power", False), "qmap3")
+        assert_equal_report(quant["absmax3"], state.max_exp_avg_sq_absmax, "absmax3")
+    else:
+        assert quant["state3"].dtype == torch.float32 and "qmap3" not in quant
+    for p, q in zip(twin, params):
+        p.data.copy_(q.data)
+    opt2 = cls(twin, lr=1e-2, min_8bit_size=MIN8)  # amsgrad comes with the checkpoint's group
+    opt2.load_state_dict(sd)
+    assert opt2.param_groups[0]["amsgrad"] is True
+    run_adapter(opt, params, grads[2:])
+    run_adapter(opt2, twin, grads[2:])
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal_report(q.detach(), p.detach(), f"param {i} after loading")
+        for field, a, b in zip(opt.state[p]["state"]._fields, opt.state[p]["state"], opt2.state[q]["state"]):
+            assert_equal_report(b, a, f"param {i} state {field} after loading")
+    bad = copy.deepcopy(sd)  # amsgrad's maximum without amsgrad in the group: refused, naming the state
+    bad["param_groups"][0]["amsgrad"] = False
+    with pytest.raises(ValueError, match=r"\['max_exp_avg_sq'\], which these hyperparameters do not keep"):
+        cls(make_params(shapes=SHAPES), lr=1e-2, min_8bit_size=MIN8).load_state_dict(bad)

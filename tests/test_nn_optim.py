@@ -186,7 +186,17 @@ def test_arguments_after_lr_are_keyword_only():
     "make, error, match",
     [
         (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged=True), NotImplementedError, "paged optimizers are not yet"),
-        (lambda ps: bnbf_nn.Adam(ps, amsgrad=True), NotImplementedError, "amsgrad"),
+        (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad"),
+        (lambda ps: bnbf_nn.Adam(ps, amsgrad=1), TypeError, "amsgrad must be a bool"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps, differentiable=True), NotImplementedError, "differentiable"),
+        (lambda ps: bnbf_nn.RMSprop8bit(ps, capturable=True), NotImplementedError, "capturable"),
+        (lambda ps: bnbf_nn.Lion8bit(ps, maximize="yes"), TypeError, "maximize must be a bool"),
+        (lambda ps: bnbf_nn.AdamW(ps, lr=float("nan")), ValueError, "Invalid learning rate: nan"),
+        (lambda ps: bnbf_nn.SGD(ps, lr=1e39), ValueError, r"Invalid learning rate: 1e\+39"),
+        (lambda ps: bnbf_nn.RMSprop(ps, alpha=float("nan")), ValueError, "Invalid alpha value: nan"),
+        (lambda ps: bnbf_nn.SGD8bit(ps, lr=0.1, momentum=float("inf")), ValueError, "Invalid momentum value: inf"),
+        (lambda ps: bnbf_nn.Adam([ps[0], ps[1], ps[0]]), ValueError, "duplicate parameters"),
+        (lambda ps: bnbf_nn.Adam([{"params": ps[:2]}, {"params": ps[1:]}]), ValueError, "more than one"),
         (lambda ps: bnbf_nn.Adam8bit(ps, optim_bits=32), ValueError, "8-bit state"),
         (lambda ps: bnbf_nn.Adam(ps, optim_bits=16), ValueError, "state_bits"),
         (lambda ps: bnbf_nn.AdamW(ps, lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
@@ -245,6 +255,86 @@ def test_add_param_group_and_its_validation():
     opt.add_param_group({"params": later, "lr": 1e-3})
     run_adapter(opt, later, make_grads(later, 1))
     assert all(opt.state[p]["step"] == 1 for p in later)
+
+
+def _snapshot_opt(opt) -> list:
+    return [(t, t.detach().clone()) for g in opt.param_groups for p in g["params"]
+            for t in [p, *opt.state.get(p, {}).get("state", ())]]  # fmt: skip
+
+
+def _assert_unchanged(snap, what):
+    for i, (t, before) in enumerate(snap):
+        assert_equal_report(t.detach(), before, f"{what}: tensor {i}")
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), 1e39, "momentum"], ids=["neg", "nan", "1e39", "momentum"])
+def test_bad_setting_in_any_group_steps_no_group(bad):
+    """Every group's settings are checked before any group steps: a bad value in the second group, set after
+    the plans were cached, raises with every param, state and step count of both groups as they were."""
+    a, b = make_params(seed=0), make_params(seed=1)
+    opt = bnbf_nn.SGD8bit([{"params": a}, {"params": b}], lr=1e-2, momentum=0.5, min_8bit_size=MIN8)
+    grads = make_grads(a + b, 2)
+    run_adapter(opt, a + b, grads[:1])
+    if bad == "momentum":  # states were built with momentum: the second group now wants none
+        opt.param_groups[1]["momentum"], match = 0.0, "the state keeps"
+    else:
+        opt.param_groups[1]["lr"], match = bad, "Invalid learning rate"
+    snap = _snapshot_opt(opt)
+    for p, g in zip(a + b, grads[1]):
+        p.grad = g.clone()
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    _assert_unchanged(snap, f"after a bad {bad!r} in the second group")
+    assert all(opt.state[p]["step"] == 1 for p in a + b)
+    opt.param_groups[1].update(lr=1e-2, momentum=0.5)
+    opt.step()  # and it steps again
+    assert all(opt.state[p]["step"] == 2 for p in a + b)
+
+
+def test_bad_setting_before_the_first_step_creates_no_state():
+    a, b = make_params(seed=0), make_params(seed=1)
+    opt = bnbf_nn.AdamW8bit([{"params": a}, {"params": b}], lr=1e-2, min_8bit_size=MIN8)
+    opt.param_groups[1]["betas"] = (0.9, float("nan"))
+    run_grads = make_grads(a + b, 1)[0]
+    for p, g in zip(a + b, run_grads):
+        p.grad = g.clone()
+    snap = _snapshot_opt(opt)
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 1: nan"):
+        opt.step()
+    _assert_unchanged(snap, "after a bad beta")
+    assert not any(opt.state.get(p) for p in a + b)
+
+
+def test_a_tensor_listed_twice_is_refused():
+    ps = make_params()
+    opt = bnbf_nn.Adam8bit(ps[:2], min_8bit_size=MIN8)
+    with pytest.raises(ValueError, match="some parameters appear in more than one parameter group"):
+        opt.add_param_group({"params": [ps[1]]})
+    with pytest.raises(ValueError, match="duplicate parameters"):
+        opt.add_param_group({"params": [ps[2], ps[2]]})
+    assert len(opt.param_groups) == 1
+    run_adapter(opt, ps[:2], make_grads(ps[:2], 1))
+    opt.param_groups[0]["params"] = [ps[0], ps[1], ps[0]]  # edited in place of add_param_group
+    snap = _snapshot_opt(opt)
+    with pytest.raises(ValueError, match="duplicate parameters"):
+        opt.step()
+    _assert_unchanged(snap, "after a step refused for a duplicate")
+
+
+@pytest.mark.parametrize("case", CLASSES, ids=cls_name)
+def test_maximize_steps_along_the_gradient(case):
+    """maximize=True (torch.optim's switch, on every class) takes the step the same optimizer takes for the
+    negated gradient, bit for bit; tests/test_torch_contract.py compares the torch-named classes with torch."""
+    family, bits = case
+    if interpreting() and bits != 8:
+        pytest.skip("interpreter pass: the 8-bit classes")
+    cls, kw = get_cls(case), HPARAMS[family.name]
+    params, twin = make_params(), make_params()
+    grads = make_grads(params, 2)
+    opt, ref = cls(params, **kw, min_8bit_size=MIN8, maximize=True), cls(twin, **kw, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads)
+    run_adapter(ref, twin, [[-g for g in gs] for gs in grads])
+    assert_same(opt, params, [p.detach() for p in twin], [ref.state[p]["state"] for p in twin])
 
 
 def test_params_without_grad_are_skipped_and_steps_split():

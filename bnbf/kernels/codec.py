@@ -16,6 +16,7 @@ import triton
 import triton.language as tl
 from triton.language.extra import libdevice
 
+from bnbf import quant
 from bnbf._dispatch import interpreting
 
 # Compiled kernels use the hardware's approximate division; the interpreter has no such instruction.
@@ -38,14 +39,6 @@ def _round(x):
 
 
 @triton.jit
-def encode_power(x, SIGNED: tl.constexpr):
-    """Code of ``x`` (float32 in [-1, 1]) in the "power" format: square-law codes for the signed
-    state (code 128 + round(127 * sign(x) * sqrt|x|)), fourth-power-law codes for the non-negative one
-    (round(255 * x ** 0.25)). A sqrt and a rounding: about a fifth of the dynamic map's instructions."""
-    return encode_power_scaled(x, 127.0 if SIGNED else 255.0, SIGNED)
-
-
-@triton.jit
 def power_root_scale(absmax, SIGNED: tl.constexpr):
     """The multiplier :func:`encode_power_scaled` takes for a block of absmax ``absmax``:
     127 / sqrt(absmax) (signed) or 255 / absmax ** 0.25, and 0 for an all-zero block. One or two
@@ -58,17 +51,54 @@ def power_root_scale(absmax, SIGNED: tl.constexpr):
 
 
 @triton.jit
-def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr):
-    """:func:`encode_power` of ``s / absmax`` given ``root_scale = power_root_scale(absmax)``: the scale
+def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
+    """Code of ``s / absmax`` in the "power" format (signed states: 128 + sign(x) * 127 * sqrt|x|, non-negative
+    states: 255 * x ** 0.25, rounded as below) given ``root_scale = power_root_scale(absmax)``: the scale
     applies in the root domain (sqrt(|s| / absmax) = sqrt|s| / sqrt(absmax)), folded into the rounding's
-    multiply. Non-negative states are read through |s|, which the root instruction takes for free."""
+    multiply. Non-negative states are read through |s|, which the root instruction takes for free.
+
+    ``d`` in (-0.5, 0.5) offsets the code position before rounding: 0 rounds to nearest, :func:`dither`
+    stochastically (unbiased in the code position). Non-negative states round up below code position
+    ``CEIL_BELOW`` and never encode a nonzero value below code ``POWER_FLOOR`` (the zero point: see
+    :mod:`bnbf.quant`)."""
     if SIGNED:
-        t = tl.sqrt(tl.abs(s)) * root_scale
+        t = tl.minimum(tl.sqrt(tl.abs(s)) * root_scale + d, 127.0)  # the dither must not pass the top code
         sign = s.to(tl.uint32, bitcast=True) & 0x80000000
         t = (t.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # copysign: one logic op
         return (t + (12582912.0 + 128.0)).to(tl.int32, bitcast=True) - 0x4B400000  # 128 + round(t)
     else:
-        return _round(tl.sqrt(tl.sqrt(tl.abs(s))) * root_scale)
+        t = tl.sqrt(tl.sqrt(tl.abs(s))) * root_scale
+        q = _round(tl.minimum(t + tl.where(t < CEIL_BELOW, _CEIL, d), 255.0))
+        return tl.maximum(q, tl.where(s != 0, POWER_FLOOR, 0))
+
+
+# the zero point's constants (bnbf.quant says why)
+CEIL_BELOW: tl.constexpr = tl.constexpr(quant.POWER_CEIL_BELOW)
+_CEIL: tl.constexpr = tl.constexpr(quant._CEIL)
+POWER_FLOOR: tl.constexpr = tl.constexpr(quant.POWER_FLOOR)
+DYNAMIC_CEIL_BELOW: tl.constexpr = tl.constexpr(quant.DYNAMIC_CEIL_BELOW)
+
+
+@triton.jit
+def mix(h):
+    """Half of a 32-bit integer hash (xor-shift, multiply, xor-shift) of uint32 ``h``."""
+    h = h ^ (h >> 16)
+    h = h * DITHER_MIX
+    return h ^ (h >> 15)
+
+
+@triton.jit
+def dither(lane, seed):
+    """Offsets in (-0.5, 0.5) for stochastic rounding: the top 16 bits of ``lane`` (uint32, a hash of each
+    element's place in its block, the same every tile) plus ``seed`` (uint32, a hash of the block, the step
+    and the state: one per tile). Three integer ops and one float op per element; bnbf.quant.state_dither
+    is the same in torch."""
+    h = lane + seed
+    # 1 + (k + 1/2) / 2**16: strictly inside (-0.5, 0.5), so a value sitting on a code never rounds away
+    return (((h >> 9) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.5
+
+
+DITHER_MIX: tl.constexpr = tl.constexpr(quant.DITHER_MIX)
 
 
 @triton.jit
@@ -106,7 +136,7 @@ def _decade_step(a, edge, s_new, b_new, i_new, s, b, i):
 
 
 @triton.jit
-def encode_dynamic(x, SIGNED: tl.constexpr):
+def encode_dynamic(x, SIGNED: tl.constexpr, d=0.0, STOCHASTIC: tl.constexpr = False):
     """Index (int32, 0..255) of the default dynamic-map value nearest to ``x`` (float32 in [-1, 1]).
 
     Signed map: index 127 is 0, 128 + r the r-th positive value, 126 - r the r-th negative value.
@@ -114,7 +144,8 @@ def encode_dynamic(x, SIGNED: tl.constexpr):
     (K = 1 for the unsigned map) starting at rank n_i - 1 - K; rank -1 is zero.
 
     The decade comes from six comparisons and its constants from a select chain; floor() is the float32
-    round-to-integer trick (add 1.5 * 2**23, read the bits). Decoding is one gather from the map. A
+    round-to-integer trick (add 1.5 * 2**23, read the bits). ``STOCHASTIC``: the position ``u + d`` is rounded
+    instead (``d`` from :func:`dither`), unbiased within a decade, where the codes are evenly spaced. Decoding is one gather from the map. A
     log2-based decade and an arithmetic decoder were measured too (H200, 1.07B params): no faster.
     """
     if SIGNED:
@@ -144,20 +175,40 @@ def encode_dynamic(x, SIGNED: tl.constexpr):
         s, b, i = _decade_step(a, 1e-1, 128 / 0.9, 12.8 / 0.9 + 0.5, 6, s, b, i)
         thr0: tl.constexpr = 0.1388888888888889 - 0.5
     u = a * s - b  # position among the decade's bins, minus one half
-    k = _round(u)  # = floor(u + 0.5): floor of the position
     n = tl.full(i.shape, 1, tl.int32) << (i + K)
-    k = tl.minimum(k, n - 1)
-    k = tl.where(u < tl.where(i == 0, thr0, -0.3), -1, k)
-    top = (i == 6) & (u >= n.to(tl.float32) - 0.75)
-    if SIGNED:
-        top = top & (x > 0)
-    k = tl.where(top, n, k)
+    if STOCHASTIC:  # k = round(u + d) between the codes around x: -1 and n are the neighbouring decades' codes
+        # the top decade's last gap (to the code of 1.0) is half a bin: stretched to one, the absmax stays exact
+        u = tl.where((i == 6) & (u > n - 1), 2.0 * u - (n - 1), u)
+        k = tl.maximum(_round(u + d), -1)
+        k = tl.minimum(k, tl.where((i == 6) & (x < 0), n - 1, n))  # the signed map has no code for -1
+        k = tl.where(a == 0, -1, k)  # zero stays zero
+    else:
+        k = _round(u)  # = floor(u + 0.5): floor of the position
+        k = tl.minimum(k, n - 1)
+        k = tl.where(u < tl.where(i == 0, thr0, -0.3), -1, k)
+        top = (i == 6) & (u >= n.to(tl.float32) - 0.75)
+        if SIGNED:
+            top = top & (x > 0)
+        k = tl.where(top, n, k)
     rank = n - 1 - K + k
     if SIGNED:
         idx = tl.where(x < 0, 126 - rank, 128 + rank)
     else:
         idx = 1 + rank
     return idx
+
+
+@triton.jit
+def encode_dynamic_rounded(x, s, d, SIGNED: tl.constexpr):
+    """The step's dynamic-map code of ``x`` (= ``s`` / absmax): stochastically rounded by ``d``; non-negative
+    states round up below ``DYNAMIC_CEIL_BELOW`` and never encode a nonzero value as 0 (the zero point: see
+    :mod:`bnbf.quant`)."""
+    if not SIGNED:
+        d = tl.where(x < DYNAMIC_CEIL_BELOW, _CEIL, d)
+    q = encode_dynamic(x, SIGNED, d, True)
+    if not SIGNED:
+        q = tl.maximum(q, (s != 0).to(tl.int32))
+    return q
 
 
 @triton.jit

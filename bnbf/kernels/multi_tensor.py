@@ -31,12 +31,26 @@ import triton.language as tl
 from torch import Tensor
 
 from bnbf import _host_checks as host_checks
+from bnbf import quant
 from bnbf._dispatch import interpreting
-from bnbf.kernels.codec import decode_power, encode_dynamic, encode_power_scaled, power_root_scale, to_dtype
+from bnbf.kernels.codec import (
+    decode_power,
+    dither,
+    mix,
+    encode_dynamic_rounded,
+    encode_power_scaled,
+    power_root_scale,
+    to_dtype,
+)
 from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
 MAX_STATES = 3
+# stochastic rounding's dither (codec.dither; the constants and their meaning are in bnbf.quant)
+DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
+DITHER_BLOCK: tl.constexpr = tl.constexpr(quant.DITHER_BLOCK)
+DITHER_STEP0: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
+DITHER_SLOT: tl.constexpr = tl.constexpr(quant.DITHER_SLOT)
 NF = 3 + 4 * MAX_STATES  # p_in, p_out, numel, then per state: s_in, s_out, absmax_in, absmax_out
 # Tile: one 256-element block per program and one warp (the block's absmax reduction then needs no
 # shared memory or barrier). Measured on the H200, 1.07B params, power format, fp32 params: 1 block x
@@ -188,17 +202,20 @@ def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.con
 
 
 @triton.jit
-def _store_state(sp, s, offs, mask, rows, rmask, QUANT: tl.constexpr, SIGNED: tl.constexpr,
+def _store_state(sp, s, offs, mask, rows, rmask, lane, seed, QUANT: tl.constexpr, SIGNED: tl.constexpr,
                  FORMAT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
+    ``seed``), and the block's new absmax; or float32 values."""
     if QUANT:
         if MASKED:
             s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
+        d = dither(lane, seed)
         if FORMAT == 2:
-            q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED)
+            q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED, d)
         else:
             scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
-            q = encode_dynamic(s * scale[:, None], SIGNED)
+            q = encode_dynamic_rounded(s * scale[:, None], s, d, SIGNED)
         _st(sp[1] + offs, q.to(tl.uint8), mask, MASKED)
         _st(sp[3] + rows, absmax, rmask, MASKED)
     else:
@@ -225,7 +242,7 @@ def _tile_step(
     """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`)."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = raw[0].to(tl.float32)
-    g = raw[1].to(tl.float32)
+    g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
     s0 = _decode(raw[2], code_ptr, (PRESENT >> 0) & 1, QUANT, SIGNED0, FORMAT)
     s1 = _decode(raw[3], code_ptr, (PRESENT >> 1) & 1, QUANT, SIGNED1, FORMAT)
     s2 = _decode(raw[4], code_ptr, (PRESENT >> 2) & 1, QUANT, SIGNED2, FORMAT)
@@ -265,12 +282,19 @@ def _tile_step(
         s2 = tl.where(g == 0, s2_old, s2)
     p_new = tl.where(finite, p_new, p)
     _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
+    # stochastic rounding of the 8-bit states (bnbf.quant): a hash of each element's place in its block, plus
+    # one per (block, step, slot)
+    lane = mix(tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
+    tile = rows.to(tl.uint32) * DITHER_BLOCK + tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP0
     if (PRESENT >> 0) & 1:
-        _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, QUANT, SIGNED0, FORMAT, MASKED)
+        _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, lane, mix(tile)[:, None],
+                     QUANT, SIGNED0, FORMAT, MASKED)  # fmt: skip
     if (PRESENT >> 1) & 1:
-        _store_state(ptrs[4], tl.where(finite, s1, 0.0), offs, mask, rows, rmask, QUANT, SIGNED1, FORMAT, MASKED)
+        _store_state(ptrs[4], tl.where(finite, s1, 0.0), offs, mask, rows, rmask, lane,
+                     mix(tile + DITHER_SLOT)[:, None], QUANT, SIGNED1, FORMAT, MASKED)  # fmt: skip
     if (PRESENT >> 2) & 1:
-        _store_state(ptrs[5], tl.where(finite, s2, 0.0), offs, mask, rows, rmask, QUANT, SIGNED2, FORMAT, MASKED)
+        _store_state(ptrs[5], tl.where(finite, s2, 0.0), offs, mask, rows, rmask, lane,
+                     mix(tile + 2 * DITHER_SLOT)[:, None], QUANT, SIGNED2, FORMAT, MASKED)  # fmt: skip
 
 
 @triton.jit
@@ -293,7 +317,7 @@ def _tiles_in_turn(
 @triton.jit
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
-    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, HP_FROM_PTR: tl.constexpr,
+    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17, HP_FROM_PTR: tl.constexpr,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
     P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
@@ -317,9 +341,9 @@ def _step_kernel(
               _hp_at(hp_ptr, 6, HP_STRIDE), _hp_at(hp_ptr, 7, HP_STRIDE), _hp_at(hp_ptr, 8, HP_STRIDE),
               _hp_at(hp_ptr, 9, HP_STRIDE), _hp_at(hp_ptr, 10, HP_STRIDE), _hp_at(hp_ptr, 11, HP_STRIDE),
               _hp_at(hp_ptr, 12, HP_STRIDE), _hp_at(hp_ptr, 13, HP_STRIDE), _hp_at(hp_ptr, 14, HP_STRIDE),
-              _hp_at(hp_ptr, 15, HP_STRIDE))  # fmt: skip
+              _hp_at(hp_ptr, 15, HP_STRIDE), _hp_at(hp_ptr, 16, HP_STRIDE), _hp_at(hp_ptr, 17, HP_STRIDE))  # fmt: skip
     else:
-        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15)
+        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
     if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
         base = norm_ptr + tensor * (3 * SUM_SPLIT)
         nrm = (_split_sum(base, SUM_SPLIT), _split_sum(base + SUM_SPLIT, SUM_SPLIT),
@@ -361,8 +385,8 @@ def _step_kernel(
 # directly. Triton's JIT dispatch (binding ~30 arguments, computing the specialization key, a pointer
 # query per tensor) costs more host time than the launch. BNBF_LAUNCH=jit keeps Triton's dispatch.
 DIRECT_LAUNCH = os.environ.get("BNBF_LAUNCH", "direct") != "jit"
-HP_MAX = 16  # scalars a rule may pass (h0..h15), the clipping pair included
-_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h15; then constexprs
+HP_MAX = 18  # scalars a rule may pass (h0..h17), the four the step adds (see bnbf.functional._scalars) included
+_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h17; then constexprs
 _CONSTEXPR_SLOTS = (None,) * (len(_step_kernel.arg_names) - _N_RUNTIME_ARGS)  # ignored by the launcher
 _NO_FLOATS = (0.0,) * HP_MAX
 

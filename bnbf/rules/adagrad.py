@@ -16,7 +16,7 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, check_lr, check_weight_decay
+from bnbf.rules.base import Number, Rule, StateSlot, check_eps, check_lr, check_nonneg, check_weight_decay
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -29,12 +29,9 @@ class AdagradHparams:
 
     def __post_init__(self):
         check_lr(self.lr)
-        d = _value(self.lr_decay)
-        if d is not None and d < 0.0:
-            raise ValueError(f"Invalid lr_decay value: {self.lr_decay}")
+        check_nonneg(self.lr_decay, "lr_decay")  # torch: `if not 0.0 <= lr_decay`, so NaN too
         check_weight_decay(self.weight_decay)
-        if not self.initial_accumulator_value >= 0.0:
-            raise ValueError(f"Invalid initial_accumulator_value value: {self.initial_accumulator_value}")
+        check_nonneg(self.initial_accumulator_value, "initial_accumulator_value")
         check_eps(self.eps)
 
 

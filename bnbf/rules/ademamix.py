@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_weight_decay
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_nonneg, check_weight_decay
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -42,8 +42,7 @@ class AdEMAMixHparams:
             raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {self.betas}")
         check_betas(self.betas)
         check_weight_decay(self.weight_decay)
-        if not isinstance(self.alpha, torch.Tensor) and self.alpha < 0:
-            raise ValueError(f"Invalid alpha value: {self.alpha}")
+        check_nonneg(self.alpha, "alpha")
         for name in ("t_alpha", "t_beta3"):
             v = getattr(self, name)
             if v is not None and (not isinstance(v, int) or v < 1):

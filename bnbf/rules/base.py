@@ -27,6 +27,7 @@ Registering it is one row in :data:`bnbf.rules.RULES`.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -100,7 +101,9 @@ class Rule:
 
 
 _HPARAMS: dict = {}  # (rule name, *items) -> validated hparams, for dicts of plain numbers
-_PLAIN = (float, int)
+# bools too (amsgrad, nesterov, centered): a group's dict holds them every step. True keys like 1: a flag given
+# as 1 after True was cached is taken as True (torch takes any truthy flag), not refused as a non-bool
+_PLAIN = (float, int, bool)
 
 
 def _is_plain(v: Any) -> bool:
@@ -109,47 +112,71 @@ def _is_plain(v: Any) -> bool:
 
 # ---- checks with torch.optim's wording ----------------------------------------------------------------
 
+_F32_MAX = float(torch.finfo(torch.float32).max)  # the kernels take hyperparameters as float32
 
-def _value(x: Number) -> float | None:
+
+def _value(x: Number, name: str = "hyperparameters") -> float | None:
     """The number to check, or None where reading it would synchronise with a device."""
     if isinstance(x, Tensor):
         if x.numel() != 1:
-            raise ValueError("Tensor hyperparameters must be 1-element")
+            raise ValueError(f"Tensor {name} must be 1-element")  # torch's wording ("Tensor lr must be ...")
         if x.device.type != "cpu":
             return None
         return float(x)
-    return float(x)
+    try:
+        return float(x)
+    except OverflowError:  # an int beyond float64: as unusable as inf
+        return math.inf
+
+
+def finite(v: float | None) -> bool:
+    """True for a number float32 holds as a finite value (None, an unread device value, passes): NaN, inf
+    and values that overflow float32 (lr=1e39) would reach the kernels as NaN or inf."""
+    return v is None or abs(v) <= _F32_MAX
+
+
+def check_finite(x: Number, name: str) -> None:
+    """``Invalid <name> value: <x>`` for NaN, inf or a float32 overflow (where torch has no wording)."""
+    if not finite(_value(x, name)):
+        raise ValueError(f"Invalid {name} value: {x}")
+
+
+def check_nonneg(x: Number, name: str) -> None:
+    """torch's ``if not 0.0 <= x: raise ValueError(f"Invalid {name} value: {x}")``, finite too."""
+    v = _value(x, name)
+    if v is not None and not (v >= 0.0 and finite(v)):
+        raise ValueError(f"Invalid {name} value: {x}")
 
 
 def check_lr(lr: Number) -> None:
-    v = _value(lr)
-    if v is not None and not v >= 0.0:
+    v = _value(lr, "lr")
+    if v is not None and not (v >= 0.0 and finite(v)):
         raise ValueError(f"Invalid learning rate: {lr}")
 
 
 def check_eps(eps: Number, name: str = "epsilon") -> None:
-    v = _value(eps)
-    if v is not None and not v >= 0.0:
-        raise ValueError(f"Invalid {name} value: {eps}")
+    check_nonneg(eps, name)
 
 
 def check_weight_decay(wd: Number) -> None:
-    v = _value(wd)
-    if v is not None and not v >= 0.0:
-        raise ValueError(f"Invalid weight_decay value: {wd}")
+    check_nonneg(wd, "weight_decay")
 
 
 def check_momentum(momentum: Number) -> None:
-    v = _value(momentum)
-    if v is not None and v < 0.0:
-        raise ValueError(f"Invalid momentum value: {momentum}")
+    check_nonneg(momentum, "momentum")  # NaN too: torch's RMSprop refuses it in these words (its SGD lets it by)
 
 
 def check_betas(betas: Sequence[Number]) -> None:
     for i, b in enumerate(betas):
-        v = _value(b)
+        v = _value(b, f"betas[{i}]")
         if v is not None and not 0.0 <= v < 1.0:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
+
+
+def check_flag(x: Any, name: str) -> None:
+    """A structural switch (amsgrad, nesterov, centered...) must be a bool: it decides which states exist."""
+    if not isinstance(x, bool):
+        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
 def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:

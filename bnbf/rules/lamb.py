@@ -18,12 +18,12 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.adam import AdamHparams
-from bnbf.rules.base import Number, Rule, StateSlot
+from bnbf.rules.adam import AdamMomentsHparams
+from bnbf.rules.base import Number, Rule, StateSlot, _value, finite
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LambHparams(AdamHparams):
+class LambHparams(AdamMomentsHparams):
     eps: Number = 1e-6  # torch_optimizer.Lamb's default
     clamp_value: float = 10.0
     adam: bool = False
@@ -31,7 +31,8 @@ class LambHparams(AdamHparams):
 
     def __post_init__(self):
         super().__post_init__()  # lr, eps, betas, weight_decay as Adam checks them
-        if self.clamp_value < 0.0:
+        c = _value(self.clamp_value, "clamp_value")
+        if c is not None and not (c >= 0.0 and finite(c)):
             raise ValueError(f"Invalid clamp value: {self.clamp_value}")
 
 

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, finite
 from bnbf.rules.sgd import SGDHparams, momentum_step, momentum_step_reference, present
 from bnbf.rules.sgd import scalars as sgd_scalars
 
@@ -32,7 +32,7 @@ class LarsHparams(SGDHparams):
         super().__post_init__()  # lr, momentum, dampening, nesterov, weight_decay as SGD checks them
         check_eps(self.eps)
         tc = _value(self.trust_coefficient)
-        if tc is not None and tc <= 0.0:
+        if tc is not None and not (tc > 0.0 and finite(tc)):
             raise ValueError(f"Invalid trust_coefficient value: {self.trust_coefficient}")
 
 

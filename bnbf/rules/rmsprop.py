@@ -31,6 +31,7 @@ from bnbf.rules.base import (
     check_eps,
     check_lr,
     check_momentum,
+    check_nonneg,
     check_weight_decay,
 )  # fmt: skip
 
@@ -49,9 +50,7 @@ class RMSpropHparams:
         check_eps(self.eps)
         check_momentum(self.momentum)
         check_weight_decay(self.weight_decay)
-        a = _value(self.alpha)
-        if a is not None and a < 0.0:
-            raise ValueError(f"Invalid alpha value: {self.alpha}")
+        check_nonneg(self.alpha, "alpha")  # torch: `if not 0.0 <= alpha`, so NaN too
 
 
 def scalars(h: RMSpropHparams, step: Number):
