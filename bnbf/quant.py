@@ -149,8 +149,12 @@ def dequantize_blockwise_reference(
     """Inverse of :func:`quantize_blockwise_reference`: ``code[codes] * absmax[block]``."""
     flat = codes.reshape(-1).long()
     n = flat.numel()
-    block_of = torch.arange(n, device=codes.device) // block_size
-    out = code[flat] * absmax[block_of]
+    values = code[flat]
+    whole = n - n % block_size  # whole blocks broadcast their absmax; the last partial block after
+    out = torch.empty(n, dtype=torch.float32, device=codes.device)
+    out[:whole] = (values[:whole].view(-1, block_size) * absmax[: whole // block_size, None]).reshape(-1)
+    if whole < n:
+        out[whole:] = values[whole:] * absmax[-1]
     return out.to(dtype).view(codes.shape)
 
 
@@ -287,12 +291,17 @@ def _mix(h: Tensor) -> Tensor:
 
 def state_dither(numel: int, seed: int, slot: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
     """The offsets in (-1/2, 1/2) that the step adds to state slot ``slot``'s code positions before rounding
-    (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit."""
-    i = torch.arange(numel, dtype=torch.int64, device=device)
-    lane = _mix((i % block_size) * DITHER_LANE & _M32)
-    block = (i // block_size) * DITHER_BLOCK + (int(seed) * DITHER_STEP & _M32) + slot * DITHER_SLOT
-    h = (lane + _mix(block & _M32)) & _M32
-    return ((2 * (h >> 16) + 1).double() / 2.0**17 - 0.5).float()
+    (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit. Hashes block_size lanes
+    and one value per block, then adds them, as the kernels do."""
+    nblocks = -(-numel // block_size)
+    lane = _mix(torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32)
+    block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK
+    block = _mix((block + (int(seed) * DITHER_STEP & _M32) + slot * DITHER_SLOT) & _M32)
+    # in int32 (wrapping, as uint32 in the kernels): the top 16 bits of the sum are k; (2k + 1) / 2**17 - 1/2
+    # is exact in float32
+    lane, block = (x.where(x < 2**31, x - 2**32).to(torch.int32) for x in (lane, block))
+    k = ((lane[None, :] + block[:, None]) >> 16).reshape(-1)[:numel] & 0xFFFF
+    return k.to(torch.float32).mul_(2.0**-16).add_(2.0**-17 - 0.5)
 
 
 def _dynamic_constants(signed: bool):

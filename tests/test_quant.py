@@ -477,7 +477,7 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
     x = torch.cat([pts[(pts >= -1) & (pts <= 1)], rand, torch.zeros(3)])
     x[0] = 1.0  # one block holding everything, absmax exactly 1
     block = 1 << (x.numel() - 1).bit_length()
-    d = state_dither(x.numel(), 12345, 1)
+    d = state_dither(x.numel(), 12345, 1, block)
     ref, absmax = quantize_state_reference(x, fmt, signed, block, d)
     assert float(absmax[0]) == 1.0
     got = run_encoder(x.to(device), signed, fmt, d).cpu().long()
