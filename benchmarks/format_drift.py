@@ -1,6 +1,6 @@
 """How far 8-bit optimizer-state formats drift from fp32 AdamW (CPU simulation, plain torch).
 
-Reproduces the simulation in shared/ANCHORS.md ("the other side of the trade") and extends it to
+Reproduces the anchor figures' simulation ("the other side of the trade") and extends it to
 candidate fast formats. A 257x129 float32 parameter; gradient at step t is
     g_t = s_row * (mu + n_t),  s_row = 10**U(-3, 0) fixed per row,  mu ~ MU_SCALE * N(0, 1) fixed per element,
     n_t ~ N(0, 1) fresh each step.

@@ -1,7 +1,7 @@
 """Every tolerance the suite uses, in one place, with where each figure comes from.
 
-Keys are ``(param dtype, state_bits)``. The figures are bitsandbytes' own test bars, quoted in
-``/work/shared/ANCHORS.md`` ("Accuracy bar"); do not loosen one to get a test green.
+Keys are ``(param dtype, state_bits)``. The figures are bitsandbytes' own test bars (the project's anchor
+figures quote them as its "Accuracy bar"); do not loosen one to get a test green.
 
 * 32-bit state against the torch reference (``STATE32``): compare the *change* of the parameters from
   their initial values and the moments, both in float32.

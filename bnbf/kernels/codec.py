@@ -4,7 +4,7 @@ Decoding is one gather from the 256-entry map (1 KiB, stays in L1). Encoding the
 arithmetic instead of a search: inside decade ``i`` (values in [10**(i-7), 10**(i-6))) the codes are
 the centres of ``n_i`` equal bins, so the nearest code is ``floor(t)`` of the position ``t`` of ``|x|`` in
 those bins, except near a decade's lower edge where the last code of the decade below (or zero) can be
-nearer. A binary search would cost 8 dependent gathers per value; the ANCHORS.md probe measured table
+nearer. A binary search would cost 8 dependent gathers per value; a probe kernel measured table
 searches at a third of the copy bandwidth. Ranks are contiguous across decades, which is what makes the
 edge cases one ``where`` each.
 """
