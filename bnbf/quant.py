@@ -269,11 +269,11 @@ DYNAMIC_CEIL_BELOW = 1e-5
 _CEIL = 0.5 - 2.0**-17  # round(t + _CEIL) = ceil(t) for t < 8, as the kernels compute it
 
 # Stochastic rounding in the step: slot j of element i (block r = i // block_size, lane i % block_size) at step t
-# rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane_hash + block_hash (mod 2**32):
-#   lane_hash = mix(lane * LANE),  block_hash = mix(r * BLOCK + (t mod 2**24) * STEP + j * SLOT)
+# rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane * LANE + block_hash (mod 2**32):
+#   block_hash = mix(r * BLOCK + (t mod 2**24) * STEP + j * SLOT)
 # mix(h) is half of a 32-bit integer hash (h ^= h >> 16; h *= MIX; h ^= h >> 15). The kernels hash each block
-# once per tile and each lane once per program: the dither costs four ops per element. Without a hash (a Weyl
-# sequence in the step) the dither locked into the phase of a decaying moment's codes and pumped it up.
+# once per tile: the dither costs four ops per element. The step must go through the hash: a Weyl sequence in
+# the step (no hash) locked into the phase of a decaying moment's codes and pumped it up four codes.
 DITHER_LANE = 0x9E3779B1  # odd constants: 2**32 / golden ratio, and murmur3's and lowbias32's
 DITHER_BLOCK = 0x85EBCA77
 DITHER_STEP = 0xC2B2AE3D
@@ -291,10 +291,10 @@ def _mix(h: Tensor) -> Tensor:
 
 def state_dither(numel: int, seed: int, slot: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
     """The offsets in (-1/2, 1/2) that the step adds to state slot ``slot``'s code positions before rounding
-    (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit. Hashes block_size lanes
-    and one value per block, then adds them, as the kernels do."""
+    (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit: one hash per block,
+    added to each lane's multiple of LANE, as the kernels do."""
     nblocks = -(-numel // block_size)
-    lane = _mix(torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32)
+    lane = torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32
     block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK
     block = _mix((block + (int(seed) * DITHER_STEP & _M32) + slot * DITHER_SLOT) & _M32)
     # in int32 (wrapping, as uint32 in the kernels): the top 16 bits of the sum are k; (2k + 1) / 2**17 - 1/2
@@ -323,7 +323,10 @@ def _dynamic_rounded(normed: Tensor, signed: bool, d: Tensor) -> Tensor:
     i = (a[:, None] >= edge[None, 1:]).sum(1)
     u = a * s[i] - b[i]
     n = n_of[i]
-    u = torch.where((i == 6) & (u > n - 1), 2.0 * u - (n - 1), u)
+    top = (n - 1).to(torch.float32)
+    inv_b0 = torch.tensor(1.0 / (0.1 * (k_off + 1) / 0.9 + 0.5), dtype=torch.float32)
+    u = torch.where(u < 0, u * torch.where(i == 0, inv_b0, torch.tensor(1.0 / 0.6, dtype=torch.float32)), u)
+    u = torch.where(u > top, top + (u - top) * torch.where(i == 6, 2.0, torch.tensor(1.0 / 3.0)), u)
     k = torch.round(u + d).long().clamp_min(-1)
     k = torch.minimum(k, torch.where((i == 6) & (normed < 0), n - 1, n))
     k = torch.where(a == 0, -1, k)
@@ -350,7 +353,10 @@ def quantize_state_reference(
     d = torch.zeros_like(normed) if dither is None else dither.to(normed.device).reshape(-1)
     if fmt == "power":
         if signed:
-            mag = torch.round((normed.abs().sqrt() * 127.0 + d).clamp_max(127.0))
+            t = normed.abs().sqrt() * 127.0
+            if dither is not None:  # stochastic: below code 1 unbiased in the value (t**2), as the kernels
+                t = torch.where(t < 1.0, t * t, t)
+            mag = torch.round((t + d).clamp_max(127.0))
             codes = 128 + mag * normed.sign()
         else:
             t = normed.abs().sqrt().sqrt() * 255.0

@@ -487,12 +487,15 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
     # where they differ, the decision (computed in float64) must be on its threshold
     xd, u = x.double().abs(), d.double() + 0.5
     if fmt == "power":
-        t = xd.sqrt() * 127.0 if signed else xd.sqrt().sqrt() * 255.0
-        c = torch.floor(t)
-        if signed:
-            margin = (t * t - (c * c + u * (2 * c + 1))) / (2 * c + 1)
+        if signed:  # below code 1 the kernels round t**2 (unbiased in the value)
+            t = xd.sqrt() * 127.0
+            t = torch.where(t < 1, t * t, t)
         else:
-            margin = torch.where(t < POWER_CEIL_BELOW, t - torch.round(t), t + d.double() - (c + 0.5))
+            t = xd.sqrt().sqrt() * 255.0
+        v = t + d.double()
+        margin = v - torch.floor(v) - 0.5  # round(t + d) turns at half-integers
+        if not signed:
+            margin = torch.where(t < POWER_CEIL_BELOW, t - torch.round(t), margin)
     else:
         c = m.double()
         hi_i = torch.searchsorted(c, x.double()).clamp(1, 255)

@@ -36,9 +36,9 @@ from bnbf._dispatch import interpreting
 from bnbf.kernels.codec import (
     decode_power,
     dither,
-    mix,
     encode_dynamic_rounded,
     encode_power_scaled,
+    mix,
     power_root_scale,
     to_dtype,
 )
@@ -282,9 +282,9 @@ def _tile_step(
         s2 = tl.where(g == 0, s2_old, s2)
     p_new = tl.where(finite, p_new, p)
     _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
-    # stochastic rounding of the 8-bit states (bnbf.quant): a hash of each element's place in its block, plus
-    # one per (block, step, slot)
-    lane = mix(tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
+    # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
+    # constant, plus a hash of (block, step, slot)
+    lane = (tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
     tile = rows.to(tl.uint32) * DITHER_BLOCK + tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP0
     if (PRESENT >> 0) & 1:
         _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, lane, mix(tile)[:, None],
