@@ -81,6 +81,14 @@ def py_same_objects(a: list | tuple, b: list | tuple) -> bool:
     return len(a) == len(b) and all(map(operator.is_, a, b))
 
 
+def py_states_match(states: list | tuple, types: tuple, ptrs: tuple) -> bool:
+    """``type(states[i]) is types[i]`` for every i (state classes: NamedTuples of tensors) and the states'
+    fields, in order, at the data pointers ``ptrs`` (one int a field)."""
+    if not isinstance(states, list | tuple) or not isinstance(types, tuple) or tuple(map(type, states)) != types:
+        return False
+    return py_ptrs_equal(list(itertools.chain.from_iterable(states)), ptrs)
+
+
 def py_grads_of(params: list | tuple) -> tuple[list, bool]:
     """Each param's ``.grad`` (None where it has none), and whether every param has one."""
     if not isinstance(params, list | tuple):
@@ -99,7 +107,7 @@ def py_set_each(objs: list | tuple, key: Any, value: Any) -> None:
 
 PYTHON = types.SimpleNamespace(
     grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, same_objects=py_same_objects, grads_of=py_grads_of,
-    set_each=py_set_each,
+    set_each=py_set_each, states_match=py_states_match,
 )
 
 
@@ -237,6 +245,20 @@ def grads_matcher(params: list) -> Callable[[list | tuple], bool]:
     if host is PYTHON:
         return py_grads_matcher(params)
     return functools.partial(host.grads_match, list(params))
+
+
+def states_matcher() -> Callable[[list | tuple, tuple, tuple], bool]:
+    """:func:`py_states_match`: compiled where the module has it, else its Python form with the compiled
+    ``ptrs_equal`` where there is one."""
+    host = impl()
+    if hasattr(host, "states_match"):
+        return host.states_match
+    ptrs_equal, chain = host.ptrs_equal, itertools.chain.from_iterable
+
+    def match(states: list | tuple, types: tuple, ptrs: tuple) -> bool:
+        return tuple(map(type, states)) == types and ptrs_equal(list(chain(states)), ptrs)
+
+    return match
 
 
 _TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled

@@ -11,6 +11,8 @@ import dataclasses
 import functools
 import itertools
 import operator
+import threading
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,8 +22,8 @@ from torch.utils import _pytree as pytree
 
 from bnbf import _host_checks as host_checks
 from bnbf import ops
-from bnbf._dispatch import use_triton
-from bnbf._host_checks import _DEVICE, _DTYPE, _LAYOUT, _SHAPE
+from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
+from bnbf._host_checks import _DEVICE, _DTYPE, _LAYOUT, _SHAPE, _is_plain
 from bnbf.kernels.multi_tensor import build_group, launch_group
 from bnbf.quant import DITHER_SEED_MOD, dequantize_state_reference
 from bnbf.rules import get_rule
@@ -225,6 +227,110 @@ def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
     raise AssertionError(f"unexpected input at {name}")  # the checks and _check_leaf disagree
 
 
+_NBYTES = operator.attrgetter("nbytes")
+_EXACT_MAX_BYTES = 1 << 26  # above this, two strided views whose ranges overlap count as overlapping
+
+
+def _span(t: Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (its strides may skip memory between)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _share_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose byte ranges overlap have a byte in common. Contiguous tensors cover their
+    whole range; strided views (``w[:, 0]`` and ``w[:, 1]``) may interleave without touching: marked
+    byte by byte on the host (addresses only, nothing is read from the device)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    lo = min(a.data_ptr(), b.data_ptr())
+    hi = max(a.data_ptr() + _span(a), b.data_ptr() + _span(b))
+    if hi - lo > _EXACT_MAX_BYTES:
+        return True
+    mask = torch.zeros(hi - lo, dtype=torch.bool)
+    views = []
+    for t in (a, b):
+        k = t.element_size()
+        shape = [1 if s == 0 else n for n, s in zip(t.shape, t.stride())]  # a broadcast dim adds no memory
+        views.append(mask.as_strided((*shape, k), (*(s * k for s in t.stride()), 1), t.data_ptr() - lo))
+    try:
+        views[0].fill_(True)
+    except RuntimeError:  # a layout fill_ refuses (elements of a itself overlapping): count it as shared
+        return True
+    return bool(views[1].any())
+
+
+def _first_overlap(tensors: list, starts: list, ends: list, idx: list) -> tuple[int, int] | None:
+    """Two of ``idx`` (positions in ``tensors``, one device, none empty) whose memory overlaps, lowest first,
+    else None: a sweep over the byte ranges in address order, exact for strided views."""
+    active: list[int] = []  # earlier tensors whose range reaches past the current start
+    for k in sorted(idx, key=starts.__getitem__):
+        active = [j for j in active if ends[j] > starts[k]]
+        for j in active:
+            if _share_memory(tensors[j], tensors[k]):
+                return min(j, k), max(j, k)
+        active.append(k)
+    return None
+
+
+def _overlap(params: list, states: list) -> tuple[int, int] | None:
+    """Positions ``i < j`` in ``[*params, *fields of the states]`` of two tensors sharing memory (the same
+    tensor twice, views of one storage), or None. An update writes each param and state once from its own
+    inputs, so two that share memory would be stepped twice, or one over the other. Params and states are
+    valid (:func:`_states_ok`). Every pure call runs it: C-level maps and two sorts over all leaves."""
+    if len(set(map(id, params))) < len(params):  # the same param twice (also an empty one): named as such
+        seen: dict[int, int] = {}
+        for j, p in enumerate(params):
+            if id(p) in seen:
+                return seen[id(p)], j
+            seen[id(p)] = j
+    tensors = [*params, *itertools.chain.from_iterable(states)]
+    starts = list(map(Tensor.data_ptr, tensors))
+    sizes = list(map(_NBYTES, tensors))
+    if not all(map(Tensor.is_contiguous, params)):  # the states' fields are contiguous (checked)
+        sizes = [s if t.is_contiguous() else _span(t) for t, s in zip(tensors, sizes)]
+    # disjoint ranges <=> with starts and ends sorted on their own, the k-th end is at most the (k+1)-th start
+    # (the number of ranges covering an address is #starts <= it minus #ends <= it); empty ranges, and
+    # addresses of several devices compared as one, can only make this fail: then the exact sweep decides
+    if not any(map(operator.lt, sorted(starts)[1:], sorted(map(operator.add, starts, sizes)))):
+        return None
+    ends = list(map(operator.add, starts, sizes))
+    owner = [p.device for p in params] + [p.device for p, s in zip(params, states) for _ in s]
+    found = []
+    for device in set(owner):  # addresses compare only within one device
+        idx = [k for k in range(len(tensors)) if owner[k] == device and sizes[k]]  # an empty tensor has no memory
+        pair = _first_overlap(tensors, starts, ends, idx)
+        if pair is not None:
+            found.append(pair)
+    return min(found) if found else None
+
+
+def _check_no_overlap(param: Any, params: list, states: list) -> None:
+    """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
+    pair = _overlap(params, states)
+    if pair is None:
+        return
+    names = _names(param)
+    where = [(i, None) for i in range(len(params))]
+    where += [(i, f) for i, s in enumerate(states) for f in type(s)._fields]
+    (i, fi), (j, fj) = where[pair[0]], where[pair[1]]
+    if fi is None and fj is None:
+        if params[i] is params[j]:
+            raise ValueError(f"param{names[i]} and param{names[j]} are the same tensor: a param may appear only "
+                             f"once in a call (torch.optim refuses a param in two groups)")  # fmt: skip
+        raise ValueError(f"param{names[i]} and param{names[j]} overlap in memory (views of one tensor?): the "
+                         f"params of one call must not share memory, each would be stepped on its own")  # fmt: skip
+    if fi is None:
+        raise ValueError(f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must "
+                         f"not share memory")  # fmt: skip
+    if states[i] is states[j]:
+        raise ValueError(f"state{names[i]} and state{names[j]} are the same state: each param needs a state of "
+                         f"its own (bnbf.init_state)")  # fmt: skip
+    raise ValueError(f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call "
+                     f"must not share memory")  # fmt: skip
+
+
 def _prepare(param, grad, state, hparams, step) -> _Call:
     params, p_spec = _flatten(param)
     grads, g_spec = _flatten(grad)
@@ -239,6 +345,7 @@ def _prepare(param, grad, state, hparams, step) -> _Call:
         for i, (p, g, s) in enumerate(zip(params, grads, states)):
             if not (_states_ok([p], [s]) and _grads_ok([p], [g])):
                 _check_leaf(_names(param)[i], p, g, s)
+    _check_no_overlap(param, params, states)
     rule_name = type(states[0]).layout.rule
     for i, s in enumerate(states):
         if type(s).layout.rule != rule_name:
@@ -319,6 +426,10 @@ def update(
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
 
+    Raises:
+        ValueError: among others, for a param (or state) listed twice, or params or states sharing memory
+            (views of one tensor): each leaf is stepped on its own.
+
     Example:
         >>> p, g = torch.ones(3), torch.ones(3)
         >>> s = init_state(p, OptimSpec(rule="adamw", state_bits=32))
@@ -354,10 +465,12 @@ def update_(
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
     Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`. Repeated calls on
-    the same params and states reuse the validated plan and its address tables (see :func:`_plan`).
+    the same params and states reuse the validated plan and its address tables (see :func:`_plan`); the
+    cache of plans keeps no tensor alive.
     """
     # flat dicts and lists without a type check of each leaf: a cached plan confirms its params and states
-    # object by object, a new plan checks them, and the grad checks below fail on anything not a Tensor
+    # (their classes, addresses and shapes), a new plan checks them, and the grad checks below fail on
+    # anything not a Tensor
     params, p_spec = _fast_leaves(param)
     states, s_spec = _fast_leaves(state)
     if params is None or states is None:
@@ -371,7 +484,7 @@ def update_(
         grads, g_spec = _flatten(grad)
     # the common case in one call over all grads (compiled where possible: see bnbf/_host_checks.py); the
     # per-tensor checks below name what is wrong, and make non-contiguous grads contiguous
-    ok = g_spec == p_spec and plan.grads_match(grads)
+    ok = g_spec == p_spec and plan.fits(grads)
     if not ok:
         grads, g_spec = _flatten(grad)
         if g_spec != p_spec:
@@ -391,28 +504,58 @@ def update_(
         floats = tuple(map(float, values))
         rows = dict.fromkeys(plan.devices, floats)
     with torch.no_grad():
-        for pick, group in plan.groups:
-            launch_group(group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip)
+        if plan.interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
+            with INTERPRETER_LOCK:
+                _launch_plan(plan, grads, rows, skip_zeros, clip)
+        else:
+            _launch_plan(plan, grads, rows, skip_zeros, clip)
     return param, state
 
 
-@dataclasses.dataclass
+def _launch_plan(plan: _Plan, grads: list, rows: dict, skip_zeros: bool, clip: bool) -> None:
+    for pick, group in plan.groups:
+        launch_group(group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip)
+
+
+@dataclasses.dataclass(eq=False)
 class _Plan:
     """Validated params and states of an in-place call, grouped, with their kernel address tables.
 
-    Holds the params and states themselves, so their ids stay unique while the plan is cached; a plan is
-    reused only while every param still has the storage it had when planned.
+    Holds none of the params and states (a cache that kept them would keep a dropped model's memory): a
+    plan is reused for the tensors it was built for, as far as it can tell, i.e. the tensors it reads and
+    writes: params and state fields at the planned addresses, the params (and grads) of the planned shapes,
+    dtypes and devices and contiguous, states of the planned classes (layouts). Weak references to the
+    planned tensors mark it dead when one of them is freed; the cache then drops it.
     """
 
-    params: list[Tensor]
-    states: list[tuple]
-    ptrs: tuple[int, ...]
+    refs: list  # weakref.ref to each param, then to each state field
+    n_params: int
+    ptrs: tuple[int, ...]  # data_ptr of each param
+    field_ptrs: tuple[int, ...]  # data_ptr of each state field, state by state
+    types: tuple  # the class (layout) of each state
     rule: Any
     devices: set
     groups: list
     present: int  # the state slots every state of the plan keeps
     host: Any  # the per-step checks (bnbf._host_checks.impl())
-    grads_match: Any  # grads -> whether they fit the params (bnbf._host_checks.grads_matcher)
+    fits: Any  # params or grads -> whether they have the planned shapes, dtypes, devices and are contiguous
+    states_match: Any  # (states, types, field ptrs) -> bool (bnbf._host_checks.states_matcher)
+    interpreted: bool  # CPU tensors under TRITON_INTERPRET=1: launches go through Triton's interpreter
+    alive: bool = True  # False once a planned tensor was freed
+
+    @property
+    def params(self) -> list:
+        """The planned params (None for one since freed)."""
+        return [r() for r in self.refs[: self.n_params]]
+
+    def confirms(self, params: list, states: list) -> bool:
+        """Whether this plan steps these params and states correctly: C-level checks only (per step)."""
+        return (
+            self.alive
+            and self.host.ptrs_equal(params, self.ptrs)
+            and self.fits(params)  # a param resized or transposed in place keeps its address
+            and self.states_match(states, self.types, self.field_ptrs)
+        )
 
 
 _SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
@@ -422,6 +565,40 @@ _PARAM_DTYPE_SET = set(_PARAM_DTYPES)
 
 _PLANS: collections.OrderedDict = collections.OrderedDict()
 _PLAN_CACHE_SIZE = 32  # one per (optimizer, param group, override bucket) in use
+_PLANS_LOCK = threading.Lock()  # threads stepping different params share the cache
+_DEAD: list = []  # keys of plans marked dead by a weakref callback, dropped at the next lookup
+_TEMPLATE_BASES: dict = {}  # (dtype, device) -> a one-element tensor the templates expand
+
+
+def _died(plan_ref: weakref.ref, key: tuple, _tensor_ref: Any) -> None:
+    # runs wherever a planned tensor is freed (possibly inside a cache update of this very thread), so it
+    # takes no lock and leaves the cache alone: the next _plan call drops the plan
+    plan = plan_ref()
+    if plan is not None and plan.alive:
+        plan.alive = False
+        _DEAD.append(key)
+
+
+def _drop_dead() -> None:
+    with _PLANS_LOCK:
+        while _DEAD:
+            key = _DEAD.pop()
+            plan = _PLANS.get(key)
+            if plan is not None and not plan.alive:
+                del _PLANS[key]
+
+
+def _templates(params: list) -> list[Tensor]:
+    """Stand-ins with each param's shape, dtype and device and no memory of their own (an expanded
+    one-element tensor): the plan checks later params and grads against them without holding the params."""
+    out = []
+    for p in params:
+        key = (p.dtype, p.device)
+        base = _TEMPLATE_BASES.get(key)
+        if base is None:
+            base = _TEMPLATE_BASES.setdefault(key, torch.empty((), dtype=p.dtype, device=p.device))
+        out.append(base.expand(p.shape))
+    return out
 
 
 def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
@@ -429,21 +606,23 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     reference, non-contiguous params, tracing, or anything to report as an error)."""
     if torch.compiler.is_compiling() or s_spec != p_spec or len(states) != len(params):
         return None
-    # found by a few ids, then confirmed object by object (the plan holds its params and states, so
-    # their ids stay unique while it is cached) and by the params' storage
+    if _DEAD:
+        _drop_dead()
+    # found by a few ids (a hint only: an id may be reused once its object is freed), then confirmed
     key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
     plan = _PLANS.get(key)
     if plan is not None:
-        host = plan.host
-        if (
-            host.same_objects(params, plan.params)
-            and host.same_objects(states, plan.states)
-            and host.ptrs_equal(params, plan.ptrs)
-        ):
-            _PLANS.move_to_end(key)
+        if plan.confirms(params, states):
+            with _PLANS_LOCK:
+                if _PLANS.get(key) is plan:
+                    _PLANS.move_to_end(key)
             return plan
-        del _PLANS[key]
-    if not (_states_ok(params, states) and all(map(use_triton, params)) and all(map(Tensor.is_contiguous, params))):
+        with _PLANS_LOCK:
+            if _PLANS.get(key) is plan:
+                del _PLANS[key]
+    # plain tensors only: the per-step checks read other subclasses' metadata differently (generic path)
+    if not (all(map(_is_plain, params)) and _states_ok(params, states) and all(map(use_triton, params))
+            and all(map(Tensor.is_contiguous, params))):  # fmt: skip
         return None
     rules = {type(s).layout.rule for s in states}
     if len(rules) != 1:
@@ -452,23 +631,34 @@ def _plan(params: list, states: list, p_spec: Any, s_spec: Any) -> _Plan | None:
     presents = {type(s).layout.present for s in states}
     if len(presents) != 1:
         return None
+    if _overlap(params, states) is not None:  # checked once per plan; the generic path names the two
+        return None
     built = []
-    for (_, _, layout), idx in _groups(params, states):
-        ps = [params[i].detach() for i in idx]
-        ss = [t for i in idx for t in states[i]]
-        built.append((idx, build_group(ps, ps, ss, ss, layout.rule, layout.format, layout.block_size, layout.present)))
+    with BUILD_LOCK:
+        for (_, _, layout), idx in _groups(params, states):
+            ps = [params[i].detach() for i in idx]
+            ss = [t for i in idx for t in states[i]]
+            group = build_group(ps, ps, ss, ss, layout.rule, layout.format, layout.block_size, layout.present)
+            built.append((idx, group))
     devices = {p.device for p in params}
     if len(built) == 1:
         built = [(None, built[0][1])]  # one group of every tensor in order: the grads list as it is
     else:  # each group's grads picked in one C-level call (a tuple, also for one index)
         built = [(_picker(idx), group) for idx, group in built]
+    fields = list(itertools.chain.from_iterable(states))
     plan = _Plan(
-        list(params), list(states), tuple(map(Tensor.data_ptr, params)), get_rule(rule_name), devices, built,
-        presents.pop(), host_checks.impl(), host_checks.grads_matcher(params),
+        [], len(params), tuple(map(Tensor.data_ptr, params)), tuple(map(Tensor.data_ptr, fields)),
+        tuple(map(type, states)), get_rule(rule_name), devices, built, presents.pop(), host_checks.impl(),
+        host_checks.grads_matcher(_templates(params)), host_checks.states_matcher(),
+        any(d.type == "cpu" for d in devices),
     )  # fmt: skip
-    _PLANS[key] = plan
-    if len(_PLANS) > _PLAN_CACHE_SIZE:
-        _PLANS.popitem(last=False)
+    died = functools.partial(_died, weakref.ref(plan), key)
+    plan.refs = [weakref.ref(t, died) for t in (*params, *fields)]
+    with _PLANS_LOCK:
+        _PLANS[key] = plan
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
     return plan
 
 

@@ -11,15 +11,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from bnbf._dispatch import use_triton
+from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
 from bnbf.reference import reference_step
 
 
 def _run(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip) -> None:
     if use_triton(p_in[0]):
-        from bnbf.kernels.multi_tensor import launch
+        from bnbf.kernels.multi_tensor import build_group, launch_group
 
-        launch(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip)
+        with BUILD_LOCK:  # see bnbf._dispatch: the build under a lock, the launch outside it
+            group = build_group(p_in, p_out, s_in, s_out, rule, fmt, block_size, present)
+        if p_in[0].device.type == "cpu":  # Triton's interpreter: one launch at a time
+            with INTERPRETER_LOCK:
+                launch_group(group, grads, hp, skip_zeros, clip)
+        else:
+            launch_group(group, grads, hp, skip_zeros, clip)
     else:
         reference_step(p_in, p_out, grads, s_in, s_out, hp, rule, fmt, block_size, present, skip_zeros, clip)
 

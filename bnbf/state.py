@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import re
+import threading
 from typing import Any
 
 import torch
@@ -107,6 +108,7 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format prese
 
 
 _CLASSES: dict[Layout, type] = {}
+_CLASSES_LOCK = threading.Lock()
 _NAME = re.compile(r"^(?P<rule>\w+?)_state_(?:8bit_(?P<fmt>[a-z0-9]+)_b(?P<bs>\d+)|32bit)(?:_s(?P<present>\d+))?$")
 
 
@@ -114,13 +116,16 @@ def state_class(layout: Layout) -> type:
     """The NamedTuple class holding states of ``layout`` (made once, then cached)."""
     cls = _CLASSES.get(layout)
     if cls is None:
-        base = collections.namedtuple(layout.class_name, layout.field_names())
-        cls = type(
-            layout.class_name,
-            (base, State),
-            {"__slots__": (), "layout": layout, "__module__": __name__, "__doc__": _doc(layout)},
-        )
-        _CLASSES[layout] = cls
+        with _CLASSES_LOCK:  # one class per layout, also when threads make their first states at once
+            cls = _CLASSES.get(layout)
+            if cls is None:
+                base = collections.namedtuple(layout.class_name, layout.field_names())
+                cls = type(
+                    layout.class_name,
+                    (base, State),
+                    {"__slots__": (), "layout": layout, "__module__": __name__, "__doc__": _doc(layout)},
+                )
+                _CLASSES[layout] = cls
     return cls
 
 
