@@ -13,6 +13,7 @@ The optimizers are thin: they turn param groups into bnbf specs and hyperparamet
 :func:`bnbf.update_`. See :mod:`bnbf_nn.optim` for the arguments and what differs from bitsandbytes.
 """
 
+import bnbf  # noqa: F401, I001  (first: it imports torch without torch's NumPy warning, see bnbf/__init__.py)
 from bnbf_nn import nn, optim
 from bnbf_nn.manager import GlobalOptimManager
 from bnbf_nn.nn import Embedding, StableEmbedding
