@@ -76,17 +76,13 @@ def py_ptrs_equal(tensors: list | tuple, ptrs: tuple) -> bool:
         return False
 
 
-def py_same_objects(a: list | tuple, b: list | tuple) -> bool:
-    """Equal lengths and ``a[i] is b[i]`` for every i."""
-    return len(a) == len(b) and all(map(operator.is_, a, b))
-
-
-def py_states_match(states: list | tuple, types: tuple, ptrs: tuple) -> bool:
+def py_states_match(states: list | tuple, types: tuple, ptrs: tuple, ptrs_equal: Callable | None = None) -> bool:
     """``type(states[i]) is types[i]`` for every i (state classes: NamedTuples of tensors) and the states'
-    fields, in order, at the data pointers ``ptrs`` (one int a field)."""
+    fields, in order, at the data pointers ``ptrs`` (one int a field), compared by ``ptrs_equal``
+    (:func:`py_ptrs_equal` by default)."""
     if not isinstance(states, list | tuple) or not isinstance(types, tuple) or tuple(map(type, states)) != types:
         return False
-    return py_ptrs_equal(list(itertools.chain.from_iterable(states)), ptrs)
+    return (ptrs_equal or py_ptrs_equal)(list(itertools.chain.from_iterable(states)), ptrs)
 
 
 def py_grads_of(params: list | tuple) -> tuple[list, bool]:
@@ -106,7 +102,7 @@ def py_set_each(objs: list | tuple, key: Any, value: Any) -> None:
 
 
 PYTHON = types.SimpleNamespace(
-    grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, same_objects=py_same_objects, grads_of=py_grads_of,
+    grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, grads_of=py_grads_of,
     set_each=py_set_each, states_match=py_states_match,
 )
 
@@ -253,12 +249,7 @@ def states_matcher() -> Callable[[list | tuple, tuple, tuple], bool]:
     host = impl()
     if hasattr(host, "states_match"):
         return host.states_match
-    ptrs_equal, chain = host.ptrs_equal, itertools.chain.from_iterable
-
-    def match(states: list | tuple, types: tuple, ptrs: tuple) -> bool:
-        return tuple(map(type, states)) == types and ptrs_equal(list(chain(states)), ptrs)
-
-    return match
+    return functools.partial(py_states_match, ptrs_equal=host.ptrs_equal)
 
 
 _TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled

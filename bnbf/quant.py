@@ -363,13 +363,16 @@ def quantize_state_reference(
             codes = torch.round((t + torch.where(t < POWER_CEIL_BELOW, _CEIL, d)).clamp_max(255.0))
             codes = torch.maximum(codes, torch.where(nonzero, float(POWER_FLOOR), 0.0))
     else:
+        # non-negative states round up below the ceiling (the stochastic rounding with its offset at _CEIL, as
+        # the kernels) and never store a nonzero value as 0
+        low = ~torch.tensor(signed) & (normed < DYNAMIC_CEIL_BELOW)
         if dither is None:
             codes = _nearest(normed, dynamic_map(signed, x.device))
+            if bool(low.any()):
+                codes = torch.where(low, _dynamic_rounded(normed, signed, torch.full_like(normed, _CEIL)), codes)
         else:
-            codes = _dynamic_rounded(normed, signed, d)
-        if not signed:  # up below the ceiling (the rounding's own, as the kernels), never 0 for a nonzero value
-            up = _dynamic_rounded(normed, signed, torch.full_like(normed, _CEIL))
-            codes = torch.where(normed < DYNAMIC_CEIL_BELOW, up, codes)
+            codes = _dynamic_rounded(normed, signed, torch.where(low, _CEIL, d))
+        if not signed:
             codes = torch.maximum(codes, nonzero.long())
     return codes.to(torch.uint8).view(x.shape), absmax
 

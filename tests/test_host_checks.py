@@ -91,16 +91,6 @@ def test_ptrs_equal(host):
     assert host.ptrs_equal([], ()) is True
 
 
-@pytest.mark.parametrize("host", impls())
-def test_same_objects(host):
-    a = [object() for _ in range(5)]
-    assert host.same_objects(a, list(a)) is True
-    assert host.same_objects(a, tuple(a)) is True
-    assert host.same_objects(a, [*a[:-1], object()]) is False
-    assert host.same_objects(a, a[:-1]) is False
-    assert host.same_objects([], ()) is True
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     shapes=st.lists(st.lists(st.integers(0, 5), min_size=0, max_size=3).map(tuple), min_size=1, max_size=6),

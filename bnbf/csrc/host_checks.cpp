@@ -88,21 +88,6 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-// same_objects(a, b) -> bool: equal lengths and a[i] is b[i] for all i (lists or tuples).
-PyObject* same_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!two_args(nargs)) return nullptr;
-  PyObject *a = args[0], *b = args[1];
-  if (!(PyList_Check(a) || PyTuple_Check(a)) || !(PyList_Check(b) || PyTuple_Check(b))) Py_RETURN_FALSE;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(a);
-  if (PySequence_Fast_GET_SIZE(b) != n) Py_RETURN_FALSE;
-  PyObject** as = PySequence_Fast_ITEMS(a);
-  PyObject** bs = PySequence_Fast_ITEMS(b);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (as[i] != bs[i]) Py_RETURN_FALSE;
-  }
-  Py_RETURN_TRUE;
-}
-
 // grads_of(params) -> (grads, every): each param's .grad (None where it has none) as a new list, and
 // whether every param has one. Plain tensors' grads are read in C++; any other object's through Python.
 PyObject* grads_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -168,7 +153,6 @@ PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"grads_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_match)), METH_FASTCALL, "grads_match(params, grads) -> bool"},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)), METH_FASTCALL, "ptrs_equal(tensors, ptrs) -> bool"},
-    {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL, "same_objects(a, b) -> bool"},
     {"grads_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_of)), METH_FASTCALL, "grads_of(params) -> (grads, every)"},
     {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL, "set_each(objs, key, value) -> None"},
     {nullptr, nullptr, 0, nullptr},

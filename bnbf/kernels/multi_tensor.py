@@ -49,7 +49,7 @@ MAX_STATES = 3
 # stochastic rounding's dither (codec.dither; the constants and their meaning are in bnbf.quant)
 DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
 DITHER_BLOCK: tl.constexpr = tl.constexpr(quant.DITHER_BLOCK)
-DITHER_STEP0: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
+DITHER_STEP: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
 DITHER_SLOT: tl.constexpr = tl.constexpr(quant.DITHER_SLOT)
 NF = 3 + 4 * MAX_STATES  # p_in, p_out, numel, then per state: s_in, s_out, absmax_in, absmax_out
 # Tile: one 256-element block per program and one warp (the block's absmax reduction then needs no
@@ -285,7 +285,7 @@ def _tile_step(
     # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
     # constant, plus a hash of (block, step, slot)
     lane = (tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
-    tile = rows.to(tl.uint32) * DITHER_BLOCK + tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP0
+    tile = rows.to(tl.uint32) * DITHER_BLOCK + tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP
     if (PRESENT >> 0) & 1:
         _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, lane, mix(tile)[:, None],
                      QUANT, SIGNED0, FORMAT, MASKED)  # fmt: skip
