@@ -81,13 +81,16 @@ def configure(stored, dtype, vec, iters, prefetch, maxnreg):
 
 # (vec, tiles per program, prefetch, register cap): the AdamW sweep, by state storage and param dtype
 SWEEP = {
-    ("power", torch.float32): [(4, 1, False, None), (4, 2, True, None), (4, 2, True, 64), (4, 4, True, 64)],
-    ("power", torch.bfloat16): [(4, 2, True, None), (4, 2, True, 64), (4, 4, True, None), (4, 4, True, 64),
-                                (4, 4, True, 80), (4, 8, True, 64), (4, 4, False, 64)],
-    ("dynamic", torch.float32): [(1, 1, False, None), (1, 1, False, 64)],
-    ("dynamic", torch.bfloat16): [(1, 4, False, None), (1, 4, False, 64)],
-    ("fp32", torch.float32): [(4, 2, True, None), (4, 2, True, 64)],
-    ("fp32", torch.bfloat16): [(4, 4, True, None), (4, 4, True, 64)],
+    ("power", torch.float32): [(4, 1, False, None), (4, 2, True, None), (4, 2, True, 80), (4, 2, False, None),
+                               (4, 4, True, None), (4, 4, True, 80)],
+    ("power", torch.bfloat16): [(4, 2, True, None), (4, 2, True, 80), (4, 4, True, None), (4, 4, True, 64),
+                                (4, 4, True, 80), (4, 4, False, 64), (4, 4, False, None), (4, 1, False, None)],
+    ("dynamic", torch.float32): [(1, 1, False, None), (1, 1, False, 64), (1, 1, False, 80), (1, 2, False, None),
+                                 (4, 1, False, None)],
+    ("dynamic", torch.bfloat16): [(1, 4, False, None), (1, 4, False, 64), (1, 4, False, 96), (1, 2, False, None),
+                                  (1, 1, False, None), (4, 1, False, None)],
+    ("fp32", torch.float32): [(4, 2, True, None)],
+    ("fp32", torch.bfloat16): [(4, 4, True, 64)],
 }
 
 

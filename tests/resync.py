@@ -92,9 +92,10 @@ def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) 
     on_code = (xn - c[near]).abs() <= 1e-6 * c[near].abs()
     sides = torch.maximum(c[(near + 1).clamp(max=255)] - c[near], c[near] - c[(near - 1).clamp(min=0)])
     gap = torch.where(on_code, torch.maximum(gap, sides), gap)
-    # beyond the map's ends the end code is the nearest: the signed dynamic map stops at -0.99297, so a
-    # block whose largest magnitude is negative cannot store that value exactly
-    gap = torch.where(x != xn, (x - xn).abs(), gap)
+    # beyond the map's ends (the signed dynamic map stops at -0.99297; float32 rounding puts the block's largest
+    # value a hair above its absmax), the end code's gap plus the excess: the GPU's approximate roots put the
+    # largest value's code position a hair below the top code, from where the dither can round it down one
+    gap = torch.where(x != xn, (x - xn).abs() + gap, gap)
     slack = 1e-5 * ref.abs() + 8 * torch.finfo(F32).eps * am
     bad = (ours - ref).abs() > gap * am + slack
     if bool(bad.any()):

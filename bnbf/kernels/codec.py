@@ -64,7 +64,7 @@ def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
     if SIGNED:
         t = tl.sqrt(tl.abs(s)) * root_scale
         # below code 1 the value is t**2: rounding t itself would store tiny first moments 1/t too large on average
-        t = tl.where(t < 1.0, t * t, t)
+        t = t * tl.minimum(t, 1.0)  # t**2 below 1, t above: two instructions instead of a compare and a select
         t = tl.minimum(t + d, 127.0)  # the dither must not pass the top code
         sign = s.to(tl.uint32, bitcast=True) & 0x80000000
         t = (t.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # copysign: one logic op
