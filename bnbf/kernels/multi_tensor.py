@@ -62,16 +62,17 @@ NUM_WARPS = 1
 VEC = {"fp32": 4, "power": 4, "dynamic": 1}
 # Tiles per program, by state format and param dtype, and PREFETCH by state format: whole tiles are
 # unrolled and each issues the next tile's loads before its own arithmetic, so a program keeps loads in
-# flight while it computes. Measured on the H200 (scripts/tune_step.py, do_bench, 1.07B params, AdamW,
-# power format): fp32 params 1 tile 4.16 ms, 2 tiles with prefetch 4.05, 4 with prefetch 4.25; bf16 params
-# 4 tiles 3.26, 4 with prefetch 3.06, 2 with prefetch 3.09, 8 with prefetch 3.25. The dynamic map's larger
-# code runs slower unrolled (bf16 4 tiles 6.72 ms, with prefetch 7.90; fp32 1 tile 6.98, 4 tiles 7.63).
+# flight while it computes. Re-measured after the stochastic rounding (scripts/tune_step.py, H200, 1.07B
+# params, AdamW; benchmarks/results/2026-12-01_h200_session7.md): power format, fp32 params 4 prefetched tiles
+# under an 80-register cap 4.12 ms (2 tiles 4.57, 2 under the cap 4.24, 1 tile 4.21); bf16 params 4 prefetched
+# tiles under a 64-register cap 3.31 (2 tiles 3.36 with cap 80, 1 tile 3.54); dynamic map, bf16 params, one
+# tile 9.53 ms without a cap (4 tiles 14.9, 4 under the old cap of 64 20.7: its code spills).
 # Software pipelining through shared memory (tl.range num_stages > 1) was measured slower (4.4-5.3 ms).
 _TWO_BYTE = {torch.bfloat16: 4, torch.float16: 4}
 ITERS = {
     "fp32": {torch.float32: 2, **_TWO_BYTE},
-    "power": {torch.float32: 2, **_TWO_BYTE},
-    "dynamic": {torch.float32: 1, **_TWO_BYTE},
+    "power": {torch.float32: 4, **_TWO_BYTE},
+    "dynamic": {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1},
 }
 PREFETCH = {"fp32": True, "power": True, "dynamic": False}
 # ... and only while tiles x kept states stays small: beyond, the unrolled tiles' registers cost more than
@@ -89,17 +90,14 @@ def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
 
 
 # Register cap per thread (ptxas maxnreg), by state format and param dtype; absent leaves it to ptxas. A
-# one-warp program is one of at most 32 resident blocks per SM, so every register beyond 64 costs resident
-# warps: AdamW with bf16 params and 4 prefetched tiles took 96 registers (21 warps per SM). Measured on the
-# H200 (scripts/tune_step.py, do_bench, AdamW), ms without / with a cap of 64: power format, bf16 params,
-# 1.07B set 3.03 / 2.67 (80 registers: 2.87), GPT-2 set 0.368 / 0.326; fp32 params 4.04 / 4.07 (not
-# capped); dynamic map 6.99 / 6.86 (fp32), 6.72 / 6.45 (bf16); float32 states with bf16 params 5.64 / 7.93
-# (not capped). Other rules with bf16 params, power format: AdEMAMix 3.67 / 3.46, LARS 3.83 / 3.63, Lion
-# 2.04 / 2.04, LAMB 4.84 / 4.89. The power-format AdamW and LAMB kernels fit the cap without spilling;
-# those keeping three states (AdEMAMix, centered RMSprop with momentum) and the dynamic map's spill 8-88
-# bytes per thread to the stack, and the measured ones still ran faster. float16 params share bf16's caps.
+# one-warp program is one of at most 32 resident blocks per SM, so registers cost resident warps. Measured
+# after the stochastic rounding (H200, scripts/tune_step.py, ms without / with the cap): power format, AdamW,
+# 1.07B set, fp32 params 4.78 / 4.12 (cap 80), bf16 params 3.74 / 3.31 (cap 64); cap 64 with bf16 params:
+# AdEMAMix 7.12 / 4.92, LAMB 5.40 / 5.02, LARS 3.18 / 3.17, Lion 2.14 / 2.17; dynamic map, fp32 params
+# 9.43 / 8.81 (cap 64), bf16 params: no cap (above). float32 states are not capped (5.64 / 7.93 with 64
+# before). float16 params share bf16's caps.
 _CAP_TWO_BYTE = {torch.bfloat16: 64, torch.float16: 64}
-MAXNREG = {"fp32": {}, "power": _CAP_TWO_BYTE, "dynamic": {torch.float32: 64, **_CAP_TWO_BYTE}}
+MAXNREG = {"fp32": {}, "power": {torch.float32: 80, **_CAP_TWO_BYTE}, "dynamic": {torch.float32: 64}}
 
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -232,7 +230,7 @@ def _hp_at(hp_ptr, K: tl.constexpr, N: tl.constexpr):
 
 @triton.jit
 def _tile_step(
-    raw, ptrs, hp, code_ptr, chunk, numel, nrm, part, n_tiles,
+    raw, ptrs, hp, dith, code_ptr, chunk, numel, nrm, part, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -285,7 +283,7 @@ def _tile_step(
     # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
     # constant, plus a hash of (block, step, slot)
     lane = (tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
-    tile = rows.to(tl.uint32) * DITHER_BLOCK + tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP
+    tile = rows.to(tl.uint32) * DITHER_BLOCK + dith
     if (PRESENT >> 0) & 1:
         _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, lane, mix(tile)[:, None],
                      QUANT, SIGNED0, FORMAT, MASKED)  # fmt: skip
@@ -299,7 +297,7 @@ def _tile_step(
 
 @triton.jit
 def _tiles_in_turn(
-    ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
+    ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
     MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
     SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
@@ -309,7 +307,7 @@ def _tiles_in_turn(
     """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
     for it in tl.range(0, ITERS):
         raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
-        _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+        _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
                    MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                    MASKED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
@@ -357,6 +355,7 @@ def _step_kernel(
             _slot_ptrs(table, 0, PRESENT, QUANT, ALIGNED), _slot_ptrs(table, 1, PRESENT, QUANT, ALIGNED),
             _slot_ptrs(table, 2, PRESENT, QUANT, ALIGNED))  # fmt: skip
     part = norm_ptr + pid * ITERS
+    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP  # the step's share of the dither's block hashes
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
@@ -364,17 +363,17 @@ def _step_kernel(
             for it in tl.static_range(ITERS):
                 if it + 1 < ITERS:
                     nxt = _tile_load(ptrs, first + it + 1, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
-                _tile_step(raw, ptrs, hp, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
                            MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                            False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
                 if it + 1 < ITERS:
                     raw = nxt
         else:
-            _tiles_in_turn(ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
+            _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
                            MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                            False, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
     else:
-        _tiles_in_turn(ptrs, hp, code_ptr, first, numel, nrm, part, n_tiles,
+        _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
                        MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                        True, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
