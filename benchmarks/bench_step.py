@@ -44,7 +44,6 @@ try:
 except ImportError:  # run as `python benchmarks/bench_step.py` from a checkout that is not installed
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     import bnbf
-from bnbf import _host_checks as host_checks
 
 LR = 1e-3
 WEIGHT_DECAY = 0.01
@@ -492,7 +491,7 @@ def markdown(rows: list[dict], meta: dict) -> str:
         "",
         f"torch {meta['torch']}, triton {meta['triton']}, bnbf {meta['bnbf']}, peers {meta['peers']}; "
         f"device copy {meta['copy_gbs']:.0f} GB/s; median of {meta['steps']} steps after {meta['warmup']} "
-        f"warm-ups; {meta['date']}. Host checks: {meta['host_checks'].split(' (')[0]}.",
+        f"warm-ups; {meta['date']}.",
         "",
     ]
     results = [r for r in rows if r["candidate"] != "bnbf_vs_torch"]
@@ -603,11 +602,11 @@ def main(argv: list[str] | None = None) -> int:
         "peers": ", ".join(f"{k} {v}" for k, v in peer_versions().items()) if want_peers else "not asked",
         "steps": args.steps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d"),
         "timing": "cuda events after synchronize" if device.type == "cuda" else "time.perf_counter",
-        "smoke": args.smoke, "notes": [], "host_checks": host_checks.status(),
+        "smoke": args.smoke, "notes": [],
     }  # fmt: skip
     print(f"GPU: {gpu}\ntorch {meta['torch']}  triton {triton_v}  bnbf {meta['bnbf']}", end="")
     print(f"  python {meta['python']}")
-    print(f"peers: {meta['peers']}\nhost checks: {meta['host_checks']}")
+    print(f"peers: {meta['peers']}")
     copy_bytes = (64 << 20) if args.smoke else (2 << 30)
     meta["copy_gbs"] = copy_bandwidth_gbs(device, copy_bytes)
     print(f"device copy: {meta['copy_gbs']:.0f} GB/s (read + written, {copy_bytes >> 20} MiB buffer)")

@@ -18,6 +18,7 @@ with warnings.catch_warnings():
 
 from bnbf._dispatch import use_triton
 from bnbf.functional import dequantize_state, hparams_for, init_state, update, update_
+from bnbf.plan import Plan, plan
 from bnbf.quant import create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from bnbf.rules import RULES
 from bnbf.state import Layout, OptimSpec, state_nbytes
@@ -28,11 +29,13 @@ __all__ = [
     "RULES",
     "Layout",
     "OptimSpec",
+    "Plan",
     "create_dynamic_map",
     "dequantize_blockwise",
     "dequantize_state",
     "hparams_for",
     "init_state",
+    "plan",
     "quantize_blockwise",
     "state_nbytes",
     "update",

@@ -1,266 +1,389 @@
-"""The per-step checks of an in-place call over whole lists of tensors: compiled where possible.
+"""Checks of a step's inputs on the host, all made before anything is written: plain Python.
 
-An in-place step on a cached plan must still confirm, every call, that the params and states are the
-planned objects with their planned storage and that each grad is a dense, contiguous tensor of its
-param's shape, dtype and device. Done with Python attribute reads this is most of a step's host time for
-a model with many tensors, and the GPU waits for it before the first launch: for GPT-2's 148 tensors
-``update_`` took 137-261 us of the H200 machine's host with these checks in Python and 47-87 us with them
-compiled (scripts/host_breakdown.py, five calls). ``csrc/host_checks.cpp`` answers the same questions in
-C++; the adapters' step reads its grads and writes its step counts through it too (:func:`grads_of`,
-:func:`set_each`).
+- The leaves of a call (:func:`_states_ok`, :func:`_check_no_overlap`...): float params, bnbf states that
+  fit them, no two leaves sharing memory. A pure :func:`bnbf.update` runs them every call; an in-place step
+  runs them once, when its :class:`bnbf.plan.Plan` is built.
+- The grads of a call (:func:`_grads_ok`, :func:`_check_grad`), the step number, the update options and the
+  state slots the hyperparameters need.
 
-It is compiled on first use by the machine's C++ compiler (``$CXX``, else ``c++``, ``g++`` or
-``clang++``) against the installed torch's headers, into a cache directory
-(``$BNBF_CACHE_DIR``, else ``~/.cache/bnbf``) keyed by the source and the torch and Python versions; a
-file lock lets parallel processes share one build. Where it cannot be built or loaded (no compiler, no
-headers, ``BNBF_NATIVE=0``), the pure-Python twins below give the same answers, only slower;
-:func:`status` says which one runs and why.
+Each ``*_ok`` function answers in C-level loops over all leaves (``map`` of attribute getters, list
+comparisons); on "no", the ``_check_*`` functions walk the leaves one by one and raise the precise error.
+The per-step checks of a plan live with it (:meth:`bnbf.plan.Plan.step`).
 """
 
 from __future__ import annotations
 
-import contextlib
+import dataclasses
 import functools
-import hashlib
-import importlib.machinery
-import importlib.util
 import itertools
 import operator
-import os
-import shutil
-import subprocess
-import sys
-import sysconfig
-import tempfile
-import types
-from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
+from torch.utils import _pytree as pytree
 
-_SOURCE = Path(__file__).parent / "csrc" / "host_checks.cpp"
-_MODULE = "bnbf_host_checks"  # the name its PyInit_ function carries
-_BUILD_TIMEOUT_S = 600
+from bnbf.rules import get_rule
+from bnbf.state import Layout, State, is_state, present_mask
 
+_PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_PARAM_DTYPE_SET = set(_PARAM_DTYPES)
+_STRIDED = {torch.strided}
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
 _LAYOUT = operator.attrgetter("layout")
-_GRAD = operator.attrgetter("grad")
-
-
-# ---------------------------------------------------------------------------------------------------------
-# the pure-Python twins (the reference for the compiled functions, and the fallback)
+_SHAPE_DTYPE = operator.attrgetter("shape", "dtype")
+_NBYTES = operator.attrgetter("nbytes")
 
 
 def _is_plain(t: object) -> bool:
+    """A torch.Tensor or nn.Parameter itself: other subclasses may answer metadata reads differently."""
     return type(t) is Tensor or type(t) is torch.nn.Parameter
 
 
-def py_grads_match(params: list, grads: list | tuple) -> bool:
-    """Each grad a plain, dense, contiguous tensor with its param's shape, dtype and device."""
-    if not isinstance(params, list) or not all(map(isinstance, params, itertools.repeat(Tensor))):
-        return False
-    return py_grads_matcher(params)(grads)
-
-
-def py_ptrs_equal(tensors: list | tuple, ptrs: tuple) -> bool:
-    """``tensors[i].data_ptr() == ptrs[i]`` for every i (tensors of any Tensor subclass)."""
-    if not isinstance(tensors, list | tuple) or not isinstance(ptrs, tuple) or len(tensors) != len(ptrs):
-        return False
-    try:
-        return tuple(map(Tensor.data_ptr, tensors)) == ptrs
-    except (TypeError, RuntimeError):  # not a Tensor, or one without storage
-        return False
-
-
-def py_states_match(states: list | tuple, types: tuple, ptrs: tuple, ptrs_equal: Callable | None = None) -> bool:
-    """``type(states[i]) is types[i]`` for every i (state classes: NamedTuples of tensors) and the states'
-    fields, in order, at the data pointers ``ptrs`` (one int a field), compared by ``ptrs_equal``
-    (:func:`py_ptrs_equal` by default)."""
-    if not isinstance(states, list | tuple) or not isinstance(types, tuple) or tuple(map(type, states)) != types:
-        return False
-    return (ptrs_equal or py_ptrs_equal)(list(itertools.chain.from_iterable(states)), ptrs)
-
-
-def py_grads_of(params: list | tuple) -> tuple[list, bool]:
-    """Each param's ``.grad`` (None where it has none), and whether every param has one."""
-    if not isinstance(params, list | tuple):
-        raise TypeError("grads_of expects a list or tuple of params")
-    grads = list(map(_GRAD, params))
-    return grads, all(map(operator.is_not, grads, itertools.repeat(None)))
-
-
-def py_set_each(objs: list | tuple, key: Any, value: Any) -> None:
-    """``obj[key] = value`` for every obj."""
-    if not isinstance(objs, list | tuple):
-        raise TypeError("set_each expects a list or tuple")
-    for obj in objs:
-        obj[key] = value
-
-
-PYTHON = types.SimpleNamespace(
-    grads_match=py_grads_match, ptrs_equal=py_ptrs_equal, grads_of=py_grads_of,
-    set_each=py_set_each, states_match=py_states_match,
-)
-
-
-def py_grads_matcher(params: list) -> Callable[[list | tuple], bool]:
-    """:func:`py_grads_match` against fixed params, their metadata read once (the fallback's hot path)."""
-    params = list(params)
-    shapes, dtypes, devices = list(map(_SHAPE, params)), list(map(_DTYPE, params)), list(map(_DEVICE, params))
-    n = len(params)
-
-    def match(grads: list | tuple) -> bool:
-        if not isinstance(grads, list | tuple) or len(grads) != n or not all(map(_is_plain, grads)):
-            return False
-        return (
-            list(map(_SHAPE, grads)) == shapes
-            and list(map(_DTYPE, grads)) == dtypes
-            and list(map(_DEVICE, grads)) == devices
-            and all(map(operator.is_, map(_LAYOUT, grads), itertools.repeat(torch.strided)))
-            and all(map(Tensor.is_contiguous, grads))
+def _check_param(p: Any, where: str) -> None:
+    if not isinstance(p, Tensor):
+        raise TypeError(f"param{where} must be a Tensor, got {type(p).__name__}")
+    if p.dtype not in _PARAM_DTYPES:
+        kind = "complex" if p.is_complex() else ("integer" if not p.is_floating_point() else "this")
+        raise TypeError(
+            f"param{where} has dtype {p.dtype}: {kind} params are not supported "
+            f"(bnbf optimizes float32, float16 and bfloat16 params)"
         )
-
-    return match
-
-
-# ---------------------------------------------------------------------------------------------------------
-# building and loading the compiled module
+    if p.layout != torch.strided:
+        raise TypeError(f"param{where} must be a dense (strided) tensor, got layout {p.layout}")
 
 
-def _cache_dir() -> Path:
-    if os.environ.get("BNBF_CACHE_DIR"):
-        return Path(os.environ["BNBF_CACHE_DIR"])
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "bnbf"
+def _check_present(rule: Any, h: Any, states: list) -> None:
+    """The states keep exactly the slots these hyperparameters use (e.g. a momentum buffer)."""
+    want = present_mask(rule, h)
+    for s in states:
+        have = type(s).layout.present
+        if have != want:
+            names = lambda mask: [slot.name for j, slot in enumerate(rule.states) if (mask >> j) & 1]
+            raise ValueError(
+                f"the state keeps {names(have)} but these {rule.name} hyperparameters need {names(want)}; "
+                f"build the state with bnbf.init_state(params, spec, hparams) using the same hyperparameters"
+            )
 
 
-def _compiler() -> str | None:
-    for name in (os.environ.get("CXX"), "c++", "g++", "clang++"):
-        if name and shutil.which(name):
-            return shutil.which(name)
+def _check_step(step: Any) -> None:
+    if isinstance(step, Tensor):
+        if step.numel() != 1 or step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
+            raise TypeError(f"step must be an int or a 0-d integer tensor, got {step.dtype} {tuple(step.shape)}")
+        if step.device.type == "cpu" and int(step) < 1:
+            raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
+        return
+    if isinstance(step, bool) or not isinstance(step, int):
+        raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+    if step < 1:
+        raise ValueError(f"Invalid step: {step} (steps count from 1)")
+
+
+def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
+    """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk."""
+    leaf_type = State if is_leaf is is_state else Tensor
+    if type(tree) is dict:
+        values = list(tree.values())
+        if all(map(isinstance, values, itertools.repeat(leaf_type))):
+            return values, ("dict", tuple(tree))
+    elif type(tree) in (list, tuple) and all(map(isinstance, tree, itertools.repeat(leaf_type))):
+        return list(tree), (type(tree), len(tree))
+    elif isinstance(tree, leaf_type):
+        return [tree], "leaf"
+    return pytree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+def _fast_leaves(tree: Any) -> tuple[list | None, Any]:
+    """:func:`_flatten`'s leaves and key for a flat dict, list or tuple, without checking the leaves' types
+    (``(None, None)`` for any other tree)."""
+    t = type(tree)
+    if t is dict:
+        return list(tree.values()), ("dict", tuple(tree))
+    if t is list or t is tuple:
+        return tree, (t, len(tree))
+    return None, None
+
+
+def _unflatten(leaves: list, spec: Any) -> Any:
+    if spec == "leaf":
+        return leaves[0]
+    if isinstance(spec, tuple) and spec[0] == "dict":
+        return dict(zip(spec[1], leaves))
+    if isinstance(spec, tuple) and spec[0] in (list, tuple):
+        return spec[0](leaves)
+    return pytree.tree_unflatten(leaves, spec)
+
+
+def _names(param: Any) -> list[str]:
+    """Key strings of the leaves (only needed for error messages)."""
+    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(param)[0]]
+
+
+@functools.lru_cache(maxsize=4096)
+def _expected(layout: Layout, shape: torch.Size) -> tuple:
+    return tuple(layout.expected(shape).values())
+
+
+def _states_ok(params: list, states: list) -> bool:
+    """Float params (strided) with bnbf states whose fields fit them: shape, dtype, the param's device,
+    contiguous. In C-level loops over all leaves (a pure call's host time is mostly these checks); a list
+    of one leaf checks that leaf. False: :func:`_check_leaf` names what is wrong."""
+    try:
+        if not (all(map(isinstance, params, itertools.repeat(Tensor)))
+                and all(map(isinstance, states, itertools.repeat(State)))):  # fmt: skip
+            return False
+        devices = list(map(_DEVICE, params))
+        one_device = len(set(devices)) == 1
+        fields = [t for s in states for t in s]
+        expected = [e for s, shape in zip(states, map(_SHAPE, params)) for e in _expected(type(s).layout, shape)]
+        return (
+            set(map(_DTYPE, params)) <= _PARAM_DTYPE_SET
+            and set(map(_LAYOUT, params)) == _STRIDED
+            and list(map(_SHAPE_DTYPE, fields)) == expected
+            and (set(map(_DEVICE, fields)) <= {devices[0]} if one_device else
+                 list(map(_DEVICE, fields)) == [d for d, s in zip(devices, states) for _ in s])  # fmt: skip
+            and all(map(Tensor.is_contiguous, fields))
+        )
+    except (AttributeError, TypeError):  # a state field that is not a Tensor
+        return False
+
+
+def _grads_ok(params: list, grads: list) -> bool:
+    """Strided tensors of their params' shapes, dtypes and devices (params already checked)."""
+    return (
+        all(map(isinstance, grads, itertools.repeat(Tensor)))
+        and set(map(_LAYOUT, grads)) == _STRIDED
+        and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
+        and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
+        and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
+    )
+
+
+def _check_grad(name: str, p: Tensor, g: Any) -> None:
+    """Raise the precise error for a grad that does not fit its (valid) param; return if it does."""
+    if not isinstance(g, Tensor):
+        raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError(f"bnbf does not support sparse gradients (grad{name} has layout {g.layout})")
+    if g.shape != p.shape:
+        raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+    if g.dtype != p.dtype:
+        raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+
+
+def _check_state(name: str, p: Tensor, s: Any) -> None:
+    """Raise the precise error for a state that does not fit its (valid) param; return if it does."""
+    if not is_state(s):
+        raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+    layout: Layout = type(s).layout
+    for field, (shape, dtype) in layout.expected(p.shape).items():
+        t = getattr(s, field)
+        if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"state{name}.{field} does not fit the param: expected {dtype} {shape}, got {got} "
+                f"(was the state built for another param or spec?)"
+            )
+        if t.device != p.device:
+            raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
+        if not t.is_contiguous():
+            raise ValueError(f"state{name}.{field} must be contiguous")
+
+
+def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
+    """Raise the precise error for a leaf that failed :func:`_states_ok` or :func:`_grads_ok` (``g`` None:
+    the param and state only)."""
+    _check_param(p, name)
+    if g is not None:
+        _check_grad(name, p, g)
+    _check_state(name, p, s)
+    raise AssertionError(f"unexpected input at {name}")  # the checks and _check_leaf disagree
+
+
+def _check_leaves(param: Any, params: list, states: list, grads: list | None = None) -> None:
+    """Raise the precise error for the first leaf (in order) whose param, grad or state is wrong, if
+    :func:`_states_ok` (and :func:`_grads_ok` with ``grads``) said no; return if they said yes."""
+    if _states_ok(params, states) and (grads is None or _grads_ok(params, grads)):
+        return
+    names = _names(param)
+    for i, (p, s) in enumerate(zip(params, states)):
+        g = None if grads is None else grads[i]
+        if not (_states_ok([p], [s]) and (g is None or _grads_ok([p], [g]))):
+            _check_leaf(names[i], p, g, s)
+    raise AssertionError("the checks of all leaves and of each leaf disagree")
+
+
+_EXACT_MAX_BYTES = 1 << 26  # above this, two strided views whose ranges overlap count as overlapping
+
+
+def _span(t: Tensor) -> int:
+    """Bytes from a tensor's first element to the end of its last (its strides may skip memory between)."""
+    if t.numel() == 0:
+        return 0
+    return (1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))) * t.element_size()
+
+
+def _share_memory(a: Tensor, b: Tensor) -> bool:
+    """Whether two tensors whose byte ranges overlap have a byte in common. Contiguous tensors cover their
+    whole range; strided views (``w[:, 0]`` and ``w[:, 1]``) may interleave without touching: marked
+    byte by byte on the host (addresses only, nothing is read from the device)."""
+    if a.is_contiguous() and b.is_contiguous():
+        return True
+    lo = min(a.data_ptr(), b.data_ptr())
+    hi = max(a.data_ptr() + _span(a), b.data_ptr() + _span(b))
+    if hi - lo > _EXACT_MAX_BYTES:
+        return True
+    mask = torch.zeros(hi - lo, dtype=torch.bool)
+    views = []
+    for t in (a, b):
+        k = t.element_size()
+        shape = [1 if s == 0 else n for n, s in zip(t.shape, t.stride())]  # a broadcast dim adds no memory
+        views.append(mask.as_strided((*shape, k), (*(s * k for s in t.stride()), 1), t.data_ptr() - lo))
+    try:
+        views[0].fill_(True)
+    except RuntimeError:  # a layout fill_ refuses (elements of a itself overlapping): count it as shared
+        return True
+    return bool(views[1].any())
+
+
+def _first_overlap(tensors: list, starts: list, ends: list, idx: list) -> tuple[int, int] | None:
+    """Two of ``idx`` (positions in ``tensors``, one device, none empty) whose memory overlaps, lowest first,
+    else None: a sweep over the byte ranges in address order, exact for strided views."""
+    active: list[int] = []  # earlier tensors whose range reaches past the current start
+    for k in sorted(idx, key=starts.__getitem__):
+        active = [j for j in active if ends[j] > starts[k]]
+        for j in active:
+            if _share_memory(tensors[j], tensors[k]):
+                return min(j, k), max(j, k)
+        active.append(k)
     return None
 
 
-_STANDARDS = ("-std=c++20", "-std=c++17")  # torch's extensions use C++20 from torch 2.12 on; older: C++17
+def _overlap(params: list, states: list) -> tuple[int, int] | None:
+    """Positions ``i < j`` in ``[*params, *fields of the states]`` of two tensors sharing memory (the same
+    tensor twice, views of one storage), or None. An update writes each param and state once from its own
+    inputs, so two that share memory would be stepped twice, or one over the other. Params and states are
+    valid (:func:`_states_ok`). Every pure call runs it: C-level maps and two sorts over all leaves."""
+    if len(set(map(id, params))) < len(params):  # the same param twice (also an empty one): named as such
+        seen: dict[int, int] = {}
+        for j, p in enumerate(params):
+            if id(p) in seen:
+                return seen[id(p)], j
+            seen[id(p)] = j
+    tensors = [*params, *itertools.chain.from_iterable(states)]
+    starts = list(map(Tensor.data_ptr, tensors))
+    sizes = list(map(_NBYTES, tensors))
+    if not all(map(Tensor.is_contiguous, params)):  # the states' fields are contiguous (checked)
+        sizes = [s if t.is_contiguous() else _span(t) for t, s in zip(tensors, sizes)]
+    # disjoint ranges <=> with starts and ends sorted on their own, the k-th end is at most the (k+1)-th start
+    # (the number of ranges covering an address is #starts <= it minus #ends <= it); empty ranges, and
+    # addresses of several devices compared as one, can only make this fail: then the exact sweep decides
+    if not any(map(operator.lt, sorted(starts)[1:], sorted(map(operator.add, starts, sizes)))):
+        return None
+    ends = list(map(operator.add, starts, sizes))
+    owner = [p.device for p in params] + [p.device for p, s in zip(params, states) for _ in s]
+    found = []
+    for device in set(owner):  # addresses compare only within one device
+        idx = [k for k in range(len(tensors)) if owner[k] == device and sizes[k]]  # an empty tensor has no memory
+        pair = _first_overlap(tensors, starts, ends, idx)
+        if pair is not None:
+            found.append(pair)
+    return min(found) if found else None
 
 
-def _build_command(cxx: str, out: Path, std: str) -> list[str]:
-    torch_dir = Path(torch.__file__).parent
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", True))
-    return [
-        cxx, "-O2", "-shared", "-fPIC", std, "-w", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-        f"-I{torch_dir / 'include'}", f"-I{torch_dir / 'include' / 'torch' / 'csrc' / 'api' / 'include'}",
-        f"-I{sysconfig.get_paths()['include']}", str(_SOURCE), "-o", str(out),
-        f"-L{torch_dir / 'lib'}", "-lc10", "-ltorch", "-ltorch_cpu", "-ltorch_python",
-        f"-Wl,-rpath,{torch_dir / 'lib'}",
-    ]  # fmt: skip
+def _check_no_overlap(param: Any, params: list, states: list) -> None:
+    """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
+    pair = _overlap(params, states)
+    if pair is None:
+        return
+    names = _names(param)
+    where = [(i, None) for i in range(len(params))]
+    where += [(i, f) for i, s in enumerate(states) for f in type(s)._fields]
+    (i, fi), (j, fj) = where[pair[0]], where[pair[1]]
+    if fi is None and fj is None:
+        if params[i] is params[j]:
+            raise ValueError(f"param{names[i]} and param{names[j]} are the same tensor: a param may appear only "
+                             f"once in a call (torch.optim refuses a param in two groups)")  # fmt: skip
+        raise ValueError(f"param{names[i]} and param{names[j]} overlap in memory (views of one tensor?): the "
+                         f"params of one call must not share memory, each would be stepped on its own")  # fmt: skip
+    if fi is None:
+        raise ValueError(f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must "
+                         f"not share memory")  # fmt: skip
+    if states[i] is states[j]:
+        raise ValueError(f"state{names[i]} and state{names[j]} are the same state: each param needs a state of "
+                         f"its own (bnbf.init_state)")  # fmt: skip
+    raise ValueError(f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call "
+                     f"must not share memory")  # fmt: skip
 
 
-def _target(cxx: str) -> Path:
-    key = hashlib.sha256()
-    key.update(_SOURCE.read_bytes())
-    for part in (torch.__version__, str(Path(torch.__file__).parent), sys.version, cxx, *_STANDARDS):
-        key.update(part.encode())
-    suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    return _cache_dir() / f"host_checks_{key.hexdigest()[:20]}{suffix}"
+def _groups(params: list, states: list):
+    """Indices grouped by (device, dtype, layout): one kernel launch each."""
+    groups: dict[tuple, list[int]] = {}
+    for i, (p, s) in enumerate(zip(params, states)):
+        groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
+    return groups.items()
 
 
-def _build(cxx: str, target: Path) -> None:
-    """Compile into ``target`` once: under a file lock, written to a temporary name and renamed."""
-    import fcntl  # POSIX only; elsewhere the import fails and the Python twins run
-
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with open(target.parent / "build.lock", "w") as lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)
-        try:
-            if target.exists():  # another process built it while this one waited
-                return
-            fd, tmp = tempfile.mkstemp(suffix=target.suffix, dir=target.parent)
-            os.close(fd)
-            try:
-                for std in _STANDARDS:  # the first standard the compiler and torch's headers accept
-                    proc = subprocess.run(
-                        _build_command(cxx, Path(tmp), std), capture_output=True, text=True, timeout=_BUILD_TIMEOUT_S
-                    )
-                    if proc.returncode == 0:
-                        break
-                else:
-                    tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
-                    raise RuntimeError(f"{cxx} exited with {proc.returncode}: " + " | ".join(tail))
-                os.replace(tmp, target)
-            finally:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(tmp)
-        finally:
-            fcntl.flock(lock, fcntl.LOCK_UN)
+def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: Any = False) -> bool:
+    """Check ``update``'s ``skip_zeros``, ``max_unorm`` and ``maximize`` for ``rule``; returns whether clipping
+    is on."""
+    if not isinstance(skip_zeros, bool):
+        raise TypeError(f"skip_zeros must be a bool, got {type(skip_zeros).__name__}")
+    if not isinstance(maximize, bool):
+        raise TypeError(f"maximize must be a bool, got {type(maximize).__name__}")
+    if isinstance(max_unorm, Tensor):
+        clip = True
+    else:
+        if not max_unorm >= 0.0:
+            raise ValueError(f"Invalid max_unorm value: {max_unorm}")
+        clip = max_unorm > 0
+    if clip and rule.norms is not None:
+        raise ValueError(f"max_unorm does not combine with {rule.name}, which scales its update by its own norms")
+    return clip
 
 
-def _load() -> tuple[types.ModuleType | types.SimpleNamespace, str]:
-    if os.environ.get("BNBF_NATIVE", "1") == "0":
-        return PYTHON, "python (BNBF_NATIVE=0)"
-    cxx = _compiler()
-    if cxx is None:
-        return PYTHON, "python (no C++ compiler found: set CXX)"
-    try:
-        target = _target(cxx)
-        if not target.exists():
-            _build(cxx, target)
-        loader = importlib.machinery.ExtensionFileLoader(_MODULE, str(target))
-        spec = importlib.util.spec_from_file_location(_MODULE, target, loader=loader)
-        module = importlib.util.module_from_spec(spec)
-        loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any failure leaves the Python twins in place, with the reason
-        return PYTHON, f"python (native build or load failed: {type(e).__name__}: {str(e)[:300]})"
-    return module, f"native ({target})"
+def _rule_of(param: Any, states: list) -> Any:
+    """The rule module of the states, which must all be for one rule."""
+    rule_name = type(states[0]).layout.rule
+    for i, s in enumerate(states):
+        if type(s).layout.rule != rule_name:
+            raise ValueError(f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are "
+                             f"for {rule_name!r}")  # fmt: skip
+    return get_rule(rule_name)
 
 
-_IMPL: tuple | None = None
+@dataclasses.dataclass
+class _Call:
+    """A validated call: flat lists and the rule's hparams."""
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    states: list[tuple]
+    spec: Any  # structure key from _flatten
+    rule: Any
+    hparams: Any
+    step: Any
 
 
-def impl() -> types.ModuleType | types.SimpleNamespace:
-    """The module answering the checks: the compiled one (built on first call) or :data:`PYTHON`."""
-    global _IMPL
-    if _IMPL is None:
-        _IMPL = _load()
-    return _IMPL[0]
-
-
-def status() -> str:
-    """Which implementation runs, and why (building it first if needed)."""
-    impl()
-    return _IMPL[1]
-
-
-def grads_matcher(params: list) -> Callable[[list | tuple], bool]:
-    """A function telling whether a list of grads fits ``params`` (see :func:`py_grads_match`)."""
-    host = impl()
-    if host is PYTHON:
-        return py_grads_matcher(params)
-    return functools.partial(host.grads_match, list(params))
-
-
-def states_matcher() -> Callable[[list | tuple, tuple, tuple], bool]:
-    """:func:`py_states_match`: compiled where the module has it, else its Python form with the compiled
-    ``ptrs_equal`` where there is one."""
-    host = impl()
-    if hasattr(host, "states_match"):
-        return host.states_match
-    return functools.partial(py_states_match, ptrs_equal=host.ptrs_equal)
-
-
-_TORCH_FUNCTION_MODE = torch._C._is_torch_function_mode_enabled
-
-
-def grads_of(params: list | tuple) -> tuple[list, bool]:
-    """Each param's ``.grad`` (None where it has none), and whether every param has one (see
-    :func:`py_grads_of`). Under a torch function mode, which sees every ``.grad`` read, read in Python."""
-    return (PYTHON if _TORCH_FUNCTION_MODE() else impl()).grads_of(params)
-
-
-def set_each(objs: list | tuple, key: Any, value: Any) -> None:
-    """``obj[key] = value`` for every obj (see :func:`py_set_each`)."""
-    impl().set_each(objs, key, value)
+def _prepare(param: Any, grad: Any, state: Any, hparams: Any, step: Any) -> _Call:
+    """Every check of one call, raising the precise error (the pure call's and the generic path's)."""
+    params, p_spec = _flatten(param)
+    grads, g_spec = _flatten(grad)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    if not params:
+        raise ValueError("update needs at least one tensor")
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    if s_spec != p_spec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    _check_leaves(param, params, states, grads)
+    _check_no_overlap(param, params, states)
+    rule = _rule_of(param, states)
+    h = rule.make_hparams(hparams)
+    _check_present(rule, h, states)
+    _check_step(step)
+    return _Call(params, grads, states, p_spec, rule, h, step)

@@ -1,9 +1,9 @@
 """torch.optim optimizers with bitsandbytes' class names, arguments, defaults and checkpoint layout.
 
-Every class is a ``torch.optim.Optimizer`` whose ``step`` calls :func:`bnbf.update_` once per param group
-(more only where parameters of a group carry different per-parameter overrides or step counts); all the
-math lives in :mod:`bnbf`. ``X``, ``X8bit`` and ``X32bit`` exist for X in Adam, AdamW, Lion, SGD, RMSprop,
-Adagrad, LAMB, LARS and AdEMAMix, generated from one table (:data:`FAMILIES`).
+Every class is a ``torch.optim.Optimizer`` whose ``step`` steps each param group through one
+:func:`bnbf.plan` (more only where parameters of a group carry different per-parameter overrides or step
+counts); all the math lives in :mod:`bnbf`. ``X``, ``X8bit`` and ``X32bit`` exist for X in Adam, AdamW, Lion,
+SGD, RMSprop, Adagrad, LAMB, LARS, AdEMAMix and Adan, generated from one table (:data:`FAMILIES`).
 
     >>> import torch, bnbf_nn
     >>> model = torch.nn.Linear(64, 64)
@@ -46,6 +46,7 @@ keys of ``optimizer.state`` that are not params (not ints, which it reserves for
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import inspect
 import itertools
@@ -61,8 +62,7 @@ import torch
 from torch import Tensor
 
 import bnbf
-from bnbf import _host_checks as host_checks
-from bnbf.functional import _check_present, check_update_options
+from bnbf._host_checks import _check_present, check_update_options
 from bnbf.state import present_mask
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -73,9 +73,8 @@ _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  #
 _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
-# C-level loops over a group's params: the adapter's own cost is ~25-40 us a step on GPT-2 small's 148
-# tensors (H200 host; bnbf.update_ itself: ~300 us host, ~520 us GPU in fp32)
 _STEP = operator.itemgetter("step")
+_GRAD = operator.attrgetter("grad")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,6 +127,10 @@ FAMILIES: tuple[Family, ...] = (
            (("betas", (0.9, 0.999, 0.9999)), ("alpha", 5.0), ("t_alpha", None), ("t_beta3", None), ("eps", 1e-8),
             ("weight_decay", 1e-2)),
            bnb_slots=((0, 1), (2,))),
+    # not in bitsandbytes: the arguments of the authors' Adan (sail-sg/Adan); its global max_grad_norm only at 0
+    Family("Adan", "adan", 4, 1e-3,
+           (("betas", (0.98, 0.92, 0.99)), ("eps", 1e-8), ("weight_decay", 0.0), ("max_grad_norm", 0.0),
+            ("no_prox", False)), torch_flags=("foreach", "fused")),
 )  # fmt: skip
 _BY_NAME = {f.name: f for f in FAMILIES}
 # bitsandbytes' optimizer_name (Optimizer1State/2State's first argument) -> family; its "adam" decays decoupled
@@ -193,7 +196,7 @@ def _from_bnb_group(family: Family, saved: Mapping, ours: set) -> dict:
 
 
 class Optimizer8bit(torch.optim.Optimizer):
-    """Base of every bnbf_nn optimizer: a ``torch.optim.Optimizer`` that steps with :func:`bnbf.update_`.
+    """Base of every bnbf_nn optimizer: a ``torch.optim.Optimizer`` that steps with :func:`bnbf.plan`.
 
     Args:
         params: an iterable of tensors or of param-group dicts.
@@ -225,7 +228,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
 
     def _init_caches(self) -> None:
-        self._plans: dict[int, _Plan] = {}  # id(group) -> its cached lists and states
+        self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
         self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
@@ -246,7 +249,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
-        refused (torch only warns: a group is one fused bnbf.update_ call, which would write it twice)."""
+        refused (torch only warns: a group is one fused step, which would write it twice)."""
         with warnings.catch_warnings():  # torch's warning for it precedes the error below
             warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
             super().add_param_group(param_group)  # torch refuses a tensor already in another group
@@ -291,7 +294,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     # ---- step ------------------------------------------------------------------------------------------
 
-    def step(self, closure=None):  # no torch.no_grad() here: bnbf.update_ enters it (saves ~5 us a step)
+    def step(self, closure=None):  # no torch.no_grad(): a plan's direct launch needs none, its generic path has it
         """One optimizer step for every parameter that has a gradient (``closure``: re-evaluates the model and
         returns the loss, which ``step`` returns)."""
         loss = None
@@ -309,12 +312,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
         params that get their first state this step checked; nothing is written."""
         params = group["params"]
-        grads, every = host_checks.grads_of(params)
+        grads = list(map(_GRAD, params))
+        every = all(map(operator.is_not, grads, itertools.repeat(None)))
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
         for bucket in plan.buckets:
             bucket.call = self._settings(group, bucket)
+            if bucket.plan is None and plan.complete and every:  # checked (and built) before any group steps
+                bucket.plan = bnbf.plan(bucket.params, bucket.states)
         if not (plan.complete and every):
             checked = set()
             for p, g in zip(params, grads):
@@ -325,8 +331,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         return group, plan, grads, every
 
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
-        """A bucket's hyperparameters, validated into the rule's dataclass (which bnbf.update_ then takes as
-        it is: the check costs nothing extra), and bnbf.update_'s keywords."""
+        """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
+        as it is: the check costs nothing extra), and the step's keywords."""
         override = bucket.override
         h = self._rule.make_hparams(self._hparams(group, override))
         kw = {}
@@ -340,7 +346,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             _check_present(self._rule, h, bucket.states)
         return h, kw
 
-    def _step_group(self, group: dict, plan: _Plan, grads: list, every: bool) -> None:
+    def _step_group(self, group: dict, plan: _Buckets, grads: list, every: bool) -> None:
         if plan.complete and every:
             for bucket in plan.buckets:
                 self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx], bucket.call)
@@ -370,15 +376,22 @@ class Optimizer8bit(torch.optim.Optimizer):
                 by_step: dict[int, list[int]] = defaultdict(list)
                 for k, r in enumerate(records):
                     by_step[r["step"]].append(k)
-                for keep in by_step.values():
-                    self._run(group, bucket.subset(keep), [grads[k] for k in keep], call)
+                for keep in by_step.values():  # rare: bnbf.update_'s cached plans, not one kept per split
+                    sub = bucket.subset(keep)
+                    bnbf.update_(sub.params, [grads[k] for k in keep], sub.states, call[0], sub.records[0]["step"] + 1,
+                                 **call[1])  # fmt: skip
+                    for r in sub.records:
+                        r["step"] += 1
                 return
             bucket.uniform = True  # until a step leaves some of its params out
-        bnbf.update_(bucket.params, grads, bucket.states, call[0], t + 1, **call[1])
-        host_checks.set_each(records, "step", t + 1)
+        if bucket.plan is None:
+            bucket.plan = bnbf.plan(bucket.params, bucket.states)
+        bucket.plan.step(grads, call[0], t + 1, **call[1])
+        # every record's step in one C-level loop (a deque of length 0 consumes the map)
+        collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)), maxlen=0)
 
-    def _plan(self, group: dict) -> _Plan:
-        """Group the parameters that have state by their overrides: one bnbf.update_ call each."""
+    def _plan(self, group: dict) -> _Buckets:
+        """Group the parameters that have state by their overrides: one bnbf plan each."""
         mng = GlobalOptimManager.get_instance()
         params = group["params"]
         _check_unique(params)  # also for a params list edited in place after add_param_group
@@ -400,12 +413,12 @@ class Optimizer8bit(torch.optim.Optimizer):
             cfg = {k: v for k, v in configs.get(id(params[idx[0]]), {}).items() if k not in _STORAGE}
             made.append(_Bucket(idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg,
                                 len(idx) == len(params)))  # fmt: skip
-        plan = _Plan(params, len(params), self.state, mng.version, made,
-                     sum(map(len, buckets.values())) == len(params), configs)  # fmt: skip
+        plan = _Buckets(params, len(params), self.state, mng.version, made,
+                        sum(map(len, buckets.values())) == len(params), configs)  # fmt: skip
         self._plans[id(group)] = plan
         return plan
 
-    def _create_states(self, group: dict, grads: list, plan: _Plan) -> _Plan:
+    def _create_states(self, group: dict, grads: list, plan: _Buckets) -> _Buckets:
         """States for the parameters that got their first gradient; returns the (re)built plan."""
         new = False
         for p, g in zip(group["params"], grads):
@@ -519,7 +532,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
 @dataclasses.dataclass
 class _Bucket:
-    """Parameters of one group that share their overrides: one bnbf.update_ call."""
+    """Parameters of one group that share their overrides: one step of one bnbf plan."""
 
     idx: list[int]  # positions in group["params"]
     params: list[Tensor]
@@ -527,7 +540,8 @@ class _Bucket:
     override: dict  # GlobalOptimManager settings (not storage) shared by these params
     whole: bool  # the bucket is the whole group, in order
     uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
-    call: tuple | None = None  # this step's (validated hparams, bnbf.update_ keywords), see _prepare_group
+    call: tuple | None = None  # this step's (validated hparams, the step's keywords), see _prepare_group
+    plan: bnbf.Plan | None = None  # made at the bucket's first step
 
     def __post_init__(self):
         self.states = [r["state"] for r in self.records]
@@ -540,7 +554,7 @@ class _Bucket:
 
 
 @dataclasses.dataclass
-class _Plan:
+class _Buckets:
     """A group's cached buckets, valid while the group's params list (the same list object, of the same
     length: change a group's params by assigning a new list), the optimizer's states and the manager's
     overrides are the ones it was built from."""

@@ -45,10 +45,7 @@ except ImportError as e:
     print("triton missing:", e)
 EOF
 
-echo "== host checks (bnbf/_host_checks.py: the compiled module is built here, once, for every test worker)"
-export BNBF_REQUIRE_NATIVE=1
-(command -v c++ && c++ --version | head -1) || echo "no c++ on PATH"
-$PY -c "from bnbf import _host_checks as h; print('host checks:', h.status())"
+# host checks: plain Python (bnbf/plan.py), nothing to build; their host time is in the profile section below
 
 echo "== tests (budget ${BIG_BUDGET_S:-45} s for the big-memory tests alone, ${TEST_BUDGET_S:-300} s for the rest)"
 timeout_arg=()

@@ -1,16 +1,23 @@
-"""Where the host time of one ``bnbf.update_`` call goes on this machine (needs CUDA).
+"""Where the host time of one in-place step goes (GPT-2 small's 148 tensors and one 4096x4096 tensor).
 
-    python scripts/host_breakdown.py [--profile]
+    python scripts/host_breakdown.py [--profile]   # on a CUDA machine
+    python scripts/host_breakdown.py --cpu         # anywhere: CPU tensors, the launch stubbed out
 
-Prints, per parameter set, the median host microseconds of: the whole call; the call with the launch
-stubbed out (Python only); the whole call with the pure-Python twins of the compiled checks; uploading
-the scalar row; the launch alone through the direct path and through Triton's dispatch; and for scale,
-one torch kernel launch and torch's fused AdamW step.
+Prints, per parameter set, the median host microseconds (``--cpu``: the minimum) of: ``plan.step`` and
+``bnbf.update_`` (whole call, and with the launch stubbed out: Python only), each with the same grads every
+step and with new grad tensors every step (as a training loop's ``zero_grad(set_to_none=True)`` gives);
+``bnbf_nn.AdamW8bit``'s step; uploading the scalar row; the launch alone through the direct path and through
+Triton's dispatch; and for scale, one torch kernel launch and torch's fused AdamW step.
+
+``--cpu`` runs the plans' direct path on CPU tensors (as on CUDA: the per-step checks, the scalars, the
+grads' address comparison of ``launch_group``) with the kernel launch itself stubbed out: the part of the
+host time that is bnbf's Python, on this machine's CPU.
 """
 
 from __future__ import annotations
 
 import cProfile
+import importlib
 import os
 import pstats
 import statistics
@@ -18,16 +25,25 @@ import sys
 import time
 
 import torch
+from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
-import bnbf.functional as F  # noqa: E402
 import bnbf.kernels.multi_tensor as mt  # noqa: E402
+import bnbf_nn  # noqa: E402
 from benchmarks.bench_step import SETS  # noqa: E402
-from bnbf import _host_checks as hc  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
 
+P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function)
 PROFILE = "--profile" in sys.argv
+CPU = "--cpu" in sys.argv
+DEVICE = "cpu" if CPU else "cuda"
+FRESH = 8  # grad sets cycled through for "new grads": new tensor objects (at new addresses) every step
+
+
+def sync() -> None:
+    if not CPU:
+        torch.cuda.synchronize()
 
 
 def host_us(fn, n=200) -> float:
@@ -37,43 +53,90 @@ def host_us(fn, n=200) -> float:
         fn(i)
         times.append(time.perf_counter() - t0)
         if i % 50 == 49:
-            torch.cuda.synchronize()
-    torch.cuda.synchronize()
-    return statistics.median(times) * 1e6
+            sync()
+    sync()
+    return summary(times) * 1e6
+
+
+def summary(times: list) -> float:
+    """The median; on CPU the minimum (on a shared CI machine the median mostly measures other processes)."""
+    return min(times) if CPU else statistics.median(times)
+
+
+def _grads_only(group, grads, hp, skip_zeros=False, clip=False) -> bool:
+    """launch_group without the launch: the grads' address comparison it makes before every launch (the
+    group is left as it is, so a real launch after this one uploads what it needs)."""
+    return tuple(map(Tensor.data_ptr, grads)) == group.grad_ptrs
+
+
+class Stubbed:
+    """The kernel launch stubbed out (launch_group keeps only its grads' address comparison)."""
+
+    def __enter__(self):
+        self.real = P.launch_group
+        P.launch_group = _grads_only
+
+    def __exit__(self, *exc):
+        P.launch_group = self.real
 
 
 def breakdown(set_name: str, dtype=torch.float32) -> dict:
     shapes = SETS[set_name]()
-    params = {n: (torch.randn(s, device="cuda") * 0.1).to(dtype) for n, s in shapes}
-    grads = {k: (torch.randn_like(v) * 0.01) for k, v in params.items()}
+    params = {n: (torch.randn(s, device=DEVICE) * 0.1).to(dtype) for n, s in shapes}
+    grad_sets = [{k: (torch.randn_like(v) * 0.01) for k, v in params.items()} for _ in range(FRESH)]
+    grads = grad_sets[0]
     hp = {"lr": 1e-3, "weight_decay": 0.01}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), hp)
+    opt = bnbf.plan(params, state)
+    assert opt.groups, "the plan did not take the direct path"
     out = {}
-    out["update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
-    real = F.launch_group
-    F.launch_group = lambda *a, **k: None
-    try:
-        out["python only"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
-    finally:
-        F.launch_group = real
-    # the same call with the pure-Python twins of the compiled checks (a new plan picks them up)
-    saved_impl = hc._IMPL
-    hc._IMPL = (hc.PYTHON, "python (host_breakdown)")
-    F._PLANS.clear()
-    try:
-        out["update_ (Python checks)"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
-    finally:
-        hc._IMPL = saved_impl
-        F._PLANS.clear()
-    bnbf.update_(params, grads, state, hp, 1)  # the plan with the compiled checks again
+    if not CPU:
+        out["plan.step"] = host_us(lambda i: opt.step(grads, hp, i + 1))
+        out["update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
+        out["plan.step, new grads"] = host_us(lambda i: opt.step(grad_sets[i % FRESH], hp, i + 1))
+    with Stubbed():
+        out["python only: plan.step"] = host_us(lambda i: opt.step(grads, hp, i + 1))
+        out["python only: plan.step, new grads"] = host_us(lambda i: opt.step(grad_sets[i % FRESH], hp, i + 1))
+        out["python only: update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
+        out["python only: update_, new grads"] = host_us(
+            lambda i: bnbf.update_(params, grad_sets[i % FRESH], state, hp, i + 1)
+        )
+    leaves = [torch.nn.Parameter(v.detach().clone()) for v in params.values()]
+    for p, g in zip(leaves, grads.values()):
+        p.grad = g
+    ad = bnbf_nn.AdamW8bit(leaves, lr=1e-3, weight_decay=0.01)
+    with Stubbed():
+        ad.step()
+    grad_lists = [list(gs.values()) for gs in grad_sets]
+
+    def nn_step(i, fresh):
+        if fresh:  # what zero_grad(set_to_none=True) and backward leave: new grad tensors
+            for p, g in zip(leaves, grad_lists[i % FRESH]):
+                p.grad = g
+        t0 = time.perf_counter()
+        ad.step()
+        return time.perf_counter() - t0
+
+    def nn_us(fresh):
+        times = [nn_step(i, fresh) for i in range(200)]
+        sync()
+        return summary(times) * 1e6
+
+    if not CPU:
+        out["bnbf_nn.AdamW8bit step"] = nn_us(False)
+        out["bnbf_nn.AdamW8bit step, new grads"] = nn_us(True)
+    with Stubbed():
+        out["python only: bnbf_nn step"] = nn_us(False)
+        out["python only: bnbf_nn step, new grads"] = nn_us(True)
+    if CPU:
+        return out
     rule = bnbf.RULES["adamw"]
     h = rule.make_hparams(hp)
-    values = (*rule.scalars(h, 5), 0.0, h.lr)
+    values = (*rule.scalars(h, 5), 1.0, 5, 0.0, h.lr)
     dev = torch.device("cuda")
     out["scalar row upload"] = host_us(lambda i: as_scalar_row(values, dev))
-    plan = next(p for p in F._PLANS.values() if p.params[0] is next(iter(params.values())))
     gl = list(grads.values())
-    launches = [(group, gl if pick is None else pick(gl)) for pick, group in plan.groups]
+    launches = [(group, gl if pick is None else pick(gl)) for pick, group in opt.groups]
     row = as_scalar_row(values, dev)
 
     def launch_all(i):
@@ -95,35 +158,31 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     tp = [torch.nn.Parameter(v.detach().clone().float()) for v in params.values()]
     for p, g in zip(tp, grads.values()):
         p.grad = g.float()
-    opt = torch.optim.AdamW(tp, lr=1e-3, fused=True)
-    opt.step()
-    out["torch AdamW fused step"] = host_us(lambda i: opt.step())
-    import bnbf_nn
-
-    for p, g in zip(tp, grads.values()):
-        p.data = p.data.to(dtype)
-        p.grad = g
-    ad = bnbf_nn.AdamW8bit(tp, lr=1e-3, weight_decay=0.01)
-    ad.step()
-    out["bnbf_nn.AdamW8bit step"] = host_us(lambda i: ad.step())
+    topt = torch.optim.AdamW(tp, lr=1e-3, fused=True)
+    topt.step()
+    out["torch AdamW fused step"] = host_us(lambda i: topt.step())
     if PROFILE:
-        for name, fn in (("update_", lambda: bnbf.update_(params, grads, state, hp, 7)), ("adapter", ad.step)):
+        for name, fn in (("plan.step", lambda: opt.step(grads, hp, 7)), ("adapter", ad.step)):
             pr = cProfile.Profile()
             pr.enable()
             for _ in range(200):
                 fn()
             pr.disable()
-            torch.cuda.synchronize()
+            sync()
             print(f"== {set_name} {name}: cProfile of 200 calls")
             pstats.Stats(pr).sort_stats("tottime").print_stats(12)
     return out
 
 
 if __name__ == "__main__":
-    print(torch.cuda.get_device_name(), torch.__version__, "| host checks:", hc.status())
+    if CPU:  # the direct path (address tables, per-step checks) for CPU tensors, without the interpreter
+        P.use_triton = lambda t: True
+        print("CPU (launch stubbed out):", torch.__version__)
+    else:
+        print(torch.cuda.get_device_name(), torch.__version__)
     rows = {name: breakdown(name) for name in ("single_4096x4096", "gpt2_124M")}
     keys = list(next(iter(rows.values())))
-    print("| host us (median) | " + " | ".join(rows) + " |")
+    print(f"| host us ({'min' if CPU else 'median'}) | " + " | ".join(rows) + " |")
     print("|---|" + "---|" * len(rows))
     for k in keys:
         print(f"| {k} | " + " | ".join(f"{rows[n][k]:.1f}" for n in rows) + " |")

@@ -17,7 +17,9 @@ import bnbf_nn  # noqa: E402
 from benchmarks.bench_step import SETS  # noqa: E402
 
 
-def profile(set_name: str, dtype: torch.dtype, rule: str = "adamw", steps: int = 20, adapter: bool = False) -> None:
+def profile(
+    set_name: str, dtype: torch.dtype, rule: str = "adamw", steps: int = 20, adapter: bool = False, plan: bool = False
+) -> None:
     shapes = SETS[set_name]()
     params = {name: (torch.randn(s, device="cuda") * 0.1).to(dtype) for name, s in shapes}
     grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
@@ -28,6 +30,9 @@ def profile(set_name: str, dtype: torch.dtype, rule: str = "adamw", steps: int =
             leaf.grad = g
         opt = bnbf_nn.AdamW8bit(leaves, **hp)
         step = lambda i: opt.step()
+    elif plan:  # the explicit plan, held by the loop
+        opt = bnbf.plan(params, bnbf.init_state(params, bnbf.OptimSpec(rule=rule), hp))
+        step = lambda i: opt.step(grads, hp, i)
     else:
         state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule), hp)
         step = lambda i: bnbf.update_(params, grads, state, hp, i)
@@ -52,7 +57,7 @@ def profile(set_name: str, dtype: torch.dtype, rule: str = "adamw", steps: int =
         if e.device_type == torch.autograd.DeviceType.CUDA and e.self_device_time_total > 0:
             kernels[e.key[:40]] = e.self_device_time_total / steps / 1e3
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3
-    what = "bnbf_nn.AdamW8bit" if adapter else rule
+    what = "bnbf_nn.AdamW8bit" if adapter else f"{rule} plan.step" if plan else f"{rule} update_"
     print(f"{set_name} {str(dtype)[6:]} {what}: host {med(host):.3f} ms, wall {med(wall):.3f} ms, kernels "
           + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:4]))
 
@@ -62,6 +67,7 @@ if __name__ == "__main__":
         for dt in (torch.float32, torch.bfloat16):
             profile(name, dt)
     for dt in (torch.float32, torch.bfloat16):
+        profile("gpt2_124M", dt, plan=True)
         profile("gpt2_124M", dt, adapter=True)
     profile("gpt2_124M", torch.float32, "lamb")
     profile("gpt2_124M", torch.float32, "lars")

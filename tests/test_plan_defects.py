@@ -9,6 +9,7 @@ Each test runs on the reference path and, under ``TRITON_INTERPRET=1``, on the T
 from __future__ import annotations
 
 import gc
+import importlib
 import os
 import re
 import subprocess
@@ -22,6 +23,8 @@ from conftest import assert_untouched, kernel_runs, snapshot
 
 import bnbf
 from bnbf import functional as F
+
+P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
 
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 SPEC8 = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
@@ -114,8 +117,8 @@ def test_the_plan_checks_overlap_once(monkeypatch):
     params = {k: torch.randn(300) for k in "ab"}
     state = bnbf.init_state(params, SPEC8)
     calls = []
-    real = F._overlap
-    monkeypatch.setattr(F, "_overlap", lambda *a: calls.append(1) or real(*a))
+    real = P._overlap
+    monkeypatch.setattr(P, "_overlap", lambda *a: calls.append(1) or real(*a))
     for step in range(1, 4):
         bnbf.update_(params, {k: torch.randn(300) for k in params}, state, HP, step)
     assert len(calls) == 1
@@ -189,25 +192,25 @@ def test_a_state_field_given_new_memory_is_stepped_there():
     assert torch.equal(kept, before)
 
 
-@pytest.mark.parametrize("which", ["python", "compiled"])
-def test_states_matcher(which, monkeypatch):
-    from bnbf import _host_checks as hc
-
-    if which == "python":
-        monkeypatch.setattr(hc, "_IMPL", (hc.PYTHON, "python (test)"))
-    match = hc.states_matcher()
+@plan_path
+def test_update__confirms_the_objects_it_planned():
+    """New state objects over the same tensors, or the same tensors in a new list: another plan (a plan is
+    for the objects it was built with, confirmed by their ids and the states' classes), the same step."""
     params = [torch.randn(300), torch.randn(8)]
     states = bnbf.init_state(params, SPEC8)
-    types = tuple(map(type, states))
-    ptrs = tuple(t.data_ptr() for s in states for t in s)
-    assert match(states, types, ptrs) is True
-    assert match(tuple(states), types, ptrs) is True
-    assert match(states[:1], types, ptrs) is False
-    assert match(states, types, ptrs[:-1]) is False
-    assert match(states, types[::-1], ptrs) is False
-    assert match([states[0], params[1]], types, ptrs) is False  # not a state
-    moved = type(states[1])(*(t.clone() for t in states[1]))
-    assert match([states[0], moved], types, ptrs) is False
+    bnbf.update_(params, [torch.randn(300), torch.randn(8)], states, HP, 1)
+    first = next(p for p in F._PLANS.values() if p.params[0] is params[0])
+    assert first._same(params, states) and not first._same(params, [type(s)(*s) for s in states])
+    rebuilt = [type(s)(*s) for s in states]
+    g = [torch.randn(300), torch.randn(8)]
+    want_p, want_s = bnbf.update([p.clone() for p in params], g, [type(s)(*(t.clone() for t in s)) for s in states],
+                                 HP, 2)  # fmt: skip
+    bnbf.update_(params, g, rebuilt, HP, 2)
+    for a, b in zip(params, want_p):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    for s, w in zip(rebuilt, want_s):
+        for a, b in zip(s, w):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 # ---- 4. threads stepping different params -------------------------------------------------------------
@@ -256,12 +259,12 @@ def test_threads_churning_the_plan_cache(monkeypatch):
     """More plans than the cache keeps, looked up, confirmed, evicted and rebuilt by two threads at once
     (launches stubbed out: only the caches are exercised). A stress test of the cache's lock: the races it
     closes (an entry evicted between a thread's lookup and its move_to_end) are too rare to fail on demand."""
-    monkeypatch.setattr(F, "launch_group", lambda *a, **k: None)
+    monkeypatch.setattr(P, "launch_group", lambda *a, **k: None)
     old = sys.getswitchinterval()
     sys.setswitchinterval(1e-6)  # switch threads as often as possible
     try:
         # sizes that differ: the kernels' task-list cache churns too
-        problems = [[torch.randn(4 + i)] for i in range(2 * F._PLAN_CACHE_SIZE + 8)]
+        problems = [[torch.randn(4 + i)] for i in range(2 * P._PLAN_CACHE_SIZE + 8)]
         states = [bnbf.init_state(p, SPEC32) for p in problems]
         errors: list = []
 
@@ -282,7 +285,7 @@ def test_threads_churning_the_plan_cache(monkeypatch):
     finally:
         sys.setswitchinterval(old)
     assert errors == []
-    assert len(F._PLANS) <= F._PLAN_CACHE_SIZE
+    assert len(F._PLANS) <= P._PLAN_CACHE_SIZE
 
 
 # ---- 5. import without NumPy ----------------------------------------------------------------------------

@@ -1,0 +1,429 @@
+"""The explicit step plan: a set of params and states checked once, with their kernel groups and tables.
+
+:func:`plan` checks params and states as :func:`bnbf.update_` does (float params, states that fit them,
+no tensor listed twice, no two leaves sharing memory, one rule) and groups them by (device, param dtype,
+state layout): one kernel launch per group, whose address table (every param and state address) is
+uploaded once. :meth:`Plan.step` then checks only what a step brings or what can change between steps,
+in C-level loops over the lists: the grads (type, shape, dtype, device, layout, contiguity), and whether a
+param or state field was given other memory or another shape (``.data =``, ``resize_``, ``t_``...), in
+which case the plan checks and builds itself again. :func:`bnbf.update_` is a plan kept in a small cache
+that holds no tensor alive (:func:`_cached`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import itertools
+import operator
+import threading
+import weakref
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bnbf import ops
+from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
+from bnbf._host_checks import (
+    _SHAPE_DTYPE,
+    _check_grad,
+    _check_leaves,
+    _check_no_overlap,
+    _check_present,
+    _check_step,
+    _flatten,
+    _grads_ok,
+    _groups,
+    _is_plain,
+    _names,
+    _overlap,
+    _prepare,
+    _rule_of,
+    _states_ok,
+    _unflatten,
+    check_update_options,
+)
+from bnbf.kernels.multi_tensor import build_group, launch_group
+from bnbf.quant import DITHER_SEED_MOD
+from bnbf.rules import get_rule
+from bnbf.rules.base import as_scalar_row
+from bnbf.state import is_state, present_mask
+
+__all__ = ["Plan", "plan"]
+
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+_GRAD_META = operator.attrgetter("shape", "dtype", "device", "layout")
+_CHAIN = itertools.chain.from_iterable
+
+
+def plan(params: Any, state: Any) -> Plan:
+    """Check ``params`` and ``state`` once and return a :class:`Plan` that steps them in place.
+
+    Args:
+        params: a tensor or a dict/list/tuple pytree of tensors (float32, float16 or bfloat16), as
+            :func:`bnbf.update_` takes them.
+        state: from :func:`bnbf.init_state`, in the same structure.
+
+    Returns:
+        A :class:`Plan` holding the params and states (their leaves as they are now).
+
+    Raises:
+        ValueError, TypeError: as :func:`bnbf.update_` would for these params and states (a tensor listed
+            twice, leaves sharing memory, a state built for another param, mixed rules...).
+
+    Example:
+        >>> import torch, bnbf
+        >>> params = {"w": torch.ones(2, 3), "b": torch.ones(3)}
+        >>> state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
+        >>> opt = bnbf.plan(params, state)
+        >>> for step in (1, 2):
+        ...     opt.step({"w": torch.ones(2, 3), "b": torch.ones(3)}, {"lr": 0.1, "weight_decay": 0.0}, step)
+        >>> params["b"]
+        tensor([0.8000, 0.8000, 0.8000])
+    """
+    return Plan(params, state)
+
+
+class Plan:
+    """In-place optimizer steps of a fixed set of params and states, checked once (see :func:`plan`).
+
+    ``plan.step(grads, hparams, step)`` is ``bnbf.update_(params, grads, state, hparams, step)`` for the
+    params and states the plan was built with, minus the checks that cannot change from one step to the
+    next. Per step it checks the grads (each a plain, dense tensor of its param's shape, dtype and device;
+    non-contiguous ones are copied) and that every param and state field still has its planned memory,
+    shape, dtype and contiguity; if one does not (a param resized or transposed in place, moved with
+    ``.data =`` or ``model.to()``), it checks everything again and rebuilds its tables, raising as
+    ``update_`` would where the leaves no longer make a valid step (a resized param no longer fits its
+    state). Params and states that cannot use the direct launch (CPU tensors on the reference path,
+    non-contiguous params, tensor subclasses, inside ``torch.compile``) take ``update_``'s generic path,
+    all checks included, every step.
+
+    A plan keeps its params and states alive (as a ``torch.optim.Optimizer`` keeps its params) and steps
+    the leaves it was built with: replacing an entry of the ``params`` dict afterwards does not change
+    the plan; build a new one. One thread at a time may step a plan.
+
+    Attributes:
+        params: the planned param tensors, in leaf order.
+        states: their states, in the same order.
+        rule: the rule module (``bnbf.RULES[name]``) of the states.
+        groups: ``(pick, group)`` per kernel launch: the group's address table and task list
+            (:class:`bnbf.kernels.multi_tensor.Group`) and how its grads are picked from the flat list
+            (``None``: all of them, in order); empty on the generic path.
+    """
+
+    def __init__(self, params: Any, state: Any):
+        leaves, spec = _flatten(params)
+        states, s_spec = _flatten(state, is_leaf=is_state)
+        _validate(params, leaves, states, spec, s_spec)
+        self._hold = True
+        self._tree = params  # for the names in error messages
+        self._params, self._states = leaves, states
+        self._fields = list(_CHAIN(states))
+        self.alive = True
+        self._setup(leaves, states, spec)
+
+    @classmethod
+    def _weak(cls, tree: Any, params: list, states: list, spec: Any) -> Plan | None:
+        """A plan for :func:`bnbf.update_`'s cache: it holds weak references only and trusts the caller to
+        pass the planned objects (:meth:`_same`). None where the direct path does not apply or a check
+        fails (the generic path then steps, or raises the precise error)."""
+        if not _plannable(params) or not _states_ok(params, states) or _overlap(params, states) is not None:
+            return None
+        if len({type(s).layout.rule for s in states}) != 1:
+            return None
+        self = cls.__new__(cls)
+        self._hold = False
+        self._tree = self._params = self._states = self._fields = None
+        self.alive = True
+        self._setup(params, states, spec)
+        self._pids, self._sids, self._types = list(map(id, params)), list(map(id, states)), list(map(type, states))
+        return self
+
+    def _setup(self, params: list, states: list, spec: Any) -> None:
+        """Groups, address tables and the planned metadata of checked leaves."""
+        self._spec = spec
+        self._n = len(params)
+        self.rule = get_rule(type(states[0]).layout.rule)
+        presents = {type(s).layout.present for s in states}
+        self._present = presents.pop() if len(presents) == 1 else -1  # -1: mixed, refused by the first step
+        self._direct = _plannable(params)
+        self.groups: list = []
+        if not self._direct:
+            return
+        built = []
+        with BUILD_LOCK:
+            for (_, _, layout), idx in _groups(params, states):
+                ps = [params[i].detach() for i in idx]
+                ss = [t for i in idx for t in states[i]]
+                group = build_group(ps, ps, ss, ss, layout.rule, layout.format, layout.block_size, layout.present)
+                built.append((idx, group))
+        # one group of every tensor in order: the grads list as it is; else each group's grads picked in one
+        # C-level call (a tuple, also for one index)
+        self.groups = [(None, built[0][1])] if len(built) == 1 else [(_picker(idx), g) for idx, g in built]
+        self._devices = {p.device for p in params}
+        self._interpreted = any(d.type == "cpu" for d in self._devices)
+        # what a step compares: the params' addresses, shapes and dtypes, the fields' addresses, and what
+        # each grad must be (the param's shape, dtype, device, strided)
+        self._ptrs = tuple(map(Tensor.data_ptr, params))
+        self._meta = list(map(_SHAPE_DTYPE, params))
+        self._grad_meta = list(map(_GRAD_META, params))
+        self._field_ptrs = tuple(map(Tensor.data_ptr, _CHAIN(states)))
+
+    # ---- the public step --------------------------------------------------------------------------------
+
+    @property
+    def params(self) -> list:
+        if self._hold:
+            return self._params
+        return [r() for r in self._refs[: self._n]]  # None for one since freed
+
+    @property
+    def states(self) -> list:
+        return self._states if self._hold else []  # update_'s plans hold no state (a tuple has no weak reference)
+
+    def step(
+        self, grads: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
+        max_unorm: Any = 0.0, maximize: bool = False,
+    ) -> None:  # fmt: skip
+        """One in-place step of the planned params and states: :func:`bnbf.update_`'s semantics.
+
+        Args:
+            grads: gradients in the structure of the plan's params, each of its param's shape, dtype and
+                device (non-contiguous grads are copied).
+            hparams: a mapping with torch.optim's names or the rule's hparams dataclass; Python numbers
+                or 0-d tensors (changing them never compiles a kernel).
+            step: 1-based index of this update (int or 0-d integer tensor).
+            skip_zeros, max_unorm, maximize: as for :func:`bnbf.update`.
+
+        Raises:
+            ValueError, TypeError, RuntimeError: for a bad grad, hyperparameter, step or option, before
+                anything is written.
+        """
+        if self._direct and not self._confirm(self._params, self._fields):
+            self._rebuild()  # raises where the leaves no longer make a valid step
+        self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
+
+    def __repr__(self) -> str:
+        path = f"{len(self.groups)} launch group(s)" if self._direct else "generic path"
+        return f"<bnbf.Plan: {self._n} tensors, rule {self.rule.name!r}, {path}>"
+
+    # ---- per step ------------------------------------------------------------------------------------------
+
+    def _same(self, params: list, states: list) -> bool:
+        """Whether ``params`` and ``states`` are the planned objects, of the planned state classes (a cached
+        plan: while none of its tensors was freed, an equal id is the same object; a state, a tuple, cannot be
+        referenced weakly, but its fields can and their addresses are confirmed)."""
+        return (
+            self.alive
+            and list(map(id, params)) == self._pids
+            and list(map(id, states)) == self._sids
+            and list(map(type, states)) == self._types
+        )
+
+    def _confirm(self, params: list, fields: Any) -> bool:
+        """Whether the planned params and state fields still have their planned memory, shapes, dtypes and
+        contiguity: what an in-place ``resize_``, ``t_``, ``set_`` or ``.data =`` changes. (A param's device
+        is its memory's: another device is another address. Its layout cannot change: torch refuses
+        ``.data =`` a sparse tensor.)"""
+        try:
+            return (
+                tuple(map(Tensor.data_ptr, params)) == self._ptrs
+                and set(map(type, params)) <= _PLAIN_TYPES
+                and list(map(_SHAPE_DTYPE, params)) == self._meta
+                and all(map(Tensor.is_contiguous, params))
+                and tuple(map(Tensor.data_ptr, fields)) == self._field_ptrs
+            )
+        except RuntimeError:  # e.g. a tensor without storage
+            return False
+
+    def _rebuild(self) -> None:
+        _validate(self._tree, self._params, self._states, self._spec, self._spec)
+        self._setup(self._params, self._states, self._spec)
+
+    def _grads_fit(self, grads: list) -> bool:
+        """Each grad a plain tensor with its param's shape, dtype, device and strided layout, contiguous."""
+        try:
+            return (
+                len(grads) == self._n
+                and set(map(type, grads)) <= _PLAIN_TYPES
+                and list(map(_GRAD_META, grads)) == self._grad_meta
+                and all(map(Tensor.is_contiguous, grads))
+            )
+        except RuntimeError:  # is_contiguous of a sparse compressed tensor
+            return False
+
+    def _step(
+        self, params: list, states: list, tree: Any, grad: Any, hparams: Any, step: Any, skip_zeros: Any,
+        max_unorm: Any, maximize: Any,
+    ) -> None:  # fmt: skip
+        if not self._direct or torch.compiler.is_compiling():
+            _step_generic(_unflatten(params, self._spec), grad, _unflatten(states, self._spec), hparams, step,
+                          skip_zeros, max_unorm, maximize)  # fmt: skip
+            return
+        t = type(grad)
+        if t is dict:
+            grads, g_spec = list(grad.values()), ("dict", tuple(grad))
+        elif t is list or t is tuple:
+            grads, g_spec = grad, (t, len(grad))
+        elif t in _PLAIN_TYPES:
+            grads, g_spec = [grad], "leaf"
+        else:
+            grads, g_spec = None, None
+        if g_spec != self._spec or not self._grads_fit(grads):
+            grads = self._checked_grads(params, tree, grad)
+        rule = self.rule
+        h = rule.make_hparams(hparams)
+        if present_mask(rule, h) != self._present:
+            _check_present(rule, h, states)
+        _check_step(step)
+        values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+        if any(isinstance(v, Tensor) for v in values):
+            with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
+                rows = {d: as_scalar_row(values, d) for d in self._devices}
+        else:  # Python numbers reach the kernel as arguments: nothing to upload
+            rows = dict.fromkeys(self._devices, tuple(map(float, values)))
+        if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
+            with INTERPRETER_LOCK:
+                self._launch(grads, rows, skip_zeros, clip)
+        else:
+            self._launch(grads, rows, skip_zeros, clip)
+
+    def _launch(self, grads: list, rows: dict, skip_zeros: bool, clip: bool) -> None:
+        for pick, group in self.groups:
+            launch_group(group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip)
+
+    def _checked_grads(self, params: list, tree: Any, grad: Any) -> list:
+        """The slow path of the grads: raise the precise error for the first wrong grad, else return them
+        with non-contiguous ones copied."""
+        grads, g_spec = _flatten(grad)
+        if g_spec != self._spec:
+            raise ValueError(f"grad structure {g_spec} does not match param structure {self._spec}")
+        names = None
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if not _grads_ok([p], [g]):
+                names = names or _names(tree)
+                _check_grad(names[i], p, g)
+                raise AssertionError(f"unexpected grad at {names[i]}")  # _grads_ok and _check_grad disagree
+        with torch.no_grad():
+            return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+def _plannable(params: list) -> bool:
+    """Whether params can take the direct launch: plain tensors (other subclasses read their metadata
+    differently), contiguous, on a device the Triton kernels run on, outside tracing."""
+    return (
+        not torch.compiler.is_compiling()
+        and all(map(_is_plain, params))
+        and all(map(use_triton, params))
+        and all(map(Tensor.is_contiguous, params))
+    )
+
+
+def _validate(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> None:
+    """Every check of a call's params and states (not its grads), raising the precise error."""
+    if not params:
+        raise ValueError("a plan needs at least one tensor")
+    if s_spec != spec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {spec}")
+    _check_leaves(tree, params, states)
+    _check_no_overlap(tree, params, states)
+    _rule_of(tree, states)
+
+
+def _picker(idx: list[int]):
+    get = operator.itemgetter(*idx)
+    return get if len(idx) > 1 else (lambda items: (get(items),))
+
+
+def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:
+    """The rule's scalars followed by the four the step adds: the gradient's sign (-1 with ``maximize``), the
+    seed of the states' stochastic rounding (the step mod 2**24, see bnbf.quant), and the clipping pair
+    (max_unorm, lr); and whether clipping is on."""
+    clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
+    seed = step % DITHER_SEED_MOD  # an int, or a device op on a tensor step (no host sync)
+    return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
+
+
+def _step_generic(
+    param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any
+) -> None:
+    """The in-place step without a plan's tables: every check, then one op call per group (the reference
+    path, non-contiguous params, subclasses, tracing)."""
+    call = _prepare(param, grad, state, hparams, step)
+    values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
+    rows = {d: as_scalar_row(values, d) for d in {p.device for p in call.params}}
+    with torch.no_grad():
+        for (device, _, layout), idx in _groups(call.params, call.states):
+            ps = [call.params[i].detach() for i in idx]
+            work = [p if p.is_contiguous() else p.contiguous() for p in ps]
+            gs = [call.grads[i].detach().contiguous() for i in idx]
+            ss = [t for i in idx for t in call.states[i]]
+            ops.step_(
+                work, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
+                layout.present, skip_zeros, clip,
+            )  # fmt: skip
+            for p, w in zip(ps, work):
+                if w is not p:
+                    p.copy_(w)
+
+
+# ---- bnbf.update_'s plans -----------------------------------------------------------------------------------
+
+_PLANS: collections.OrderedDict = collections.OrderedDict()
+_PLAN_CACHE_SIZE = 32  # one per (optimizer, param group, override bucket) in use
+_PLANS_LOCK = threading.Lock()  # threads stepping different params share the cache
+_DEAD: list = []  # keys of plans marked dead by a weakref callback, dropped at the next lookup
+
+
+def _died(plan_ref: weakref.ref, key: tuple, _tensor_ref: Any) -> None:
+    # runs wherever a planned tensor is freed (possibly inside a cache update of this very thread), so it
+    # takes no lock and leaves the cache alone: the next _cached call drops the plan
+    p = plan_ref()
+    if p is not None and p.alive:
+        p.alive = False
+        p.groups = []  # its device tables and scratch go now, not at the next call
+        _DEAD.append(key)
+
+
+def _drop_dead() -> None:
+    with _PLANS_LOCK:
+        while _DEAD:
+            key = _DEAD.pop()
+            p = _PLANS.get(key)
+            if p is not None and not p.alive:
+                del _PLANS[key]
+
+
+def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Plan | None:
+    """:func:`bnbf.update_`'s plan for these params and states: found by a few ids, confirmed to be for
+    these very objects (ids, while none of its tensors was freed) with their planned memory and shapes,
+    else built. The cache holds only weak references to tensors: a plan whose tensor is freed is dropped.
+    None where the generic path must run (the reference path, non-contiguous params, tracing, or anything
+    to report as an error)."""
+    if s_spec != spec or len(states) != len(params) or not params or torch.compiler.is_compiling():
+        return None
+    if _DEAD:
+        _drop_dead()
+    key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
+    found = _PLANS.get(key)
+    if found is not None:
+        if found._same(params, states) and found._confirm(params, _CHAIN(states)):
+            with _PLANS_LOCK:
+                if _PLANS.get(key) is found:
+                    _PLANS.move_to_end(key)
+            return found
+        with _PLANS_LOCK:
+            if _PLANS.get(key) is found:
+                del _PLANS[key]
+    made = Plan._weak(tree, params, states, spec)
+    if made is None:
+        return None
+    died = functools.partial(_died, weakref.ref(made), key)
+    made._refs = [weakref.ref(t, died) for t in itertools.chain(params, _CHAIN(states))]
+    with _PLANS_LOCK:
+        _PLANS[key] = made
+        _PLANS.move_to_end(key)
+        while len(_PLANS) > _PLAN_CACHE_SIZE:
+            _PLANS.popitem(last=False)
+    return made

@@ -1,0 +1,253 @@
+"""The explicit plan (``bnbf.plan``): the same steps as ``bnbf.update_`` and ``bnbf.update``, every check of
+the params and states made when it is built, and a plan that notices params and states changed in place
+between steps. Runs on both paths (on the reference path a plan takes ``update_``'s generic path)."""
+
+from __future__ import annotations
+
+import doctest
+import gc
+import importlib
+import re
+import weakref
+
+import pytest
+import torch
+from conftest import assert_untouched, kernel_runs, snapshot
+
+import bnbf
+import bnbf_nn
+
+P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
+HPS = [{"lr": 1e-2, "weight_decay": 0.01}, {"lr": 3e-3, "betas": (0.8, 0.95)}, {"lr": 1e-3, "eps": 1e-6}]
+SPEC8 = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+SPEC32 = bnbf.OptimSpec(rule="adamw", state_bits=32)
+direct_path = pytest.mark.skipif(not kernel_runs("cpu"), reason="plans take the direct launch on the Triton path")
+
+
+def test_the_docstring_example_runs():
+    finder = doctest.DocTestFinder()
+    runner = doctest.DocTestRunner()
+    for test in finder.find(P.plan, "plan", globs={}):
+        runner.run(test)
+    assert runner.failures == 0 and runner.tries > 0
+
+
+def _params(seed: int = 0, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = {"emb": (40, 16), "w": (16, 17), "b": (17,), "one": (1,), "odd": (257,)}
+    return {k: torch.randn(s, generator=gen).to(dtype) for k, s in shapes.items()}
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return {k: torch.randn(v.shape, generator=gen).to(v.dtype) for k, v in params.items()}
+
+
+def _clone(tree):
+    return {k: type(v)(*(t.clone() for t in v)) if bnbf.state.is_state(v) else v.clone() for k, v in tree.items()}
+
+
+def _equal(a, b):
+    for k in a:
+        if bnbf.state.is_state(a[k]):
+            assert all(torch.equal(x, y) for x, y in zip(a[k], b[k])), k
+        else:
+            assert torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("spec", [SPEC8, SPEC32], ids=["8bit", "32bit"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_plan_step_is_update_and_update_(spec, dtype):
+    """Three steps with changing hyperparameters (8-bit: the small tensors in a second, 32-bit group)."""
+    params = _params(dtype=dtype)
+    state = bnbf.init_state(params, spec)
+    ref_p, ref_s = _clone(params), _clone(state)
+    in_p, in_s = _clone(params), _clone(state)
+    opt = bnbf.plan(params, state)
+    for step, hp in enumerate(HPS, 1):
+        g = _grads(params, step)
+        opt.step(g, hp, step)
+        bnbf.update_(in_p, g, in_s, hp, step)
+        ref_p, ref_s = bnbf.update(ref_p, g, ref_s, hp, step)
+    for a, b in ((params, ref_p), (state, ref_s), (in_p, ref_p), (in_s, ref_s)):
+        _equal(a, b)
+
+
+@pytest.mark.parametrize(
+    "tree",
+    [
+        lambda p: p["w"],  # one tensor
+        lambda p: list(p.values()),
+        lambda p: tuple(p.values()),
+        lambda p: {"layer": {"w": p["w"], "b": p["b"]}, "emb": [p["emb"]]},  # nested
+    ],
+    ids=["leaf", "list", "tuple", "nested"],
+)
+def test_any_pytree(tree):
+    params = _params()
+    pt = tree(params)
+    state = bnbf.init_state(pt, SPEC8)
+    ref_p, ref_s = bnbf.update(tree(_clone(params)), tree(_grads(params, 1)), state, HPS[0], 1)
+    opt = bnbf.plan(pt, state)
+    opt.step(tree(_grads(params, 1)), HPS[0], 1)
+    leaves = torch.utils._pytree.tree_leaves
+    assert all(torch.equal(a, b) for a, b in zip(leaves(pt), leaves(ref_p)))
+    assert all(torch.equal(a, b) for a, b in zip(leaves(state), leaves(ref_s)))
+
+
+@pytest.mark.parametrize(
+    "make,exc,match",
+    [
+        (lambda w, v: ([w, w], None), ValueError, r"param\[0\] and param\[1\] are the same tensor"),
+        (lambda w, v: ([w, w[1]], None), ValueError, r"param\[0\] and param\[1\] overlap in memory"),
+        (lambda w, v: ([w[:, :3], w[:, 2:]], None), ValueError, r"param\[0\] and param\[1\] overlap in memory"),
+        (lambda w, v: ([w, v], "other spec"), ValueError, r"state\[1\]\.exp_avg does not fit the param"),
+        (lambda w, v: ([w, v], "other rule"), ValueError, r"state\[1\] is for rule 'lion'"),
+        (lambda w, v: ([w, v], "not a state"), ValueError, "state structure"),
+        (lambda w, v: ([w, v.long()], None), TypeError, r"param\[1\] has dtype torch.int64"),
+        (lambda w, v: ([], None), ValueError, "at least one tensor"),
+    ],
+    ids=["same tensor", "row view", "column views", "state of another param", "mixed rules", "not a state",
+         "integer param", "empty"],  # fmt: skip
+)
+def test_every_check_of_params_and_states_is_made_when_the_plan_is_built(make, exc, match):
+    w, v = torch.randn(4, 8), torch.randn(8)
+    params, how = make(w, v)
+    states = [bnbf.init_state(p, SPEC32) if p.is_floating_point() else None for p in params]
+    if how == "other spec":
+        states[1] = bnbf.init_state(torch.randn(9), SPEC32)
+    elif how == "other rule":
+        states[1] = bnbf.init_state(v, bnbf.OptimSpec(rule="lion", state_bits=32))
+    elif how == "not a state":
+        states[1] = torch.zeros(8)
+    elif params and not params[-1].is_floating_point():
+        states[-1] = bnbf.init_state(v, SPEC32)
+    snap = snapshot(w, v)
+    with pytest.raises(exc, match=match):
+        bnbf.plan(params, states)
+    assert_untouched(snap)
+
+
+@direct_path
+def test_hyperparameters_and_steps_never_rebuild_the_plan(monkeypatch):
+    builds = []
+    real = P.build_group
+    monkeypatch.setattr(P, "build_group", lambda *a: builds.append(1) or real(*a))
+    params = _params()
+    opt = bnbf.plan(params, bnbf.init_state(params, SPEC8))
+    n = len(builds)
+    assert n == len(opt.groups) == 2
+    for step, hp in enumerate([*HPS, {"lr": torch.tensor(1e-3)}, {"lr": 0.5, "weight_decay": 0.0}], 1):
+        opt.step(_grads(params, step), hp, step, maximize=step % 2 == 0)
+    opt.step(_grads(params, 9), HPS[0], torch.tensor(9))
+    assert len(builds) == n
+
+
+def _three_steps(change):
+    """Two steps, ``change(params, state)``, a third step; the plan's third step against ``update`` on
+    copies of what the third step is given."""
+    params = {"sq": torch.randn(32, 32), "v": torch.randn(300), "s": torch.randn(5)}
+    state = bnbf.init_state(params, SPEC8)
+    opt = bnbf.plan(params, state)
+    for step in (1, 2):
+        opt.step(_grads(params, step), HPS[0], step)
+    change(params, state)
+    g = _grads(params, 3)
+    want_p, want_s = bnbf.update({k: v.contiguous() for k, v in params.items()}, g, _clone(state), HPS[0], 3)
+    opt.step(g, HPS[0], 3)
+    _equal(params, want_p)
+    _equal(state, want_s)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda p, s: p["sq"].t_(),  # same shape, new strides: stepped as the new view
+        lambda p, s: setattr(p["sq"], "data", p["sq"].data.t()),
+        lambda p, s: setattr(p["v"], "data", p["v"].data.clone()),  # new memory (model.to(), FSDP...)
+        lambda p, s: setattr(p["v"], "data", p["v"].data.to(torch.bfloat16)),  # another dtype: its state still fits
+        lambda p, s: setattr(s["v"].exp_avg, "data", s["v"].exp_avg.data.clone()),  # a state field's new memory
+    ],
+    ids=["t_", ".data = t()", ".data = clone", ".data = bf16", "state field .data"],
+)
+def test_a_plan_steps_params_and_states_changed_in_place_as_they_are_now(change):
+    _three_steps(change)
+
+
+def test_a_plan_refuses_a_param_resized_in_place():
+    p = torch.randn(4, 96)
+    state = bnbf.init_state(p, SPEC8)
+    opt = bnbf.plan([p], [state])
+    opt.step([torch.randn(4, 96)], HPS[0], 1)
+    p.resize_(2, 96)
+    snap = snapshot(p, state)
+    for _ in range(2):
+        with pytest.raises(ValueError, match=re.escape("state[0].exp_avg does not fit the param")):
+            opt.step([torch.randn(2, 96)], HPS[0], 2)
+    assert_untouched(snap)
+
+
+def test_bad_input_to_a_step_writes_nothing():
+    params = _params()
+    state = bnbf.init_state(params, SPEC8)
+    opt = bnbf.plan(params, state)
+    opt.step(_grads(params, 1), HPS[0], 1)
+    snap = snapshot(params, state)
+    bad = [
+        ({**_grads(params, 2), "b": torch.randn(18)}, HPS[0], 2, ValueError, r"grad\['b'\] has shape"),
+        (_grads(params, 2), {"lr": -1.0}, 2, ValueError, "Invalid learning rate: -1.0"),
+        (_grads(params, 2), {"lr": float("nan")}, 2, ValueError, "Invalid learning rate: nan"),
+        (_grads(params, 2), HPS[0], 0, ValueError, "Invalid step: 0"),
+        (_grads(params, 2), {"lr": 1e-3, "amsgrad": True}, 2, ValueError, "the state keeps"),
+    ]
+    for grads, hp, step, exc, match in bad:
+        with pytest.raises(exc, match=match):
+            opt.step(grads, hp, step)
+    assert_untouched(snap)
+
+
+def test_a_plan_holds_its_tensors_and_the_update__cache_does_not():
+    params = {"w": torch.randn(300)}
+    state = bnbf.init_state(params, SPEC8)
+    opt = bnbf.plan(params, state)
+    ref = weakref.ref(params["w"])
+    del params, state
+    gc.collect()
+    assert ref() is not None  # the plan keeps what it steps (as torch.optim keeps its params)
+    opt.step({"w": torch.randn(300)}, HPS[0], 1)
+    assert opt.params[0] is ref()
+    del opt
+    gc.collect()
+    assert ref() is None
+
+
+def test_bnbf_nn_steps_each_bucket_through_one_plan():
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Linear(32, 4))
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=256)
+    for _ in range(2):
+        model(torch.randn(3, 16)).square().mean().backward()
+        opt.step()
+    (buckets,) = opt._plans.values()
+    (bucket,) = buckets.buckets
+    assert isinstance(bucket.plan, bnbf.Plan)
+    assert bucket.plan.params == list(model.parameters())
+    assert all(opt.state[p]["step"] == 2 for p in model.parameters())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_update__frees_a_dropped_models_cuda_memory():
+    """The update_ cache holds no tensor: after ``del params, state`` the memory is free again (up to the
+    kernels' task lists, kept by tensor sizes, far smaller than the params)."""
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    params = {f"w{i}": torch.randn(1 << 20, device="cuda") for i in range(8)}  # 32 MiB
+    state = bnbf.init_state(params, SPEC8)
+    for step in (1, 2):
+        bnbf.update_(params, {k: torch.randn_like(v) for k, v in params.items()}, state, HPS[0], step)
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before > 32 << 20
+    del params, state
+    gc.collect()
+    torch.cuda.synchronize()
+    assert torch.cuda.memory_allocated() - before < 1 << 20
