@@ -258,26 +258,29 @@ def zero_code(fmt: str, signed: bool) -> int:
 
 # The zero point. Adam-like rules divide by the square root of a quantized second moment, so a nonzero second
 # moment that decodes to 0, or far below its value, while its first moment does not, turns the next update into
-# about m / eps: thousands of learning rates. Non-negative states therefore round up in the coarse bottom of
-# their map (power format: below code position 8; dynamic map: below 1e-5 of the block's absmax, where a code
-# step is 50-140% of the value) and never encode a nonzero value below POWER_FLOOR (power: (4/255)**4 = 6e-8 of
-# the absmax) or 1 (dynamic: 3.3e-7). In the step, stochastic rounding keeps a quantized EMA from sticking at a
-# code (a second moment stuck 10-30x below its value, a first moment that never decays to 0).
+# about m / eps: thousands of learning rates. Non-negative states therefore never encode a nonzero value below
+# POWER_FLOOR (power: (4/255)**4 = 6e-8 of the absmax) or 1 (dynamic: 3.3e-7), and the dynamic map's round up
+# below 1e-5 of the block's absmax, where a code step is 50-140% of the value (nearest rounding in the power
+# format too, below code position 8). In the step, stochastic rounding keeps a quantized EMA from sticking at a
+# code (a second moment stuck 10-30x below its value, a first moment that never decays to 0); with it the
+# power format's floor suffices (the property search of tests/test_zero_point.py, 150 random examples per format).
 POWER_CEIL_BELOW = 8.0
 POWER_FLOOR = 4  # so a first moment held a few codes up by rounding over a second moment at the floor stays small
 DYNAMIC_CEIL_BELOW = 1e-5
 _CEIL = 0.5 - 2.0**-17  # round(t + _CEIL) = ceil(t) for t < 8, as the kernels compute it
 
-# Stochastic rounding in the step: slot j of element i (block r = i // block_size, lane i % block_size) at step t
-# rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane * LANE + block_hash (mod 2**32):
-#   block_hash = mix(r * BLOCK + (t mod 2**24) * STEP + j * SLOT)
+# Stochastic rounding in the step: every state of element i (block r = i // block_size, lane i % block_size) at
+# step t rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane * LANE + block_hash
+# (mod 2**32):
+#   block_hash = mix(r * BLOCK + (t mod 2**24) * STEP)
 # mix(h) is half of a 32-bit integer hash (h ^= h >> 16; h *= MIX; h ^= h >> 15). The kernels hash each block
-# once per tile: the dither costs four ops per element. The step must go through the hash: a Weyl sequence in
-# the step (no hash) locked into the phase of a decaying moment's codes and pumped it up four codes.
+# once per tile: the dither costs four ops per element, whatever the number of states (sharing it saved 6 of 74
+# SASS instructions per element of the bf16 AdamW step; rounding an element's first and second moment in the same
+# direction also cancels part of their error in m / sqrt(v)). The step must go through the hash: a Weyl sequence
+# in the step (no hash) locked into the phase of a decaying moment's codes and pumped it up four codes.
 DITHER_LANE = 0x9E3779B1  # odd constants: 2**32 / golden ratio, and murmur3's and lowbias32's
 DITHER_BLOCK = 0x85EBCA77
 DITHER_STEP = 0xC2B2AE3D
-DITHER_SLOT = 0x27D4EB2F
 DITHER_MIX = 0x7FEB352D
 DITHER_SEED_MOD = 2**24  # the step travels as a float32 scalar: exact below 2**24
 _M32 = 0xFFFFFFFF
@@ -289,14 +292,14 @@ def _mix(h: Tensor) -> Tensor:
     return h ^ (h >> 15)
 
 
-def state_dither(numel: int, seed: int, slot: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
-    """The offsets in (-1/2, 1/2) that the step adds to state slot ``slot``'s code positions before rounding
+def state_dither(numel: int, seed: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
+    """The offsets in (-1/2, 1/2) that the step adds to the code positions of an element's states before rounding
     (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit: one hash per block,
     added to each lane's multiple of LANE, as the kernels do."""
     nblocks = -(-numel // block_size)
     lane = torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32
     block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK
-    block = _mix((block + (int(seed) * DITHER_STEP & _M32) + slot * DITHER_SLOT) & _M32)
+    block = _mix((block + (int(seed) * DITHER_STEP & _M32)) & _M32)
     # in int32 (wrapping, as uint32 in the kernels): the top 16 bits of the sum are k; (2k + 1) / 2**17 - 1/2
     # is exact in float32
     lane, block = (x.where(x < 2**31, x - 2**32).to(torch.int32) for x in (lane, block))
@@ -360,7 +363,9 @@ def quantize_state_reference(
             codes = 128 + mag * normed.sign()
         else:
             t = normed.abs().sqrt().sqrt() * 255.0
-            codes = torch.round((t + torch.where(t < POWER_CEIL_BELOW, _CEIL, d)).clamp_max(255.0))
+            # nearest rounding rounds up below code position 8; the step's stochastic rounding needs only the floor
+            up = torch.where(t < POWER_CEIL_BELOW, _CEIL, d) if dither is None else d
+            codes = torch.round((t + up).clamp_max(255.0))
             codes = torch.maximum(codes, torch.where(nonzero, float(POWER_FLOOR), 0.0))
     else:
         # non-negative states round up below the ceiling (the stochastic rounding with its offset at _CEIL, as

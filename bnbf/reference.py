@@ -20,6 +20,7 @@ def reference_step(
     slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
     *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
+    scalars = rule.scalar_names(*scalars)
     for i, (p, g) in enumerate(zip(p_in, grads)):
         p32 = p.float()
         g32 = g.float() * grad_sign
@@ -55,10 +56,11 @@ def reference_step(
         new_p = torch.where(finite, new_p, p32)
         out = s_out[i * per : (i + 1) * per]
         p_out[i].copy_(new_p.to(p.dtype))
+        # stochastic rounding, as the kernels: one offset per element, shared by its states
+        d = state_dither(p.numel(), int(seed), block_size, p.device) if quant else None
         for k, j in enumerate(slots):
             s = torch.where(finite, new_states[j], torch.zeros_like(new_states[j]))
             if quant:
-                d = state_dither(s.numel(), int(seed), j, block_size, s.device)  # stochastic rounding, as the kernels
                 codes, absmax = quantize_state_reference(s, fmt, rule.states[j].signed, block_size, d)
                 out[2 * k].copy_(codes)
                 out[2 * k + 1].copy_(absmax)

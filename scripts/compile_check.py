@@ -25,15 +25,14 @@ _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 
 def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     rule = bnbf.RULES[rule_name]
-    signed = [s.signed for s in rule.states] + [True] * (mt.MAX_STATES - len(rule.states))
     present = present_mask(rule, rule.make_hparams({}))  # the default hyperparameters' slots
     n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 4  # the rule's scalars, then the four the step adds
     sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "hp_ptr": "*fp32", "code_ptr": "*fp32",
            "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(mt.HP_MAX)}}
     norm_terms = rule.norms[0] if rule.norms is not None else None
-    const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=present, QUANT=fmt != "fp32",
-                 SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2], P_DTYPE=dtype, HP_STRIDE=n_hp,
-                 NF=mt.NF, BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
+    const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=present,
+                 SIGNED=rule.signed_mask, QUANT=fmt != "fp32", P_DTYPE=dtype, HP_STRIDE=n_hp,
+                 BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
                  VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]],
                  PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
                  SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=mt.SUM_SPLIT)

@@ -58,9 +58,8 @@ def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
     multiply. Non-negative states are read through |s|, which the root instruction takes for free.
 
     ``d`` in (-0.5, 0.5) offsets the code position before rounding: 0 rounds to nearest, :func:`dither`
-    stochastically (unbiased in the code position). Non-negative states round up below code position
-    ``CEIL_BELOW`` and never encode a nonzero value below code ``POWER_FLOOR`` (the zero point: see
-    :mod:`bnbf.quant`)."""
+    stochastically (unbiased in the code position). Non-negative states never encode a nonzero value below code
+    ``POWER_FLOOR`` (the zero point: see :mod:`bnbf.quant`)."""
     if SIGNED:
         t = tl.sqrt(tl.abs(s)) * root_scale
         # below code 1 the value is t**2: rounding t itself would store tiny first moments 1/t too large on average
@@ -71,12 +70,11 @@ def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
         return (t + (12582912.0 + 128.0)).to(tl.int32, bitcast=True) - 0x4B400000  # 128 + round(t)
     else:
         t = tl.sqrt(tl.sqrt(tl.abs(s))) * root_scale
-        q = _round(tl.minimum(t + tl.where(t < CEIL_BELOW, _CEIL, d), 255.0))
+        q = _round(tl.minimum(t + d, 255.0))
         return tl.maximum(q, tl.where(s != 0, POWER_FLOOR, 0))
 
 
 # the zero point's constants (bnbf.quant says why)
-CEIL_BELOW: tl.constexpr = tl.constexpr(quant.POWER_CEIL_BELOW)
 _CEIL: tl.constexpr = tl.constexpr(quant._CEIL)
 POWER_FLOOR: tl.constexpr = tl.constexpr(quant.POWER_FLOOR)
 DYNAMIC_CEIL_BELOW: tl.constexpr = tl.constexpr(quant.DYNAMIC_CEIL_BELOW)

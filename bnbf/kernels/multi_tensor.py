@@ -30,7 +30,6 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bnbf import _host_checks as host_checks
 from bnbf import quant
 from bnbf._dispatch import interpreting
 from bnbf.kernels.codec import (
@@ -45,13 +44,14 @@ from bnbf.kernels.codec import (
 from bnbf.quant import dynamic_map
 from bnbf.rules import get_rule
 
-MAX_STATES = 3
 # stochastic rounding's dither (codec.dither; the constants and their meaning are in bnbf.quant)
 DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
 DITHER_BLOCK: tl.constexpr = tl.constexpr(quant.DITHER_BLOCK)
 DITHER_STEP: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
-DITHER_SLOT: tl.constexpr = tl.constexpr(quant.DITHER_SLOT)
-NF = 3 + 4 * MAX_STATES  # p_in, p_out, numel, then per state: s_in, s_out, absmax_in, absmax_out
+# The address table: a row per tensor of HEAD fields (param in, param out, numel), then PER_SLOT fields for
+# each of the rule's state slots (state in, state out, absmax in, absmax out; zeros for a slot not kept)
+HEAD: tl.constexpr = tl.constexpr(3)
+PER_SLOT: tl.constexpr = tl.constexpr(4)
 # Tile: one 256-element block per program and one warp (the block's absmax reduction then needs no
 # shared memory or barrier). Measured on the H200, 1.07B params, power format, fp32 params: 1 block x
 # 1 warp 4.26 ms, 2 x 1 4.82, 2 x 2 4.62, 4 x 4 4.74.
@@ -131,7 +131,7 @@ def _addr(table, field, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
 def _slot_ptrs(table, SLOT: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr, ALIGNED: tl.constexpr):
     """(in, out, absmax in, absmax out) of state slot ``SLOT``: codes and scales for 8-bit formats,
     float32 values (and two unused fields) otherwise; placeholders for a slot the group does not keep."""
-    base: tl.constexpr = 3 + 4 * SLOT
+    base: tl.constexpr = HEAD + PER_SLOT * SLOT
     if (PRESENT >> SLOT) & 1:
         if QUANT:
             return (_addr(table, base, tl.uint8, ALIGNED), _addr(table, base + 1, tl.uint8, ALIGNED),
@@ -169,17 +169,17 @@ def _load_slot(sp, offs, mask, rows, rmask, KEPT: tl.constexpr, QUANT: tl.conste
 
 
 @triton.jit
-def _tile_load(ptrs, chunk, numel, PRESENT: tl.constexpr, QUANT: tl.constexpr, BLOCK: tl.constexpr,
-               ROWS: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
-    """Everything one tile reads, as stored (decoding comes later, so the loads of the next tile can be
-    issued before this one's arithmetic)."""
+def _tile_load(ptrs, chunk, numel, SLOTS: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
+               BLOCK: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """Everything one tile reads, as stored: (p, g, one pair per state slot). Decoding comes later, so the
+    loads of the next tile can be issued before this one's arithmetic."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = _ld(ptrs[0] + offs, mask, 0.0, MASKED)
     g = _ld(ptrs[2] + offs, mask, 0.0, MASKED)
-    r0 = _load_slot(ptrs[3], offs, mask, rows, rmask, (PRESENT >> 0) & 1, QUANT, MASKED)
-    r1 = _load_slot(ptrs[4], offs, mask, rows, rmask, (PRESENT >> 1) & 1, QUANT, MASKED)
-    r2 = _load_slot(ptrs[5], offs, mask, rows, rmask, (PRESENT >> 2) & 1, QUANT, MASKED)
-    return p, g, r0, r1, r2
+    raw = ()
+    for j in tl.static_range(SLOTS):
+        raw = raw + (_load_slot(ptrs[3][j], offs, mask, rows, rmask, (PRESENT >> j) & 1, QUANT, MASKED),)
+    return p, g, raw
 
 
 @triton.jit
@@ -221,19 +221,24 @@ def _store_state(sp, s, offs, mask, rows, rmask, lane, seed, QUANT: tl.constexpr
 
 
 @triton.jit
-def _hp_at(hp_ptr, K: tl.constexpr, N: tl.constexpr):
-    if K < N:
-        return tl.load(hp_ptr + K)
-    else:
-        return 0.0
+def _hp_at(hp_ptr, K: tl.constexpr):
+    return tl.load(hp_ptr + K)
+
+
+@triton.jit
+def _head(t, N: tl.constexpr):
+    """The first N values of tuple ``t``."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (t[i],)
+    return out
 
 
 @triton.jit
 def _tile_step(
     raw, ptrs, hp, dith, code_ptr, chunk, numel, nrm, part, n_tiles,
-    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
-    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
 ):  # fmt: skip
@@ -241,9 +246,11 @@ def _tile_step(
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = raw[0].to(tl.float32)
     g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
-    s0 = _decode(raw[2], code_ptr, (PRESENT >> 0) & 1, QUANT, SIGNED0, FORMAT)
-    s1 = _decode(raw[3], code_ptr, (PRESENT >> 1) & 1, QUANT, SIGNED1, FORMAT)
-    s2 = _decode(raw[4], code_ptr, (PRESENT >> 2) & 1, QUANT, SIGNED2, FORMAT)
+    # the states as the rule's math takes them: one float32 value per slot, the scalar 0.0 for a slot not kept
+    s = ()
+    for j in tl.static_range(SLOTS):
+        s = s + (_decode(raw[2][j], code_ptr, (PRESENT >> j) & 1, QUANT, (SIGNED >> j) & 1, FORMAT),)
+    rule_hp = _head(hp, HP_STRIDE - 4)  # the rule's scalars (then come the four the step adds)
 
     # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
     finite = tl.abs(g) < float("inf")
@@ -252,9 +259,9 @@ def _tile_step(
         counted = counted & mask
     if NORM_MODE == 1:  # norm pass: this tile's share of the tensor's three sums, nothing stored
         if NORM_TERMS is not None:
-            a, b, c = NORM_TERMS(p, g, s0, s1, s2, hp)
+            a, b, c = NORM_TERMS(p, g, s, rule_hp)
         else:  # update clipping (max_unorm): ||p||^2 and ||update / lr||^2
-            p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
+            p_new, s_new = MATH(p, g, s, rule_hp, nrm)
             d = (p_new - p) / hp[HP_STRIDE - 1]
             a = p * p
             b = d * d
@@ -263,10 +270,7 @@ def _tile_step(
         tl.store(part + n_tiles, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
         tl.store(part + 2 * n_tiles, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
         return
-    s0_old = s0
-    s1_old = s1
-    s2_old = s2
-    p_new, s0, s1, s2 = MATH(p, g, s0, s1, s2, hp, nrm)
+    p_new, s_new = MATH(p, g, s, rule_hp, nrm)
     if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
         max_unorm = hp[HP_STRIDE - 2]
         limit = max_unorm * tl.sqrt(nrm[0])
@@ -275,40 +279,35 @@ def _tile_step(
         p_new = p + scale * (p_new - p)
     if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
         p_new = tl.where(g == 0, p, p_new)
-        s0 = tl.where(g == 0, s0_old, s0)
-        s1 = tl.where(g == 0, s1_old, s1)
-        s2 = tl.where(g == 0, s2_old, s2)
+        kept = ()
+        for j in tl.static_range(SLOTS):
+            kept = kept + (tl.where(g == 0, s[j], s_new[j]),)
+        s_new = kept
     p_new = tl.where(finite, p_new, p)
     _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
     # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
-    # constant, plus a hash of (block, step, slot)
+    # constant, plus a hash of (block, step); one offset per element, shared by its states
     lane = (tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
-    tile = rows.to(tl.uint32) * DITHER_BLOCK + dith
-    if (PRESENT >> 0) & 1:
-        _store_state(ptrs[3], tl.where(finite, s0, 0.0), offs, mask, rows, rmask, lane, mix(tile)[:, None],
-                     QUANT, SIGNED0, FORMAT, MASKED)  # fmt: skip
-    if (PRESENT >> 1) & 1:
-        _store_state(ptrs[4], tl.where(finite, s1, 0.0), offs, mask, rows, rmask, lane,
-                     mix(tile + DITHER_SLOT)[:, None], QUANT, SIGNED1, FORMAT, MASKED)  # fmt: skip
-    if (PRESENT >> 2) & 1:
-        _store_state(ptrs[5], tl.where(finite, s2, 0.0), offs, mask, rows, rmask, lane,
-                     mix(tile + 2 * DITHER_SLOT)[:, None], QUANT, SIGNED2, FORMAT, MASKED)  # fmt: skip
+    seed = mix(rows.to(tl.uint32) * DITHER_BLOCK + dith)[:, None]
+    for j in tl.static_range(SLOTS):
+        if (PRESENT >> j) & 1:
+            _store_state(ptrs[3][j], tl.where(finite, s_new[j], 0.0), offs, mask, rows, rmask, lane, seed, QUANT,
+                         (SIGNED >> j) & 1, FORMAT, MASKED)  # fmt: skip
 
 
 @triton.jit
 def _tiles_in_turn(
     ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
-    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr, P_DTYPE: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
 ):  # fmt: skip
     """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
     for it in tl.range(0, ITERS):
-        raw = _tile_load(ptrs, first + it, numel, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
+        raw = _tile_load(ptrs, first + it, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
         _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
-                   MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                   MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                    MASKED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
 
@@ -316,30 +315,27 @@ def _tiles_in_turn(
 def _step_kernel(
     table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
     h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17, HP_FROM_PTR: tl.constexpr,
-    MATH: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
-    SIGNED0: tl.constexpr, SIGNED1: tl.constexpr, SIGNED2: tl.constexpr,
-    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr, NF: tl.constexpr,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr,
     BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
     FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, PREFETCH: tl.constexpr,
     SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, SUM_SPLIT: tl.constexpr,
 ):  # fmt: skip
     """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
     2: the step of a rule that needs per-tensor sums, from norm_ptr[tensor, 3, SUM_SPLIT] (see
-    _tensor_sums_kernel)."""
+    _tensor_sums_kernel). The rule has SLOTS state slots: bit j of PRESENT says slot j is kept, bit j of
+    SIGNED that it is quantized with the signed map."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
-    table = table_ptr + tensor * NF
+    table = table_ptr + tensor * (HEAD + PER_SLOT * SLOTS)
     numel = tl.load(table + 2)
     # the rule's scalars: kernel arguments (floats given on the host: nothing to upload), or a float32 row
     # on the device (0-d tensor hyperparameters, traced calls)
     if HP_FROM_PTR:
-        hp = (_hp_at(hp_ptr, 0, HP_STRIDE), _hp_at(hp_ptr, 1, HP_STRIDE), _hp_at(hp_ptr, 2, HP_STRIDE),
-              _hp_at(hp_ptr, 3, HP_STRIDE), _hp_at(hp_ptr, 4, HP_STRIDE), _hp_at(hp_ptr, 5, HP_STRIDE),
-              _hp_at(hp_ptr, 6, HP_STRIDE), _hp_at(hp_ptr, 7, HP_STRIDE), _hp_at(hp_ptr, 8, HP_STRIDE),
-              _hp_at(hp_ptr, 9, HP_STRIDE), _hp_at(hp_ptr, 10, HP_STRIDE), _hp_at(hp_ptr, 11, HP_STRIDE),
-              _hp_at(hp_ptr, 12, HP_STRIDE), _hp_at(hp_ptr, 13, HP_STRIDE), _hp_at(hp_ptr, 14, HP_STRIDE),
-              _hp_at(hp_ptr, 15, HP_STRIDE), _hp_at(hp_ptr, 16, HP_STRIDE), _hp_at(hp_ptr, 17, HP_STRIDE))  # fmt: skip
+        hp = ()
+        for k in tl.static_range(HP_STRIDE):
+            hp = hp + (_hp_at(hp_ptr, k),)
     else:
         hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
     if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
@@ -351,30 +347,32 @@ def _step_kernel(
     # every address once per program (param in, param out, grad, then each state slot's four), not per tile:
     # the compiler cannot hoist loads of the table past the tiles' stores
     ptrs = (_addr(table, 0, P_DTYPE, ALIGNED), _addr(table, 1, P_DTYPE, ALIGNED),
-            _addr(grad_ptr, tensor, P_DTYPE, ALIGNED),  # grads change every step: their own small table
-            _slot_ptrs(table, 0, PRESENT, QUANT, ALIGNED), _slot_ptrs(table, 1, PRESENT, QUANT, ALIGNED),
-            _slot_ptrs(table, 2, PRESENT, QUANT, ALIGNED))  # fmt: skip
+            _addr(grad_ptr, tensor, P_DTYPE, ALIGNED))  # grads change every step: their own small table
+    slot_ptrs = ()
+    for j in tl.static_range(SLOTS):
+        slot_ptrs = slot_ptrs + (_slot_ptrs(table, j, PRESENT, QUANT, ALIGNED),)
+    ptrs = ptrs + (slot_ptrs,)
     part = norm_ptr + pid * ITERS
     dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP  # the step's share of the dither's block hashes
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
-            raw = _tile_load(ptrs, first, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+            raw = _tile_load(ptrs, first, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
             for it in tl.static_range(ITERS):
                 if it + 1 < ITERS:
-                    nxt = _tile_load(ptrs, first + it + 1, numel, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+                    nxt = _tile_load(ptrs, first + it + 1, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
                 _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
-                           MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                            False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
                 if it + 1 < ITERS:
                     raw = nxt
         else:
             _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-                           MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                            False, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
     else:
         _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-                       MATH, PRESENT, QUANT, SIGNED0, SIGNED1, SIGNED2, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                       MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
                        True, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
 
 
@@ -450,7 +448,7 @@ class Group:
     present: int  # bit j: the rule's state slot j is kept
     dtype: torch.dtype
     device: torch.device
-    table: Tensor  # int64 [tensors, NF] on the device
+    table: Tensor  # int64 [tensors, HEAD + PER_SLOT * the rule's slots] on the device
     tasks: Tensor  # int32 [programs, 2] on the device
     ranges: Tensor  # int64 [tensors, 2]: each tensor's tiles (rows of the norm pass's partials)
     aligned: bool  # every param and state address is 16-byte aligned
@@ -478,7 +476,8 @@ def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, 
     """
     quant = fmt != "fp32"
     block = block if quant else 256  # float32 states have no blocks; 256 is only the tile width
-    slots = [j for j in range(MAX_STATES) if (present >> j) & 1]
+    rule = get_rule(rule_name)
+    slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
     device = p_in[0].device
     # the table column by column, in C-level loops (a pure call builds it every time)
@@ -488,7 +487,7 @@ def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, 
 
     zeros = [0] * len(p_in)
     columns = [ptrs(p_in), ptrs(p_out)]
-    for j in range(MAX_STATES):
+    for j in range(len(rule.states)):  # PER_SLOT columns each
         if j not in slots:
             columns += [zeros] * 4
             continue
@@ -503,7 +502,7 @@ def build_group(p_in, p_out, s_in, s_out, rule_name: str, fmt: str, block: int, 
     rows = list(zip(columns[0], columns[1], numels, *columns[2:]))
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
     tasks, ranges = _tasks(tuple(numels), block, ITERS[fmt][p_in[0].dtype], device)
-    norms = get_rule(rule_name).norms is not None
+    norms = rule.norms is not None
     return Group(rule_name, fmt, block, present, p_in[0].dtype, device, table, tasks, ranges, aligned, norms)
 
 
@@ -517,8 +516,8 @@ def launch_group(
     floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
     elements whose gradient is exactly 0 keep their param and states.
     """
-    if not host_checks.impl().ptrs_equal(grads, group.grad_ptrs):
-        ptrs = tuple(map(Tensor.data_ptr, grads))
+    ptrs = tuple(map(Tensor.data_ptr, grads))
+    if ptrs != group.grad_ptrs:
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
         group.grad_ptrs = ptrs
         group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
@@ -537,15 +536,14 @@ def launch_group(
     def run(norm_ptr, mode):
         def dispatch():
             rule = get_rule(group.rule)
-            signed = [s.signed for s in rule.states] + [True] * (MAX_STATES - len(rule.states))
             norm_terms = rule.norms[0] if rule.norms is not None else None
             LAUNCH_KEYS.add((group.rule, group.fmt, group.present, group.dtype, group.block, ROWS, NUM_WARPS,
                              n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
             return _step_kernel[(grid,)](
                 group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
-                HP_FROM_PTR=from_ptr, MATH=rule.math, PRESENT=group.present, QUANT=quant,
-                SIGNED0=signed[0], SIGNED1=signed[1], SIGNED2=signed[2],
-                P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp, NF=NF, BLOCK=group.block, ROWS=ROWS,
+                HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=group.present,
+                SIGNED=rule.signed_mask, QUANT=quant, P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp,
+                BLOCK=group.block, ROWS=ROWS,
                 SOFT_BF16=interpreting(), FORMAT=FORMATS[group.fmt], ALIGNED=aligned, VEC=VEC[group.fmt],
                 ITERS=iters, PREFETCH=_prefetch(group.fmt, group.dtype, group.present, mode),
                 SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from bnbf.rules.adagrad import ADAGRAD
 from bnbf.rules.adam import ADAM, ADAMW
+from bnbf.rules.adan import ADAN
 from bnbf.rules.ademamix import ADEMAMIX
 from bnbf.rules.base import Rule, StateSlot
 from bnbf.rules.lamb import LAMB
@@ -12,7 +13,7 @@ from bnbf.rules.lion import LION
 from bnbf.rules.rmsprop import RMSPROP
 from bnbf.rules.sgd import SGD
 
-RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW, LION, SGD, RMSPROP, ADAGRAD, ADEMAMIX, LAMB, LARS)}
+RULES: dict[str, Rule] = {r.name: r for r in (ADAM, ADAMW, LION, SGD, RMSPROP, ADAGRAD, ADEMAMIX, LAMB, LARS, ADAN)}
 
 
 def get_rule(name: str) -> Rule:

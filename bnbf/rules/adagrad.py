@@ -11,6 +11,7 @@ State: ``sum`` (unsigned: never negative), starting at ``initial_accumulator_val
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -35,30 +36,34 @@ class AdagradHparams:
         check_eps(self.eps)
 
 
-def scalars(h: AdagradHparams, step: Number):
-    return (h.lr / (1 + (step - 1) * h.lr_decay), h.weight_decay, h.eps)
+class AdagradScalars(NamedTuple):
+    clr: Number  # lr / (1 + (t - 1)·lr_decay)
+    wd: Number
+    eps: Number
+
+
+def scalars(h: AdagradHparams, step: Number) -> AdagradScalars:
+    return AdagradScalars(clr=h.lr / (1 + (step - 1) * h.lr_decay), wd=h.weight_decay, eps=h.eps)
 
 
 @triton.jit
-def adagrad_math(p, g, acc, unused1, unused2, hp, nrm):
-    clr = hp[0]
-    wd = hp[1]
-    eps = hp[2]
-    g = g + wd * p
+def adagrad_math(p, g, s, hp, nrm):
+    h = AdagradScalars(*hp)
+    (acc,) = s
+    g = g + h.wd * p
     acc = acc + g * g
-    p = p - clr * fast_div(g, tl.sqrt(acc) + eps)
-    return p, acc, unused1, unused2
+    p = p - h.clr * fast_div(g, tl.sqrt(acc) + h.eps)
+    return p, (acc,)
 
 
-def adagrad_reference(p, g, states, s):
-    clr, wd, eps = s
+def adagrad_reference(p, g, states, h: AdagradScalars):
     (acc,) = states
-    g = g + wd * p
+    g = g + h.wd * p
     acc = acc + g * g
-    return p - clr * g / (acc.sqrt() + eps), [acc]
+    return p - h.clr * g / (acc.sqrt() + h.eps), [acc]
 
 
 ADAGRAD = Rule(
-    "adagrad", AdagradHparams, (StateSlot("sum", signed=False),), scalars, adagrad_math, adagrad_reference,
-    initial=lambda h: (float(h.initial_accumulator_value),),
+    "adagrad", AdagradHparams, (StateSlot("sum", signed=False),), AdagradScalars, scalars, adagrad_math,
+    adagrad_reference, initial=lambda h: (float(h.initial_accumulator_value),),
 )  # fmt: skip

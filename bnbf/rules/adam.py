@@ -13,6 +13,7 @@ States: ``exp_avg`` (signed dynamic map), ``exp_avg_sq`` (unsigned map: it is ne
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -64,22 +65,34 @@ class AdamWHparams(AdamHparams):
     weight_decay: Number = 1e-2
 
 
+class AdamScalars(NamedTuple):
+    step_size: Number  # lr / (1 - β1^t)
+    b1: Number
+    b2: Number
+    eps: Number
+    inv_bc2_sqrt: Number  # 1 / sqrt(1 - β2^t)
+    l2: Number  # L2 coefficient added to the gradient (Adam)
+    decay: Number  # decoupled decay factor 1 - lr·wd (AdamW)
+    # 1 - beta in double precision on the host. Formed in the kernel from the float32 beta, 1 - 0.999 is
+    # 0.00099998713 (1.3e-5 off), enough to move a quantization code across a midpoint
+    omb1: Number
+    omb2: Number
+
+
 def _scalars(decoupled: bool):
-    def scalars(h: AdamMomentsHparams, step: Number):
+    def scalars(h: AdamMomentsHparams, step: Number) -> AdamScalars:
         b1, b2 = h.betas
         wd = h.weight_decay
-        return (
-            h.lr / (1 - b1**step),  # 0: step size
-            b1,  # 1
-            b2,  # 2
-            h.eps,  # 3
-            1 / (1 - b2**step) ** 0.5,  # 4: 1 / sqrt(bias correction 2)
-            0.0 if decoupled else wd,  # 5: L2 coefficient added to the gradient
-            1 - h.lr * wd if decoupled else 1.0,  # 6: decoupled decay factor
-            # 7, 8: 1 - beta in double precision on the host. Formed in the kernel from the float32 beta,
-            # 1 - 0.999 is 0.00099998713 (1.3e-5 off), enough to move a quantization code across a midpoint
-            1 - b1,
-            1 - b2,
+        return AdamScalars(
+            step_size=h.lr / (1 - b1**step),
+            b1=b1,
+            b2=b2,
+            eps=h.eps,
+            inv_bc2_sqrt=1 / (1 - b2**step) ** 0.5,
+            l2=0.0 if decoupled else wd,
+            decay=1 - h.lr * wd if decoupled else 1.0,
+            omb1=1 - b1,
+            omb2=1 - b2,
         )
 
     return scalars
@@ -90,36 +103,28 @@ def present(h: AdamHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def adam_math(p, g, m, v, vmax, hp, nrm):
-    step_size = hp[0]
-    b1 = hp[1]
-    b2 = hp[2]
-    eps = hp[3]
-    inv_bc2_sqrt = hp[4]
-    l2 = hp[5]
-    decay = hp[6]
-    omb1 = hp[7]
-    omb2 = hp[8]
-    g = g + l2 * p
-    m = b1 * m + omb1 * g
-    v = b2 * v + omb2 * g * g
+def adam_math(p, g, s, hp, nrm):
+    h = AdamScalars(*hp)
+    m, v, vmax = s
+    g = g + h.l2 * p
+    m = h.b1 * m + h.omb1 * g
+    v = h.b2 * v + h.omb2 * g * g
     # amsgrad: the running maximum. Without it the slot is not kept and arrives as the scalar 0.0, and
     # max(0, v) is v (v >= 0): one max instruction instead of a second kernel variant
     vmax = tl.maximum(vmax, v)
-    denom = tl.sqrt(vmax) * inv_bc2_sqrt + eps
-    p = p * decay - step_size * fast_div(m, denom)
-    return p, m, v, vmax
+    denom = tl.sqrt(vmax) * h.inv_bc2_sqrt + h.eps
+    p = p * h.decay - h.step_size * fast_div(m, denom)
+    return p, (m, v, vmax)
 
 
-def adam_reference(p, g, states, s):
+def adam_reference(p, g, states, h: AdamScalars):
     m, v, vmax = states
-    step_size, b1, b2, eps, inv_bc2_sqrt, l2, decay, omb1, omb2 = s
-    g = g + l2 * p
-    m = b1 * m + omb1 * g
-    v = b2 * v + omb2 * g * g
+    g = g + h.l2 * p
+    m = h.b1 * m + h.omb1 * g
+    v = h.b2 * v + h.omb2 * g * g
     if vmax is not None:  # amsgrad
         vmax = torch.maximum(vmax, v)
-    p = p * decay - step_size * m / ((v if vmax is None else vmax).sqrt() * inv_bc2_sqrt + eps)
+    p = p * h.decay - h.step_size * m / ((v if vmax is None else vmax).sqrt() * h.inv_bc2_sqrt + h.eps)
     return p, [m, v, vmax]
 
 
@@ -129,5 +134,5 @@ _STATES = (
     StateSlot("max_exp_avg_sq", signed=False),
 )
 
-ADAM = Rule("adam", AdamHparams, _STATES, _scalars(False), adam_math, adam_reference, present=present)
-ADAMW = Rule("adamw", AdamWHparams, _STATES, _scalars(True), adam_math, adam_reference, present=present)
+ADAM = Rule("adam", AdamHparams, _STATES, AdamScalars, _scalars(False), adam_math, adam_reference, present=present)
+ADAMW = Rule("adamw", AdamWHparams, _STATES, AdamScalars, _scalars(True), adam_math, adam_reference, present=present)

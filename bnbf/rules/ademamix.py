@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import NamedTuple
 
 import torch
 import triton
@@ -71,49 +72,56 @@ def _beta3(h: AdEMAMixHparams, step):
     return _min(x.exp() if isinstance(x, torch.Tensor) else math.exp(x), b3)
 
 
-def scalars(h: AdEMAMixHparams, step: Number):
+class AdEMAMixScalars(NamedTuple):
+    lr1: Number  # step size of m1: lr / (1 - β1^t)
+    lr2: Number  # step size of m2: lr·α(t)
+    b1: Number
+    b2: Number
+    b3: Number  # β3(t)
+    eps: Number
+    inv_bc2_sqrt: Number  # 1 / sqrt(1 - β2^t)
+    decay: Number  # decoupled decay 1 - lr·wd
+    # 1 - beta in double precision (from the float32 beta3 = 0.9999, 1 - beta3 is 2e-4 off)
+    omb1: Number
+    omb2: Number
+    omb3: Number
+
+
+def scalars(h: AdEMAMixHparams, step: Number) -> AdEMAMixScalars:
     b1, b2, _ = h.betas
     b3 = _beta3(h, step)
-    return (
-        h.lr / (1 - b1**step),  # 0: step size of m1
-        h.lr * _alpha(h, step),  # 1: step size of m2
-        b1,  # 2
-        b2,  # 3
-        b3,  # 4
-        h.eps,  # 5
-        1 / (1 - b2**step) ** 0.5,  # 6
-        1 - h.lr * h.weight_decay,  # 7: decoupled decay
-        # 8-10: 1 - beta in double precision (from the float32 beta3 = 0.9999, 1 - beta3 is 2e-4 off)
-        1 - b1,
-        1 - b2,
-        1 - b3,
+    return AdEMAMixScalars(
+        lr1=h.lr / (1 - b1**step),
+        lr2=h.lr * _alpha(h, step),
+        b1=b1,
+        b2=b2,
+        b3=b3,
+        eps=h.eps,
+        inv_bc2_sqrt=1 / (1 - b2**step) ** 0.5,
+        decay=1 - h.lr * h.weight_decay,
+        omb1=1 - b1,
+        omb2=1 - b2,
+        omb3=1 - b3,
     )
 
 
 @triton.jit
-def ademamix_math(p, g, m1, m2, nu, hp, nrm):
-    lr1 = hp[0]
-    lr2 = hp[1]
-    b1 = hp[2]
-    b2 = hp[3]
-    b3 = hp[4]
-    eps = hp[5]
-    inv_bc2_sqrt = hp[6]
-    decay = hp[7]
-    m1 = b1 * m1 + hp[8] * g
-    m2 = b3 * m2 + hp[10] * g
-    nu = b2 * nu + hp[9] * g * g
-    p = p * decay - fast_div(lr1 * m1 + lr2 * m2, tl.sqrt(nu) * inv_bc2_sqrt + eps)
-    return p, m1, m2, nu
+def ademamix_math(p, g, s, hp, nrm):
+    h = AdEMAMixScalars(*hp)
+    m1, m2, nu = s
+    m1 = h.b1 * m1 + h.omb1 * g
+    m2 = h.b3 * m2 + h.omb3 * g
+    nu = h.b2 * nu + h.omb2 * g * g
+    p = p * h.decay - fast_div(h.lr1 * m1 + h.lr2 * m2, tl.sqrt(nu) * h.inv_bc2_sqrt + h.eps)
+    return p, (m1, m2, nu)
 
 
-def ademamix_reference(p, g, states, s):
+def ademamix_reference(p, g, states, h: AdEMAMixScalars):
     m1, m2, nu = states
-    lr1, lr2, b1, b2, b3, eps, inv_bc2_sqrt, decay, omb1, omb2, omb3 = s
-    m1 = b1 * m1 + omb1 * g
-    m2 = b3 * m2 + omb3 * g
-    nu = b2 * nu + omb2 * g * g
-    p = p * decay - (lr1 * m1 + lr2 * m2) / (nu.sqrt() * inv_bc2_sqrt + eps)
+    m1 = h.b1 * m1 + h.omb1 * g
+    m2 = h.b3 * m2 + h.omb3 * g
+    nu = h.b2 * nu + h.omb2 * g * g
+    p = p * h.decay - (h.lr1 * m1 + h.lr2 * m2) / (nu.sqrt() * h.inv_bc2_sqrt + h.eps)
     return p, [m1, m2, nu]
 
 
@@ -122,4 +130,4 @@ _STATES = (
     StateSlot("exp_avg_slow", signed=True),
     StateSlot("exp_avg_sq", signed=False),
 )
-ADEMAMIX = Rule("ademamix", AdEMAMixHparams, _STATES, scalars, ademamix_math, ademamix_reference)
+ADEMAMIX = Rule("ademamix", AdEMAMixHparams, _STATES, AdEMAMixScalars, scalars, ademamix_math, ademamix_reference)

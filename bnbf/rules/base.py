@@ -3,16 +3,18 @@
 A rule is one file in ``bnbf/rules/`` that defines:
 
 - its hyperparameter dataclass (frozen, keyword-only, validated in ``__post_init__`` with torch's wording);
-- its state slots (name as torch.optim calls it, which dynamic map it uses when quantized);
-- ``scalars(hparams, step)``: the per-call numbers the math needs (at most 14), derived once per call on
-  the host and passed as kernel arguments (with tensor ops on the device into a float32 row when
-  hyperparameters are tensors);
-- ``math``: a ``@triton.jit`` function ``(p, g, s0, s1, s2, hp, nrm) -> (p, s0, s1, s2)`` on
-  float32 values, reading its scalars as ``hp[k]`` (and, for rules with ``norms``, the tensor's three
-  sums as ``nrm[k]``, float32 scalars);
-- ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives and
-  returns one float32 tensor per state slot, ``None`` for slots this state does not keep;
-- optionally ``norms``: a pair (``@triton.jit`` fn, torch fn) of ``(p, g, s0, s1, s2, hp) -> (a, b, c)``,
+- its state slots, any number of them (name as torch.optim calls it, which map it uses when quantized);
+- its scalars: a NamedTuple class naming the per-call numbers the math needs (at most 14), and
+  ``scalars(hparams, step)``, which returns one, derived once per call on the host (passed as kernel
+  arguments, or with tensor ops on the device into a float32 row when hyperparameters are tensors);
+- ``math``: a ``@triton.jit`` function ``(p, g, s, hp, nrm) -> (p, s)`` on float32 values: ``s`` is a
+  tuple with one value per state slot (the scalar 0.0 for a slot this state does not keep), ``hp`` the
+  tuple of the rule's scalars, which the math names first thing (``h = AdamScalars(*hp)``; ``h.b1``),
+  and for rules with ``norms``, ``nrm`` the tensor's three sums (float32 scalars, ``nrm[k]``);
+- ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives the
+  scalars as the rule's NamedTuple (0-d tensors) and a list with one float32 tensor per state slot,
+  ``None`` for slots this state does not keep, and returns the new param and such a list;
+- optionally ``norms``: a pair (``@triton.jit`` fn, torch fn) of ``(p, g, s, hp) -> (a, b, c)``,
   elementwise terms whose per-tensor sums the math needs (LAMB: ||p||², ||adam step||²); the kernel then
   runs a norm pass first (one launch for all tensors), and the reference passes the sums to
   ``reference(p, g, states, scalars, sums)``;
@@ -50,13 +52,19 @@ class Rule:
     name: str
     hparams: type
     states: tuple[StateSlot, ...]
-    scalars: Callable[[Any, Number], Sequence[Number]]
+    scalar_names: type  # the NamedTuple class of the rule's scalars
+    scalars: Callable[[Any, Number], tuple]  # (hparams, step) -> scalar_names(...)
     math: Any  # triton.JITFunction
-    reference: Callable[[Tensor, Tensor, list[Tensor | None], Sequence[Tensor]], tuple[Tensor, list[Tensor | None]]]
+    reference: Callable[[Tensor, Tensor, list[Tensor | None], Any], tuple[Tensor, list[Tensor | None]]]
     present: Callable[[Any], tuple[bool, ...]] | None = None
     initial: Callable[[Any], tuple[float, ...]] | None = None
     norms: tuple[Any, Callable] | None = None
     export: Callable[[dict], dict] | None = None  # stored slots -> torch.optim's state (dequantize_state)
+
+    @property
+    def signed_mask(self) -> int:
+        """Bit j set when state slot j is quantized with the signed map (the kernel's SIGNED)."""
+        return sum(1 << j for j, slot in enumerate(self.states) if slot.signed)
 
     def slots_present(self, hparams: Any) -> tuple[bool, ...]:
         return (True,) * len(self.states) if self.present is None else tuple(self.present(hparams))

@@ -12,6 +12,7 @@ States: ``exp_avg`` (signed), ``exp_avg_sq`` (unsigned).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -36,67 +37,72 @@ class LambHparams(AdamMomentsHparams):
             raise ValueError(f"Invalid clamp value: {self.clamp_value}")
 
 
-def scalars(h: LambHparams, step: Number):
+class LambScalars(NamedTuple):
+    step_size: Number  # lr, times sqrt(1 - β2^t) / (1 - β1^t) with debias
+    b1: Number
+    b2: Number
+    eps: Number
+    wd: Number
+    clamp_value: Number
+    adam: Number  # 1.0: no trust ratio
+    omb1: Number  # 1 - beta in double precision (see adam.py)
+    omb2: Number
+
+
+def scalars(h: LambHparams, step: Number) -> LambScalars:
     b1, b2 = h.betas
     c = (1 - b2**step) ** 0.5 / (1 - b1**step) if h.debias else 1.0
-    # 7, 8: 1 - beta in double precision (see adam.py)
-    return (h.lr * c, b1, b2, h.eps, h.weight_decay, h.clamp_value, 1.0 if h.adam else 0.0, 1 - b1, 1 - b2)
+    return LambScalars(step_size=h.lr * c, b1=b1, b2=b2, eps=h.eps, wd=h.weight_decay, clamp_value=h.clamp_value,
+                       adam=1.0 if h.adam else 0.0, omb1=1 - b1, omb2=1 - b2)  # fmt: skip
 
 
 @triton.jit
-def _direction(p, g, m, v, hp):
-    b1 = hp[1]
-    b2 = hp[2]
-    eps = hp[3]
-    wd = hp[4]
-    m = b1 * m + hp[7] * g
-    v = b2 * v + hp[8] * g * g
-    u = fast_div(m, tl.sqrt(v) + eps) + wd * p
+def _direction(p, g, s, h):
+    m, v = s
+    m = h.b1 * m + h.omb1 * g
+    v = h.b2 * v + h.omb2 * g * g
+    u = fast_div(m, tl.sqrt(v) + h.eps) + h.wd * p
     return u, m, v
 
 
 @triton.jit
-def lamb_norm_terms(p, g, m, v, unused, hp):
-    u, m, v = _direction(p, g, m, v, hp)
+def lamb_norm_terms(p, g, s, hp):
+    u, m, v = _direction(p, g, s, LambScalars(*hp))
     return p * p, u * u, u * 0.0
 
 
 @triton.jit
-def lamb_math(p, g, m, v, unused, hp, nrm):
-    u, m, v = _direction(p, g, m, v, hp)
-    step_size = hp[0]
-    clamp_value = hp[5]
-    adam = hp[6]
-    w_norm = tl.minimum(tl.sqrt(nrm[0]), clamp_value)
+def lamb_math(p, g, s, hp, nrm):
+    h = LambScalars(*hp)
+    u, m, v = _direction(p, g, s, h)
+    w_norm = tl.minimum(tl.sqrt(nrm[0]), h.clamp_value)
     u_norm = tl.sqrt(nrm[1])
-    ratio = tl.where((w_norm > 0) & (u_norm > 0) & (adam == 0), w_norm / tl.maximum(u_norm, 1e-30), 1.0)
-    p = p - step_size * ratio * u
-    return p, m, v, unused
+    ratio = tl.where((w_norm > 0) & (u_norm > 0) & (h.adam == 0), w_norm / tl.maximum(u_norm, 1e-30), 1.0)
+    p = p - h.step_size * ratio * u
+    return p, (m, v)
 
 
-def _direction_ref(p, g, states, s):
+def _direction_ref(p, g, states, h: LambScalars):
     m, v = states
-    _, b1, b2, eps, wd, _, _, omb1, omb2 = s
-    m = b1 * m + omb1 * g
-    v = b2 * v + omb2 * g * g
-    return m / (v.sqrt() + eps) + wd * p, m, v
+    m = h.b1 * m + h.omb1 * g
+    v = h.b2 * v + h.omb2 * g * g
+    return m / (v.sqrt() + h.eps) + h.wd * p, m, v
 
 
-def lamb_norm_terms_ref(p, g, states, s):
-    u, _, _ = _direction_ref(p, g, states, s)
+def lamb_norm_terms_ref(p, g, states, h: LambScalars):
+    u, _, _ = _direction_ref(p, g, states, h)
     return p * p, u * u, torch.zeros_like(u)
 
 
-def lamb_reference(p, g, states, s, sums):
-    u, m, v = _direction_ref(p, g, states, s)
-    step_size, clamp_value, adam = s[0], s[5], s[6]
-    w_norm = sums[0].sqrt().clamp(max=clamp_value)
+def lamb_reference(p, g, states, h: LambScalars, sums):
+    u, m, v = _direction_ref(p, g, states, h)
+    w_norm = sums[0].sqrt().clamp(max=h.clamp_value)
     u_norm = sums[1].sqrt()
-    ok = (w_norm > 0) & (u_norm > 0) & (adam == 0)
+    ok = (w_norm > 0) & (u_norm > 0) & (h.adam == 0)
     ratio = torch.where(ok, w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
-    return p - step_size * ratio * u, [m, v]
+    return p - h.step_size * ratio * u, [m, v]
 
 
 _STATES = (StateSlot("exp_avg", signed=True), StateSlot("exp_avg_sq", signed=False))
-LAMB = Rule("lamb", LambHparams, _STATES, scalars, lamb_math, lamb_reference,
+LAMB = Rule("lamb", LambHparams, _STATES, LambScalars, scalars, lamb_math, lamb_reference,
             norms=(lamb_norm_terms, lamb_norm_terms_ref))  # fmt: skip

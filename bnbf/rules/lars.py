@@ -12,6 +12,7 @@ State: ``momentum_buffer`` (signed), only when momentum > 0.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import torch
 import triton
@@ -19,7 +20,7 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, finite
-from bnbf.rules.sgd import SGDHparams, momentum_step, momentum_step_reference, present
+from bnbf.rules.sgd import SGDHparams, SGDScalars, momentum_step, momentum_step_reference, present
 from bnbf.rules.sgd import scalars as sgd_scalars
 
 
@@ -36,40 +37,41 @@ class LarsHparams(SGDHparams):
             raise ValueError(f"Invalid trust_coefficient value: {self.trust_coefficient}")
 
 
-def scalars(h: LarsHparams, step: Number):
-    return (*sgd_scalars(h, step), h.trust_coefficient, h.eps)  # SGD's layout, then LARS' own
+# SGD's scalars, then LARS' own
+LarsScalars = NamedTuple("LarsScalars", [(f, Number) for f in (*SGDScalars._fields, "trust", "eps")])
+
+
+def scalars(h: LarsHparams, step: Number) -> LarsScalars:
+    return LarsScalars(*sgd_scalars(h, step), trust=h.trust_coefficient, eps=h.eps)
 
 
 @triton.jit
-def lars_norm_terms(p, g, buf, unused1, unused2, hp):
+def lars_norm_terms(p, g, s, hp):
     return p * p, g * g, g * 0.0
 
 
 @triton.jit
-def lars_math(p, g, buf, unused1, unused2, hp, nrm):
-    lr = hp[0]
-    wd = hp[1]
-    trust = hp[6]
-    eps = hp[7]
+def lars_math(p, g, s, hp, nrm):
+    h = LarsScalars(*hp)
+    (buf,) = s
     p_norm = tl.sqrt(nrm[0])
     g_norm = tl.sqrt(nrm[1])
-    local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(trust * p_norm, g_norm + wd * p_norm + eps), 1.0)
-    step, buf = momentum_step(local * (g + wd * p), buf, hp)
-    return p - lr * step, buf, unused1, unused2
+    local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(h.trust * p_norm, g_norm + h.wd * p_norm + h.eps), 1.0)
+    step, buf = momentum_step(local * (g + h.wd * p), buf, h)
+    return p - h.lr * step, (buf,)
 
 
-def lars_norm_terms_ref(p, g, states, s):
+def lars_norm_terms_ref(p, g, states, h: LarsScalars):
     return p * p, g * g, torch.zeros_like(g)
 
 
-def lars_reference(p, g, states, s, sums):
-    lr, wd, trust, eps = s[0], s[1], s[6], s[7]
+def lars_reference(p, g, states, h: LarsScalars, sums):
     p_norm, g_norm = sums[0].sqrt(), sums[1].sqrt()
     ok = (p_norm > 0) & (g_norm > 0)
-    local = torch.where(ok, trust * p_norm / (g_norm + wd * p_norm + eps), torch.ones_like(p_norm))
-    step, buf = momentum_step_reference(local * (g + wd * p), states[0], s)
-    return p - lr * step, [buf]
+    local = torch.where(ok, h.trust * p_norm / (g_norm + h.wd * p_norm + h.eps), torch.ones_like(p_norm))
+    step, buf = momentum_step_reference(local * (g + h.wd * p), states[0], h)
+    return p - h.lr * step, [buf]
 
 
-LARS = Rule("lars", LarsHparams, (StateSlot("momentum_buffer", signed=True),), scalars, lars_math, lars_reference,
-            present=present, norms=(lars_norm_terms, lars_norm_terms_ref))  # fmt: skip
+LARS = Rule("lars", LarsHparams, (StateSlot("momentum_buffer", signed=True),), LarsScalars, scalars, lars_math,
+            lars_reference, present=present, norms=(lars_norm_terms, lars_norm_terms_ref))  # fmt: skip

@@ -10,6 +10,7 @@ State: ``exp_avg`` (signed).
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -31,33 +32,38 @@ class LionHparams:
         check_weight_decay(self.weight_decay)
 
 
-def scalars(h: LionHparams, step: Number):
-    b1, b2 = h.betas
+class LionScalars(NamedTuple):
+    lr: Number
+    b1: Number
+    b2: Number
+    decay: Number  # 1 - lr·wd
     # 1 - beta in double precision here, not from the float32 beta in the kernel (see adam.py)
-    return (h.lr, b1, b2, 1 - h.lr * h.weight_decay, 1 - b1, 1 - b2)
+    omb1: Number
+    omb2: Number
+
+
+def scalars(h: LionHparams, step: Number) -> LionScalars:
+    b1, b2 = h.betas
+    return LionScalars(lr=h.lr, b1=b1, b2=b2, decay=1 - h.lr * h.weight_decay, omb1=1 - b1, omb2=1 - b2)
 
 
 @triton.jit
-def lion_math(p, g, m, unused1, unused2, hp, nrm):
-    lr = hp[0]
-    b1 = hp[1]
-    b2 = hp[2]
-    decay = hp[3]
-    omb1 = hp[4]
-    omb2 = hp[5]
-    c = b1 * m + omb1 * g
+def lion_math(p, g, s, hp, nrm):
+    h = LionScalars(*hp)
+    (m,) = s
+    c = h.b1 * m + h.omb1 * g
     sign = tl.where(c > 0, 1.0, tl.where(c < 0, -1.0, 0.0))
-    p = p * decay - lr * sign
-    m = b2 * m + omb2 * g
-    return p, m, unused1, unused2
+    p = p * h.decay - h.lr * sign
+    m = h.b2 * m + h.omb2 * g
+    return p, (m,)
 
 
-def lion_reference(p, g, states, s):
+def lion_reference(p, g, states, h: LionScalars):
     (m,) = states
-    lr, b1, b2, decay, omb1, omb2 = s
-    p = p * decay - lr * (b1 * m + omb1 * g).sign()
-    m = b2 * m + omb2 * g
+    p = p * h.decay - h.lr * (h.b1 * m + h.omb1 * g).sign()
+    m = h.b2 * m + h.omb2 * g
     return p, [m]
 
 
-LION = Rule("lion", LionHparams, (StateSlot("exp_avg", signed=True),), scalars, lion_math, lion_reference)
+LION = Rule("lion", LionHparams, (StateSlot("exp_avg", signed=True),), LionScalars, scalars, lion_math,
+            lion_reference)  # fmt: skip

@@ -18,6 +18,7 @@ sq − ga² itself (the same quantity in exact arithmetic): quantized separately
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -53,9 +54,19 @@ class RMSpropHparams:
         check_nonneg(self.alpha, "alpha")  # torch: `if not 0.0 <= alpha`, so NaN too
 
 
-def scalars(h: RMSpropHparams, step: Number):
-    # 6: 1 - alpha in double precision (see adam.py)
-    return (h.lr, h.alpha, h.eps, h.weight_decay, h.momentum, 1.0 if h.centered else 0.0, 1 - h.alpha)
+class RMSpropScalars(NamedTuple):
+    lr: Number
+    alpha: Number
+    eps: Number
+    wd: Number
+    momentum: Number
+    centered: Number  # 1.0 or 0.0
+    oma: Number  # 1 - alpha in double precision (see adam.py)
+
+
+def scalars(h: RMSpropHparams, step: Number) -> RMSpropScalars:
+    return RMSpropScalars(lr=h.lr, alpha=h.alpha, eps=h.eps, wd=h.weight_decay, momentum=h.momentum,
+                          centered=1.0 if h.centered else 0.0, oma=1 - h.alpha)  # fmt: skip
 
 
 def present(h: RMSpropHparams) -> tuple[bool, ...]:
@@ -64,38 +75,35 @@ def present(h: RMSpropHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def rmsprop_math(p, g, sq, buf, ga, hp, nrm):
-    lr = hp[0]
-    alpha = hp[1]
-    eps = hp[2]
-    wd = hp[3]
-    momentum = hp[4]
-    centered = hp[5]
-    oma = hp[6]
-    g = g + wd * p
+def rmsprop_math(p, g, s, hp, nrm):
+    h = RMSpropScalars(*hp)
+    sq, buf, ga = s
+    alpha = h.alpha
+    oma = h.oma
+    g = g + h.wd * p
     d = g - ga
-    sq = tl.where(centered != 0, alpha * sq + alpha * oma * d * d, alpha * sq + oma * g * g)
+    sq = tl.where(h.centered != 0, alpha * sq + alpha * oma * d * d, alpha * sq + oma * g * g)
     ga = alpha * ga + oma * g
-    step = fast_div(g, tl.sqrt(sq) + eps)
-    buf = momentum * buf + step
-    p = p - lr * tl.where(momentum != 0, buf, step)
-    return p, sq, buf, ga
+    step = fast_div(g, tl.sqrt(sq) + h.eps)
+    buf = h.momentum * buf + step
+    p = p - h.lr * tl.where(h.momentum != 0, buf, step)
+    return p, (sq, buf, ga)
 
 
-def rmsprop_reference(p, g, states, s):
-    lr, alpha, eps, wd, momentum, centered, oma = s
+def rmsprop_reference(p, g, states, h: RMSpropScalars):
     sq, buf, ga = states
-    g = g + wd * p
+    alpha, oma = h.alpha, h.oma
+    g = g + h.wd * p
     if ga is not None:  # sq holds the centered variance
         sq = alpha * sq + alpha * oma * (g - ga) ** 2
         ga = alpha * ga + oma * g
     else:
         sq = alpha * sq + oma * g * g
-    avg = sq.sqrt() + eps
+    avg = sq.sqrt() + h.eps
     if buf is not None:
-        buf = momentum * buf + g / avg
-        return p - lr * buf, [sq, buf, ga]
-    return p - lr * g / avg, [sq, buf, ga]
+        buf = h.momentum * buf + g / avg
+        return p - h.lr * buf, [sq, buf, ga]
+    return p - h.lr * g / avg, [sq, buf, ga]
 
 
 _STATES = (
@@ -110,5 +118,5 @@ def export(states: dict) -> dict:
     return states
 
 
-RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, scalars, rmsprop_math, rmsprop_reference, present=present,
-               export=export)  # fmt: skip
+RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, RMSpropScalars, scalars, rmsprop_math, rmsprop_reference,
+               present=present, export=export)  # fmt: skip

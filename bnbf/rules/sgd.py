@@ -12,6 +12,7 @@ State: ``momentum_buffer`` (signed), only when momentum > 0 (plain SGD keeps no 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import triton
 import triton.language as tl
@@ -37,9 +38,19 @@ class SGDHparams:
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
 
 
-def scalars(h: SGDHparams, step: Number):
+class SGDScalars(NamedTuple):
+    lr: Number
+    wd: Number
+    momentum: Number
+    one_minus_damp: Number
+    nesterov: Number  # 1.0 or 0.0
+    first: Number  # 1.0 at the first step: the buffer starts as the direction itself
+
+
+def scalars(h: SGDHparams, step: Number) -> SGDScalars:
     first = step == 1 if not hasattr(step, "dtype") else (step == 1).float()
-    return (h.lr, h.weight_decay, h.momentum, 1 - h.dampening, 1.0 if h.nesterov else 0.0, first)
+    return SGDScalars(lr=h.lr, wd=h.weight_decay, momentum=h.momentum, one_minus_damp=1 - h.dampening,
+                      nesterov=1.0 if h.nesterov else 0.0, first=first)  # fmt: skip
 
 
 def present(h: SGDHparams) -> tuple[bool, ...]:
@@ -48,41 +59,35 @@ def present(h: SGDHparams) -> tuple[bool, ...]:
 
 
 @triton.jit
-def momentum_step(d, buf, hp):
-    """The step taken for direction ``d`` with torch's momentum buffer (scalars 2..5 of ``hp``: momentum,
-    1 - dampening, nesterov, first step); shared by SGD and LARS. Returns (step, new buffer)."""
-    momentum = hp[2]
-    one_minus_damp = hp[3]
-    nesterov = hp[4]
-    first = hp[5]
-    buf = tl.where(first != 0, d, momentum * buf + one_minus_damp * d)
-    step = tl.where(nesterov != 0, d + momentum * buf, buf)
-    step = tl.where(momentum != 0, step, d)  # momentum 0: plain steps (no state is kept)
+def momentum_step(d, buf, h):
+    """The step taken for direction ``d`` with torch's momentum buffer (``h``: scalars with SGD's
+    momentum, one_minus_damp, nesterov and first); shared by SGD and LARS. Returns (step, new buffer)."""
+    buf = tl.where(h.first != 0, d, h.momentum * buf + h.one_minus_damp * d)
+    step = tl.where(h.nesterov != 0, d + h.momentum * buf, buf)
+    step = tl.where(h.momentum != 0, step, d)  # momentum 0: plain steps (no state is kept)
     return step, buf
 
 
-def momentum_step_reference(d, buf, s):
+def momentum_step_reference(d, buf, h):
     """:func:`momentum_step` in torch; ``buf`` is None when no momentum buffer is kept."""
-    _, _, momentum, one_minus_damp, nesterov, first = s[:6]
     if buf is None:
         return d, None
-    buf = d.clone() if bool(first) else momentum * buf + one_minus_damp * d
-    return (d + momentum * buf if bool(nesterov) else buf), buf
+    buf = d.clone() if bool(h.first) else h.momentum * buf + h.one_minus_damp * d
+    return (d + h.momentum * buf if bool(h.nesterov) else buf), buf
 
 
 @triton.jit
-def sgd_math(p, g, buf, unused1, unused2, hp, nrm):
-    lr = hp[0]
-    wd = hp[1]
-    step, buf = momentum_step(g + wd * p, buf, hp)
-    return p - lr * step, buf, unused1, unused2
+def sgd_math(p, g, s, hp, nrm):
+    h = SGDScalars(*hp)
+    (buf,) = s
+    step, buf = momentum_step(g + h.wd * p, buf, h)
+    return p - h.lr * step, (buf,)
 
 
-def sgd_reference(p, g, states, s):
-    lr, wd = s[0], s[1]
-    step, buf = momentum_step_reference(g + wd * p, states[0], s)
-    return p - lr * step, [buf]
+def sgd_reference(p, g, states, h: SGDScalars):
+    step, buf = momentum_step_reference(g + h.wd * p, states[0], h)
+    return p - h.lr * step, [buf]
 
 
-SGD = Rule("sgd", SGDHparams, (StateSlot("momentum_buffer", signed=True),), scalars, sgd_math, sgd_reference,
-           present=present)  # fmt: skip
+SGD = Rule("sgd", SGDHparams, (StateSlot("momentum_buffer", signed=True),), SGDScalars, scalars, sgd_math,
+           sgd_reference, present=present)  # fmt: skip
