@@ -1,9 +1,9 @@
-"""The 8-bit re-synced comparison for every rule (bitsandbytes' test_optimizer8bit, made stricter), and the
-reference optimizer wrapper the rule tests share.
+"""The 8-bit re-synced comparison for every row of ``optim_table.ROWS`` (bitsandbytes' test_optimizer8bit,
+made stricter), and the reference optimizer wrapper the rule tests share.
 
-Each step: the reference (``optim_table``'s optimizer on float32 copies) and ``bnbf.update`` take the same
-gradient from the same params and states; then the reference is re-synced to our params and dequantized
-states. Checked every step:
+Each step: the row's reference (on float32 copies) and ``bnbf.update`` take the same gradients from the same
+params and states, for all the call's tensors at once (one multi-tensor call); then the reference is
+re-synced to our params and dequantized states. Checked every step, for each tensor:
 
 - each state: bitsandbytes' bar (``tolerances.STATE8``: fewer than ``max_outside`` elements outside
   atol/rtol), except the states a row names ``code_checked_only``; and, stricter, element by element, the
@@ -14,10 +14,22 @@ states. Checked every step:
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from conftest import init_params, make_grad
 from optim_table import UnormClipped
-from tolerances import STATE8, assert_close_report, count_outside, half_ulp
+from tolerances import (
+    CODE_GAP_SLACK_REL,
+    CODE_GAP_SLACK_ULPS,
+    MEAN_MIN_NUMEL,
+    ON_CODE_REL,
+    SIGN_TIE_ULPS,
+    STATE8,
+    assert_close_report,
+    count_outside,
+    half_ulp,
+)
 
 import bnbf
 from bnbf.quant import POWER_FLOOR, state_map
@@ -28,9 +40,9 @@ F32 = torch.float32
 class Ref:
     """The reference optimizer on float32 copies of a dict of params."""
 
-    def __init__(self, case, params: dict, hp: dict, max_unorm: float = 0.0):
+    def __init__(self, row, params: dict, hp: dict, max_unorm: float = 0.0):
         self.t = {k: v.detach().float().clone().requires_grad_(True) for k, v in params.items()}
-        opt = case.torch_opt(list(self.t.values()), **hp)
+        opt = row.torch_opt(list(self.t.values()), **hp)
         self.opt = UnormClipped(opt, max_unorm) if max_unorm else opt
 
     def step(self, grads: dict) -> None:
@@ -54,13 +66,16 @@ class Ref:
                         self.state(k)[theirs].copy_(moments[k][ours])
 
 
-def stored_reference(case, name: str, ref_state: dict, theirs: str) -> torch.Tensor:
-    """The reference's value of what bnbf's slot ``name`` stores (centered RMSprop keeps the variance
-    square_avg - grad_avg**2 in its square_avg slot)."""
-    t = ref_state[theirs]
-    if case.name == "rmsprop" and name == "square_avg" and "grad_avg" in ref_state:
-        return t - ref_state["grad_avg"] ** 2
-    return t
+def stored_reference(row, name: str, ref_state: dict, theirs: str) -> torch.Tensor:
+    """The reference's value of what bnbf's slot ``name`` stores: its state ``theirs``, or what the row's
+    ``stored`` derives from the reference's states (centered RMSprop keeps the variance in square_avg)."""
+    derive = row.stored.get(name)
+    return ref_state[theirs] if derive is None else derive(ref_state)
+
+
+@functools.cache
+def _double_map(fmt: str, signed: bool, device: torch.device) -> torch.Tensor:
+    return state_map(fmt, signed, device).double()
 
 
 def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) -> None:
@@ -74,7 +89,7 @@ def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) 
     signed = next(sl for sl in bnbf.RULES[layout.rule].states if sl.name == name).signed
     codes = getattr(state, name)
     dev = codes.device
-    c = state_map(layout.format, signed, dev).double()
+    c = _double_map(layout.format, signed, dev)
     n = codes.numel()
     am = getattr(state, name + "_absmax").double().repeat_interleave(layout.block_size)[:n]
     ours = c[codes.reshape(-1).long()] * am
@@ -83,20 +98,22 @@ def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) 
     xn = x.clamp(float(c[0]), float(c[-1]))
     hi = torch.searchsorted(c, xn).clamp(1, 255)
     gap = c[hi] - c[hi - 1]
+    slack = CODE_GAP_SLACK_REL * ref.abs() + CODE_GAP_SLACK_ULPS * torch.finfo(F32).eps * am
+    if bool(((ours - ref).abs() <= gap * am + slack).all()):
+        return  # within the plain gap: the allowances below only widen it (most calls stop here)
     if not signed:  # a nonzero value is stored at least at the floor code
         floor = c[POWER_FLOOR if layout.format == "power" else 1]
         gap = torch.where(ref != 0, torch.maximum(gap, floor), gap)
     # a value on a code (a state the step left as it was: amsgrad's maximum, mostly) reaches the rounding at
     # its code position plus float32 error, so the dither can take it to either neighbour: the larger side gap
     near = torch.where((xn - c[hi - 1]).abs() <= (c[hi] - xn).abs(), hi - 1, hi)
-    on_code = (xn - c[near]).abs() <= 1e-6 * c[near].abs()
+    on_code = (xn - c[near]).abs() <= ON_CODE_REL * c[near].abs()
     sides = torch.maximum(c[(near + 1).clamp(max=255)] - c[near], c[near] - c[(near - 1).clamp(min=0)])
     gap = torch.where(on_code, torch.maximum(gap, sides), gap)
     # beyond the map's ends (the signed dynamic map stops at -0.99297; float32 rounding puts the block's largest
     # value a hair above its absmax), the end code's gap plus the excess: the GPU's approximate roots put the
     # largest value's code position a hair below the top code, from where the dither can round it down one
     gap = torch.where(x != xn, (x - xn).abs() + gap, gap)
-    slack = 1e-5 * ref.abs() + 8 * torch.finfo(F32).eps * am
     bad = (ours - ref).abs() > gap * am + slack
     if bool(bad.any()):
         i = int(((ours - ref).abs() - gap * am - slack).argmax())
@@ -107,67 +124,86 @@ def assert_within_code_gap(state, name: str, expected: torch.Tensor, what: str) 
         )
 
 
-def sign_ties(case, hp, m, g) -> torch.Tensor:
-    """Elements where Lion's sign input β1·m + (1 − β1)·g is zero up to float32 rounding of its terms:
-    two correct float32 evaluations (ours fused in the kernel, the reference's in torch) may disagree on
-    its sign there. ``m`` is the reference's state before the step (synced to ours), None at step 1."""
+def sign_ties(hp: dict, m: torch.Tensor | None, g: torch.Tensor) -> torch.Tensor:
+    """For a row with ``sign_step``: elements where the sign input β1·m + (1 − β1)·g (Lion's) is zero up to
+    float32 rounding of its terms: two correct float32 evaluations (ours fused in the kernel, the
+    reference's in torch) may disagree on its sign there. ``m`` is the reference's first moment before the
+    step (synced to ours), None at step 1."""
     b1 = hp["betas"][0]
     g = g.float()
     m = torch.zeros_like(g) if m is None else m
     c = b1 * m + (1 - b1) * g
-    return c.abs() <= 16 * torch.finfo(F32).eps * (b1 * m.abs() + (1 - b1) * g.abs())
+    return c.abs() <= SIGN_TIE_ULPS * torch.finfo(F32).eps * (b1 * m.abs() + (1 - b1) * g.abs())
 
 
-def run_resync(device, case, dtype, shape, fmt, steps: int, wd: float | None = None, max_unorm: float = 0.0) -> Ref:
-    """``steps`` re-synced steps of ``case`` (an ``optim_table`` row) with 8-bit state in format ``fmt``
-    on a tensor of ``shape``; returns the reference (its optimizer counts clipped steps with max_unorm)."""
-    wd = case.weight_decays[-1] if wd is None else wd
-    hp = {**case.hparams, "weight_decay": wd}
-    bar = STATE8[(dtype, 8)]
-    params = {"w": init_params(shape, dtype, device)}
-    ref = Ref(case, params, hp, max_unorm)
-    spec = bnbf.OptimSpec(rule=case.name, state_bits=8, min_8bit_size=0, state_format=fmt)
+def run_resync(device, row, tensors, fmt, steps: int, wd: float | None = None, max_unorm: float = 0.0) -> Ref:
+    """``steps`` re-synced steps of ``row`` (an ``optim_table`` row) with 8-bit state in format ``fmt``, on
+    ``tensors``: a list of ``(shape, dtype)``, all stepped in one call; each is held to its dtype's bar.
+    Returns the reference (its optimizer counts clipped tensor-steps with max_unorm)."""
+    wd = row.weight_decays[-1] if wd is None else wd
+    hp = {**row.hparams, "weight_decay": wd}
+    params = {f"{i}:{dname(dtype)}{tuple(shape)}": init_params(shape, dtype, device)
+              for i, (shape, dtype) in enumerate(tensors)}  # fmt: skip
+    ref = Ref(row, params, hp, max_unorm)
+    spec = bnbf.OptimSpec(rule=row.name, state_bits=8, min_8bit_size=0, state_format=fmt)
     state = bnbf.init_state(params, spec, hp)
-    for name in case.state_names:
-        assert getattr(state["w"], name).dtype == torch.uint8, "min_8bit_size=0 must give 8-bit state"
-    numel = params["w"].numel()
+    for k in params:
+        for name in row.state_names:
+            assert getattr(state[k], name).dtype == torch.uint8, "min_8bit_size=0 must give 8-bit state"
     for step in range(1, steps + 1):
-        grads = {"w": make_grad(shape, dtype, device)}
-        ties = sign_ties(case, hp, ref.state("w").get("exp_avg"), grads["w"]) if case.name == "lion" else None
+        grads = {k: make_grad(p.shape, p.dtype, device) for k, p in params.items()}
+        ties = {k: sign_ties(hp, ref.state(k).get("exp_avg"), g) for k, g in grads.items()} if row.sign_step else {}
         ref.step(grads)
         params, state = bnbf.update(params, grads, state, hp, step, max_unorm=max_unorm)
         moments = bnbf.dequantize_state(state)
-        what = f"step {step}"
-        for ours, theirs in case.state_names.items():
-            theirs_t = ref.state("w")[theirs]
-            outside = count_outside(moments["w"][ours], theirs_t, bar.atol, bar.rtol)
-            if outside >= bar.max_outside and ours not in case.code_checked_only:
-                msg = f"{what} {ours}: {outside} elements outside (bar: < {bar.max_outside})"
-                assert_close_report(moments["w"][ours], theirs_t, bar.atol, bar.rtol, msg)
-            assert_within_code_gap(state["w"], ours, stored_reference(case, ours, ref.state("w"), theirs), what)
-        p, p_ref = params["w"].float(), ref.p("w")
-        err = (p - p_ref).abs()
-        if dtype != F32:  # every 16-bit param within its rounding plus the bar's allowance
-            allowed = half_ulp(p_ref, dtype) + bar.mean_abs
-            if ties is not None:  # there float rounding picks Lion's sign: a step of lr either way
-                allowed = torch.where(ties, allowed + 2 * hp["lr"], allowed)
-            if not bool((err <= allowed).all()):
-                i = int((err - allowed).reshape(-1).argmax())
-                raise AssertionError(
-                    f"{what}: |p - p_ref| = {err.reshape(-1)[i].item():.3e} at flat {i} (p "
-                    f"{p.reshape(-1)[i].item()!r}, p_ref {p_ref.reshape(-1)[i].item()!r}) above half an ulp + "
-                    f"{bar.mean_abs:g} = {allowed.reshape(-1)[i].item():.3e}"
-                )
-        # bitsandbytes' means (over 4M elements there), on enough elements to be means: a few hundred 16-bit
-        # params measure their own rounding (fp16, 257 elements, Adagrad: mean rel 6.15e-4 against 6e-4),
-        # and the per-element bound above is the check there
-        if dtype == F32 or numel >= 4096:
-            mean_abs, mean_rel = err.mean().item(), (err / (p_ref.abs() + 1e-9)).mean().item()
-            if dtype == torch.bfloat16 and not case.bf16_mean_rel:
-                mean_rel = 0.0  # see RuleCase.bf16_mean_rel
-            ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
-                 (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)  # fmt: skip
-            assert ok, (f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
-                        f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")  # fmt: skip
-        ref.sync(params, moments, case.state_names)
+        for k, p in params.items():
+            bar = STATE8[(p.dtype, 8)]
+            what = f"step {step}, tensor {k}"
+            _check_states(row, bar, state[k], moments[k], ref.state(k), what)
+            _check_param(row, bar, p.float(), ref.p(k), p.dtype, ties.get(k), hp["lr"], what)
+        ref.sync(params, moments, row.state_names)
     return ref
+
+
+def dname(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _check_states(row, bar, state, moments: dict, ref_state: dict, what: str) -> None:
+    """One tensor's 8-bit ``state`` (dequantized: ``moments``) against the reference's states after the same
+    step: bitsandbytes' bar ``bar`` (except the row's ``code_checked_only``), and within one code gap."""
+    for ours, theirs in row.state_names.items():
+        theirs_t = ref_state[theirs]
+        outside = count_outside(moments[ours], theirs_t, bar.atol, bar.rtol)
+        if outside >= bar.max_outside and ours not in row.code_checked_only:
+            msg = f"{what} {ours}: {outside} elements outside (bar: < {bar.max_outside})"
+            assert_close_report(moments[ours], theirs_t, bar.atol, bar.rtol, msg)
+        assert_within_code_gap(state, ours, stored_reference(row, ours, ref_state, theirs), what)
+
+
+def _check_param(row, bar, p: torch.Tensor, p_ref: torch.Tensor, dtype, ties, lr: float, what: str) -> None:
+    """One tensor's param (as float32; ``dtype`` its own) against the reference's after the same step:
+    16-bit params element by element (a step of ``lr`` either way where ``ties``), and the bar's means."""
+    err = (p - p_ref).abs()
+    if dtype != F32:  # every 16-bit param within its rounding plus the bar's allowance
+        allowed = half_ulp(p_ref, dtype) + bar.mean_abs
+        if ties is not None:  # there float rounding picks the sign: a step of lr either way
+            allowed = torch.where(ties, allowed + 2 * lr, allowed)
+        if not bool((err <= allowed).all()):
+            i = int((err - allowed).reshape(-1).argmax())
+            raise AssertionError(
+                f"{what}: |p - p_ref| = {err.reshape(-1)[i].item():.3e} at flat {i} (p "
+                f"{p.reshape(-1)[i].item()!r}, p_ref {p_ref.reshape(-1)[i].item()!r}) above half an ulp + "
+                f"{bar.mean_abs:g} = {allowed.reshape(-1)[i].item():.3e}"
+            )
+    # bitsandbytes' means (over 4M elements there), on enough elements to be means: a few hundred 16-bit
+    # params measure their own rounding (fp16, 257 elements, Adagrad: mean rel 6.15e-4 against 6e-4),
+    # and the per-element bound above is the check there
+    if dtype == F32 or p.numel() >= MEAN_MIN_NUMEL:
+        mean_abs, mean_rel = err.mean().item(), (err / (p_ref.abs() + 1e-9)).mean().item()
+        if dtype == torch.bfloat16 and not row.bf16_mean_rel:
+            mean_rel = 0.0  # see Row.bf16_mean_rel
+        ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
+             (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)  # fmt: skip
+        assert ok, (f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
+                    f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")  # fmt: skip

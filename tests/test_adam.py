@@ -1,7 +1,11 @@
-"""The functional API for Adam and AdamW: torch parity (32-bit), re-synced 8-bit parity, purity, pytrees,
-torch.func training, non-finite gradients, tensor hyperparameters.
+"""The functional API, with Adam and AdamW as the vehicle: the Triton step against the pure-torch reference
+path, state layouts and names, 8-bit state memory, non-contiguous inputs, purity (hypothesis),
+``update_ == update``, pytrees, torch.func training against torch.optim.AdamW, the step as a tensor, more
+than 2**31 elements.
 
-Table-driven: every row of ``optim_table.RULES`` gets the parity, convergence and purity tests.
+Every rule's own properties (Adam's and AdamW's included: parity with the reference, re-synced 8-bit
+accuracy, non-finite gradients, tensor and bad hyperparameters, max_unorm, ...) run in test_rules.py for
+every row of ``optim_table.ROWS``.
 """
 
 from __future__ import annotations
@@ -11,24 +15,25 @@ import torch
 from conftest import DEVICES, assert_untouched, init_params, kernel_runs, make_grad, snapshot, storages, triton_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from optim_table import RULE_IDS, RULES
-from resync import run_resync
+from optim_table import ROW
 from tolerances import (
     CONVERGENCE_REL,
     DTYPES,
+    KERNEL_VS_REFERENCE_ABSMAX_RTOL,
+    KERNEL_VS_REFERENCE_CODES,
+    KERNEL_VS_REFERENCE_SAME,
     SAME_MATH,
-    STATE32,
     assert_close_report,
     assert_equal_report,
+    codes_differ,
     half_ulp,
 )
 from torch.utils._pytree import tree_flatten, tree_leaves
 
 import bnbf
 
-NUMELS_8BIT = [1, 255, 257, 4097]
-
-
+VEHICLES = [ROW["adam"], ROW["adamw"]]  # the rows whose rules carry the API tests here
+VEHICLE_IDS = [r.id for r in VEHICLES]
 # 8-bit state formats under test: every format bnbf offers (the DESIGN.md contract names "dynamic")
 FORMATS = bnbf.quant.STATE_FORMATS
 LAYOUTS = [(8, f) for f in FORMATS] + [(32, None)]
@@ -40,131 +45,12 @@ def spec(rule: str, bits: int, min_8bit_size: int = 1, block_size: int = 256, fm
     return bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=min_8bit_size, block_size=block_size, **kw)
 
 
-def hp_with_wd(case, wd):
-    return {**case.hparams, "weight_decay": wd}
-
-
 def state_leaves(state):
     return [t for t in tree_leaves(state) if isinstance(t, torch.Tensor)]
 
 
-
-
 # ------------------------------------------------------------------------------------------------
-# 32-bit state against torch.optim
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("wd", [0.0, 0.01])
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("shape", [(1,), (33, 65)], ids=str)
-def test_32bit_matches_torch(device, case, wd, dtype, shape):
-    if device == "cpu" and triton_mode() and (shape == (1,) or wd == 0.0):
-        pytest.skip("interpreter pass: weight decay is a runtime scalar of the same kernel, and one element "
-                    "runs in test_kernel_matches_reference_path; all run on the reference path and on CUDA")
-    hp = hp_with_wd(case, wd)
-    p = init_params(shape, dtype, device)
-    p0 = p.float().clone()
-    ref = p.float().clone().requires_grad_(True)
-    opt = case.torch_opt([ref], **hp)
-    state = bnbf.init_state(p, spec(case.name, 32))
-    assert state.exp_avg.dtype == torch.float32
-    t = STATE32[(dtype, 32)]
-    for step in range(1, 21):
-        g = make_grad(shape, dtype, device)
-        ref.grad = g.float()
-        opt.step()
-        p_start = p.float()
-        p, state = bnbf.update(p, g, state, hp, step)
-        assert p.dtype == dtype and p.shape == shape
-        moments = bnbf.dequantize_state(state)
-        for ours, theirs in case.state_names.items():
-            assert_close_report(moments[ours], opt.state[ref][theirs], t.atol, t.rtol, f"step {step} {ours}")
-        if dtype == torch.float32:
-            # fp32: no re-sync; the change from the initial params after `step` steps
-            assert_close_report(p.float() - p0, ref.detach() - p0, t.atol, t.rtol, f"step {step} param change")
-        else:
-            # 16-bit params: the stored param is the fp32 result rounded to the dtype. (a) The values within
-            # the table's tolerance, as bitsandbytes compares them; (b) this step's change equals the
-            # reference's change rounded the same way, except where the two fp32 results straddle a
-            # rounding boundary (a few fp32 ulps apart: rare); (c) never more than one dtype ulp away.
-            # Then re-sync the reference to our param, as bitsandbytes does.
-            assert_close_report(p.float(), ref.detach(), t.atol, t.rtol, f"step {step} param ({dtype})")
-            ref_rounded = ref.detach().to(dtype).float()
-            d_ours, d_ref = p.float() - p_start, ref_rounded - p_start
-            exact = (d_ours == d_ref).float().mean().item()
-            assert exact >= 0.99, f"step {step}: only {exact:.2%} of param changes equal the rounded reference's"
-            off = (p.float() - ref.detach()).abs() > 2 * half_ulp(ref.detach(), dtype)
-            assert not bool(off.any()), f"step {step}: {int(off.sum())} params more than one {dtype} ulp off"
-            with torch.no_grad():
-                ref.copy_(p.float())
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-def test_missing_hparams_take_torch_defaults(device, case):
-    p = init_params((40,), torch.float32, device)
-    p0 = p.clone()
-    ref = p.clone().requires_grad_(True)
-    opt = case.torch_opt([ref])  # torch's defaults (AdamW: weight_decay 0.01; Adam: 0)
-    state = bnbf.init_state(p, spec(case.name, 32))
-    t = STATE32[(torch.float32, 32)]
-    for step in range(1, 6):
-        g = make_grad((40,), torch.float32, device)
-        ref.grad = g.clone()
-        opt.step()
-        p, state = bnbf.update(p, g, state, {}, step)
-    assert_close_report(p - p0, ref.detach() - p0, t.atol, t.rtol, "param change with default hparams")
-
-
-# ------------------------------------------------------------------------------------------------
-# 8-bit state against torch.optim, re-synced every step (bitsandbytes' test_optimizer8bit)
-
-
-def resync_steps(device):
-    """bitsandbytes' 50 steps; in the Triton interpreter (CPU, about 60 us per element-step) 10: there the
-    kernel is also pinned to the reference path (test_kernel_matches_reference_path), which runs the full
-    50 steps in the plain pass."""
-    return 10 if device == "cpu" and triton_mode() else 50
-
-
-def skip_in_interpreter(device, case, dtype, numel, fmt):
-    """The interpreter pass runs a subset of the re-synced grid (the full grid runs on the reference path
-    and on CUDA): the 4097-element size, every dtype and format, Adam's L2 variant in float32 only."""
-    if device == "cpu" and triton_mode():
-        if numel != 4097:
-            pytest.skip("interpreter pass: sizes 1, 255 and 257 run on the reference path, on CUDA and in "
-                        "test_kernel_matches_reference_path")
-        if case.name != "adamw" and (dtype != torch.float32 or fmt != bnbf.OptimSpec().state_format):
-            pytest.skip("interpreter pass: adam and adamw share the kernel (L2 vs decoupled decay are runtime "
-                        "scalars); adam runs in float32 with the default format only")
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("numel", NUMELS_8BIT)
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_8bit_resynced_matches_torch(device, case, dtype, numel, fmt):
-    skip_in_interpreter(device, case, dtype, numel, fmt)
-    run_resync(device, case, dtype, (numel,), fmt, resync_steps(device))
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_8bit_resynced_no_weight_decay(device, case, fmt):
-    run_resync(device, case, torch.float32, (2, 257), fmt, resync_steps(device), wd=0.0)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("device", ["cuda"])
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("fmt", FORMATS)
-def test_8bit_resynced_matches_torch_large(device, case, dtype, fmt):
-    run_resync(device, case, dtype, (1024, 4097), fmt, 50)
+# the Triton step against the reference path
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -198,46 +84,20 @@ def test_kernel_matches_reference_path(device, bits, fmt, dtype, monkeypatch):
             off = (p_k[i].float().cpu() - p_r[i].float()).abs() > 2 * half_ulp(p_r[i], dtype)
             assert not bool(off.any()), f"{what}: kernel param more than one {dtype} ulp from the reference"
             same = (p_k[i].cpu() == p_r[i]).float().mean().item()
-            assert same >= 0.99 or sh == (1,) and same == 1.0, f"{what}: only {same:.2%} of params agree"
+            assert same >= KERNEL_VS_REFERENCE_SAME or sh == (1,) and same == 1.0, f"{what}: only {same:.2%} agree"
         if bits == 32:
             for name in ("exp_avg", "exp_avg_sq"):
                 ours, ref = getattr(s_k[i], name).cpu(), getattr(s_r[i], name)
                 assert_close_report(ours, ref, t.atol, t.rtol, f"{what}: {name}")
             continue
         for name in ("exp_avg", "exp_avg_sq"):
-            assert_close_report(getattr(s_k[i], name + "_absmax").cpu(), getattr(s_r[i], name + "_absmax"), 0.0, 1e-6,
-                                f"{what}: {name}_absmax")
-            k = getattr(s_k[i], name).cpu().long()
-            r = getattr(s_r[i], name).long()
-            diff = (k - r).abs()
-            assert int(diff.max()) <= 1, f"{what}: {name} codes differ by up to {int(diff.max())} codes"
-            n_diff = int((diff > 0).sum())
-            assert n_diff <= max(2, k.numel() // 1000), f"{what}: {name}: {n_diff} of {k.numel()} codes differ"
+            assert_close_report(getattr(s_k[i], name + "_absmax").cpu(), getattr(s_r[i], name + "_absmax"), 0.0,
+                                KERNEL_VS_REFERENCE_ABSMAX_RTOL, f"{what}: {name}_absmax")  # fmt: skip
+            codes_differ(getattr(s_k[i], name), getattr(s_r[i], name), KERNEL_VS_REFERENCE_CODES, f"{what}: {name}")
 
 
 # ------------------------------------------------------------------------------------------------
 # state layout
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-def test_min_8bit_size_threshold(device, case):
-    s = spec(case.name, 8, min_8bit_size=4096)
-    small = bnbf.init_state(torch.zeros(4095, device=device), s)
-    big = bnbf.init_state(torch.zeros(4096, device=device), s)
-    assert small.exp_avg.dtype == torch.float32 and small.exp_avg_sq.dtype == torch.float32
-    assert big.exp_avg.dtype == torch.uint8 and big.exp_avg_sq.dtype == torch.uint8
-    assert big.exp_avg_absmax.shape == (16,) and big.exp_avg_absmax.dtype == torch.float32
-    # a 32-bit-state tensor below the threshold still updates like torch
-    p = init_params((4095,), torch.float32, device)
-    ref = p.clone().requires_grad_(True)
-    opt = case.torch_opt([ref], **case.hparams)
-    g = make_grad((4095,), torch.float32, device)
-    ref.grad = g.clone()
-    opt.step()
-    p1, _ = bnbf.update(p, g, small, case.hparams, 1)
-    tol = STATE32[(torch.float32, 32)]
-    assert_close_report(p1 - p, ref.detach() - p, tol.atol, tol.rtol, "below min_8bit_size")
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -311,7 +171,7 @@ SHAPES = [(1,), (7,), (255,), (257,), (16, 17), (2, 3, 70), (4097,)]
     shape=st.sampled_from(SHAPES),
     dtype=st.sampled_from(DTYPES),
     layout=st.sampled_from(LAYOUTS),
-    rule=st.sampled_from(RULE_IDS),
+    rule=st.sampled_from(VEHICLE_IDS),
     step=st.integers(1, 1000),
     seed=st.integers(0, 2**16),
 )
@@ -332,7 +192,7 @@ def test_update_is_pure(device, shape, dtype, layout, rule, step, seed):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", VEHICLES, ids=VEHICLE_IDS)
 @pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_update_in_place_matches_update(device, case, bits, fmt, dtype):
@@ -417,7 +277,7 @@ def make_mlp():
 def test_torch_func_training_converges_like_adamw(device, bits, fmt):
     if device == "cpu" and triton_mode() and (bits == 32 or fmt != bnbf.OptimSpec().state_format):
         pytest.skip("interpreter pass: the default 8-bit format only; the kernels are pinned to the reference "
-                    "path step by step (test_kernel_matches_reference_path, test_32bit_matches_torch), and "
+                    "path step by step (test_kernel_matches_reference_path, test_rules' 32-bit parity), and "
                     "every layout trains on the reference path and on CUDA")
     from torch.func import functional_call, grad
 
@@ -455,89 +315,7 @@ def test_torch_func_training_converges_like_adamw(device, bits, fmt):
 
 
 # ------------------------------------------------------------------------------------------------
-# non-finite gradients
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_non_finite_grad_elements(device, case, bits, fmt, dtype):
-    shape = (600,)
-    p = init_params(shape, dtype, device)
-    state = bnbf.init_state(p, spec(case.name, bits, fmt=fmt))
-    for step in range(1, 4):  # non-zero moments first
-        p, state = bnbf.update(p, make_grad(shape, dtype, device), state, case.hparams, step)
-    g = make_grad(shape, dtype, device)
-    bad = torch.zeros(shape, dtype=torch.bool)
-    bad[[0, 3, 257, 599]] = True
-    g_cpu = g.cpu()
-    g_cpu[0], g_cpu[3], g_cpu[257], g_cpu[599] = float("nan"), float("inf"), float("-inf"), float("nan")
-    g = g_cpu.to(device)
-    new_p, new_state = bnbf.update(p, g, state, {**case.hparams, "weight_decay": 0.01}, 4)
-    bad = bad.to(device)
-    assert_equal_report(new_p[bad], p[bad], "params at non-finite grads must stay unchanged")
-    assert bool(torch.isfinite(new_p).all()), "non-finite grads leaked into other params"
-    assert bool((new_p[~bad] != p[~bad]).any())
-    for t in state_leaves(new_state):
-        assert bool(torch.isfinite(t.float()).all()), "state holds non-finite values"
-    d = bnbf.dequantize_state(new_state)
-    before = bnbf.dequantize_state(state)
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert bool((before[name][bad] != 0).any()), "test setup: moments should be non-zero before"
-        assert_equal_report(d[name][bad], torch.zeros_like(d[name][bad]), f"{name} at non-finite grads")
-        assert bool((d[name][~bad] != 0).any())
-
-
-# ------------------------------------------------------------------------------------------------
-# tensor hyperparameters and step
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
-def test_tensor_hparams_equal_python_floats(device, case, bits, fmt):
-    shape = (2, 300)
-    p = init_params(shape, torch.float32, device)
-    floats = {"lr": 2e-3, "betas": (0.85, 0.995), "eps": 1e-7, "weight_decay": 0.05}
-    tensors = {
-        "lr": torch.tensor(2e-3, device=device),
-        "betas": (torch.tensor(0.85, device=device), torch.tensor(0.995, device=device)),
-        "eps": torch.tensor(1e-7, device=device),
-        "weight_decay": torch.tensor(0.05, device=device),
-    }
-    steps = 3 if bits == 32 else 1  # 8-bit: one step, so a code flipped at a midpoint cannot feed back
-    pa = pb = p
-    sa = sb = bnbf.init_state(p, spec(case.name, bits, fmt=fmt))
-    t = SAME_MATH
-    for step in range(1, steps + 1):
-        g = make_grad(shape, torch.float32, device)
-        pa, sa = bnbf.update(pa, g, sa, floats, step)
-        pb, sb = bnbf.update(pb, g, sb, tensors, step)
-    assert_close_report(pb - p, pa - p, t.atol, t.rtol, "param change, tensor vs float hparams")
-    assert not torch.equal(pa, p)
-    da, db = bnbf.dequantize_state(sa), bnbf.dequantize_state(sb)
-    for name in da:
-        if bits == 32:
-            assert_close_report(db[name], da[name], t.atol, t.rtol, name)
-        else:
-            diff = (getattr(sa, name).long() - getattr(sb, name).long()).abs()
-            assert int(diff.max()) <= 1 and int((diff > 0).sum()) <= 2, f"{name}: codes differ"
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
-def test_hparams_dataclass_equals_mapping(device, case, bits, fmt):
-    p = init_params((300,), torch.float32, device)
-    g = make_grad((300,), torch.float32, device)
-    floats = {"lr": 2e-3, "betas": (0.85, 0.995), "eps": 1e-7, "weight_decay": 0.05}
-    s = bnbf.init_state(p, spec(case.name, bits, fmt=fmt))
-    pa, sa = bnbf.update(p, g, s, floats, 2)
-    pb, sb = bnbf.update(p, g, s, bnbf.hparams_for(case.name, **floats), 2)
-    assert_equal_report(pb, pa, "dataclass hparams vs mapping")
-    for a, b in zip(state_leaves(sa), state_leaves(sb)):
-        assert_equal_report(b, a, "state: dataclass hparams vs mapping")
+# the step as a tensor, huge tensors
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -584,6 +362,17 @@ def test_more_than_2_31_elements(device, bits, fmt):
     bnbf.update_(small, small_g, small_s, {"lr": 1e-3}, 1)
     assert_equal_report(p[:head], small["head"], "first blocks of a >2**31-element tensor")
     assert_equal_report(p[tail_start:], small["tail"], "last blocks of a >2**31-element tensor")
-    d_big, d_small = bnbf.dequantize_state(state), bnbf.dequantize_state(small_s)
-    for name in ("exp_avg", "exp_avg_sq"):
-        assert_equal_report(d_big[name][tail_start:], d_small["tail"][name], f"{name} of the last blocks")
+    # the states round stochastically with an offset hashed from each block's index, which differs between the
+    # two tensors' tails: the same block absmax bit for bit, and codes at most one apart (a wrong address
+    # would give other values); the head blocks have the same indices, so the same codes
+    for name in ("exp_avg", "exp_avg_sq") if bits == 8 else ():
+        big, tail = getattr(state, name), getattr(small_s["tail"], name)
+        assert_equal_report(big[:head], getattr(small_s["head"], name), f"{name} codes of the first blocks")
+        assert_equal_report(getattr(state, name + "_absmax")[tail_start // block :],
+                            getattr(small_s["tail"], name + "_absmax"), f"{name} absmax of the last blocks")  # fmt: skip
+        apart = int((big[tail_start:].int() - tail.int()).abs().max())
+        assert apart <= 1, f"{name} codes of the last blocks {apart} apart"
+    if bits == 32:
+        d_big, d_small = bnbf.dequantize_state(state), bnbf.dequantize_state(small_s)
+        for name in ("exp_avg", "exp_avg_sq"):
+            assert_equal_report(d_big[name][tail_start:], d_small["tail"][name], f"{name} of the last blocks")

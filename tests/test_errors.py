@@ -11,7 +11,6 @@ import re
 import pytest
 import torch
 from conftest import DEVICES, HAS_CUDA, assert_untouched, snapshot
-from optim_table import RULE_IDS, RULES
 
 import bnbf
 
@@ -201,51 +200,8 @@ def test_not_a_state(setup, fn):
 # ------------------------------------------------------------------------------------------------
 # hyperparameters and step (torch.optim's wording)
 
-BAD_HPARAMS = [
-    ({"lr": -1.0}, "Invalid learning rate: -1.0"),
-    ({"eps": -1.0}, "Invalid epsilon value: -1.0"),
-    ({"betas": (1.0, 0.999)}, "Invalid beta parameter at index 0: 1.0"),
-    ({"betas": (-0.1, 0.999)}, "Invalid beta parameter at index 0: -0.1"),
-    ({"betas": (0.9, 1.0)}, "Invalid beta parameter at index 1: 1.0"),
-    ({"weight_decay": -1.0}, "Invalid weight_decay value: -1.0"),
-    ({"lr": float("nan")}, "Invalid learning rate: nan"),
-    ({"eps": float("nan")}, "Invalid epsilon value: nan"),
-    ({"betas": (0.9, float("nan"))}, "Invalid beta parameter at index 1: nan"),
-    ({"weight_decay": float("nan")}, "Invalid weight_decay value: nan"),
-]
-BAD_IDS = ["lr", "eps", "beta0", "beta0_neg", "beta1", "weight_decay", "lr_nan", "eps_nan", "beta1_nan", "wd_nan"]
-# refused by bnbf only (torch.optim.Adam takes inf, and 1e39 as a float64): the kernels compute in float32,
-# where each is inf, and the step would turn the params into NaN
-BEYOND_TORCH = [
-    ({"lr": float("inf")}, "Invalid learning rate: inf"),
-    ({"lr": 1e39}, "Invalid learning rate: 1e+39"),
-    ({"eps": float("inf")}, "Invalid epsilon value: inf"),
-    ({"weight_decay": -float("inf")}, "Invalid weight_decay value: -inf"),
-    ({"lr": torch.tensor([1e-3, 1e-3])}, "Tensor lr must be 1-element"),
-]
-BEYOND_IDS = ["lr_inf", "lr_1e39", "eps_inf", "wd_neg_inf", "lr_2_elements"]
-
-
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bad,message", BAD_HPARAMS, ids=BAD_IDS)
-def test_torch_rejects_the_same_hparams(case, bad, message):
-    # the wording is torch's own: check it against torch so the table cannot drift from it
-    with pytest.raises(ValueError, match=re.escape(message)):
-        case.torch_opt([torch.zeros(1, requires_grad=True)], **{**case.hparams, **bad})
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
-@pytest.mark.parametrize("bad,message", BAD_HPARAMS + BEYOND_TORCH, ids=BAD_IDS + BEYOND_IDS)
-@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
-def test_invalid_hparams(device, case, bad, message, fn, bits):
-    p = torch.randn(300, device=device)
-    s = bnbf.init_state(p, spec(case.name, bits=bits))
-    p, s = warm(p, s)
-    g = torch.randn(300, device=device)
-    expect_error(fn, ValueError, "^" + re.escape(message), p, g, s, hparams={**case.hparams, **bad})
-    with pytest.raises(ValueError, match="^" + re.escape(message)):
-        bnbf.hparams_for(case.name, **{**case.hparams, **bad})
+# Bad hyperparameter values of every rule (torch.optim's wording, checked against the rule's reference, and
+# nothing written): test_rules.test_bad_hparams_refused, from each row's ``bad`` in optim_table.
 
 
 @pytest.mark.parametrize("device", DEVICES)

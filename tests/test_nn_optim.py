@@ -38,6 +38,7 @@ HPARAMS = {
     "LAMB": dict(lr=1e-2, bias_correction=False, betas=(0.8, 0.99), eps=1e-6, weight_decay=0.1, clamp_value=5.0),
     "LARS": dict(lr=1e-2, momentum=0.9, weight_decay=0.01, trust_coefficient=0.01),
     "AdEMAMix": dict(lr=1e-2, betas=(0.8, 0.99, 0.999), alpha=4.0, t_alpha=10, t_beta3=10, eps=1e-6, weight_decay=0.1),
+    "Adan": dict(lr=1e-2, betas=(0.9, 0.8, 0.95), eps=1e-6, weight_decay=0.1, no_prox=True),
 }
 assert set(HPARAMS) == {f.name for f in bnbf_nn.FAMILIES}, "every family needs a row here"
 
@@ -116,6 +117,8 @@ def test_constructs_with_defaults_and_bnb_names(case):
     ours = inspect.signature(cls).parameters
     assert [n for n, p in ours.items() if p.kind != p.KEYWORD_ONLY] == ["params", "lr"]
     bnb = pytest.importorskip("bitsandbytes.optim")
+    if not hasattr(bnb, name):  # a family bitsandbytes lacks (Adan: its own tests check the authors' arguments)
+        return
     theirs = inspect.signature(getattr(bnb, name)).parameters
     for n, p in theirs.items():
         if n in ("self", "params"):

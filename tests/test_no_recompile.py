@@ -1,11 +1,15 @@
-"""Changing lr, betas, eps, weight decay or the step between calls must not compile a new kernel.
+"""Changing hyperparameters or the step between calls must not compile a new kernel: for every row of
+``optim_table.ROWS``, its ``changes`` one after the other (floats, or 0-d tensors), with and without
+max_unorm where the row can clip, 8-bit and 32-bit state.
 
 On CUDA: count the compiled kernels in the Triton JIT caches of every kernel in ``bnbf.kernels``.
 On CPU with ``TRITON_INTERPRET=1`` nothing is compiled, so record what would key a compile instead: the
-constexpr arguments of every launch of the step kernel, the specialization Triton would derive from the
-other arguments (dtype and 16-byte alignment of tensors; value 1 and divisibility by 16 of integers), and
-``bnbf.kernels.multi_tensor.LAUNCH_KEYS``. Each test also checks that a change that *must* compile (another
-param dtype) shows up, so the counter is known to work.
+constexpr arguments of every launch of the step kernel and of the norm pass's sums kernel, the
+specialization Triton would derive from the other arguments (dtype and 16-byte alignment of tensors; value
+1 and divisibility by 16 of integers), and ``bnbf.kernels.multi_tensor.LAUNCH_KEYS``; there the recorded
+kernels are not run (the interpreter would take seconds a test, and the launch's arguments are what would
+key a compile). Each test also checks that a change that *must* compile (another param dtype) shows up, so
+the counter is known to work.
 """
 
 from __future__ import annotations
@@ -17,20 +21,11 @@ import pkgutil
 import pytest
 import torch
 from conftest import DEVICES, kernel_runs
-from optim_table import RULE_IDS, RULES
+from optim_table import ROW_IDS, ROWS
 
 import bnbf
 
-VARIATIONS = [
-    {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
-    {"lr": 3e-4, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
-    {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-8, "weight_decay": 0.0},
-    {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.0},
-    {"lr": 3e-4, "betas": (0.8, 0.99), "eps": 1e-6, "weight_decay": 0.1},
-    {"lr": 1.0, "betas": (0.0, 0.0), "eps": 0.0, "weight_decay": 1.0},  # values Triton could specialize on
-    {"lr": 2.0, "betas": (0.5, 0.5), "eps": 16.0, "weight_decay": 16.0},
-]
-STEPS = [2, 16, 17, 1000, 3, 1, 2**20]  # one per variation
+STEPS = [2, 16, 17, 1000, 3, 1, 2**20, 4]  # the step of each of a row's changes (after a first at step 1)
 
 
 def _kernel_modules():
@@ -70,10 +65,12 @@ def clear_compiled() -> None:
 
 
 class LaunchRecorder:
-    """Stands in for a Triton kernel object: records each launch's compile-relevant key, then launches."""
+    """Stands in for a Triton kernel object: records each launch's compile-relevant key, then launches (or,
+    with ``run=False``, does not)."""
 
-    def __init__(self, kernel):
+    def __init__(self, kernel, run: bool = True):
         self.kernel = kernel
+        self.run = run
         self.keys: list[tuple] = []
 
     @staticmethod
@@ -99,85 +96,86 @@ class LaunchRecorder:
             self.keys.append(
                 (tuple(self._spec(a) for a in args), tuple(sorted((k, self._const(v)) for k, v in kwargs.items())))
             )
-            return launcher(*args, **kwargs)
+            return launcher(*args, **kwargs) if self.run else None
 
         return run
 
 
-def _step_all(params, grads, state, hp, step):
-    return bnbf.update(params, grads, state, hp, step)
-
-
 def _params(device, dtype):
-    return {"w": torch.randn(64, 33, device=device, dtype=dtype), "b": torch.randn(33, device=device, dtype=dtype)}
+    return {"w": torch.randn(5, 51, device=device, dtype=dtype), "b": torch.randn(1, device=device, dtype=dtype)}
+
+
+def tensor_hparams(hp: dict, device) -> dict:
+    """``hp`` with every float (and each beta) as a 0-d float32 tensor on ``device``."""
+    t = lambda v: torch.tensor(v, dtype=torch.float32, device=device) if type(v) is float else v
+    return {k: tuple(map(t, v)) if isinstance(v, tuple) else t(v) for k, v in hp.items()}
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("case", RULES, ids=RULE_IDS)
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("as_tensors", [False, True], ids=["floats", "tensors"])
-def test_hparams_and_step_do_not_recompile(device, case, bits, as_tensors, monkeypatch):
+def test_hparams_and_step_do_not_recompile(device, row, bits, as_tensors, monkeypatch):
     if not kernel_runs(device):
         pytest.skip("CPU tensors take the pure-torch reference here (no kernel to compile); "
                     "run with TRITON_INTERPRET=1 or on CUDA")
-    spec = bnbf.OptimSpec(rule=case.name, state_bits=bits, min_8bit_size=1)
+    import bnbf.kernels.multi_tensor as mt
+
+    # max_unorm (a norm pass) too where the row can clip; a row that refuses it is asserted to in test_rules
+    clips = [0.0, 0.5] if row.max_unorm is True else [0.0]
+    spec = bnbf.OptimSpec(rule=row.name, state_bits=bits, min_8bit_size=0)
     params = _params(device, torch.float32)
     grads = {k: torch.randn_like(v) for k, v in params.items()}
-    state = bnbf.init_state(params, spec)
-
-    def hp_of(v):
-        if not as_tensors:
-            return v
-        t = lambda x: torch.tensor(float(x), device=device)
-        return {"lr": t(v["lr"]), "betas": (t(v["betas"][0]), t(v["betas"][1])), "eps": t(v["eps"]),
-                "weight_decay": t(v["weight_decay"])}
-
-    def step_of(s):
-        return torch.tensor(s, device=device) if as_tensors else s
-
+    state = bnbf.init_state(params, spec, row.hparams)
+    hp_of = (lambda v: tensor_hparams(v, device)) if as_tensors else (lambda v: v)
+    step_of = (lambda s: torch.tensor(s, device=device)) if as_tensors else (lambda s: s)
     on_cuda = device == "cuda"
-    if not on_cuda:
-        import bnbf.kernels.multi_tensor as mt
-
-        recorder = LaunchRecorder(mt._step_kernel)
-        monkeypatch.setattr(mt, "_step_kernel", recorder)
-
-    # warm up: the first call compiles
-    params, state = _step_all(params, grads, state, hp_of(VARIATIONS[0]), step_of(1))
-    if on_cuda:
-        torch.cuda.synchronize()
-        before = compiled_count()
-        assert before > 0, "no compiled kernel found in bnbf.kernels' JIT caches"
-    else:
-        import bnbf.kernels.multi_tensor as mt
-
-        keys_before = set(mt.LAUNCH_KEYS)
-        assert recorder.keys, "the step kernel was not launched"
-        first = recorder.keys[0]
-
-    for v, s in zip(VARIATIONS, STEPS):
-        params, state = _step_all(params, grads, state, hp_of(v), step_of(s))
-    if on_cuda:
-        torch.cuda.synchronize()
-        assert compiled_count() == before, "changing hyperparameters or the step compiled a new kernel"
-    else:
-        assert all(k == first for k in recorder.keys), (
-            "launch keys changed with hyperparameters/step: "
-            + repr({k for k in recorder.keys if k != first})
-        )
-        assert set(mt.LAUNCH_KEYS) == keys_before, "LAUNCH_KEYS grew with hyperparameters/step"
+    first = set()
+    for clip in clips:
+        if not on_cuda:
+            recorder = LaunchRecorder(mt._step_kernel, run=False)
+            sums = LaunchRecorder(mt._tensor_sums_kernel, run=False)
+            monkeypatch.setattr(mt, "_step_kernel", recorder)
+            monkeypatch.setattr(mt, "_tensor_sums_kernel", sums)
+        # warm up: the first call compiles (a second max_unorm value must not compile either)
+        params, state = bnbf.update(params, grads, state, hp_of(row.hparams), step_of(1), max_unorm=clip)
+        if on_cuda:
+            torch.cuda.synchronize()
+            before = compiled_count()
+            assert before > 0, "no compiled kernel found in bnbf.kernels' JIT caches"
+        else:
+            keys_before = set(mt.LAUNCH_KEYS)
+            assert recorder.keys, "the step kernel was not launched"
+            first = set(recorder.keys)  # two launches (norm pass, step) with norms or clipping
+            first_sums = set(sums.keys)
+        assert len(row.changes) <= len(STEPS), "give STEPS a step for each change"
+        for i, (v, s) in enumerate(zip(row.changes, STEPS)):
+            params, state = bnbf.update(params, grads, state, hp_of(v), step_of(s), max_unorm=clip * (1 + i))
+        if on_cuda:
+            torch.cuda.synchronize()
+            assert compiled_count() == before, f"{row.id}: changing hyperparameters or the step compiled a kernel"
+        else:
+            assert set(recorder.keys) == first, (
+                f"{row.id}: launch keys changed with hyperparameters/step: {set(recorder.keys) - first}"
+            )
+            assert set(sums.keys) == first_sums, f"{row.id}: the sums kernel's launch keys changed"
+            assert set(mt.LAUNCH_KEYS) == keys_before, f"{row.id}: LAUNCH_KEYS grew with hyperparameters/step"
+            monkeypatch.undo()
 
     # positive control: another param dtype (and a block size no other test uses) must compile (or key)
     # a new kernel, so the counter above can see compilations at all
     p16 = _params(device, torch.bfloat16)
     g16 = {k: torch.randn_like(v) for k, v in p16.items()}
-    control_spec = dataclasses.replace(spec, block_size=1024) if spec.state_bits == 8 else spec
+    control_spec = dataclasses.replace(spec, block_size=1024) if bits == 8 else spec
     if on_cuda:  # in a long test session that kernel may be compiled already: start from empty caches
         clear_compiled()
-    before_control = compiled_count() if on_cuda else None
-    _step_all(p16, g16, bnbf.init_state(p16, control_spec), hp_of(VARIATIONS[0]), step_of(1))
+        before_control = compiled_count()
+    else:
+        recorder = LaunchRecorder(mt._step_kernel, run=False)
+        monkeypatch.setattr(mt, "_step_kernel", recorder)
+    bnbf.update(p16, g16, bnbf.init_state(p16, control_spec, row.hparams), hp_of(row.hparams), step_of(1))
     if on_cuda:
         torch.cuda.synchronize()
         assert compiled_count() > before_control, "the compile counter did not see a new kernel"
     else:
-        assert recorder.keys[-1] != first, "the launch recorder did not see a bf16 launch"
+        assert recorder.keys and recorder.keys[-1] not in first, "the launch recorder did not see a bf16 launch"

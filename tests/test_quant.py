@@ -466,7 +466,7 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
     quantizer's code for x in [-1, 1] with the same dither, up to one code where the rounding decision sits
     within 1e-5 of its threshold (the two compute the code position in different orders)."""
     needs_kernel(device)
-    from bnbf.quant import POWER_CEIL_BELOW, quantize_state_reference, state_dither, state_map
+    from bnbf.quant import quantize_state_reference, state_dither, state_map
 
     m = state_map(fmt, signed)
     g = torch.Generator().manual_seed(3)
@@ -477,7 +477,7 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
     x = torch.cat([pts[(pts >= -1) & (pts <= 1)], rand, torch.zeros(3)])
     x[0] = 1.0  # one block holding everything, absmax exactly 1
     block = 1 << (x.numel() - 1).bit_length()
-    d = state_dither(x.numel(), 12345, 1, block)
+    d = state_dither(x.numel(), 12345, block)
     ref, absmax = quantize_state_reference(x, fmt, signed, block, d)
     assert float(absmax[0]) == 1.0
     got = run_encoder(x.to(device), signed, fmt, d).cpu().long()
@@ -494,8 +494,6 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
             t = xd.sqrt().sqrt() * 255.0
         v = t + d.double()
         margin = v - torch.floor(v) - 0.5  # round(t + d) turns at half-integers
-        if not signed:
-            margin = torch.where(t < POWER_CEIL_BELOW, t - torch.round(t), margin)
     else:
         c = m.double()
         hi_i = torch.searchsorted(c, x.double()).clamp(1, 255)
