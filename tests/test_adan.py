@@ -1,4 +1,4 @@
-"""Adan (bnbf/rules/adan.py) against a plain-torch float64 reference written here from the paper and the
+"""Adan (bnbf/rules/adan.py) against a plain-torch float64 reference (``optim_table.AdanReference``) written from the paper and the
 authors' implementation (sail-sg/Adan), not from bnbf:
 
 - 32-bit state: fp32, fp16 and bf16 params of 1, 255, 257 and 4097 elements in one call, weight decay off,
@@ -11,7 +11,7 @@ authors' implementation (sail-sg/Adan), not from bnbf:
 - the zero point (tests/test_zero_point.py's property) for Adan's 8-bit state.
 
 ``ROWS`` are Adan's rows as tests/optim_table.py writes them (the proximal decay, and ``no_prox``), for
-the table-driven tests once they join ``optim_table.ROWS``. In the Triton interpreter
+the table-driven tests (they are in ``optim_table.ROWS``). In the Triton interpreter
 (``TRITON_INTERPRET=1``) the same tests run fewer steps and dtypes.
 """
 
