@@ -10,8 +10,9 @@ a property a rule cannot have is stated in its row, and the tests then assert th
 ``test_rules.test_rows_are_complete`` checks each row's data against its rule.
 
 References are built on float32 copies: torch.optim where torch has the rule, ``lion_pytorch.Lion``,
-``torch_optimizer.Lamb``, and plain-torch AdEMAMix and LARS written below from the papers. Third-party
-references are imported when a row is used, not when this table is.
+``torch_optimizer.Lamb``, and plain-torch AdEMAMix, LARS and Adan written below from the papers (Adan's
+in float64, with the authors' conventions). Third-party references are imported when a row is used, not
+when this table is.
 """
 
 from __future__ import annotations
@@ -224,6 +225,60 @@ class UnormClipped:
                 self.clipped += 1
 
 
+ADAN_STATES = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
+
+
+class AdanReference(torch.optim.Optimizer):
+    """Adan from Xie, Zhou, Li, Lin and Yan, "Adan: Adaptive Nesterov Momentum Algorithm for Faster
+    Optimizing Deep Models" (2022), Algorithm 1, with the authors' implementation's conventions (their betas
+    are the paper's 1 − β; the first step has no previous gradient, so its difference is 0), in float64:
+
+        Δ = g − g_prev;  m = β1·m + (1 − β1)·g;  d = β2·d + (1 − β2)·Δ;  n = β3·n + (1 − β3)·(g + β2·Δ)²
+        u = (m/(1 − β1^t) + β2·d/(1 − β2^t)) / (√(n/(1 − β3^t)) + ε)
+        p = (p − lr·u)/(1 + lr·λ),  or with no_prox  p = p·(1 − lr·λ) − lr·u
+
+    States under the authors' names; ``neg_pre_grad`` holds −g_prev. Hyperparameters are checked in the
+    authors' words."""
+
+    def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0, no_prox=False):
+        if not lr >= 0.0:
+            raise ValueError(f"Invalid learning rate: {lr}")
+        if not eps >= 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps}")
+        for i in range(3):
+            if not 0.0 <= betas[i] < 1.0:
+                raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_prox=no_prox))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2, b3 = group["betas"]
+            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad.double()
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    for name in ADAN_STATES[:3]:
+                        st[name] = torch.zeros_like(g)
+                st["step"] += 1
+                t = st["step"]
+                if t == 1:
+                    st["neg_pre_grad"] = -g
+                diff = g + st["neg_pre_grad"].double()
+                m = b1 * st["exp_avg"].double() + (1 - b1) * g
+                d = b2 * st["exp_avg_diff"].double() + (1 - b2) * diff
+                n = b3 * st["exp_avg_sq"].double() + (1 - b3) * (g + b2 * diff) ** 2
+                u = (m / (1 - b1**t) + b2 * d / (1 - b2**t)) / ((n / (1 - b3**t)).sqrt() + eps)
+                x = p.double()
+                x = x * (1 - lr * wd) - lr * u if group["no_prox"] else (x - lr * u) / (1 + lr * wd)
+                p.copy_(x)
+                st["exp_avg"], st["exp_avg_sq"], st["exp_avg_diff"], st["neg_pre_grad"] = m, n, d, -g
+
+
 # ------------------------------------------------------------------------------------------------
 # the table
 
@@ -313,69 +368,6 @@ _LARS_CHANGES = (
 )
 _NORMS = "scales the step by its own trust ratio: max_unorm does not combine"  # LAMB's and LARS's refusal
 
-# Adding a rule touches three places: its rule file (bnbf/rules/<name>.py), its registry row
-# (bnbf.rules.RULES), and its row here (a row per variant whose hyperparameters change which states exist or
-# which code path runs). Every property test then runs for it, and test_rules.test_rows_are_complete fails
-# until the row is there. (A bnbf_nn family for it also takes its line in tests/test_nn_optim.py's HPARAMS.)
-# A row reads:
-#   Row(rule, variant, reference class, {hparams}, {bnbf state: reference state}, train_lr,
-#       changes=({hparams a run may switch to}, ...),  # keeping the states; with 0, 1 and 16 among the values
-#       bad=(Bad({override}, "message", "raises" | "accepts" | "asserts"), ...),
-#       [torch_kwargs={}, weight_decays=, max_unorm="why the rule refuses it", stored=, ...])
-ADAN_STATES = ("exp_avg", "exp_avg_sq", "exp_avg_diff", "neg_pre_grad")
-
-
-class AdanReference(torch.optim.Optimizer):
-    """Adan from Xie, Zhou, Li, Lin and Yan, "Adan: Adaptive Nesterov Momentum Algorithm for Faster
-    Optimizing Deep Models" (2022), Algorithm 1, with the authors' implementation's conventions (their betas
-    are the paper's 1 − β; the first step has no previous gradient, so its difference is 0), in float64:
-
-        Δ = g − g_prev;  m = β1·m + (1 − β1)·g;  d = β2·d + (1 − β2)·Δ;  n = β3·n + (1 − β3)·(g + β2·Δ)²
-        u = (m/(1 − β1^t) + β2·d/(1 − β2^t)) / (√(n/(1 − β3^t)) + ε)
-        p = (p − lr·u)/(1 + lr·λ),  or with no_prox  p = p·(1 − lr·λ) − lr·u
-
-    States under the authors' names; ``neg_pre_grad`` holds −g_prev. Hyperparameters are checked in the
-    authors' words."""
-
-    def __init__(self, params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0, no_prox=False):
-        if not lr >= 0.0:
-            raise ValueError(f"Invalid learning rate: {lr}")
-        if not eps >= 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps}")
-        for i in range(3):
-            if not 0.0 <= betas[i] < 1.0:
-                raise ValueError(f"Invalid beta parameter at index {i}: {betas[i]}")
-        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, no_prox=no_prox))
-
-    @torch.no_grad()
-    def step(self, closure=None):
-        for group in self.param_groups:
-            b1, b2, b3 = group["betas"]
-            lr, eps, wd = group["lr"], group["eps"], group["weight_decay"]
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                g = p.grad.double()
-                st = self.state[p]
-                if not st:
-                    st["step"] = 0
-                    for name in ADAN_STATES[:3]:
-                        st[name] = torch.zeros_like(g)
-                st["step"] += 1
-                t = st["step"]
-                if t == 1:
-                    st["neg_pre_grad"] = -g
-                diff = g + st["neg_pre_grad"].double()
-                m = b1 * st["exp_avg"].double() + (1 - b1) * g
-                d = b2 * st["exp_avg_diff"].double() + (1 - b2) * diff
-                n = b3 * st["exp_avg_sq"].double() + (1 - b3) * (g + b2 * diff) ** 2
-                u = (m / (1 - b1**t) + b2 * d / (1 - b2**t)) / ((n / (1 - b3**t)).sqrt() + eps)
-                x = p.double()
-                x = x * (1 - lr * wd) - lr * u if group["no_prox"] else (x - lr * u) / (1 + lr * wd)
-                p.copy_(x)
-                st["exp_avg"], st["exp_avg_sq"], st["exp_avg_diff"], st["neg_pre_grad"] = m, n, d, -g
-
-
 _ADAN_NAMES = {name: name for name in ADAN_STATES}
 # full hyperparameters a run may switch to between steps (no_prox too: a scalar, not a kernel variant)
 _ADAN_CHANGES = (
@@ -400,15 +392,16 @@ _ADAN_BAD = (
     Bad({"eps": math.inf}, "Invalid epsilon value: inf", "accepts"),
 )
 _ADAN_HP = {"lr": 1e-3, "betas": (0.98, 0.92, 0.99)}
-ADAN_ROWS = [
-    Row("adan", "", AdanReference, _ADAN_HP, _ADAN_NAMES, 1e-2, changes=_ADAN_CHANGES, bad=_ADAN_BAD, torch_kwargs={},
-        weight_decays=(0.0, 0.02)),
-    Row("adan", "no_prox", AdanReference, {**_ADAN_HP, "no_prox": True}, _ADAN_NAMES, 1e-2, changes=_ADAN_CHANGES,
-        bad=(Bad({"betas": (0.98, 1.0, 0.99)}, "Invalid beta parameter at index 1: 1.0"),), torch_kwargs={},
-        weight_decays=(0.0, 0.02)),
-]  # fmt: skip
 
-
+# Adding a rule touches three places: its rule file (bnbf/rules/<name>.py), its registry row
+# (bnbf.rules.RULES), and its row here (a row per variant whose hyperparameters change which states exist or
+# which code path runs). Every property test then runs for it, and test_rules.test_rows_are_complete fails
+# until the row is there. (A bnbf_nn family for it also takes its line in tests/test_nn_optim.py's HPARAMS.)
+# A row reads:
+#   Row(rule, variant, reference class, {hparams}, {bnbf state: reference state}, train_lr,
+#       changes=({hparams a run may switch to}, ...),  # keeping the states; with 0, 1 and 16 among the values
+#       bad=(Bad({override}, "message", "raises" | "accepts" | "asserts"), ...),
+#       [torch_kwargs={}, weight_decays=, max_unorm="why the rule refuses it", stored=, ...])
 ROWS = [
     Row("adam", "", torch.optim.Adam, {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8}, _ADAM_STATES, 1e-2,
         changes=_ADAM_CHANGES, bad=_ADAM_BAD),
@@ -523,8 +516,13 @@ ROWS = [
         {"lr": 0.1, "trust_coefficient": 0.02, "momentum": 0.9, "nesterov": True}, _MB, 0.3, changes=_LARS_CHANGES,
         bad=(Bad({"dampening": 0.1}, "Nesterov momentum requires a momentum and zero dampening", "accepts"),),
         torch_kwargs={}, max_unorm=_NORMS),
+    Row("adan", "", AdanReference, _ADAN_HP, _ADAN_NAMES, 1e-2, changes=_ADAN_CHANGES, bad=_ADAN_BAD, torch_kwargs={},
+        weight_decays=(0.0, 0.02)),
+    Row("adan", "no_prox", AdanReference, {**_ADAN_HP, "no_prox": True}, _ADAN_NAMES, 1e-2, changes=_ADAN_CHANGES,
+        bad=(Bad({"betas": (0.98, 1.0, 0.99)}, "Invalid beta parameter at index 1: 1.0"),), torch_kwargs={},
+        weight_decays=(0.0, 0.02)),
 ]  # fmt: skip
 
-ROWS += ADAN_ROWS
 ROW = {r.id: r for r in ROWS}
 ROW_IDS = [r.id for r in ROWS]
+ADAN_ROWS = [r for r in ROWS if r.name == "adan"]  # tests/test_adan.py's own tests run these

@@ -101,6 +101,8 @@ TENSOR_HPARAMS_CODES = Codes(apart=1, count=2)  # one step from the same state
 KERNEL_VS_REFERENCE_CODES = Codes(apart=1, count=2, per=1000)
 KERNEL_VS_REFERENCE_ABSMAX_RTOL = 1e-6
 KERNEL_VS_REFERENCE_SAME = 0.99
+# The same values rounded with other dither offsets (blocks of other indices): codes at most this far apart.
+OTHER_DITHER_CODES_APART = 1
 # A non-vacuity bar: a row's distinguishing hyperparameter moves the result by more than this many times the
 # parity test's tolerance.
 NOT_VACUOUS = 20
