@@ -268,9 +268,12 @@ POWER_CEIL_BELOW = 8.0
 POWER_FLOOR = 4  # so a first moment held a few codes up by rounding over a second moment at the floor stays small
 DYNAMIC_CEIL_BELOW = 1e-5
 _CEIL = 0.5 - 2.0**-17  # round(t + _CEIL) = ceil(t) for t < 8, as the kernels compute it
+# The step's power-format code positions are scaled by this: position plus dither then stays below the top code
+# plus 1/2 without a clamp per element, whatever the approximate roots' error (~1e-6; the margin is 0.002 codes).
+POWER_MARGIN = 1.0 - 2.0**-16
 
 # Stochastic rounding in the step: every state of element i (block r = i // block_size, lane i % block_size) at
-# step t rounds its code position plus (k + 1/2) / 2**16 - 1/2, k the top 16 bits of lane * LANE + block_hash
+# step t rounds its code position plus (2k + 1) / 2**23 - 1/2, k the top 22 bits of lane * LANE + block_hash
 # (mod 2**32):
 #   block_hash = mix(r * BLOCK + (t mod 2**24) * STEP)
 # mix(h) is half of a 32-bit integer hash (h ^= h >> 16; h *= MIX; h ^= h >> 15). The kernels hash each block
@@ -300,11 +303,11 @@ def state_dither(numel: int, seed: int, block_size: int, device: torch.device | 
     lane = torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32
     block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK
     block = _mix((block + (int(seed) * DITHER_STEP & _M32)) & _M32)
-    # in int32 (wrapping, as uint32 in the kernels): the top 16 bits of the sum are k; (2k + 1) / 2**17 - 1/2
+    # in int32 (wrapping, as uint32 in the kernels): the top 22 bits of the sum are k; (2k + 1) / 2**23 - 1/2
     # is exact in float32
     lane, block = (x.where(x < 2**31, x - 2**32).to(torch.int32) for x in (lane, block))
-    k = ((lane[None, :] + block[:, None]) >> 16).reshape(-1)[:numel] & 0xFFFF
-    return k.to(torch.float32).mul_(2.0**-16).add_(2.0**-17 - 0.5)
+    k = ((lane[None, :] + block[:, None]) >> 10).reshape(-1)[:numel] & 0x3FFFFF
+    return (2 * k + 1).to(torch.float32).mul_(2.0**-23).sub_(0.5)
 
 
 def _dynamic_constants(signed: bool):
@@ -352,21 +355,26 @@ def quantize_state_reference(
     blocks, absmax, n = _blocks(x, block_size)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)[:n]
-    nonzero = blocks.reshape(-1)[:n] != 0
+    values = blocks.reshape(-1)[:n]
+    nonzero = values != 0
     d = torch.zeros_like(normed) if dither is None else dither.to(normed.device).reshape(-1)
+    # the step's stochastic rounding scales code positions by POWER_MARGIN (as the kernels: no clamp needed)
+    top = 1.0 if dither is None else POWER_MARGIN
     if fmt == "power":
         if signed:
-            t = normed.abs().sqrt() * 127.0
+            t = normed.abs().sqrt() * (127.0 * top)
             if dither is not None:  # stochastic: below code 1 unbiased in the value (t**2), as the kernels
                 t = torch.where(t < 1.0, t * t, t)
             mag = torch.round((t + d).clamp_max(127.0))
             codes = 128 + mag * normed.sign()
         else:
-            t = normed.abs().sqrt().sqrt() * 255.0
+            t = normed.abs().sqrt().sqrt() * (255.0 * top)
             # nearest rounding rounds up below code position 8; the step's stochastic rounding needs only the floor
             up = torch.where(t < POWER_CEIL_BELOW, _CEIL, d) if dither is None else d
             codes = torch.round((t + up).clamp_max(255.0))
-            codes = torch.maximum(codes, torch.where(nonzero, float(POWER_FLOOR), 0.0))
+            # the kernels' floor: a nonzero value's float32 bits (as an int) capped at the floor code
+            floor = values.float().view(torch.int32).clamp(0, POWER_FLOOR) if dither is not None else POWER_FLOOR
+            codes = torch.maximum(codes, torch.where(nonzero, floor, 0).float())
     else:
         # non-negative states round up below the ceiling (the stochastic rounding with its offset at _CEIL, as
         # the kernels) and never store a nonzero value as 0

@@ -83,8 +83,9 @@ def configure(stored, dtype, vec, iters, prefetch, maxnreg):
 SWEEP = {
     ("power", torch.float32): [(4, 1, False, None), (4, 2, True, None), (4, 2, True, 80), (4, 2, False, None),
                                (4, 4, True, None), (4, 4, True, 80)],
-    ("power", torch.bfloat16): [(4, 2, True, None), (4, 2, True, 80), (4, 4, True, None), (4, 4, True, 64),
-                                (4, 4, True, 80), (4, 4, False, 64), (4, 4, False, None), (4, 1, False, None)],
+    ("power", torch.bfloat16): [(4, 2, True, 64), (4, 2, True, 80), (4, 4, True, None), (4, 4, True, 64),
+                                (4, 4, True, 72), (4, 4, True, 80), (4, 4, False, 64), (4, 8, False, 64),
+                                (4, 1, False, None)],
     ("dynamic", torch.float32): [(1, 1, False, None), (1, 1, False, 64), (1, 1, False, 80), (1, 2, False, None),
                                  (4, 1, False, None)],
     ("dynamic", torch.bfloat16): [(1, 4, False, None), (1, 4, False, 64), (1, 4, False, 96), (1, 2, False, None),

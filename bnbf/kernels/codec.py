@@ -45,9 +45,9 @@ def power_root_scale(absmax, SIGNED: tl.constexpr):
     reciprocal roots per block replace a division per block and a multiply per element."""
     r = tl.where(absmax > 0, tl.rsqrt(tl.where(absmax > 0, absmax, 1.0)), 0.0)
     if SIGNED:
-        return r * 127.0
+        return r * (127.0 * POWER_MARGIN)
     else:
-        return tl.sqrt(r) * 255.0
+        return tl.sqrt(r) * (255.0 * POWER_MARGIN)
 
 
 @triton.jit
@@ -57,26 +57,28 @@ def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
     applies in the root domain (sqrt(|s| / absmax) = sqrt|s| / sqrt(absmax)), folded into the rounding's
     multiply. Non-negative states are read through |s|, which the root instruction takes for free.
 
-    ``d`` in (-0.5, 0.5) offsets the code position before rounding: 0 rounds to nearest, :func:`dither`
-    stochastically (unbiased in the code position). Non-negative states never encode a nonzero value below code
-    ``POWER_FLOOR`` (the zero point: see :mod:`bnbf.quant`)."""
+    ``d`` in (-0.5, 0.5) offsets the code position before rounding: :func:`dither` rounds stochastically
+    (unbiased in the code position); the scale's ``POWER_MARGIN`` keeps position plus offset below the top code
+    plus 1/2 without a clamp. Non-negative states never encode a nonzero value below code ``POWER_FLOOR`` (the zero
+    point: see :mod:`bnbf.quant`)."""
     if SIGNED:
         t = tl.sqrt(tl.abs(s)) * root_scale
         # below code 1 the value is t**2: rounding t itself would store tiny first moments 1/t too large on average
-        t = t * tl.minimum(t, 1.0)  # t**2 below 1, t above: two instructions instead of a compare and a select
-        t = tl.minimum(t + d, 127.0)  # the dither must not pass the top code
+        t = t * tl.minimum(t, 1.0) + d  # t**2 below 1, t above: no compare and select
         sign = s.to(tl.uint32, bitcast=True) & 0x80000000
         t = (t.to(tl.uint32, bitcast=True) | sign).to(tl.float32, bitcast=True)  # copysign: one logic op
         return (t + (12582912.0 + 128.0)).to(tl.int32, bitcast=True) - 0x4B400000  # 128 + round(t)
     else:
         t = tl.sqrt(tl.sqrt(tl.abs(s))) * root_scale
-        q = _round(tl.minimum(t + d, 255.0))
-        return tl.maximum(q, tl.where(s != 0, POWER_FLOOR, 0))
+        # the floor for s > 0, 0 for s == 0 (and for -0.0), in one integer min: a non-negative float's bits, read as an
+        # int, are 0 only for 0 (and below 5.6e-45 the floor is those bits: still not 0)
+        return tl.maximum(_round(t + d), tl.minimum(s.to(tl.int32, bitcast=True), POWER_FLOOR))
 
 
 # the zero point's constants (bnbf.quant says why)
 _CEIL: tl.constexpr = tl.constexpr(quant._CEIL)
 POWER_FLOOR: tl.constexpr = tl.constexpr(quant.POWER_FLOOR)
+POWER_MARGIN: tl.constexpr = tl.constexpr(quant.POWER_MARGIN)
 DYNAMIC_CEIL_BELOW: tl.constexpr = tl.constexpr(quant.DYNAMIC_CEIL_BELOW)
 
 
@@ -90,12 +92,13 @@ def mix(h):
 
 @triton.jit
 def dither(lane, seed):
-    """Offsets in (-0.5, 0.5) for stochastic rounding: the top 16 bits of ``lane`` (uint32, each element's place
-    in its block times an odd constant) plus ``seed`` (uint32, a hash of the block, the step and the state: one
-    per tile). Three integer ops and one float op per element; bnbf.quant.state_dither is the same in torch."""
+    """Offsets in (-0.5, 0.5) for stochastic rounding: the top 22 bits of ``lane`` (uint32, each element's place
+    in its block times an odd constant) plus ``seed`` (uint32, a hash of the block and the step: one per tile).
+    Three integer ops and one float op per element; bnbf.quant.state_dither is the same in torch."""
     h = lane + seed
-    # 1 + (k + 1/2) / 2**16: strictly inside (-0.5, 0.5), so a value sitting on a code never rounds away
-    return (((h >> 9) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.5
+    # the float 1 + (2k + 1) / 2**23, k the top 22 bits of h: minus 1.5 strictly inside (-0.5, 0.5), so a value
+    # sitting on a code never rounds away (one or-with-constant instead of a mask and an or)
+    return ((h >> 9) | 0x3F800001).to(tl.float32, bitcast=True) - 1.5
 
 
 DITHER_MIX: tl.constexpr = tl.constexpr(quant.DITHER_MIX)

@@ -62,11 +62,12 @@ NUM_WARPS = 1
 VEC = {"fp32": 4, "power": 4, "dynamic": 1}
 # Tiles per program, by state format and param dtype, and PREFETCH by state format: whole tiles are
 # unrolled and each issues the next tile's loads before its own arithmetic, so a program keeps loads in
-# flight while it computes. Re-measured after the stochastic rounding (scripts/tune_step.py, H200, 1.07B
-# params, AdamW; benchmarks/results/2026-12-01_h200_session7.md): power format, fp32 params 4 prefetched tiles
-# under an 80-register cap 4.12 ms (2 tiles 4.57, 2 under the cap 4.24, 1 tile 4.21); bf16 params 4 prefetched
-# tiles under a 64-register cap 3.31 (2 tiles 3.36 with cap 80, 1 tile 3.54); dynamic map, bf16 params, one
-# tile 9.53 ms without a cap (4 tiles 14.9, 4 under the old cap of 64 20.7: its code spills).
+# flight while it computes. Re-measured with the stochastic rounding at 59.5 instructions per element
+# (scripts/tune_step.py, H200, 1.07B params, AdamW; benchmarks/results/2026-12-01_h200_session8.md): power
+# format, fp32 params 4 prefetched tiles under an 80-register cap 4.12 ms (2 tiles 4.17, 1 tile 4.42); bf16
+# params 4 prefetched tiles under a 64-register cap 2.78 (cap 72 2.82, cap 80 2.97, no cap 3.50; 2 tiles 2.97;
+# 8 unprefetched 2.81); dynamic map, bf16 params, one tile 8.45 ms (4 tiles 23.3, under a cap of 64 21.5: its
+# code spills).
 # Software pipelining through shared memory (tl.range num_stages > 1) was measured slower (4.4-5.3 ms).
 _TWO_BYTE = {torch.bfloat16: 4, torch.float16: 4}
 ITERS = {

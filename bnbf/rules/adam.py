@@ -105,8 +105,18 @@ def present(h: AdamHparams) -> tuple[bool, ...]:
 @triton.jit
 def adam_math(p, g, s, hp, nrm):
     h = AdamScalars(*hp)
+    return _moments_step(p, g + h.l2 * p, s, h)
+
+
+@triton.jit
+def adamw_math(p, g, s, hp, nrm):
+    # AdamW's l2 is always 0: its own math leaves out the multiply-add (one instruction per element)
+    return _moments_step(p, g, s, AdamScalars(*hp))
+
+
+@triton.jit
+def _moments_step(p, g, s, h):
     m, v, vmax = s
-    g = g + h.l2 * p
     m = h.b1 * m + h.omb1 * g
     v = h.b2 * v + h.omb2 * g * g
     # amsgrad: the running maximum. Without it the slot is not kept and arrives as the scalar 0.0, and
@@ -135,4 +145,4 @@ _STATES = (
 )
 
 ADAM = Rule("adam", AdamHparams, _STATES, AdamScalars, _scalars(False), adam_math, adam_reference, present=present)
-ADAMW = Rule("adamw", AdamWHparams, _STATES, AdamScalars, _scalars(True), adam_math, adam_reference, present=present)
+ADAMW = Rule("adamw", AdamWHparams, _STATES, AdamScalars, _scalars(True), adamw_math, adam_reference, present=present)
