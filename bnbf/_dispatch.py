@@ -16,7 +16,7 @@ import torch
 _TRITON_DEVICES = ("cuda", "xpu")
 
 # Threads may step different params at once. Building a group fills the kernels' shared task-list cache
-# (bnbf.kernels.multi_tensor._tasks): one build at a time. Triton's interpreter patches triton.language's
+# (bnbf.kernels.launcher._tasks): one build at a time. Triton's interpreter patches triton.language's
 # module globals for the length of a launch and restores them after, so two interpreted launches at once
 # break each other ("Did you forget to add @triton.jit ?"): one interpreted launch at a time. Compiled
 # launches take no lock.

@@ -100,10 +100,7 @@ def update(
             ps = list(map(Tensor.contiguous, map(Tensor.detach, map(call.params.__getitem__, idx))))
             gs = list(map(Tensor.contiguous, map(Tensor.detach, map(call.grads.__getitem__, idx))))
             ss = [t for i in idx for t in call.states[i]]
-            out_p, out_s = ops.step(
-                ps, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
-                layout.present, skip_zeros, clip,
-            )
+            out_p, out_s = ops.step(ps, gs, ss, rows[device], layout, skip_zeros, clip)
             per = len(layout.field_names())
             make = type(call.states[idx[0]])._make
             for k, i in enumerate(idx):

@@ -44,7 +44,7 @@ from bnbf._host_checks import (
     _unflatten,
     check_update_options,
 )
-from bnbf.kernels.multi_tensor import build_group, launch_group
+from bnbf.kernels.launcher import build_group, launch_group
 from bnbf.quant import DITHER_SEED_MOD
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
@@ -108,7 +108,7 @@ class Plan:
         states: their states, in the same order.
         rule: the rule module (``bnbf.RULES[name]``) of the states.
         groups: ``(pick, group)`` per kernel launch: the group's address table and task list
-            (:class:`bnbf.kernels.multi_tensor.Group`) and how its grads are picked from the flat list
+            (:class:`bnbf.kernels.launcher.Group`) and how its grads are picked from the flat list
             (``None``: all of them, in order); empty on the generic path.
     """
 
@@ -156,7 +156,7 @@ class Plan:
             for (_, _, layout), idx in _groups(params, states):
                 ps = [params[i].detach() for i in idx]
                 ss = [t for i in idx for t in states[i]]
-                group = build_group(ps, ps, ss, ss, layout.rule, layout.format, layout.block_size, layout.present)
+                group = build_group(ps, ps, ss, ss, layout)
                 built.append((idx, group))
         # one group of every tensor in order: the grads list as it is; else each group's grads picked in one
         # C-level call (a tuple, also for one index)
@@ -359,10 +359,7 @@ def _step_generic(
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
-            ops.step_(
-                work, gs, ss, rows[device], layout.rule, layout.format, layout.block_size,
-                layout.present, skip_zeros, clip,
-            )  # fmt: skip
+            ops.step_(work, gs, ss, rows[device], layout, skip_zeros, clip)
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)

@@ -12,12 +12,11 @@ from bnbf.quant import dequantize_state_reference, quantize_state_reference, sta
 from bnbf.rules import get_rule
 
 
-def reference_step(
-    p_in, p_out, grads, s_in, s_out, hp, rule_name, fmt, block_size, present, skip_zeros=False, clip=False
-) -> None:
-    rule = get_rule(rule_name)
-    quant = fmt != "fp32"
-    slots = [j for j in range(len(rule.states)) if (present >> j) & 1]
+def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False, clip=False) -> None:
+    rule = get_rule(layout.rule)
+    fmt, block_size = layout.format, layout.block_size
+    quant = layout.quantized
+    slots = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
     per = 2 * len(slots) if quant else len(slots)
     *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
     scalars = rule.scalar_names(*scalars)

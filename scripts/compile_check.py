@@ -17,7 +17,8 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
-import bnbf.kernels.multi_tensor as mt  # noqa: E402
+import bnbf.kernels.launcher as mt  # noqa: E402
+from bnbf.kernels.step_kernel import FORMATS, HP_MAX, _step_kernel  # noqa: E402
 from bnbf.state import present_mask  # noqa: E402
 
 _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
@@ -28,16 +29,16 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     present = present_mask(rule, rule.make_hparams({}))  # the default hyperparameters' slots
     n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 4  # the rule's scalars, then the four the step adds
     sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "hp_ptr": "*fp32", "code_ptr": "*fp32",
-           "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(mt.HP_MAX)}}
+           "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(HP_MAX)}}
     norm_terms = rule.norms[0] if rule.norms is not None else None
     const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=present,
                  SIGNED=rule.signed_mask, QUANT=fmt != "fp32", P_DTYPE=dtype, HP_STRIDE=n_hp,
-                 BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=mt.FORMATS[fmt], ALIGNED=True,
+                 BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=FORMATS[fmt], ALIGNED=True,
                  VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]],
                  PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
                  SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=mt.SUM_SPLIT)
     sig.update({k: "constexpr" for k in const})
-    src = ASTSource(fn=mt._step_kernel, signature=sig, constexprs=const)
+    src = ASTSource(fn=_step_kernel, signature=sig, constexprs=const)
     options = {"num_warps": mt.NUM_WARPS, **mt._maxnreg(fmt, _TORCH[dtype])}
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 

@@ -29,7 +29,8 @@ from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
-import bnbf.kernels.multi_tensor as mt  # noqa: E402
+import bnbf.kernels.direct_launch as direct  # noqa: E402
+import bnbf.kernels.launcher as mt  # noqa: E402
 import bnbf_nn  # noqa: E402
 from benchmarks.bench_step import SETS  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
@@ -146,11 +147,11 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     out["launches"] = len(launches)
     out["launch (direct)"] = host_us(launch_all)
     saved = [dict(group.compiled) for group, _ in launches]
-    mt.DIRECT_LAUNCH = False
+    direct.DIRECT_LAUNCH = False
     for group, _ in launches:
         group.compiled.clear()
     out["launch (triton dispatch)"] = host_us(launch_all)
-    mt.DIRECT_LAUNCH = True
+    direct.DIRECT_LAUNCH = True
     for (group, _), kept in zip(launches, saved):
         group.compiled.update(kept)
     x = torch.zeros(1, device="cuda")

@@ -18,7 +18,7 @@ import triton
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
-from bnbf.kernels import multi_tensor as mt  # noqa: E402
+from bnbf.kernels import launcher as mt  # noqa: E402
 
 
 def copy_gbs(n=1 << 30):

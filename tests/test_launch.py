@@ -9,7 +9,7 @@ from test_no_recompile import compiled_count
 
 import bnbf
 import bnbf.functional as F
-import bnbf.kernels.multi_tensor as mt
+import bnbf.kernels.direct_launch as direct_launch
 
 pytestmark = pytest.mark.gpu
 
@@ -20,8 +20,8 @@ HPARAMS = [
 ]
 
 
-def _run(direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
-    monkeypatch.setattr(mt, "DIRECT_LAUNCH", direct)
+def _run(use_direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
+    monkeypatch.setattr(direct_launch, "DIRECT_LAUNCH", use_direct)
     gen = torch.Generator().manual_seed(0)
     shapes = [(1,), (255,), (257,), (4097,), (64, 129)]
     params = {f"p{i}": torch.randn(s, generator=gen).to("cuda", dtype) for i, s in enumerate(shapes)}

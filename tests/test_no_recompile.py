@@ -6,7 +6,7 @@ On CUDA: count the compiled kernels in the Triton JIT caches of every kernel in 
 On CPU with ``TRITON_INTERPRET=1`` nothing is compiled, so record what would key a compile instead: the
 constexpr arguments of every launch of the step kernel and of the norm pass's sums kernel, the
 specialization Triton would derive from the other arguments (dtype and 16-byte alignment of tensors; value
-1 and divisibility by 16 of integers), and ``bnbf.kernels.multi_tensor.LAUNCH_KEYS``; there the recorded
+1 and divisibility by 16 of integers), and ``bnbf.kernels.launcher.LAUNCH_KEYS``; there the recorded
 kernels are not run (the interpreter would take seconds a test, and the launch's arguments are what would
 key a compile). Each test also checks that a change that *must* compile (another param dtype) shows up, so
 the counter is known to work.
@@ -119,7 +119,7 @@ def test_hparams_and_step_do_not_recompile(device, row, bits, as_tensors, monkey
     if not kernel_runs(device):
         pytest.skip("CPU tensors take the pure-torch reference here (no kernel to compile); "
                     "run with TRITON_INTERPRET=1 or on CUDA")
-    import bnbf.kernels.multi_tensor as mt
+    import bnbf.kernels.launcher as mt
 
     # max_unorm (a norm pass) too where the row can clip; a row that refuses it is asserted to in test_rules
     clips = [0.0, 0.5] if row.max_unorm is True else [0.0]

@@ -443,7 +443,7 @@ def test_per_tensor_sums_of_the_norm_pass(device):
     atomics)."""
     if not kernel_runs(device):
         pytest.skip("the reference path has no norm-pass kernel")
-    from bnbf.kernels import multi_tensor as mt
+    from bnbf.kernels import launcher as mt
 
     chunk, split = mt._SUMS_CHUNK, mt.SUM_SPLIT
     lengths = [3, 0, 1, split + 1, chunk - 1, split * chunk + 1, split * (chunk + 3), 9 * split * chunk]
@@ -797,7 +797,7 @@ def test_non_finite_grad_elements(device, row, bits, fmt):
 @pytest.mark.parametrize("rule", sorted(bnbf.RULES))
 def test_scalars_fit_the_kernel_arguments(rule):
     """A rule's scalars and the clipping pair travel as the kernel's h0..h15 arguments."""
-    from bnbf.kernels.multi_tensor import HP_MAX
+    from bnbf.kernels.step_kernel import HP_MAX
 
     r = bnbf.RULES[rule]
     assert len(r.scalars(r.make_hparams({}), 3)) + 2 <= HP_MAX

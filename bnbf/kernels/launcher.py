@@ -1,0 +1,261 @@
+"""The launcher of the step kernel (:mod:`bnbf.kernels.step_kernel`): a group's address table and task list,
+built once (:func:`build_group`), and the launch(es) of one step with that step's grad pointers and scalars
+(:func:`launch_group`). They check nothing: the functional layer validated. Every path to the kernels goes
+through here: the plan's in-place steps, the pure call and traced calls (:mod:`bnbf.ops`).
+
+The launch configuration (tile shape, tiles per program, prefetch, register cap) is chosen here, by state
+format and param dtype; the measurements behind each choice are in benchmarks/results (H200 sweeps with
+scripts/tune_step.py).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+import itertools
+import operator
+
+import torch
+import triton.language as tl
+from torch import Tensor
+
+from bnbf._dispatch import interpreting
+from bnbf.kernels.direct_launch import launch
+from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
+from bnbf.quant import dynamic_map
+from bnbf.rules import get_rule
+from bnbf.state import Layout
+
+# ---- launch configuration --------------------------------------------------------------------------------
+
+# One 256-element block per program and one warp: the block's absmax reduction needs no shared memory or barrier.
+ROWS = 1  # quantization blocks per program
+NUM_WARPS = 1
+# Elements per thread per load: 16-byte fp32 loads for the power format; the dynamic map's larger code runs
+# best with one.
+VEC = {"fp32": 4, "power": 4, "dynamic": 1}
+# Tiles per program, by state format and param dtype. With PREFETCH, whole tiles are unrolled and each issues the
+# next tile's loads before its own arithmetic, keeping loads in flight while a program computes (software
+# pipelining through shared memory measured slower).
+_TWO_BYTE = {torch.bfloat16: 4, torch.float16: 4}
+ITERS = {
+    "fp32": {torch.float32: 2, **_TWO_BYTE},
+    "power": {torch.float32: 4, **_TWO_BYTE},
+    "dynamic": {torch.float32: 1, torch.bfloat16: 1, torch.float16: 1},
+}
+PREFETCH = {"fp32": True, "power": True, "dynamic": False}
+# ... and only while tiles x kept states stays small: beyond, the unrolled tiles' registers cost more than the
+# loads in flight gain. By NORM_MODE: the plain step, the norm pass, the step after it.
+PREFETCH_SLOTS = {0: 8, 1: 8, 2: 4}
+# Register cap per thread (ptxas maxnreg), by state format and param dtype; absent leaves it to ptxas. A one-warp
+# program is one of at most 32 resident blocks per SM, so registers cost resident warps; float32 states run
+# best uncapped, and the dynamic map with bf16 params too (its code spills under a cap).
+_CAP_TWO_BYTE = {torch.bfloat16: 64, torch.float16: 64}
+MAXNREG = {"fp32": {}, "power": {torch.float32: 80, **_CAP_TWO_BYTE}, "dynamic": {torch.float32: 64}}
+
+
+def _prefetch(fmt: str, dtype: torch.dtype, present: int, mode: int) -> bool:
+    return PREFETCH[fmt] and ITERS[fmt][dtype] * bin(present).count("1") <= PREFETCH_SLOTS[mode]
+
+
+def _maxnreg(fmt: str, dtype: torch.dtype) -> dict:
+    cap = MAXNREG[fmt].get(dtype)
+    return {} if cap is None or interpreting() else {"maxnreg": cap}
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h17; then constexprs
+_CONSTEXPR_SLOTS = (None,) * (len(_step_kernel.arg_names) - _N_RUNTIME_ARGS)  # ignored by the launcher
+_NO_FLOATS = (0.0,) * HP_MAX
+_SUMS_CHUNK = 1024
+SUM_SPLIT = 32  # parts per tensor: one load per lane of the step's one-warp programs
+_SUMS_CONSTEXPRS = (None,) * (len(_tensor_sums_kernel.arg_names) - 4)  # after partials, ranges, sums, n_tiles
+LAUNCH_KEYS: set = set()  # static (compile-relevant) keys launched so far; tests read it
+
+# ---- groups ----------------------------------------------------------------------------------------------
+
+_TASKS: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 16
+
+
+def _to_device(t: Tensor, device: torch.device) -> Tensor:
+    if device.type == "cpu":
+        return t
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """(tensor index, chunk index) per program, int32 [programs, 2], and per tensor the range of its
+    tiles, int64 [tensors, 2] (the rows of the norm pass's partial sums); cached by the tensor sizes."""
+    key = (device, block, ROWS * iters, numels)
+    hit = _TASKS.get(key)
+    if hit is not None:
+        _TASKS.move_to_end(key)
+        return hit
+    per_chunk = block * ROWS * iters
+    chunks = torch.tensor([-(-n // per_chunk) for n in numels], dtype=torch.int64)
+    tensor_idx = torch.repeat_interleave(torch.arange(len(numels)), chunks)
+    starts = torch.cumsum(chunks, 0) - chunks
+    chunk_idx = torch.arange(int(chunks.sum())) - torch.repeat_interleave(starts, chunks)
+    tasks = _to_device(torch.stack([tensor_idx, chunk_idx], 1).to(torch.int32).contiguous(), device)
+    ranges = _to_device(torch.stack([starts * iters, (starts + chunks) * iters], 1).contiguous(), device)
+    _TASKS[key] = tasks, ranges
+    if len(_TASKS) > _CACHE_SIZE:
+        _TASKS.popitem(last=False)
+    return tasks, ranges
+
+
+@dataclasses.dataclass
+class Group:
+    """What one launch needs apart from the grads and the scalars: built once, reused every step."""
+
+    layout: Layout  # the states' storage: rule, bits, block size, format, kept slots
+    dtype: torch.dtype
+    device: torch.device
+    table: Tensor  # int64 [tensors, HEAD + PER_SLOT * the rule's slots] on the device
+    tasks: Tensor  # int32 [programs, 2] on the device
+    ranges: Tensor  # int64 [tensors, 2]: each tensor's tiles (rows of the norm pass's partials)
+    aligned: bool  # every param and state address is 16-byte aligned
+    norms: bool  # the rule scales its update by per-tensor norms (a norm pass first)
+    # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
+    # caching allocator usually hands a training loop's grads the same blocks every step)
+    grad_ptrs: tuple = ()
+    grad_table: Tensor | None = None
+    grads_aligned: bool = False
+    # by launch configuration, what launches this group's compiled kernels without Triton's dispatch
+    # (bnbf.kernels.direct_launch)
+    compiled: dict = dataclasses.field(default_factory=dict)
+    # the norm pass's scratch, made at the first step that needs it: per-tile partial sums [3, tiles] and
+    # float64 parts of the per-tensor sums [tensors, 3, SUM_SPLIT]
+    partials: Tensor | None = None
+    sums: Tensor | None = None
+
+    @property
+    def fmt(self) -> str:
+        return self.layout.format  # "fp32" for 32-bit states
+
+    @property
+    def block(self) -> int:
+        return _tile_width(self.layout)
+
+
+def build_group(p_in, p_out, s_in, s_out, layout: Layout) -> Group:
+    """Address table and task list for tensors sharing device, param dtype and state ``layout``.
+
+    ``s_in``/``s_out`` hold, per tensor, the fields of its kept state slots (bit j of ``layout.present``:
+    the rule's slot j is kept) in slot order, codes and absmax interleaved for 8-bit formats. In and out
+    may be the same tensors (in place).
+    """
+    quant = layout.quantized
+    rule = get_rule(layout.rule)
+    slots = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
+    per = 2 * len(slots) if quant else len(slots)
+    device = p_in[0].device
+    # the table column by column, in C-level loops (a pure call builds it every time)
+
+    def ptrs(ts):
+        return list(map(Tensor.data_ptr, ts))
+
+    zeros = [0] * len(p_in)
+    columns = [ptrs(p_in), ptrs(p_out)]
+    for j in range(len(rule.states)):  # PER_SLOT columns each
+        if j not in slots:
+            columns += [zeros] * PER_SLOT.value
+            continue
+        k = slots.index(j)
+        if quant:  # codes in, codes out, absmax in, absmax out
+            columns += [ptrs(s_in[2 * k :: per]), ptrs(s_out[2 * k :: per]),
+                        ptrs(s_in[2 * k + 1 :: per]), ptrs(s_out[2 * k + 1 :: per])]  # fmt: skip
+        else:
+            columns += [ptrs(s_in[k::per]), ptrs(s_out[k::per]), zeros, zeros]
+    aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(columns)) % 16 == 0
+    numels = list(map(Tensor.numel, p_in))
+    rows = list(zip(columns[0], columns[1], numels, *columns[2:]))
+    table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
+    tasks, ranges = _tasks(tuple(numels), _tile_width(layout), ITERS[layout.format][p_in[0].dtype], device)
+    return Group(layout, p_in[0].dtype, device, table, tasks, ranges, aligned, rule.norms is not None)
+
+
+def _tile_width(layout: Layout) -> int:
+    return layout.block_size if layout.quantized else 256  # float32 states have no blocks: only the tile width
+
+
+def launch_group(
+    group: Group, grads: list[Tensor], hp: Tensor | tuple, skip_zeros: bool = False, clip: bool = False
+) -> None:
+    """The step for one group: one launch, or three for rules that need per-tensor norms (LAMB, LARS)
+    or with update clipping (``clip``: the last two scalars are max_unorm and lr).
+
+    ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
+    floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
+    elements whose gradient is exactly 0 keep their param and states.
+    """
+    ptrs = tuple(map(Tensor.data_ptr, grads))
+    if ptrs != group.grad_ptrs:
+        group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
+        group.grad_ptrs = ptrs
+        group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
+    aligned = group.aligned and group.grads_aligned
+    grad_table = group.grad_table
+    if isinstance(hp, tuple):
+        from_ptr, n_hp, floats, hp_row = False, len(hp), hp + _NO_FLOATS[len(hp) :], group.table
+    else:
+        from_ptr, n_hp, floats, hp_row = True, hp.shape[0], _NO_FLOATS, hp
+    layout, fmt = group.layout, group.fmt
+    code_ptr = _code_tables(group.device) if layout.quantized else group.table  # unused without 8-bit states
+    iters = ITERS[fmt][group.dtype]
+    grid = group.tasks.shape[0]
+    n_tiles = grid * iters
+
+    def run(norm_ptr, mode):
+        def dispatch():
+            rule = get_rule(layout.rule)
+            norm_terms = rule.norms[0] if rule.norms is not None else None
+            LAUNCH_KEYS.add((layout.rule, fmt, layout.present, group.dtype, group.block, ROWS, NUM_WARPS,
+                             n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
+            return _step_kernel[(grid,)](
+                group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
+                HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=layout.present,
+                SIGNED=rule.signed_mask, QUANT=layout.quantized, P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp,
+                BLOCK=group.block, ROWS=ROWS,
+                SOFT_BF16=interpreting(), FORMAT=FORMATS[fmt], ALIGNED=aligned, VEC=VEC[fmt],
+                ITERS=iters, PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
+                SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,
+                num_warps=NUM_WARPS, **_maxnreg(fmt, group.dtype),
+            )  # fmt: skip
+
+        args = (group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
+                code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS)  # fmt: skip
+        launch(group.compiled, group.device, (mode, aligned, skip_zeros, n_hp, from_ptr), (grid, 1, 1), args,
+               dispatch)  # fmt: skip
+
+    if not (group.norms or clip):
+        run(group.table, 0)  # no norms: any pointer
+        return
+    if group.partials is None:  # scratch kept with the group: no allocation per step
+        group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
+        group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
+    run(group.partials, 1)
+    _launch_sums(group, n_tiles)
+    run(group.sums, 2)
+
+
+def _launch_sums(group: Group, n_tiles: int) -> None:
+    """One launch adding every tensor's partials of ``group`` into ``group.sums`` [tensors, 3, SUM_SPLIT]."""
+    grid = (group.ranges.shape[0], SUM_SPLIT, 1)
+    args = (group.partials.data_ptr(), group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, *_SUMS_CONSTEXPRS)
+    launch(group.compiled, group.device, "sums", grid, args, lambda: _tensor_sums_kernel[grid](
+        group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT))  # fmt: skip
+
+
+_CODE_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _code_tables(device: torch.device) -> Tensor:
+    """Signed map then unsigned map, float32[512], cached per device."""
+    t = _CODE_TABLES.get(device)
+    if t is None:
+        t = torch.cat([dynamic_map(True, device), dynamic_map(False, device)]).contiguous()
+        _CODE_TABLES[device] = t
+    return t

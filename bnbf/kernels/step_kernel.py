@@ -1,0 +1,346 @@
+"""The fused multi-tensor optimizer step kernel: one Triton launch updates every tensor of a group.
+
+Each program takes ``ITERS`` tiles of ``ROWS`` quantization blocks of one tensor, found through a task list
+(tensor index, chunk index). It dequantizes the states, runs the rule's ``math`` in float32, writes the param
+in its own dtype and requantizes each state with the block's new absmax (stochastically rounded, see
+:mod:`bnbf.quant`). Rules that need per-tensor norms (and ``max_unorm``) run it twice: a norm pass writing
+per-tile partial sums, ``_tensor_sums_kernel`` adding them per tensor, then the step reading those sums.
+
+Only Triton code lives here; :mod:`bnbf.kernels.launcher` builds the tables and picks the configuration.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from bnbf import quant
+from bnbf.kernels.codec import (
+    decode_power,
+    dither,
+    encode_dynamic_rounded,
+    encode_power_scaled,
+    mix,
+    power_root_scale,
+    to_dtype,
+)
+
+# stochastic rounding's dither (codec.dither; the constants and their meaning are in bnbf.quant)
+DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
+DITHER_BLOCK: tl.constexpr = tl.constexpr(quant.DITHER_BLOCK)
+DITHER_STEP: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
+# The address table: a row per tensor of HEAD fields (param in, param out, numel), then PER_SLOT fields for
+# each of the rule's state slots (state in, state out, absmax in, absmax out; zeros for a slot not kept)
+HEAD: tl.constexpr = tl.constexpr(3)
+PER_SLOT: tl.constexpr = tl.constexpr(4)
+
+FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
+HP_MAX = 18  # scalars a rule may pass (h0..h17), the four the step adds (see bnbf.plan._scalars) included
+
+
+@triton.jit
+def _ld(ptr, mask, other, MASKED: tl.constexpr):
+    if MASKED:
+        return tl.load(ptr, mask=mask, other=other)
+    return tl.load(ptr)
+
+
+@triton.jit
+def _st(ptr, value, mask, MASKED: tl.constexpr):
+    if MASKED:
+        tl.store(ptr, value, mask=mask)
+    else:
+        tl.store(ptr, value)
+
+
+@triton.jit
+def _addr(table, field, DTYPE: tl.constexpr, ALIGNED: tl.constexpr):
+    """Pointer stored in the address table; 16-byte alignment (checked on the host) lets loads vectorize."""
+    ptr = tl.load(table + field).to(tl.pointer_type(DTYPE))
+    if ALIGNED:
+        ptr = tl.multiple_of(ptr, 16)
+    return ptr
+
+
+@triton.jit
+def _slot_ptrs(table, SLOT: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr, ALIGNED: tl.constexpr):
+    """(in, out, absmax in, absmax out) of state slot ``SLOT``: codes and scales for 8-bit formats,
+    float32 values (and two unused fields) otherwise; placeholders for a slot the group does not keep."""
+    base: tl.constexpr = HEAD + PER_SLOT * SLOT
+    if (PRESENT >> SLOT) & 1:
+        if QUANT:
+            return (_addr(table, base, tl.uint8, ALIGNED), _addr(table, base + 1, tl.uint8, ALIGNED),
+                    tl.load(table + base + 2).to(tl.pointer_type(tl.float32)),
+                    tl.load(table + base + 3).to(tl.pointer_type(tl.float32)))  # fmt: skip
+        else:
+            s_in = _addr(table, base, tl.float32, ALIGNED)
+            s_out = _addr(table, base + 1, tl.float32, ALIGNED)
+            return s_in, s_out, s_in, s_out
+    else:
+        return table, table, table, table
+
+
+@triton.jit
+def _tile_offsets(chunk, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
+    rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
+    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
+    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them
+    offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])
+    return rows, offs, offs < numel, rows * BLOCK < numel
+
+
+@triton.jit
+def _load_slot(sp, offs, mask, rows, rmask, KEPT: tl.constexpr, QUANT: tl.constexpr, MASKED: tl.constexpr):
+    """A state's stored bytes for one tile: (codes, block absmax) or (float32 values, unused)."""
+    if KEPT:
+        if QUANT:
+            return _ld(sp[0] + offs, mask, 0, MASKED), _ld(sp[2] + rows, rmask, 0.0, MASKED)
+        else:
+            v = _ld(sp[0] + offs, mask, 0.0, MASKED)
+            return v, v
+    else:
+        return 0.0, 0.0
+
+
+@triton.jit
+def _tile_load(ptrs, chunk, numel, SLOTS: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
+               BLOCK: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+    """Everything one tile reads, as stored: (p, g, one pair per state slot). Decoding comes later, so the
+    loads of the next tile can be issued before this one's arithmetic."""
+    rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
+    p = _ld(ptrs[0] + offs, mask, 0.0, MASKED)
+    g = _ld(ptrs[2] + offs, mask, 0.0, MASKED)
+    raw = ()
+    for j in tl.static_range(SLOTS):
+        raw = raw + (_load_slot(ptrs[3][j], offs, mask, rows, rmask, (PRESENT >> j) & 1, QUANT, MASKED),)
+    return p, g, raw
+
+
+@triton.jit
+def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.constexpr, FORMAT: tl.constexpr):
+    if KEPT:
+        if QUANT:
+            absmax = r[1]
+            if FORMAT == 2:  # power
+                v = decode_power(r[0], SIGNED)
+                absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
+            else:  # dynamic map: one gather from the 1 KiB map
+                v = tl.load((code_ptr if SIGNED else code_ptr + 256) + r[0].to(tl.int32))
+            return v * absmax[:, None]
+        else:
+            return r[0]
+    else:
+        return 0.0
+
+
+@triton.jit
+def _store_state(sp, s, offs, mask, rows, rmask, lane, seed, QUANT: tl.constexpr, SIGNED: tl.constexpr,
+                 FORMAT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+    """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
+    ``seed``), and the block's new absmax; or float32 values."""
+    if QUANT:
+        if MASKED:
+            s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
+        absmax = tl.max(tl.abs(s), axis=1)
+        d = dither(lane, seed)
+        if FORMAT == 2:
+            q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED, d)
+        else:
+            scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
+            q = encode_dynamic_rounded(s * scale[:, None], s, d, SIGNED)
+        _st(sp[1] + offs, q.to(tl.uint8), mask, MASKED)
+        _st(sp[3] + rows, absmax, rmask, MASKED)
+    else:
+        _st(sp[1] + offs, s, mask, MASKED)
+
+
+@triton.jit
+def _hp_at(hp_ptr, K: tl.constexpr):
+    return tl.load(hp_ptr + K)
+
+
+@triton.jit
+def _head(t, N: tl.constexpr):
+    """The first N values of tuple ``t``."""
+    out = ()
+    for i in tl.static_range(N):
+        out = out + (t[i],)
+    return out
+
+
+@triton.jit
+def _tile_step(
+    raw, ptrs, hp, dith, code_ptr, chunk, numel, nrm, part, n_tiles,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
+):  # fmt: skip
+    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`)."""
+    rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
+    p = raw[0].to(tl.float32)
+    g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
+    # the states as the rule's math takes them: one float32 value per slot, the scalar 0.0 for a slot not kept
+    s = ()
+    for j in tl.static_range(SLOTS):
+        s = s + (_decode(raw[2][j], code_ptr, (PRESENT >> j) & 1, QUANT, (SIGNED >> j) & 1, FORMAT),)
+    rule_hp = _head(hp, HP_STRIDE - 4)  # the rule's scalars (then come the four the step adds)
+
+    # a non-finite gradient element leaves its param element alone and zeroes its states (bitsandbytes)
+    finite = tl.abs(g) < float("inf")
+    counted = finite & (g != 0) if SKIP_ZEROS else finite
+    if MASKED:  # padding lanes hold arbitrary codes: keep them out of the sums
+        counted = counted & mask
+    if NORM_MODE == 1:  # norm pass: this tile's share of the tensor's three sums, nothing stored
+        if NORM_TERMS is not None:
+            a, b, c = NORM_TERMS(p, g, s, rule_hp)
+        else:  # update clipping (max_unorm): ||p||^2 and ||update / lr||^2
+            p_new, s_new = MATH(p, g, s, rule_hp, nrm)
+            d = (p_new - p) / hp[HP_STRIDE - 1]
+            a = p * p
+            b = d * d
+            c = a * 0.0
+        tl.store(part, tl.sum(tl.sum(tl.where(counted, a, 0.0), axis=1), axis=0))
+        tl.store(part + n_tiles, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
+        tl.store(part + 2 * n_tiles, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
+        return
+    p_new, s_new = MATH(p, g, s, rule_hp, nrm)
+    if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
+        max_unorm = hp[HP_STRIDE - 2]
+        limit = max_unorm * tl.sqrt(nrm[0])
+        unorm = tl.sqrt(nrm[1])
+        scale = tl.where(unorm > limit, limit / tl.maximum(unorm, 1e-30), 1.0)
+        p_new = p + scale * (p_new - p)
+    if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
+        p_new = tl.where(g == 0, p, p_new)
+        kept = ()
+        for j in tl.static_range(SLOTS):
+            kept = kept + (tl.where(g == 0, s[j], s_new[j]),)
+        s_new = kept
+    p_new = tl.where(finite, p_new, p)
+    _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
+    # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
+    # constant, plus a hash of (block, step); one offset per element, shared by its states
+    lane = (tl.arange(0, BLOCK).to(tl.uint32) * DITHER_LANE)[None, :]
+    seed = mix(rows.to(tl.uint32) * DITHER_BLOCK + dith)[:, None]
+    for j in tl.static_range(SLOTS):
+        if (PRESENT >> j) & 1:
+            _store_state(ptrs[3][j], tl.where(finite, s_new[j], 0.0), offs, mask, rows, rmask, lane, seed, QUANT,
+                         (SIGNED >> j) & 1, FORMAT, MASKED)  # fmt: skip
+
+
+@triton.jit
+def _tiles_in_turn(
+    ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
+):  # fmt: skip
+    """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
+    for it in tl.range(0, ITERS):
+        raw = _tile_load(ptrs, first + it, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
+        _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                   MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                   MASKED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+
+
+@triton.jit
+def _step_kernel(
+    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
+    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17, HP_FROM_PTR: tl.constexpr,
+    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, PREFETCH: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, SUM_SPLIT: tl.constexpr,
+):  # fmt: skip
+    """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
+    2: the step of a rule that needs per-tensor sums, from norm_ptr[tensor, 3, SUM_SPLIT] (see
+    _tensor_sums_kernel). The rule has SLOTS state slots: bit j of PRESENT says slot j is kept, bit j of
+    SIGNED that it is quantized with the signed map."""
+    pid = tl.program_id(0)
+    tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
+    first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
+    table = table_ptr + tensor * (HEAD + PER_SLOT * SLOTS)
+    numel = tl.load(table + 2)
+    # the rule's scalars: kernel arguments (floats given on the host: nothing to upload), or a float32 row
+    # on the device (0-d tensor hyperparameters, traced calls)
+    if HP_FROM_PTR:
+        hp = ()
+        for k in tl.static_range(HP_STRIDE):
+            hp = hp + (_hp_at(hp_ptr, k),)
+    else:
+        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
+    if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
+        base = norm_ptr + tensor * (3 * SUM_SPLIT)
+        nrm = (_split_sum(base, SUM_SPLIT), _split_sum(base + SUM_SPLIT, SUM_SPLIT),
+               _split_sum(base + 2 * SUM_SPLIT, SUM_SPLIT))  # fmt: skip
+    else:
+        nrm = (0.0, 0.0, 0.0)
+    # every address once per program (param in, param out, grad, then each state slot's four), not per tile:
+    # the compiler cannot hoist loads of the table past the tiles' stores
+    ptrs = (_addr(table, 0, P_DTYPE, ALIGNED), _addr(table, 1, P_DTYPE, ALIGNED),
+            _addr(grad_ptr, tensor, P_DTYPE, ALIGNED))  # grads change every step: their own small table
+    slot_ptrs = ()
+    for j in tl.static_range(SLOTS):
+        slot_ptrs = slot_ptrs + (_slot_ptrs(table, j, PRESENT, QUANT, ALIGNED),)
+    ptrs = ptrs + (slot_ptrs,)
+    part = norm_ptr + pid * ITERS
+    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP  # the step's share of the dither's block hashes
+    # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
+    if (first + ITERS) * (ROWS * BLOCK) <= numel:
+        if PREFETCH:  # the next tile's loads are in flight while this tile computes
+            raw = _tile_load(ptrs, first, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+            for it in tl.static_range(ITERS):
+                if it + 1 < ITERS:
+                    nxt = _tile_load(ptrs, first + it + 1, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+                _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
+                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+                if it + 1 < ITERS:
+                    raw = nxt
+        else:
+            _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
+                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                           False, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+    else:
+        _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
+                       MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
+                       True, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+
+
+@triton.jit
+def _split_sum(ptr, SPLIT: tl.constexpr):
+    return tl.sum(tl.load(ptr + tl.arange(0, SPLIT)), 0).to(tl.float32)  # float64 parts
+
+
+@triton.jit
+def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.constexpr, SPLIT: tl.constexpr):
+    """Between the norm pass and the step: program (tensor t, part s) adds part s of the SPLIT equal parts
+    of t's per-tile partials [3, n_tiles] into sum_ptr[t, :, s], in float64 and in a fixed order, so the
+    step's final sums (_split_sum) have the same bits every run (restarted training matches an
+    uninterrupted one), unlike atomics. SPLIT parts keep a large tensor's tiles from being added by one
+    program alone (GPT-2's embedding: 150k tiles, 0.2 ms)."""
+    t = tl.program_id(0)
+    part = tl.program_id(1)
+    start = tl.load(range_ptr + 2 * t)
+    stop = tl.load(range_ptr + 2 * t + 1)
+    span = (stop - start + SPLIT - 1) // SPLIT
+    i = start + part * span
+    end = tl.minimum(i + span, stop)
+    acc0 = tl.zeros([CHUNK], dtype=tl.float64)
+    acc1 = tl.zeros([CHUNK], dtype=tl.float64)
+    acc2 = tl.zeros([CHUNK], dtype=tl.float64)
+    while i < end:  # a while loop: Triton's interpreter cannot bound a for loop by a loaded value
+        offs = i + tl.arange(0, CHUNK)
+        mask = offs < end
+        acc0 += tl.load(partial_ptr + offs, mask=mask, other=0.0).to(tl.float64)
+        acc1 += tl.load(partial_ptr + n_tiles + offs, mask=mask, other=0.0).to(tl.float64)
+        acc2 += tl.load(partial_ptr + 2 * n_tiles + offs, mask=mask, other=0.0).to(tl.float64)
+        i += CHUNK
+    out = sum_ptr + t * (3 * SPLIT) + part
+    tl.store(out, tl.sum(acc0, 0))
+    tl.store(out + SPLIT, tl.sum(acc1, 0))
+    tl.store(out + 2 * SPLIT, tl.sum(acc2, 0))
