@@ -8,7 +8,8 @@
 
 Each ``*_ok`` function answers in C-level loops over all leaves (``map`` of attribute getters, list
 comparisons); on "no", the ``_check_*`` functions walk the leaves one by one and raise the precise error.
-The per-step checks of a plan live with it (:meth:`bnbf.plan.Plan.step`).
+The per-step checks of a plan live with it (:meth:`bnbf.plan.Plan.step`); where the optional C++ extension
+was built at install time (:data:`NATIVE`), each is one compiled call over all tensors.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+import os
 from typing import Any
 
 import torch
@@ -26,6 +28,19 @@ from torch.utils import _pytree as pytree
 from bnbf.rules import get_rule
 from bnbf.state import Layout, State, is_state, present_mask
 
+def _native() -> Any:
+    """The compiled twins of the plan's per-step checks (bnbf/csrc/host_checks.cpp), built at install time;
+    None where they were not built, were built against another torch, or ``BNBF_HOST_CHECKS=python``."""
+    if os.environ.get("BNBF_HOST_CHECKS", "native") == "python":
+        return None
+    try:
+        from bnbf import _host_checks_native as native
+    except ImportError:  # not built (an isolated build without torch, no compiler), or another torch's symbols
+        return None
+    return native if getattr(native, "torch_version", None) == torch.__version__ else None
+
+
+NATIVE = _native()
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_DTYPE_SET = set(_PARAM_DTYPES)
 _STRIDED = {torch.strided}

@@ -12,6 +12,7 @@ that holds no tensor alive (:func:`_cached`).
 
 from __future__ import annotations
 
+import array
 import collections
 import functools
 import itertools
@@ -26,6 +27,7 @@ from torch import Tensor
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
 from bnbf._host_checks import (
+    NATIVE,
     _SHAPE_DTYPE,
     _check_grad,
     _check_leaves,
@@ -53,6 +55,7 @@ from bnbf.state import is_state, present_mask
 __all__ = ["Plan", "plan"]
 
 _PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+_NUMBERS = frozenset({float, int, bool})  # scalars passed as kernel arguments; anything else is a 0-d tensor
 _GRAD_META = operator.attrgetter("shape", "dtype", "device", "layout")
 _CHAIN = itertools.chain.from_iterable
 
@@ -119,7 +122,6 @@ class Plan:
         self._hold = True
         self._tree = params  # for the names in error messages
         self._params, self._states = leaves, states
-        self._fields = list(_CHAIN(states))
         self.alive = True
         self._setup(leaves, states, spec)
 
@@ -134,10 +136,13 @@ class Plan:
             return None
         self = cls.__new__(cls)
         self._hold = False
-        self._tree = self._params = self._states = self._fields = None
+        self._tree = self._params = self._states = None
         self.alive = True
         self._setup(params, states, spec)
         self._pids, self._sids, self._types = list(map(id, params)), list(map(id, states)), list(map(type, states))
+        if NATIVE is not None:  # (address, type address) of every param then every state, packed
+            objs = [*params, *states]
+            self._objs = array.array("Q", _CHAIN(zip(map(id, objs), map(id, map(type, objs))))).tobytes()
         return self
 
     def _setup(self, params: list, states: list, spec: Any) -> None:
@@ -147,6 +152,7 @@ class Plan:
         self.rule = get_rule(type(states[0]).layout.rule)
         presents = {type(s).layout.present for s in states}
         self._present = presents.pop() if len(presents) == 1 else -1  # -1: mixed, refused by the first step
+        self._checked_h = None  # the last hparams whose state slots matched the states
         self._direct = _plannable(params)
         self.groups: list = []
         if not self._direct:
@@ -169,6 +175,10 @@ class Plan:
         self._meta = list(map(_SHAPE_DTYPE, params))
         self._grad_meta = list(map(_GRAD_META, params))
         self._field_ptrs = tuple(map(Tensor.data_ptr, _CHAIN(states)))
+        if NATIVE is not None:  # the compiled checks: packed addresses, shape-and-dtype twins (grads vs the params)
+            self._packed = array.array("Q", self._ptrs).tobytes()
+            self._field_packed = array.array("Q", self._field_ptrs).tobytes()
+            self._twins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
 
     # ---- the public step --------------------------------------------------------------------------------
 
@@ -200,7 +210,7 @@ class Plan:
             ValueError, TypeError, RuntimeError: for a bad grad, hyperparameter, step or option, before
                 anything is written.
         """
-        if self._direct and not self._confirm(self._params, self._fields):
+        if self._direct and not self._confirm(self._params, self._states):
             self._rebuild()  # raises where the leaves no longer make a valid step
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
@@ -214,6 +224,8 @@ class Plan:
         """Whether ``params`` and ``states`` are the planned objects, of the planned state classes (a cached
         plan: while none of its tensors was freed, an equal id is the same object; a state, a tuple, cannot be
         referenced weakly, but its fields can and their addresses are confirmed)."""
+        if NATIVE is not None:
+            return self.alive and NATIVE.same_objects([*params, *states], self._objs)
         return (
             self.alive
             and list(map(id, params)) == self._pids
@@ -221,18 +233,24 @@ class Plan:
             and list(map(type, states)) == self._types
         )
 
-    def _confirm(self, params: list, fields: Any) -> bool:
+    def _confirm(self, params: list, states: list) -> bool:
         """Whether the planned params and state fields still have their planned memory, shapes, dtypes and
         contiguity: what an in-place ``resize_``, ``t_``, ``set_`` or ``.data =`` changes. (A param's device
         is its memory's: another device is another address. Its layout cannot change: torch refuses
         ``.data =`` a sparse tensor.)"""
+        if NATIVE is not None:
+            return (
+                NATIVE.ptrs_equal(params, self._packed)
+                and NATIVE.meta_match(params, self._twins)
+                and NATIVE.ptrs_equal(states, self._field_packed, True)
+            )
         try:
             return (
                 tuple(map(Tensor.data_ptr, params)) == self._ptrs
                 and set(map(type, params)) <= _PLAIN_TYPES
                 and list(map(_SHAPE_DTYPE, params)) == self._meta
                 and all(map(Tensor.is_contiguous, params))
-                and tuple(map(Tensor.data_ptr, fields)) == self._field_ptrs
+                and tuple(map(Tensor.data_ptr, _CHAIN(states))) == self._field_ptrs
             )
         except RuntimeError:  # e.g. a tensor without storage
             return False
@@ -241,8 +259,11 @@ class Plan:
         _validate(self._tree, self._params, self._states, self._spec, self._spec)
         self._setup(self._params, self._states, self._spec)
 
-    def _grads_fit(self, grads: list) -> bool:
-        """Each grad a plain tensor with its param's shape, dtype, device and strided layout, contiguous."""
+    def _grads_fit(self, grads: list, params: list) -> bool:
+        """Each grad a plain tensor with its param's shape, dtype, device and strided layout, contiguous
+        (``params``: the planned params, confirmed this step)."""
+        if NATIVE is not None:
+            return NATIVE.grads_match(params, grads)
         try:
             return (
                 len(grads) == self._n
@@ -270,15 +291,17 @@ class Plan:
             grads, g_spec = [grad], "leaf"
         else:
             grads, g_spec = None, None
-        if g_spec != self._spec or not self._grads_fit(grads):
+        if g_spec != self._spec or not self._grads_fit(grads, params):
             grads = self._checked_grads(params, tree, grad)
         rule = self.rule
         h = rule.make_hparams(hparams)
-        if present_mask(rule, h) != self._present:
-            _check_present(rule, h, states)
+        if h is not self._checked_h:  # make_hparams hands back the same object for the same plain numbers
+            if present_mask(rule, h) != self._present:
+                _check_present(rule, h, states)
+            self._checked_h = h
         _check_step(step)
         values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
-        if any(isinstance(v, Tensor) for v in values):
+        if not set(map(type, values)) <= _NUMBERS:
             with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
                 rows = {d: as_scalar_row(values, d) for d in self._devices}
         else:  # Python numbers reach the kernel as arguments: nothing to upload
@@ -405,7 +428,7 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
     found = _PLANS.get(key)
     if found is not None:
-        if found._same(params, states) and found._confirm(params, _CHAIN(states)):
+        if found._same(params, states) and found._confirm(params, states):
             with _PLANS_LOCK:
                 if _PLANS.get(key) is found:
                     _PLANS.move_to_end(key)

@@ -59,10 +59,11 @@ from copy import deepcopy
 from typing import Any
 
 import torch
+import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 import bnbf
-from bnbf._host_checks import _check_present, check_update_options
+from bnbf._host_checks import NATIVE, _check_present, check_update_options
 from bnbf.state import present_mask
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -74,6 +75,20 @@ _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword ar
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 _STEP = operator.itemgetter("step")
+# torch's global step hooks (private to torch.optim.optimizer; absent: torch's wrapper runs every step)
+_GLOBAL_HOOKS = tuple(getattr(_torch_optimizer, name, None)
+                      for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))  # fmt: skip
+
+
+def _plain_step(opt: torch.optim.Optimizer) -> bool:
+    """Whether torch's step wrapper would only add its profiler range: no profiler running, no step hooks."""
+    return (
+        None not in _GLOBAL_HOOKS
+        and not any(_GLOBAL_HOOKS)
+        and not opt._optimizer_step_pre_hooks
+        and not opt._optimizer_step_post_hooks
+        and not torch._C._autograd._profiler_enabled()
+    )
 _GRAD = operator.attrgetter("grad")
 
 
@@ -294,9 +309,21 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     # ---- step ------------------------------------------------------------------------------------------
 
-    def step(self, closure=None):  # no torch.no_grad(): a plan's direct launch needs none, its generic path has it
+    def step(self, *args, **kwargs):
         """One optimizer step for every parameter that has a gradient (``closure``: re-evaluates the model and
         returns the loss, which ``step`` returns)."""
+        if _plain_step(self):
+            out = self._step(*args, **kwargs)
+            self._optimizer_step_code()
+            return out
+        return self._hooked_step(*args, **kwargs)
+
+    # torch.optim.Optimizer wraps an unmarked step in its profile_hook_step, which enters a profiler range on
+    # every call (~12 us of host time); this step takes torch's wrapper only where it does something: while a
+    # profiler runs or step hooks are registered
+    step.hooked = True
+
+    def _step(self, closure=None):  # no torch.no_grad(): a plan's direct launch needs none, its generic path has it
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -312,8 +339,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
         params that get their first state this step checked; nothing is written."""
         params = group["params"]
-        grads = list(map(_GRAD, params))
-        every = all(map(operator.is_not, grads, itertools.repeat(None)))
+        if NATIVE is not None:
+            grads, every = NATIVE.grads_of(params)
+        else:
+            grads = list(map(_GRAD, params))
+            every = all(map(operator.is_not, grads, itertools.repeat(None)))
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
@@ -388,7 +418,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             bucket.plan = bnbf.plan(bucket.params, bucket.states)
         bucket.plan.step(grads, call[0], t + 1, **call[1])
         # every record's step in one C-level loop (a deque of length 0 consumes the map)
-        collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)), maxlen=0)
+        if NATIVE is not None:
+            NATIVE.set_each(records, "step", t + 1)
+        else:
+            collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)),
+                              maxlen=0)  # fmt: skip
 
     def _plan(self, group: dict) -> _Buckets:
         """Group the parameters that have state by their overrides: one bnbf plan each."""
@@ -528,6 +562,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._lr0 = {id(g): g.get("initial_lr", g["lr"]) for g in groups}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+
+# the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed
+Optimizer8bit._hooked_step = torch.optim.Optimizer.profile_hook_step(Optimizer8bit._step)
 
 
 @dataclasses.dataclass

@@ -45,7 +45,12 @@ except ImportError as e:
     print("triton missing:", e)
 EOF
 
-# host checks: plain Python (bnbf/plan.py), nothing to build; their host time is in the profile section below
+# the C++ host checks, as `pip install --no-build-isolation` builds them (against this machine's torch; a .so
+# built elsewhere is not carried: .gitignore); on failure the plain-Python twins serve
+tb=$(date +%s)
+$PY setup.py -q build_ext --inplace > "$OUT/build.log" 2>&1 || tail -5 "$OUT/build.log"
+$PY -c "import bnbf._host_checks as h; print('host checks:', 'native' if h.NATIVE else 'python')"
+echo "build: $(( $(date +%s) - tb )) s"
 
 echo "== tests (budget ${BIG_BUDGET_S:-45} s for the big-memory tests alone, ${TEST_BUDGET_S:-300} s for the rest)"
 timeout_arg=()

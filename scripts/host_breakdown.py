@@ -33,6 +33,7 @@ import bnbf.kernels.direct_launch as direct  # noqa: E402
 import bnbf.kernels.launcher as mt  # noqa: E402
 import bnbf_nn  # noqa: E402
 from benchmarks.bench_step import SETS  # noqa: E402
+from bnbf._host_checks import NATIVE  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
 
 P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function)
@@ -67,6 +68,8 @@ def summary(times: list) -> float:
 def _grads_only(group, grads, hp, skip_zeros=False, clip=False) -> bool:
     """launch_group without the launch: the grads' address comparison it makes before every launch (the
     group is left as it is, so a real launch after this one uploads what it needs)."""
+    if NATIVE is not None:
+        return NATIVE.ptrs_equal(grads, group.grad_packed)
     return tuple(map(Tensor.data_ptr, grads)) == group.grad_ptrs
 
 
@@ -178,9 +181,9 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
 if __name__ == "__main__":
     if CPU:  # the direct path (address tables, per-step checks) for CPU tensors, without the interpreter
         P.use_triton = lambda t: True
-        print("CPU (launch stubbed out):", torch.__version__)
+        print("CPU (launch stubbed out):", torch.__version__, "| host checks:", "native" if NATIVE else "python")
     else:
-        print(torch.cuda.get_device_name(), torch.__version__)
+        print(torch.cuda.get_device_name(), torch.__version__, "| host checks:", "native" if NATIVE else "python")
     rows = {name: breakdown(name) for name in ("single_4096x4096", "gpt2_124M")}
     keys = list(next(iter(rows.values())))
     print(f"| host us ({'min' if CPU else 'median'}) | " + " | ".join(rows) + " |")

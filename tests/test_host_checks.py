@@ -1,7 +1,8 @@
-"""The per-step host checks of an in-place step, in plain Python (bnbf/plan.py: ``Plan._grads_fit`` and
-``Plan._confirm``): every input the compiled module they replace sent down the slow path is refused with the
-precise error and nothing written (or, for non-contiguous and subclass grads, stepped as the generic path
-steps it), and nothing is compiled or built at run time.
+"""The per-step host checks of an in-place step (bnbf/plan.py: ``Plan._grads_fit``, ``Plan._confirm`` and
+``Plan._same``), in both twins: plain Python, and the C++ extension built at install time
+(bnbf/csrc/host_checks.cpp; skipped where it was not built). Every input either twin sends down the slow path
+is refused with the precise error and nothing written (or, for non-contiguous and subclass grads, stepped as
+the generic path steps it); both twins answer alike; nothing is compiled or built at run time.
 
 The checks run on the direct path only (CUDA, or CPU under ``TRITON_INTERPRET=1``); the ``direct`` fixture
 takes that path on CPU in both modes with the launch recorded instead of run, so these tests are quick.
@@ -29,6 +30,16 @@ SHAPES = [(3, 4), (1,), (257,), (2, 0), (5, 1, 2)]
 
 class Sub(torch.Tensor):
     pass
+
+
+@pytest.fixture(params=["python", "native"])
+def twin(request, monkeypatch):
+    """The per-step checks' twin under test: the plain-Python one, or the compiled one where it was built."""
+    if request.param == "python":
+        monkeypatch.setattr(P, "NATIVE", None)
+    elif P.NATIVE is None:
+        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
+    return request.param
 
 
 @pytest.fixture
@@ -74,12 +85,12 @@ def grad_cases():
 
 @pytest.mark.filterwarnings("ignore:Sparse CSR tensor support is in beta")
 @pytest.mark.parametrize("name,mutate,error", grad_cases(), ids=[c[0] for c in grad_cases()])
-def test_grads(direct, name, mutate, error):
+def test_grads(twin, direct, name, mutate, error):
     params, state, grads = problem()
     opt = bnbf.plan(params, state)
     assert opt.groups, "the direct path was not taken"
     mutated = mutate(grads)
-    fits = opt._grads_fit(list(mutated)) if isinstance(mutated, list | tuple) else False
+    fits = opt._grads_fit(list(mutated), opt.params) if isinstance(mutated, list | tuple) else False
     assert fits is (name in ("same", "tuple", "parameter grad"))
     snap = snapshot(params, state, [g for g in grads if g.layout == torch.strided])
     if error is None:
@@ -94,7 +105,7 @@ def test_grads(direct, name, mutate, error):
     assert_untouched(snap)
 
 
-def test_confirm_notices_what_can_change_between_steps(direct):
+def test_confirm_notices_what_can_change_between_steps(twin, direct):
     """A param or state field given other memory, shape, dtype or strides in place: the plan's per-step
     confirmation says no (the plan then checks and builds itself again)."""
     changes = {
@@ -115,7 +126,20 @@ def test_confirm_notices_what_can_change_between_steps(direct):
         state = bnbf.init_state(params, SPEC)
         opt = bnbf.plan(params, state)
         change(params, state)
-        assert opt._confirm(params, opt._fields) is (name == "nothing"), name
+        assert opt._confirm(params, state) is (name == "nothing"), name
+
+
+def test_cached_plans_know_their_objects(twin, direct):
+    """update_'s cached plan steps only the very params and states it was built for: the same leaves in new
+    lists are it, a new state object at the same place or a param swapped for another is not."""
+    params, state, grads = problem()
+    bnbf.update_(params, grads, state, HP, 1)
+    key = (id(params[0]), id(params[-1]), id(state[0]), id(state[-1]), len(params))
+    plan = P._PLANS[key]
+    assert plan._same(list(params), list(state))
+    assert not plan._same([*params[:2], torch.randn(257), *params[3:]], state)
+    assert not plan._same(params, [*state[:1], type(state[1])(*state[1]), *state[2:]])  # equal fields, new tuple
+    assert not plan._same(params[:-1], state[:-1])
 
 
 def test_a_param_cannot_become_sparse_in_place():
@@ -155,10 +179,11 @@ assert not compilers, compilers
     assert not (tmp_path / "cache" / "bnbf").exists() and not (tmp_path / ".cache" / "bnbf").exists()
 
 
-def test_no_compiled_code_ships():
-    """The package has no C++ source and no code that compiles or loads one."""
+def test_only_the_install_compiles():
+    """The one C++ source is the host checks' (built by setup.py at install time), and no module of the package
+    compiles or builds anything."""
     root = Path(bnbf.__file__).parent
-    assert not list(root.rglob("*.cpp")) and not list(root.rglob("*.so"))
+    assert [p.relative_to(root).as_posix() for p in root.rglob("*.cpp")] == ["csrc/host_checks.cpp"]
     for path in root.rglob("*.py"):
         text = path.read_text()
         for needle in ("subprocess", "cpp_extension", "ExtensionFileLoader", "BNBF_NATIVE"):

@@ -10,6 +10,7 @@ scripts/tune_step.py).
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import functools
@@ -21,6 +22,7 @@ import triton.language as tl
 from torch import Tensor
 
 from bnbf._dispatch import interpreting
+from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
 from bnbf.quant import dynamic_map
@@ -121,6 +123,7 @@ class Group:
     # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
     # caching allocator usually hands a training loop's grads the same blocks every step)
     grad_ptrs: tuple = ()
+    grad_packed: bytes = b""  # grad_ptrs as native uint64, for the compiled comparison
     grad_table: Tensor | None = None
     grads_aligned: bool = False
     # by launch configuration, what launches this group's compiled kernels without Triton's dispatch
@@ -191,10 +194,12 @@ def launch_group(
     floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
     elements whose gradient is exactly 0 keep their param and states.
     """
-    ptrs = tuple(map(Tensor.data_ptr, grads))
-    if ptrs != group.grad_ptrs:
+    if NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed):
+        pass  # the same grad addresses as the last step: its table serves
+    elif (ptrs := tuple(map(Tensor.data_ptr, grads))) != group.grad_ptrs:
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
         group.grad_ptrs = ptrs
+        group.grad_packed = array.array("Q", ptrs).tobytes()
         group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
     aligned = group.aligned and group.grads_aligned
     grad_table = group.grad_table
