@@ -11,7 +11,7 @@ Usage (from the repository root)::
 Peers (bitsandbytes, torchao, FlashOptim) are used when importable, e.g. with ``PYTHONPATH=.peers/site``
 (the team's peer-wheel tool fills that folder); a peer that fails prints a note and is skipped.
 
-Method (as in ANCHORS.md): params ~N(0, 0.1^2), grads ~N(0, 0.01^2), lr 1e-3, weight decay 0.01; 5 warm-up
+Method (the peers' published H200 anchor figures were measured this way): params ~N(0, 0.1^2), grads ~N(0, 0.01^2), lr 1e-3, weight decay 0.01; 5 warm-up
 steps, then the median of 20 timed steps, each between two CUDA events after a device synchronize (so a
 step's host-side launch cost counts). "GB/s" is effective bandwidth: the fewest bytes the step must move
 (read p and g, write p, read and write every state byte once) over its time; "% copy" compares it with a

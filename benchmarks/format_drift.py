@@ -28,7 +28,7 @@ from bnbf import create_dynamic_map  # noqa: E402
 torch.set_num_threads(1)  # tiny tensors: one thread is ~100x faster than two under load
 ROWS, COLS, BLOCK, STEPS = 257, 129, 256, 200
 LR, B1, B2, EPS, WD = 1e-3, 0.9, 0.999, 1e-8, 0.01
-MU_SCALE = 0.75  # with log-spaced rows this reproduces ANCHORS: dynamic 2.4%, e4m3 7.2%, e5m2 10%
+MU_SCALE = 0.75  # with log-spaced rows this reproduces the anchor drift figures: dynamic 2.4%, e4m3 7.2%, e5m2 10%
 SEEDS = (0, 1, 2)
 
 
@@ -258,7 +258,7 @@ def main():
         "dynamic map's. **Per-step** = bitsandbytes-style bar (re-synced every step): relative error of one step's",
         "update from the reference's p and its quantized moments, mean over steps 2..200 and the seeds.",
         "",
-        "## A. Smooth row scales: s_row = logspace(-3, 0, 257) (one block holds ~2 similar rows; reproduces ANCHORS)",
+        "## A. Smooth row scales: s_row = logspace(-3, 0, 257) (one block holds ~2 similar rows; reproduces the anchor figures)",
         "",
         *table(smooth, True),
         "",

@@ -4,7 +4,7 @@ the other rules on the 1.07B set with and without the register cap; prints ms (t
 copy. Starts with a check of the CUDA kernels against the CPU reference. ``--slots``: only the sweep of
 the prefetch limits (tiles x kept states) for LAMB, AdEMAMix and AdamW.
 
-    python scripts/tune_step.py [--slots]
+    python scripts/tune_step.py [--slots | --rule NAME]
 """
 
 from __future__ import annotations
@@ -114,13 +114,42 @@ def sweep_slots():
         torch.cuda.empty_cache()
 
 
+def sweep_rule(rule: str) -> None:
+    """One rule on the 1.07B set, power format, fp32 and bf16 params: tiles per program x prefetch x register cap
+    (the prefetch limit lifted, so that prefetch means prefetch)."""
+    bw = copy_gbs()
+    print(f"copy {bw:.0f} GB/s")
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(sets()["big_1B"])}
+        grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
+        saved = (dict(mt.ITERS["power"]), mt.PREFETCH["power"], dict(mt.MAXNREG["power"]), dict(mt.PREFETCH_SLOTS))
+        mt.PREFETCH_SLOTS.update({0: 64, 1: 64, 2: 64})
+        for iters in (1, 2, 4):
+            for prefetch in (False, True) if iters == 2 else (False,):
+                for cap in (None, 80, 128):
+                    configure("power", dtype, 4, iters, prefetch, cap)
+                    ms = bench(params, grads, rule, 8, "power", {"lr": 1e-3})
+                    print(f"big_1B {str(dtype)[6:]:9s} {rule} it={iters} pf={int(prefetch)} maxnreg={cap}: "
+                          f"{ms:7.3f} ms", flush=True)
+        mt.ITERS["power"], mt.PREFETCH["power"], mt.MAXNREG["power"] = saved[:3]
+        mt.PREFETCH_SLOTS.clear()
+        mt.PREFETCH_SLOTS.update(saved[3])
+        del params, grads
+        torch.cuda.empty_cache()
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--slots", action="store_true", help="only the prefetch-limit sweep (PREFETCH_SLOTS)")
+    ap.add_argument("--rule", help="only this rule's sweep of tiles, prefetch and register cap (power format)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if args.slots:
         sweep_slots()
+        return
+    if args.rule:
+        sweep_rule(args.rule)
         return
     bw = copy_gbs()
     print(f"copy {bw:.0f} GB/s")
