@@ -99,7 +99,10 @@ def test_l2_ties_accept_either_outcome(device, rid, fmt):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize(("rid", "fmt"), BROKEN)
 def test_l2_tie_rule_is_needed(device, rid, fmt, monkeypatch):
-    """Without the rule the same run fails at a tie."""
+    """Without the rule the same run fails at a tie (on the CPU paths, which evaluate g + wd*p unfused; the
+    compiled CUDA kernel fuses it as torch's reference does there, and the two may then agree)."""
+    if device == "cuda":
+        pytest.skip("the compiled kernel's fused multiply-add may agree with the reference at these ties")
     monkeypatch.setattr(resync, "l2_ties", lambda *args: {})
     with pytest.raises(AssertionError, match=f"flat ({'|'.join(map(str, TIES))})"):
         run(device, rid, fmt, steps=1)
