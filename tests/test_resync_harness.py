@@ -134,3 +134,29 @@ def test_l2_ties_only_for_l2_decay_and_few():
     grads = {"w": torch.full((N,), G_TIE, dtype=F16)}
     with pytest.raises(AssertionError, match="L2 ties"):
         l2_ties(ROW["adagrad-plain"], {**ROW["adagrad-plain"].hparams, "weight_decay": WD}, params, grads)
+
+
+def test_code_gap_near_a_code():
+    """resync.assert_within_code_gap: a reference value within the float32 slack of a code (a momentum whose terms
+    of order absmax cancel there) may be stored one code beyond that code, as the kernels' own sum may fall on the
+    other side of it; a value farther from the code may not (the H200's failure at 1024x4097: reference 3.24e-6 of
+    the absmax, 0.01e-6 below the signed dynamic map's code 3.25e-6, stored at the next code, 7.75e-6)."""
+    from bnbf.quant import dynamic_map
+
+    spec = bnbf.OptimSpec(rule="rmsprop", state_format="dynamic", min_8bit_size=0)
+    hp = {"lr": 1e-2, "momentum": 0.9, "centered": True}
+    state = bnbf.init_state(torch.zeros(256), spec, hp)
+    code = dynamic_map(True)
+    hi = int(torch.searchsorted(code, torch.tensor(3.0e-6)))  # the code at 3.25e-6
+    absmax = 8.2347
+    codes = torch.full((256,), 127, dtype=torch.uint8)  # zero
+    codes[0] = 255  # the block's absmax element
+    codes[1] = hi + 1  # stored one code above the code nearest the reference
+    state = state._replace(momentum_buffer=codes, momentum_buffer_absmax=torch.tensor([absmax]))
+    expected = torch.zeros(256, dtype=torch.float64)
+    expected[0] = absmax * float(code[255])
+    expected[1] = absmax * (float(code[hi]) - 1e-8)  # within the slack (8 float32 ulps of the absmax) below it
+    resync.assert_within_code_gap(state, "momentum_buffer", expected, "near a code")
+    expected[1] = absmax * float(code[hi - 1] + code[hi]) / 2  # midway between codes: farther than the slack
+    with pytest.raises(AssertionError, match="more than a code gap"):
+        resync.assert_within_code_gap(state, "momentum_buffer", expected, "off a code")
