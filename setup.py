@@ -16,8 +16,13 @@ def _extension() -> dict:
         return {}
     # the torch it was built against: bnbf loads it only under that very torch (its C++ ABI is not stable)
     version = [("BNBF_TORCH_VERSION", f'"{torch.__version__}"')]
-    ext = CppExtension("bnbf._host_checks_native", ["bnbf/csrc/host_checks.cpp"], extra_compile_args=["-O2"],
-                       define_macros=version, optional=True)  # a failed compile leaves the install without it
+    ext = CppExtension(
+        "bnbf._host_checks_native",
+        ["bnbf/csrc/host_checks.cpp"],
+        extra_compile_args=["-O2"],
+        define_macros=version,
+        optional=True,
+    )  # a failed compile leaves the install without it
     return {"ext_modules": [ext], "cmdclass": {"build_ext": BuildExtension}}
 
 

@@ -11,11 +11,12 @@ Usage (from the repository root)::
 Peers (bitsandbytes, torchao, FlashOptim) are used when importable, e.g. with ``PYTHONPATH=.peers/site``
 (the team's peer-wheel tool fills that folder); a peer that fails prints a note and is skipped.
 
-Method (the peers' published H200 anchor figures were measured this way): params ~N(0, 0.1^2), grads ~N(0, 0.01^2), lr 1e-3, weight decay 0.01; 5 warm-up
-steps, then the median of 20 timed steps, each between two CUDA events after a device synchronize (so a
-step's host-side launch cost counts). "GB/s" is effective bandwidth: the fewest bytes the step must move
-(read p and g, write p, read and write every state byte once) over its time; "% copy" compares it with a
-device-to-device copy measured in the same run. benchmarks/README.md gives the byte model.
+Method (the peers' published H200 anchor figures were measured this way): params ~N(0, 0.1^2), grads
+~N(0, 0.01^2), lr 1e-3, weight decay 0.01; 5 warm-up steps, then the median of 20 timed steps, each between
+two CUDA events after a device synchronize (so a step's host-side launch cost counts). "GB/s" is effective
+bandwidth: the fewest bytes the step must move (read p and g, write p, read and write every state byte once)
+over its time; "% copy" compares it with a device-to-device copy measured in the same run.
+benchmarks/README.md gives the byte model.
 """
 
 from __future__ import annotations
@@ -63,13 +64,19 @@ def gpt2_shapes(vocab: int = 50257, ctx: int = 1024, d: int = 768, layers: int =
     for i in range(layers):
         h = f"transformer.h.{i}."
         shapes += [
-            (h + "ln_1.weight", (d,)), (h + "ln_1.bias", (d,)),
-            (h + "attn.c_attn.weight", (d, 3 * d)), (h + "attn.c_attn.bias", (3 * d,)),
-            (h + "attn.c_proj.weight", (d, d)), (h + "attn.c_proj.bias", (d,)),
-            (h + "ln_2.weight", (d,)), (h + "ln_2.bias", (d,)),
-            (h + "mlp.c_fc.weight", (d, 4 * d)), (h + "mlp.c_fc.bias", (4 * d,)),
-            (h + "mlp.c_proj.weight", (4 * d, d)), (h + "mlp.c_proj.bias", (d,)),
-        ]  # fmt: skip
+            (h + "ln_1.weight", (d,)),
+            (h + "ln_1.bias", (d,)),
+            (h + "attn.c_attn.weight", (d, 3 * d)),
+            (h + "attn.c_attn.bias", (3 * d,)),
+            (h + "attn.c_proj.weight", (d, d)),
+            (h + "attn.c_proj.bias", (d,)),
+            (h + "ln_2.weight", (d,)),
+            (h + "ln_2.bias", (d,)),
+            (h + "mlp.c_fc.weight", (d, 4 * d)),
+            (h + "mlp.c_fc.bias", (4 * d,)),
+            (h + "mlp.c_proj.weight", (4 * d, d)),
+            (h + "mlp.c_proj.bias", (d,)),
+        ]
     shapes += [("transformer.ln_f.weight", (d,)), ("transformer.ln_f.bias", (d,))]
     return shapes
 
@@ -402,9 +409,14 @@ def make_tensors(shapes: list[tuple], dtype: torch.dtype, device: torch.device, 
 
 
 def run_one(
-    cand: Candidate, shapes: list[tuple], grads: dict, dtype: torch.dtype, device: torch.device,
-    warmup: int, steps: int,
-) -> dict:  # fmt: skip
+    cand: Candidate,
+    shapes: list[tuple],
+    grads: dict,
+    dtype: torch.dtype,
+    device: torch.device,
+    warmup: int,
+    steps: int,
+) -> dict:
     params = make_tensors(shapes, dtype, device, 0.1, seed=1)
     step, get_state = cand.make(params, grads)
     timer = Timer(device)
@@ -420,14 +432,26 @@ def run_one(
     del step, get_state, params
     free_memory(device)
     host = statistics.median(timer.host_ms) if timer.host_ms else None
-    return {"ms": statistics.median(times), "ms_min": min(times), "host_ms": host, "state_bytes": sbytes,
-            "finite": finite}  # fmt: skip
+    return {
+        "ms": statistics.median(times),
+        "ms_min": min(times),
+        "host_ms": host,
+        "state_bytes": sbytes,
+        "finite": finite,
+    }
 
 
 def bench_group(
-    cands: list[Candidate], shapes: list[tuple], set_name: str, dname: str, rule: str, moments: int,
-    device: torch.device, args: argparse.Namespace, meta: dict,
-) -> list[dict]:  # fmt: skip
+    cands: list[Candidate],
+    shapes: list[tuple],
+    set_name: str,
+    dname: str,
+    rule: str,
+    moments: int,
+    device: torch.device,
+    args: argparse.Namespace,
+    meta: dict,
+) -> list[dict]:
     """All candidates on one (set, dtype, rule): their rows, then the bnbf_vs_torch row."""
     dtype = DTYPES[dname]
     numel = sum(math.prod(s) for _, s in shapes)
@@ -447,13 +471,25 @@ def bench_group(
         nbytes = model_bytes(shapes, dtype, cand.kind, moments)
         gbs = nbytes / (res["ms"] * 1e-3) / 1e9
         row = {
-            "set": set_name, "dtype": dname, "rule": rule, "candidate": cand.name,
-            "ms": res["ms"], "ms_min": res["ms_min"], "host_ms": res["host_ms"], "gbs": gbs,
-            "pct_copy": 100 * gbs / meta["copy_gbs"], "model_bytes": nbytes,
-            "state_bytes": res["state_bytes"], "state_bytes_per_param": res["state_bytes"] / numel,
-            "numel": numel, "byte_model": cand.kind, "finite": res["finite"], "note": cand.note,
-            "vs_torch": None, "wall_s": time.perf_counter() - t0,
-        }  # fmt: skip
+            "set": set_name,
+            "dtype": dname,
+            "rule": rule,
+            "candidate": cand.name,
+            "ms": res["ms"],
+            "ms_min": res["ms_min"],
+            "host_ms": res["host_ms"],
+            "gbs": gbs,
+            "pct_copy": 100 * gbs / meta["copy_gbs"],
+            "model_bytes": nbytes,
+            "state_bytes": res["state_bytes"],
+            "state_bytes_per_param": res["state_bytes"] / numel,
+            "numel": numel,
+            "byte_model": cand.kind,
+            "finite": res["finite"],
+            "note": cand.note,
+            "vs_torch": None,
+            "wall_s": time.perf_counter() - t0,
+        }
         if cand.name == "torch":
             torch_ms = res["ms"]
         group.append(row)
@@ -520,8 +556,9 @@ def markdown(rows: list[dict], meta: dict) -> str:
     ]
     for r in rows:
         if r["candidate"] == "bnbf_vs_torch":
-            lines.append(f"| {r['set']} | {r['dtype']} | {r['rule']} | bnbf_vs_torch | | | | | "
-                         f"**{fmt_num(r['speedup'])}×** |")  # fmt: skip
+            lines.append(
+                f"| {r['set']} | {r['dtype']} | {r['rule']} | bnbf_vs_torch | | | | | **{fmt_num(r['speedup'])}×** |"
+            )
             continue
         lines.append(
             f"| {r['set']} | {r['dtype']} | {r['rule']} | {r['candidate']} | {fmt_num(r['ms'])} | "
@@ -546,9 +583,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--sets", default=",".join(SETS), help="comma-separated: " + ", ".join(SETS))
     p.add_argument("--dtypes", default="fp32,bf16", help="comma-separated: " + ", ".join(DTYPES))
-    p.add_argument("--candidates", default=None,
-                   help=f"comma-separated names or globs (default {DEFAULT_CANDIDATES}; "
-                        "with --quick or --smoke the default leaves out torchao)")  # fmt: skip
+    p.add_argument(
+        "--candidates",
+        default=None,
+        help=f"comma-separated names or globs (default {DEFAULT_CANDIDATES}; "
+        "with --quick or --smoke the default leaves out torchao)",
+    )
     p.add_argument("--rules", default="adamw", help="comma-separated rule names, or 'all' (bnbf.RULES)")
     p.add_argument("--steps", type=int, default=None, help="timed steps (default 20; --quick 10; --smoke 2)")
     p.add_argument("--warmup", type=int, default=None, help="warm-up steps (default 5; --quick 3; --smoke 1)")
@@ -597,13 +637,20 @@ def main(argv: list[str] | None = None) -> int:
         else f"CPU ({platform.processor() or platform.machine()})"
     )
     meta: dict[str, Any] = {
-        "gpu": gpu, "device": str(device), "torch": torch.__version__, "triton": triton_v,
-        "bnbf": getattr(bnbf, "__version__", "?"), "python": platform.python_version(),
+        "gpu": gpu,
+        "device": str(device),
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "bnbf": getattr(bnbf, "__version__", "?"),
+        "python": platform.python_version(),
         "peers": ", ".join(f"{k} {v}" for k, v in peer_versions().items()) if want_peers else "not asked",
-        "steps": args.steps, "warmup": args.warmup, "date": time.strftime("%Y-%m-%d"),
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "date": time.strftime("%Y-%m-%d"),
         "timing": "cuda events after synchronize" if device.type == "cuda" else "time.perf_counter",
-        "smoke": args.smoke, "notes": [],
-    }  # fmt: skip
+        "smoke": args.smoke,
+        "notes": [],
+    }
     print(f"GPU: {gpu}\ntorch {meta['torch']}  triton {triton_v}  bnbf {meta['bnbf']}", end="")
     print(f"  python {meta['python']}")
     print(f"peers: {meta['peers']}")

@@ -297,9 +297,14 @@ class Net:
     """
 
     def __init__(
-        self, model: CharTransformer, init: dict[str, Tensor], data: Data, setup: Setup, device: torch.device,
+        self,
+        model: CharTransformer,
+        init: dict[str, Tensor],
+        data: Data,
+        setup: Setup,
+        device: torch.device,
         graph: bool,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.model = model.to(device)
         named = list(model.named_parameters())
         self.params = [p for _, p in named]
@@ -355,9 +360,16 @@ class Net:
 
 
 def train_one(
-    rule: str, fmt: str, variant: str, net: Net, setup: Setup, hparams: dict[str, Any], device: torch.device,
-    seed: int, rerun: int = 0,
-) -> Row:  # fmt: skip
+    rule: str,
+    fmt: str,
+    variant: str,
+    net: Net,
+    setup: Setup,
+    hparams: dict[str, Any],
+    device: torch.device,
+    seed: int,
+    rerun: int = 0,
+) -> Row:
     net.reset(RERUN_NOISE if rerun else 0.0, seed + 3000 + rerun)
     params = net.params
     bits, state_format = FORMATS[fmt]
@@ -464,9 +476,19 @@ def table(rows: list[Row]) -> str:
         ok = verdict(r, noise)
         off = fnum(r.max_step_lr_off_spikes, ".3g") if r.variant == "spikes" else "—"
         cells = (
-            rule, r.variant, state_label(r), fnum(r.held_out_loss), rel, ok, fnum(r.max_step_lr, ".3g"),
-            str(r.max_step_at), off, fnum(r.train_loss), fnum(r.steps_per_s, ".1f"), f"{r.seconds:.1f}",
-        )  # fmt: skip
+            rule,
+            r.variant,
+            state_label(r),
+            fnum(r.held_out_loss),
+            rel,
+            ok,
+            fnum(r.max_step_lr, ".3g"),
+            str(r.max_step_at),
+            off,
+            fnum(r.train_loss),
+            fnum(r.steps_per_s, ".1f"),
+            f"{r.seconds:.1f}",
+        )
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -551,9 +573,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--tf32", action=argparse.BooleanOptionalAction, default=True, help="TF32 matmuls on CUDA")
     p.add_argument("--amp", action="store_true", help="bf16 autocast for the forward and backward (CUDA)")
     p.add_argument(
-        "--cuda-graph", action=argparse.BooleanOptionalAction, default=True,
+        "--cuda-graph",
+        action=argparse.BooleanOptionalAction,
+        default=True,
         help="forward and backward as one CUDA graph (on CUDA; the optimizer step stays eager)",
-    )  # fmt: skip
+    )
     p.add_argument("--json", default=None, help="write rows and metadata here")
     p.add_argument("--markdown", default=None, help="write the notes and the table here")
     p.add_argument("--smoke", action="store_true", help="tiny model, a few steps, on the CPU: checks the script")
@@ -619,13 +643,27 @@ def _main(args: argparse.Namespace) -> list[Row]:
     graph = bool(args.cuda_graph and device.type == "cuda")
     net = Net(model, init, data, setup, device, graph=graph)
     meta: dict[str, Any] = {
-        "gpu": gpu, "device": str(device), "torch": torch.__version__, "triton": triton_v,
-        "bnbf": bnbf.__version__, "python": platform.python_version(), "date": time.strftime("%Y-%m-%d"),
-        "smoke": args.smoke, "seed": args.seed, "tf32": tf32, "cuda_graph": graph, "setup": asdict(setup),
-        "num_params": sum(p.numel() for p in init.values()), "train_bytes": data.train.numel(),
-        "val_bytes": data.val.numel(), "files": data.files, "source": data.source,
-        "spike_steps": spike_steps(setup.steps), "hparams": hparams, "notes": [],
-    }  # fmt: skip
+        "gpu": gpu,
+        "device": str(device),
+        "torch": torch.__version__,
+        "triton": triton_v,
+        "bnbf": bnbf.__version__,
+        "python": platform.python_version(),
+        "date": time.strftime("%Y-%m-%d"),
+        "smoke": args.smoke,
+        "seed": args.seed,
+        "tf32": tf32,
+        "cuda_graph": graph,
+        "setup": asdict(setup),
+        "num_params": sum(p.numel() for p in init.values()),
+        "train_bytes": data.train.numel(),
+        "val_bytes": data.val.numel(),
+        "files": data.files,
+        "source": data.source,
+        "spike_steps": spike_steps(setup.steps),
+        "hparams": hparams,
+        "notes": [],
+    }
     for line in notes_text(meta):
         print(line)
     print(flush=True)

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from bnbf.rules import get_rule
 from bnbf.state import Layout, State, is_state, present_mask
 
+
 def _native() -> Any:
     """The compiled twins of the plan's per-step checks (bnbf/csrc/host_checks.cpp), built at install time;
     None where they were not built, were built against another torch, or ``BNBF_HOST_CHECKS=python``."""
@@ -146,8 +147,10 @@ def _states_ok(params: list, states: list) -> bool:
     contiguous. In C-level loops over all leaves (a pure call's host time is mostly these checks); a list
     of one leaf checks that leaf. False: :func:`_check_leaf` names what is wrong."""
     try:
-        if not (all(map(isinstance, params, itertools.repeat(Tensor)))
-                and all(map(isinstance, states, itertools.repeat(State)))):  # fmt: skip
+        if not (
+            all(map(isinstance, params, itertools.repeat(Tensor)))
+            and all(map(isinstance, states, itertools.repeat(State)))
+        ):
             return False
         devices = list(map(_DEVICE, params))
         one_device = len(set(devices)) == 1
@@ -157,8 +160,11 @@ def _states_ok(params: list, states: list) -> bool:
             set(map(_DTYPE, params)) <= _PARAM_DTYPE_SET
             and set(map(_LAYOUT, params)) == _STRIDED
             and list(map(_SHAPE_DTYPE, fields)) == expected
-            and (set(map(_DEVICE, fields)) <= {devices[0]} if one_device else
-                 list(map(_DEVICE, fields)) == [d for d, s in zip(devices, states) for _ in s])  # fmt: skip
+            and (
+                set(map(_DEVICE, fields)) <= {devices[0]}
+                if one_device
+                else list(map(_DEVICE, fields)) == [d for d, s in zip(devices, states) for _ in s]
+            )
             and all(map(Tensor.is_contiguous, fields))
         )
     except (AttributeError, TypeError):  # a state field that is not a Tensor
@@ -321,18 +327,26 @@ def _check_no_overlap(param: Any, params: list, states: list) -> None:
     (i, fi), (j, fj) = where[pair[0]], where[pair[1]]
     if fi is None and fj is None:
         if params[i] is params[j]:
-            raise ValueError(f"param{names[i]} and param{names[j]} are the same tensor: a param may appear only "
-                             f"once in a call (torch.optim refuses a param in two groups)")  # fmt: skip
-        raise ValueError(f"param{names[i]} and param{names[j]} overlap in memory (views of one tensor?): the "
-                         f"params of one call must not share memory, each would be stepped on its own")  # fmt: skip
+            raise ValueError(
+                f"param{names[i]} and param{names[j]} are the same tensor: a param may appear only "
+                f"once in a call (torch.optim refuses a param in two groups)"
+            )
+        raise ValueError(
+            f"param{names[i]} and param{names[j]} overlap in memory (views of one tensor?): the "
+            f"params of one call must not share memory, each would be stepped on its own"
+        )
     if fi is None:
-        raise ValueError(f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must "
-                         f"not share memory")  # fmt: skip
+        raise ValueError(
+            f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must not share memory"
+        )
     if states[i] is states[j]:
-        raise ValueError(f"state{names[i]} and state{names[j]} are the same state: each param needs a state of "
-                         f"its own (bnbf.init_state)")  # fmt: skip
-    raise ValueError(f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call "
-                     f"must not share memory")  # fmt: skip
+        raise ValueError(
+            f"state{names[i]} and state{names[j]} are the same state: each param needs a state of "
+            f"its own (bnbf.init_state)"
+        )
+    raise ValueError(
+        f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call must not share memory"
+    )
 
 
 def _groups(params: list, states: list):
@@ -366,8 +380,9 @@ def _rule_of(param: Any, states: list) -> Any:
     rule_name = type(states[0]).layout.rule
     for i, s in enumerate(states):
         if type(s).layout.rule != rule_name:
-            raise ValueError(f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are "
-                             f"for {rule_name!r}")  # fmt: skip
+            raise ValueError(
+                f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are for {rule_name!r}"
+            )
     return get_rule(rule_name)
 
 

@@ -55,8 +55,15 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
 
 
 def update(
-    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
-    max_unorm: float = 0.0, maximize: bool = False,
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
 ) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
@@ -110,8 +117,15 @@ def update(
 
 
 def update_(
-    param: Any, grad: Any, state: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
-    max_unorm: float = 0.0, maximize: bool = False,
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 

@@ -27,8 +27,8 @@ from torch import Tensor
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
 from bnbf._host_checks import (
-    NATIVE,
     _SHAPE_DTYPE,
+    NATIVE,
     _check_grad,
     _check_leaves,
     _check_no_overlap,
@@ -193,9 +193,15 @@ class Plan:
         return self._states if self._hold else []  # update_'s plans hold no state (a tuple has no weak reference)
 
     def step(
-        self, grads: Any, hparams: Any = None, step: Any = 1, *, skip_zeros: bool = False,
-        max_unorm: Any = 0.0, maximize: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        grads: Any,
+        hparams: Any = None,
+        step: Any = 1,
+        *,
+        skip_zeros: bool = False,
+        max_unorm: Any = 0.0,
+        maximize: bool = False,
+    ) -> None:
         """One in-place step of the planned params and states: :func:`bnbf.update_`'s semantics.
 
         Args:
@@ -275,12 +281,28 @@ class Plan:
             return False
 
     def _step(
-        self, params: list, states: list, tree: Any, grad: Any, hparams: Any, step: Any, skip_zeros: Any,
-        max_unorm: Any, maximize: Any,
-    ) -> None:  # fmt: skip
+        self,
+        params: list,
+        states: list,
+        tree: Any,
+        grad: Any,
+        hparams: Any,
+        step: Any,
+        skip_zeros: Any,
+        max_unorm: Any,
+        maximize: Any,
+    ) -> None:
         if not self._direct or torch.compiler.is_compiling():
-            _step_generic(_unflatten(params, self._spec), grad, _unflatten(states, self._spec), hparams, step,
-                          skip_zeros, max_unorm, maximize)  # fmt: skip
+            _step_generic(
+                _unflatten(params, self._spec),
+                grad,
+                _unflatten(states, self._spec),
+                hparams,
+                step,
+                skip_zeros,
+                max_unorm,
+                maximize,
+            )
             return
         t = type(grad)
         if t is dict:

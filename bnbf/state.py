@@ -130,8 +130,9 @@ def state_class(layout: Layout) -> type:
 
 
 def _doc(layout: Layout) -> str:
-    fields = ", ".join(f"{n}: {dt} {list(s) if s else 'param.shape'}" for n, (s, dt) in
-                       layout.expected(torch.Size([])).items())
+    fields = ", ".join(
+        f"{n}: {dt} {list(s) if s else 'param.shape'}" for n, (s, dt) in layout.expected(torch.Size([])).items()
+    )
     return f"Optimizer state, layout {tuple(layout)}: {fields}"
 
 

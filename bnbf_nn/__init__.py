@@ -20,5 +20,14 @@ from bnbf_nn.nn import Embedding, StableEmbedding
 from bnbf_nn.optim import *  # noqa: F403  (the generated classes: Adam, Adam8bit, Adam32bit, ...)
 from bnbf_nn.optim import FAMILIES, Optimizer1State, Optimizer2State, Optimizer8bit
 
-__all__ = ["nn", "optim", "Embedding", "GlobalOptimManager", "StableEmbedding", "FAMILIES", "Optimizer1State",
-           "Optimizer2State", "Optimizer8bit"] + [f.name + s for f in FAMILIES for s in ("", "8bit", "32bit")]
+__all__ = [
+    "nn",
+    "optim",
+    "Embedding",
+    "GlobalOptimManager",
+    "StableEmbedding",
+    "FAMILIES",
+    "Optimizer1State",
+    "Optimizer2State",
+    "Optimizer8bit",
+] + [f.name + s for f in FAMILIES for s in ("", "8bit", "32bit")]

@@ -82,8 +82,9 @@ def read_step(entry: Mapping, where: str) -> int:
     return step
 
 
-def unpack(entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hparams: Any, want_bits: int,
-           where: str) -> Any:
+def unpack(
+    entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hparams: Any, want_bits: int, where: str
+) -> Any:
     """A new bnbf state (on ``param``'s device) holding exactly the checkpoint's values; raises ValueError
     naming what does not fit before anything is built."""
     entry = dict(entry)
@@ -127,17 +128,26 @@ def unpack(entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hpara
         if not match:
             kind = "signed" if signed else "unsigned"
             other = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, not signed))]
-            hint = (f"; it is the {'unsigned' if signed else 'signed'} {other[0]} map (bitsandbytes quantizes "
+            hint = (
+                (
+                    f"; it is the {'unsigned' if signed else 'signed'} {other[0]} map (bitsandbytes quantizes "
                     f"RMSprop's and Adagrad's non-negative state with its signed map), so these codes cannot be "
-                    f"restored as bnbf's {kind} {rule.states[kept[0]].name}") if other else ""
+                    f"restored as bnbf's {kind} {rule.states[kept[0]].name}"
+                )
+                if other
+                else ""
+            )
             _fail(where, f"qmap{k} is neither the {kind} dynamic map nor the {kind} power map{hint}")
         fmts.add(match[0])
     if len(bits) > 1 or len(fmts) > 1:
         _fail(where, "its state tensors mix 8-bit and 32-bit storage or 8-bit formats")
     got_bits = bits.pop() if bits else want_bits
     if got_bits != want_bits:
-        _fail(where, f"the checkpoint holds {got_bits}-bit state but this optimizer keeps {want_bits}-bit state "
-                     f"for it (check optim_bits, min_8bit_size and GlobalOptimManager overrides)")
+        _fail(
+            where,
+            f"the checkpoint holds {got_bits}-bit state but this optimizer keeps {want_bits}-bit state "
+            f"for it (check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
+        )
     fmt = fmts.pop() if fmts else "power"
     spec = bnbf.OptimSpec(rule=rule.name, state_bits=got_bits, block_size=BLOCK, min_8bit_size=0, state_format=fmt)
     state = bnbf.init_state(param.detach(), spec, hparams)

@@ -28,11 +28,31 @@ class Embedding(torch.nn.Embedding):
         torch.Size([1, 3, 64])
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: Tensor | None = None, device=None, dtype=None) -> None:  # fmt: skip
-        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-                         _weight, device=device, dtype=dtype)  # fmt: skip
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            device=device,
+            dtype=dtype,
+        )
         GlobalOptimManager.get_instance().register_module_override(self, "weight", {"optim_bits": 32})
 
     def reset_parameters(self) -> None:
@@ -53,14 +73,35 @@ class StableEmbedding(Embedding):
         (torch.Size([1, 3, 64]), 0.0)
     """
 
-    def __init__(self, num_embeddings: int, embedding_dim: int, padding_idx: int | None = None,
-                 max_norm: float | None = None, norm_type: float = 2.0, scale_grad_by_freq: bool = False,
-                 sparse: bool = False, _weight: Tensor | None = None, device=None, dtype=None) -> None:  # fmt: skip
-        super().__init__(num_embeddings, embedding_dim, padding_idx, max_norm, norm_type, scale_grad_by_freq, sparse,
-                         _weight, device=device, dtype=dtype)  # fmt: skip
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        padding_idx: int | None = None,
+        max_norm: float | None = None,
+        norm_type: float = 2.0,
+        scale_grad_by_freq: bool = False,
+        sparse: bool = False,
+        _weight: Tensor | None = None,
+        device=None,
+        dtype=None,
+    ) -> None:
+        super().__init__(
+            num_embeddings,
+            embedding_dim,
+            padding_idx,
+            max_norm,
+            norm_type,
+            scale_grad_by_freq,
+            sparse,
+            _weight,
+            device=device,
+            dtype=dtype,
+        )
         self.norm = torch.nn.LayerNorm(embedding_dim, device=device)
 
     def forward(self, input: Tensor) -> Tensor:
-        emb = F.embedding(input, self.weight, self.padding_idx, self.max_norm, self.norm_type,
-                          self.scale_grad_by_freq, self.sparse)  # fmt: skip
+        emb = F.embedding(
+            input, self.weight, self.padding_idx, self.max_norm, self.norm_type, self.scale_grad_by_freq, self.sparse
+        )
         return self.norm(emb.to(torch.get_default_dtype())).to(self.weight.dtype)

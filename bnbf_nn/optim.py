@@ -76,8 +76,9 @@ _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups s
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 _STEP = operator.itemgetter("step")
 # torch's global step hooks (private to torch.optim.optimizer; absent: torch's wrapper runs every step)
-_GLOBAL_HOOKS = tuple(getattr(_torch_optimizer, name, None)
-                      for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks"))  # fmt: skip
+_GLOBAL_HOOKS = tuple(
+    getattr(_torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
+)
 
 
 def _plain_step(opt: torch.optim.Optimizer) -> bool:
@@ -89,6 +90,8 @@ def _plain_step(opt: torch.optim.Optimizer) -> bool:
         and not opt._optimizer_step_post_hooks
         and not torch._C._autograd._profiler_enabled()
     )
+
+
 _GRAD = operator.attrgetter("grad")
 
 
@@ -129,34 +132,85 @@ FAMILIES: tuple[Family, ...] = (
     Family("AdamW", "adamw", 2, 1e-3, _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:], torch_flags=_ADAM_FLAGS),
     Family("Lion", "lion", 1, 1e-4, (("betas", (0.9, 0.99)), ("weight_decay", 0.0)), bnb_group=(("eps", 0.0),)),
     Family("SGD", "sgd", 1, None, _SGD, bnb_group=_SGD_GROUP, torch_flags=_NO_CAPTURABLE),
-    Family("RMSprop", "rmsprop", 1, 1e-2,
-           (("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0.0), ("momentum", 0.0), ("centered", False)),
-           bnb_group=(("betas", ("alpha", "momentum")),), torch_flags=("foreach", "capturable", "differentiable")),
-    Family("Adagrad", "adagrad", 1, 1e-2,
-           (("lr_decay", 0.0), ("weight_decay", 0.0), ("initial_accumulator_value", 0.0), ("eps", 1e-10)),
-           bnb_group=(("betas", (0.0, 0.0)),), torch_flags=_NO_CAPTURABLE),
-    Family("LAMB", "lamb", 2, 1e-3, (("bias_correction", True),) + _ADAM + (("adam_w_mode", True),), max_unorm=1.0,
-           renames=(("bias_correction", "debias"),)),
+    Family(
+        "RMSprop",
+        "rmsprop",
+        1,
+        1e-2,
+        (("alpha", 0.99), ("eps", 1e-8), ("weight_decay", 0.0), ("momentum", 0.0), ("centered", False)),
+        bnb_group=(("betas", ("alpha", "momentum")),),
+        torch_flags=("foreach", "capturable", "differentiable"),
+    ),
+    Family(
+        "Adagrad",
+        "adagrad",
+        1,
+        1e-2,
+        (("lr_decay", 0.0), ("weight_decay", 0.0), ("initial_accumulator_value", 0.0), ("eps", 1e-10)),
+        bnb_group=(("betas", (0.0, 0.0)),),
+        torch_flags=_NO_CAPTURABLE,
+    ),
+    Family(
+        "LAMB",
+        "lamb",
+        2,
+        1e-3,
+        (("bias_correction", True),) + _ADAM + (("adam_w_mode", True),),
+        max_unorm=1.0,
+        renames=(("bias_correction", "debias"),),
+    ),
     Family("LARS", "lars", 1, None, _SGD, max_unorm=0.02, bnb_group=_SGD_GROUP),
-    Family("AdEMAMix", "ademamix", 2, 1e-3,
-           (("betas", (0.9, 0.999, 0.9999)), ("alpha", 5.0), ("t_alpha", None), ("t_beta3", None), ("eps", 1e-8),
-            ("weight_decay", 1e-2)),
-           bnb_slots=((0, 1), (2,))),
+    Family(
+        "AdEMAMix",
+        "ademamix",
+        2,
+        1e-3,
+        (
+            ("betas", (0.9, 0.999, 0.9999)),
+            ("alpha", 5.0),
+            ("t_alpha", None),
+            ("t_beta3", None),
+            ("eps", 1e-8),
+            ("weight_decay", 1e-2),
+        ),
+        bnb_slots=((0, 1), (2,)),
+    ),
     # not in bitsandbytes: the arguments of the authors' Adan (sail-sg/Adan); its global max_grad_norm only at 0
-    Family("Adan", "adan", 4, 1e-3,
-           (("betas", (0.98, 0.92, 0.99)), ("eps", 1e-8), ("weight_decay", 0.0), ("max_grad_norm", 0.0),
-            ("no_prox", False)), torch_flags=("foreach", "fused")),
-)  # fmt: skip
+    Family(
+        "Adan",
+        "adan",
+        4,
+        1e-3,
+        (
+            ("betas", (0.98, 0.92, 0.99)),
+            ("eps", 1e-8),
+            ("weight_decay", 0.0),
+            ("max_grad_norm", 0.0),
+            ("no_prox", False),
+        ),
+        torch_flags=("foreach", "fused"),
+    ),
+)
 _BY_NAME = {f.name: f for f in FAMILIES}
 # bitsandbytes' optimizer_name (Optimizer1State/2State's first argument) -> family; its "adam" decays decoupled
-_BNB_NAMES = {"adam": "AdamW", "lamb": "LAMB", "ademamix": "AdEMAMix", "momentum": "SGD", "lars": "LARS",
-              "rmsprop": "RMSprop", "adagrad": "Adagrad", "lion": "Lion"}  # fmt: skip
+_BNB_NAMES = {
+    "adam": "AdamW",
+    "lamb": "LAMB",
+    "ademamix": "AdEMAMix",
+    "momentum": "SGD",
+    "lars": "LARS",
+    "rmsprop": "RMSprop",
+    "adagrad": "Adagrad",
+    "lion": "Lion",
+}
 
 
 def _check_unique(params: list) -> None:
     if len(set(map(id, params))) != len(params):
-        raise ValueError("optimizer contains a parameter group with duplicate parameters (a tensor listed twice): "
-                         "bnbf steps a group's tensors in one fused call, which would write it twice")  # fmt: skip
+        raise ValueError(
+            "optimizer contains a parameter group with duplicate parameters (a tensor listed twice): "
+            "bnbf steps a group's tensors in one fused call, which would write it twice"
+        )
 
 
 def _check_adam_betas(betas: Any, tensor_refused: bool) -> None:
@@ -248,8 +302,13 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
-        return {"defaults": self.defaults, "state": self.state, "param_groups": self.param_groups,
-                "family": self.family, "_lr0": lr0}  # fmt: skip
+        return {
+            "defaults": self.defaults,
+            "state": self.state,
+            "param_groups": self.param_groups,
+            "family": self.family,
+            "_lr0": lr0,
+        }
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
@@ -294,8 +353,13 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
         storage = {k: (override or {}).get(k, group[k]) for k in _STORAGE}
-        return bnbf.OptimSpec(rule=self._rule.name, state_bits=storage["optim_bits"], block_size=_checkpoint.BLOCK,
-                              min_8bit_size=storage["min_8bit_size"], state_format=storage["state_format"])  # fmt: skip
+        return bnbf.OptimSpec(
+            rule=self._rule.name,
+            state_bits=storage["optim_bits"],
+            block_size=_checkpoint.BLOCK,
+            min_8bit_size=storage["min_8bit_size"],
+            state_format=storage["state_format"],
+        )
 
     def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
         hp = {k: group[k] for k in self._hkeys}
@@ -370,8 +434,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             v = override.get(key, group[key])
             if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
                 kw[key] = v
-        check_update_options(self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0),
-                             kw.get("maximize", False))  # fmt: skip
+        check_update_options(
+            self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0), kw.get("maximize", False)
+        )
         if present_mask(self._rule, h) != bucket.present:  # e.g. momentum switched on after states were made
             _check_present(self._rule, h, bucket.states)
         return h, kw
@@ -408,8 +473,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                     by_step[r["step"]].append(k)
                 for keep in by_step.values():  # rare: bnbf.update_'s cached plans, not one kept per split
                     sub = bucket.subset(keep)
-                    bnbf.update_(sub.params, [grads[k] for k in keep], sub.states, call[0], sub.records[0]["step"] + 1,
-                                 **call[1])  # fmt: skip
+                    bnbf.update_(
+                        sub.params, [grads[k] for k in keep], sub.states, call[0], sub.records[0]["step"] + 1, **call[1]
+                    )
                     for r in sub.records:
                         r["step"] += 1
                 return
@@ -421,8 +487,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         if NATIVE is not None:
             NATIVE.set_each(records, "step", t + 1)
         else:
-            collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)),
-                              maxlen=0)  # fmt: skip
+            collections.deque(
+                map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)), maxlen=0
+            )
 
     def _plan(self, group: dict) -> _Buckets:
         """Group the parameters that have state by their overrides: one bnbf plan each."""
@@ -436,8 +503,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             cfg = configs.get(id(p), {})
             unknown = sorted(set(cfg) - allowed)
             if unknown:
-                raise ValueError(f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}; "
-                                 f"known: {sorted(allowed)}")  # fmt: skip
+                raise ValueError(
+                    f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}; "
+                    f"known: {sorted(allowed)}"
+                )
             if "state" in self.state.get(p, {}):
                 key = tuple(sorted((k, repr(v)) for k, v in cfg.items() if k not in _STORAGE))
                 buckets.setdefault(key, []).append(i)
@@ -445,10 +514,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         for idx in buckets.values():  # every bucket checked before any steps: no half-applied step
             self._check_group(group, configs.get(id(params[idx[0]]), {}))
             cfg = {k: v for k, v in configs.get(id(params[idx[0]]), {}).items() if k not in _STORAGE}
-            made.append(_Bucket(idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg,
-                                len(idx) == len(params)))  # fmt: skip
-        plan = _Buckets(params, len(params), self.state, mng.version, made,
-                        sum(map(len, buckets.values())) == len(params), configs)  # fmt: skip
+            made.append(
+                _Bucket(
+                    idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg, len(idx) == len(params)
+                )
+            )
+        plan = _Buckets(
+            params, len(params), self.state, mng.version, made, sum(map(len, buckets.values())) == len(params), configs
+        )
         self._plans[id(group)] = plan
         return plan
 
@@ -486,16 +559,21 @@ class Optimizer8bit(torch.optim.Optimizer):
         state = {k: v for k, v in self.state.items() if not isinstance(k, Tensor)}
         ints = [k for k in state if isinstance(k, int) and not isinstance(k, bool)]
         if ints:
-            raise ValueError(f"optimizer.state has the int keys {sorted(ints)}, which a state dict reserves for "
-                             f"param indices: use other keys (strings, say)")  # fmt: skip
+            raise ValueError(
+                f"optimizer.state has the int keys {sorted(ints)}, which a state dict reserves for "
+                f"param indices: use other keys (strings, say)"
+            )
         for group in self.param_groups:
             for p in group["params"]:
                 rec = self.state.get(p)
                 if rec and "state" in rec:
                     quant = _checkpoint.pack(rec["state"], self.family.bnb_slots, group["max_unorm"])
                     state[index[id(p)]] = {"step": rec["step"], _checkpoint.QUANT_KEY: quant}
-        out = {"state": state, "param_groups": groups, "bnbf": {"optimizer": type(self).__name__,
-                                                                "rule": self._rule.name}}  # fmt: skip
+        out = {
+            "state": state,
+            "param_groups": groups,
+            "bnbf": {"optimizer": type(self).__name__, "rule": self._rule.name},
+        }
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
         return out
@@ -515,21 +593,31 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise ValueError(f"{name}.load_state_dict: 'state' must be a dict and 'param_groups' a list of dicts")
         origin = state_dict.get("bnbf") or {}
         if origin.get("rule", self._rule.name) != self._rule.name:
-            raise ValueError(f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
-                             f"{name} uses rule {self._rule.name!r}")  # fmt: skip
+            raise ValueError(
+                f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
+                f"{name} uses rule {self._rule.name!r}"
+            )
         saved_groups = list(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
-            raise ValueError(f"the state dict has {len(saved_groups)} param groups, "
-                             f"{name} has {len(self.param_groups)}")
+            raise ValueError(
+                f"the state dict has {len(saved_groups)} param groups, {name} has {len(self.param_groups)}"
+            )
         groups, id_map = [], {}
         for gi, (group, saved) in enumerate(zip(self.param_groups, saved_groups)):
             if len(saved.get("params", ())) != len(group["params"]):
-                raise ValueError(f"param group {gi} of the state dict has {len(saved.get('params', ()))} params, "
-                                 f"{name}'s has {len(group['params'])}")  # fmt: skip
+                raise ValueError(
+                    f"param group {gi} of the state dict has {len(saved.get('params', ()))} params, "
+                    f"{name}'s has {len(group['params'])}"
+                )
             ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
             new = {k: v for k, v in group.items() if k != "params"}
-            new.update({k: deepcopy(v) for k, v in saved.items() if k in ours or k not in
-                        {"params", *_STORAGE, *_BNB_GROUP_KEYS, *_BNB_2STATE_KEYS}})  # fmt: skip
+            new.update(
+                {
+                    k: deepcopy(v)
+                    for k, v in saved.items()
+                    if k in ours or k not in {"params", *_STORAGE, *_BNB_GROUP_KEYS, *_BNB_2STATE_KEYS}
+                }
+            )
             new.update(_from_bnb_group(self.family, saved, ours))
             new["params"] = group["params"]
             try:
@@ -587,8 +675,13 @@ class _Bucket:
         self.present = presents.pop() if len(presents) == 1 else -1  # the state slots all of them keep
 
     def subset(self, keep: list[int]) -> _Bucket:
-        return _Bucket([self.idx[k] for k in keep], [self.params[k] for k in keep], [self.records[k] for k in keep],
-                       self.override, False)  # fmt: skip
+        return _Bucket(
+            [self.idx[k] for k in keep],
+            [self.params[k] for k in keep],
+            [self.records[k] for k in keep],
+            self.override,
+            False,
+        )
 
 
 @dataclasses.dataclass
@@ -639,14 +732,41 @@ class Optimizer2State(Optimizer8bit):
     ``"ademamix"``. The other arguments are bitsandbytes'; ``state_format`` is bnbf's.
     """
 
-    def __init__(self, optimizer_name, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, optim_bits=32,
-                 args=None, min_8bit_size=4096, max_unorm=0.0, skip_zeros=False, is_paged=False, alpha=0.0,
-                 t_alpha=None, t_beta3=None, *, state_format="power"):  # fmt: skip
+    def __init__(
+        self,
+        optimizer_name,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.999),
+        eps=1e-8,
+        weight_decay=0.0,
+        optim_bits=32,
+        args=None,
+        min_8bit_size=4096,
+        max_unorm=0.0,
+        skip_zeros=False,
+        is_paged=False,
+        alpha=0.0,
+        t_alpha=None,
+        t_beta3=None,
+        *,
+        state_format="power",
+    ):
         # kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
-        family, hp = _from_bnb_args(optimizer_name, 2, lr, betas, eps, weight_decay, alpha=alpha, t_alpha=t_alpha,
-                                    t_beta3=t_beta3)  # fmt: skip
-        storage = _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format,
-                           bnbf.RULES[family.rule], family, f"Optimizer2State({optimizer_name!r})")  # fmt: skip
+        family, hp = _from_bnb_args(
+            optimizer_name, 2, lr, betas, eps, weight_decay, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3
+        )
+        storage = _storage(
+            args,
+            optim_bits,
+            min_8bit_size,
+            max_unorm,
+            skip_zeros,
+            state_format,
+            bnbf.RULES[family.rule],
+            family,
+            f"Optimizer2State({optimizer_name!r})",
+        )
         Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
 
 
@@ -657,25 +777,55 @@ class Optimizer1State(Optimizer8bit):
     ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``.
     """
 
-    def __init__(self, optimizer_name, params, lr=1e-3, betas=(0.9, 0.0), eps=1e-8, weight_decay=0.0, optim_bits=32,
-                 args=None, min_8bit_size=4096, max_unorm=0.0, skip_zeros=False, is_paged=False, *,
-                 state_format="power"):  # fmt: skip
+    def __init__(
+        self,
+        optimizer_name,
+        params,
+        lr=1e-3,
+        betas=(0.9, 0.0),
+        eps=1e-8,
+        weight_decay=0.0,
+        optim_bits=32,
+        args=None,
+        min_8bit_size=4096,
+        max_unorm=0.0,
+        skip_zeros=False,
+        is_paged=False,
+        *,
+        state_format="power",
+    ):
         family, hp = _from_bnb_args(optimizer_name, 1, lr, betas, eps, weight_decay)
-        storage = _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format,
-                           bnbf.RULES[family.rule], family, f"Optimizer1State({optimizer_name!r})")  # fmt: skip
+        storage = _storage(
+            args,
+            optim_bits,
+            min_8bit_size,
+            max_unorm,
+            skip_zeros,
+            state_format,
+            bnbf.RULES[family.rule],
+            family,
+            f"Optimizer1State({optimizer_name!r})",
+        )
         Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
 
 
 def _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format, rule, family, name) -> dict:
     """The group settings that are not hyperparameters of the rule; bitsandbytes' ``args`` object wins."""
-    out = {"optim_bits": optim_bits, "min_8bit_size": min_8bit_size, "max_unorm": max_unorm,
-           "skip_zeros": skip_zeros, "state_format": state_format}  # fmt: skip
+    out = {
+        "optim_bits": optim_bits,
+        "min_8bit_size": min_8bit_size,
+        "max_unorm": max_unorm,
+        "skip_zeros": skip_zeros,
+        "state_format": state_format,
+    }
     if args is not None:
         out.update({k: getattr(args, k) for k in out if hasattr(args, k)})
     if rule.norms is not None:  # LAMB, LARS: their trust ratio stands for bitsandbytes' update clipping
         if out["max_unorm"] not in (0.0, family.max_unorm):
-            raise NotImplementedError(f"{name}: max_unorm={out['max_unorm']} is not supported: bnbf's {rule.name!r} "
-                                      f"rule scales its update by its own trust ratio")  # fmt: skip
+            raise NotImplementedError(
+                f"{name}: max_unorm={out['max_unorm']} is not supported: bnbf's {rule.name!r} "
+                f"rule scales its update by its own trust ratio"
+            )
         out["max_unorm"] = 0.0
     return out
 
@@ -687,15 +837,24 @@ _P = inspect.Parameter
 
 def _signature(family: Family, bits: int | None) -> inspect.Signature:
     lr = _P.empty if family.lr is None else family.lr
-    ps = [_P("self", _P.POSITIONAL_OR_KEYWORD), _P("params", _P.POSITIONAL_OR_KEYWORD),
-          _P("lr", _P.POSITIONAL_OR_KEYWORD, default=lr)]  # fmt: skip
+    ps = [
+        _P("self", _P.POSITIONAL_OR_KEYWORD),
+        _P("params", _P.POSITIONAL_OR_KEYWORD),
+        _P("lr", _P.POSITIONAL_OR_KEYWORD, default=lr),
+    ]
     ps += [_P(k, _P.KEYWORD_ONLY, default=v) for k, v in family.args + family.extra_args()]
-    ps += [_P("optim_bits", _P.KEYWORD_ONLY, default=bits or 32), _P("args", _P.KEYWORD_ONLY, default=None),
-           _P("min_8bit_size", _P.KEYWORD_ONLY, default=4096)]  # fmt: skip
+    ps += [
+        _P("optim_bits", _P.KEYWORD_ONLY, default=bits or 32),
+        _P("args", _P.KEYWORD_ONLY, default=None),
+        _P("min_8bit_size", _P.KEYWORD_ONLY, default=4096),
+    ]
     ps.append(_P("max_unorm", _P.KEYWORD_ONLY, default=family.max_unorm or 0.0))
-    ps += [_P("skip_zeros", _P.KEYWORD_ONLY, default=False), _P("is_paged", _P.KEYWORD_ONLY, default=False),
-           _P("state_format", _P.KEYWORD_ONLY, default="power"),
-           _P("maximize", _P.KEYWORD_ONLY, default=False)]  # fmt: skip
+    ps += [
+        _P("skip_zeros", _P.KEYWORD_ONLY, default=False),
+        _P("is_paged", _P.KEYWORD_ONLY, default=False),
+        _P("state_format", _P.KEYWORD_ONLY, default="power"),
+        _P("maximize", _P.KEYWORD_ONLY, default=False),
+    ]
     ps += [_P(k, _P.KEYWORD_ONLY, default=_TORCH_FLAGS[k]) for k in family.torch_flags]
     return inspect.Signature(ps)
 
@@ -709,8 +868,10 @@ def _make_class(family: Family, bits: int | None) -> type:
         a.apply_defaults()
         a = a.arguments
         if bits is not None and a["optim_bits"] != bits:
-            raise ValueError(f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
-                             f"(use {family.name}(optim_bits=...) to choose)")  # fmt: skip
+            raise ValueError(
+                f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
+                f"(use {family.name}(optim_bits=...) to choose)"
+            )
         rule = bnbf.RULES[family.rule]
         fields = {f.name for f in dataclasses.fields(rule.hparams)}
         hp = {"lr": a["lr"]}
@@ -719,10 +880,20 @@ def _make_class(family: Family, bits: int | None) -> type:
             if renames.get(key, key) in fields:
                 hp[renames.get(key, key)] = a[key]
             elif a[key] != default:
-                raise NotImplementedError(f"{name}: {key}={a[key]!r} is not supported (bnbf's {rule.name!r} rule "
-                                          f"has no such option)")  # fmt: skip
-        storage = _storage(a["args"], a["optim_bits"], a["min_8bit_size"], a["max_unorm"], a["skip_zeros"],
-                           a["state_format"], rule, family, name)  # fmt: skip
+                raise NotImplementedError(
+                    f"{name}: {key}={a[key]!r} is not supported (bnbf's {rule.name!r} rule has no such option)"
+                )
+        storage = _storage(
+            a["args"],
+            a["optim_bits"],
+            a["min_8bit_size"],
+            a["max_unorm"],
+            a["skip_zeros"],
+            a["state_format"],
+            rule,
+            family,
+            name,
+        )
         flags = {k: a[k] for k in ("maximize",) + family.torch_flags}  # group settings, as torch.optim keeps them
         Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], a["is_paged"])
 
@@ -736,8 +907,11 @@ def _make_class(family: Family, bits: int | None) -> type:
         f"Example::\n\n    opt = bnbf_nn.{name}(model.parameters(){', lr=0.1' if family.lr is None else ''})\n"
         f"    loss.backward()\n    opt.step()\n    opt.zero_grad()\n"
     )
-    cls = type(name, (base,), {"__init__": __init__, "family": family, "__doc__": doc, "__module__": __name__,
-                               "__qualname__": name})  # fmt: skip
+    cls = type(
+        name,
+        (base,),
+        {"__init__": __init__, "family": family, "__doc__": doc, "__module__": __name__, "__qualname__": name},
+    )
     return cls
 
 

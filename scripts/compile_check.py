@@ -28,15 +28,39 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     rule = bnbf.RULES[rule_name]
     present = present_mask(rule, rule.make_hparams({}))  # the default hyperparameters' slots
     n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 4  # the rule's scalars, then the four the step adds
-    sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "hp_ptr": "*fp32", "code_ptr": "*fp32",
-           "norm_ptr": "*fp32", "n_tiles": "i32", **{f"h{i}": "fp32" for i in range(HP_MAX)}}
+    sig = {
+        "table_ptr": "*i64",
+        "task_ptr": "*i32",
+        "grad_ptr": "*i64",
+        "hp_ptr": "*fp32",
+        "code_ptr": "*fp32",
+        "norm_ptr": "*fp32",
+        "n_tiles": "i32",
+        **{f"h{i}": "fp32" for i in range(HP_MAX)},
+    }
     norm_terms = rule.norms[0] if rule.norms is not None else None
-    const = dict(HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=present,
-                 SIGNED=rule.signed_mask, QUANT=fmt != "fp32", P_DTYPE=dtype, HP_STRIDE=n_hp,
-                 BLOCK=256, ROWS=mt.ROWS, SOFT_BF16=False, FORMAT=FORMATS[fmt], ALIGNED=True,
-                 VEC=mt.VEC[fmt], ITERS=mt.ITERS[fmt][_TORCH[dtype]],
-                 PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
-                 SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=mt.SUM_SPLIT)
+    const = dict(
+        HP_FROM_PTR=from_ptr,
+        MATH=rule.math,
+        SLOTS=len(rule.states),
+        PRESENT=present,
+        SIGNED=rule.signed_mask,
+        QUANT=fmt != "fp32",
+        P_DTYPE=dtype,
+        HP_STRIDE=n_hp,
+        BLOCK=256,
+        ROWS=mt.ROWS,
+        SOFT_BF16=False,
+        FORMAT=FORMATS[fmt],
+        ALIGNED=True,
+        VEC=mt.VEC[fmt],
+        ITERS=mt.ITERS[fmt][_TORCH[dtype]],
+        PREFETCH=mt._prefetch(fmt, _TORCH[dtype], present, mode),
+        SKIP_ZEROS=skip_zeros,
+        NORM_MODE=mode,
+        NORM_TERMS=norm_terms,
+        SUM_SPLIT=mt.SUM_SPLIT,
+    )
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=_step_kernel, signature=sig, constexprs=const)
     options = {"num_warps": mt.NUM_WARPS, **mt._maxnreg(fmt, _TORCH[dtype])}
@@ -51,8 +75,11 @@ def main(rules):
                 for mode in modes:
                     for from_ptr in (False, True):
                         k = compile_variant(rule_name, fmt, dtype, mode, from_ptr)
-                        print(f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)}: "
-                              f"{len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared", flush=True)
+                        print(
+                            f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)}: "
+                            f"{len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared",
+                            flush=True,
+                        )
 
 
 if __name__ == "__main__":

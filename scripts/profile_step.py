@@ -1,6 +1,6 @@
 """Where a bnbf step's time goes on the GPU: host time of the call, kernel time, and wall time.
 
-    python scripts/profile_step.py        # GPT-2 small's 148 tensors and one 4096x4096 tensor
+python scripts/profile_step.py        # GPT-2 small's 148 tensors and one 4096x4096 tensor
 """
 
 from __future__ import annotations
@@ -58,8 +58,10 @@ def profile(
             kernels[e.key[:40]] = e.self_device_time_total / steps / 1e3
     med = lambda xs: sorted(xs)[len(xs) // 2] * 1e3
     what = "bnbf_nn.AdamW8bit" if adapter else f"{rule} plan.step" if plan else f"{rule} update_"
-    print(f"{set_name} {str(dtype)[6:]} {what}: host {med(host):.3f} ms, wall {med(wall):.3f} ms, kernels "
-          + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:4]))
+    print(
+        f"{set_name} {str(dtype)[6:]} {what}: host {med(host):.3f} ms, wall {med(wall):.3f} ms, kernels "
+        + ", ".join(f"{k} {v:.3f} ms" for k, v in sorted(kernels.items(), key=lambda kv: -kv[1])[:4])
+    )
 
 
 if __name__ == "__main__":

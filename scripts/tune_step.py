@@ -32,8 +32,20 @@ def sets():
     big = [(8192, 16384)] * 8
     gpt2 = [(50257, 768), (1024, 768)]
     for _ in range(12):
-        gpt2 += [(768,), (768,), (768, 2304), (2304,), (768, 768), (768,), (768,), (768,),
-                 (768, 3072), (3072,), (3072, 768), (768,)]
+        gpt2 += [
+            (768,),
+            (768,),
+            (768, 2304),
+            (2304,),
+            (768, 768),
+            (768,),
+            (768,),
+            (768,),
+            (768, 3072),
+            (3072,),
+            (3072, 768),
+            (768,),
+        ]
     gpt2 += [(768,), (768,)]
     return {"big_1B": big, "gpt2_124M": gpt2}
 
@@ -81,15 +93,40 @@ def configure(stored, dtype, vec, iters, prefetch, maxnreg):
 
 # (vec, tiles per program, prefetch, register cap): the AdamW sweep, by state storage and param dtype
 SWEEP = {
-    ("power", torch.float32): [(4, 1, False, None), (4, 2, True, None), (4, 2, True, 80), (4, 2, False, None),
-                               (4, 4, True, None), (4, 4, True, 80)],
-    ("power", torch.bfloat16): [(4, 2, True, 64), (4, 2, True, 80), (4, 4, True, None), (4, 4, True, 64),
-                                (4, 4, True, 72), (4, 4, True, 80), (4, 4, False, 64), (4, 8, False, 64),
-                                (4, 1, False, None)],
-    ("dynamic", torch.float32): [(1, 1, False, None), (1, 1, False, 64), (1, 1, False, 80), (1, 2, False, None),
-                                 (4, 1, False, None)],
-    ("dynamic", torch.bfloat16): [(1, 4, False, None), (1, 4, False, 64), (1, 4, False, 96), (1, 2, False, None),
-                                  (1, 1, False, None), (4, 1, False, None)],
+    ("power", torch.float32): [
+        (4, 1, False, None),
+        (4, 2, True, None),
+        (4, 2, True, 80),
+        (4, 2, False, None),
+        (4, 4, True, None),
+        (4, 4, True, 80),
+    ],
+    ("power", torch.bfloat16): [
+        (4, 2, True, 64),
+        (4, 2, True, 80),
+        (4, 4, True, None),
+        (4, 4, True, 64),
+        (4, 4, True, 72),
+        (4, 4, True, 80),
+        (4, 4, False, 64),
+        (4, 8, False, 64),
+        (4, 1, False, None),
+    ],
+    ("dynamic", torch.float32): [
+        (1, 1, False, None),
+        (1, 1, False, 64),
+        (1, 1, False, 80),
+        (1, 2, False, None),
+        (4, 1, False, None),
+    ],
+    ("dynamic", torch.bfloat16): [
+        (1, 4, False, None),
+        (1, 4, False, 64),
+        (1, 4, False, 96),
+        (1, 2, False, None),
+        (1, 1, False, None),
+        (4, 1, False, None),
+    ],
     ("fp32", torch.float32): [(4, 2, True, None)],
     ("fp32", torch.bfloat16): [(4, 4, True, 64)],
 }
@@ -101,8 +138,11 @@ def sweep_slots():
         torch.manual_seed(0)
         params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(sets()["big_1B"])}
         grads = {k: (torch.randn_like(v, dtype=torch.float32) * 0.01).to(dtype) for k, v in params.items()}
-        for rule, limits in (("lamb", ({1: 4, 2: 4}, {1: 8, 2: 4}, {1: 4, 2: 8}, {1: 8, 2: 8})),
-                             ("ademamix", ({0: 8}, {0: 12})), ("adamw", ({0: 8}, {0: 4}))):  # fmt: skip
+        for rule, limits in (
+            ("lamb", ({1: 4, 2: 4}, {1: 8, 2: 4}, {1: 4, 2: 8}, {1: 8, 2: 8})),
+            ("ademamix", ({0: 8}, {0: 12})),
+            ("adamw", ({0: 8}, {0: 4})),
+        ):
             for limit in limits:
                 saved = dict(mt.PREFETCH_SLOTS)
                 mt.PREFETCH_SLOTS.update(limit)
@@ -130,8 +170,10 @@ def sweep_rule(rule: str) -> None:
                 for cap in (None, 80, 128):
                     configure("power", dtype, 4, iters, prefetch, cap)
                     ms = bench(params, grads, rule, 8, "power", {"lr": 1e-3})
-                    print(f"big_1B {str(dtype)[6:]:9s} {rule} it={iters} pf={int(prefetch)} maxnreg={cap}: "
-                          f"{ms:7.3f} ms", flush=True)
+                    print(
+                        f"big_1B {str(dtype)[6:]:9s} {rule} it={iters} pf={int(prefetch)} maxnreg={cap}: {ms:7.3f} ms",
+                        flush=True,
+                    )
         mt.ITERS["power"], mt.PREFETCH["power"], mt.MAXNREG["power"] = saved[:3]
         mt.PREFETCH_SLOTS.clear()
         mt.PREFETCH_SLOTS.update(saved[3])
@@ -166,15 +208,23 @@ def main():
                 if set_name != "big_1B" and stored != "power":
                     continue
                 nb = numel * (3 * size + 16) if stored == "fp32" else numel * (3 * size + 4) + numel // 256 * 16
-                saved = (mt.VEC["power"], mt.VEC["dynamic"], dict(mt.ITERS[stored]), mt.PREFETCH[stored],
-                         dict(mt.MAXNREG[stored]))  # fmt: skip
+                saved = (
+                    mt.VEC["power"],
+                    mt.VEC["dynamic"],
+                    dict(mt.ITERS[stored]),
+                    mt.PREFETCH[stored],
+                    dict(mt.MAXNREG[stored]),
+                )
                 for vec, iters, prefetch, maxnreg in SWEEP[(stored, dtype)]:
                     configure(stored, dtype, vec, iters, prefetch, maxnreg)
                     bits, fmt = (32, "power") if stored == "fp32" else (8, stored)
                     ms = bench(params, grads, "adamw", bits, fmt, hp)
                     gbs = nb / ms / 1e6
-                    print(f"{set_name:10s} {str(dtype)[6:]:9s} {stored:7s} vec={vec} it={iters} pf={int(prefetch)} "
-                          f"maxnreg={maxnreg}: {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy", flush=True)
+                    print(
+                        f"{set_name:10s} {str(dtype)[6:]:9s} {stored:7s} vec={vec} it={iters} pf={int(prefetch)} "
+                        f"maxnreg={maxnreg}: {ms:7.3f} ms {gbs:6.0f} GB/s {100 * gbs / bw:5.1f}% copy",
+                        flush=True,
+                    )
                 mt.VEC["power"], mt.VEC["dynamic"], mt.ITERS[stored], mt.PREFETCH[stored], mt.MAXNREG[stored] = saved
             del params, grads
             torch.cuda.empty_cache()

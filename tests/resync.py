@@ -191,8 +191,9 @@ def _take_alt(ours: torch.Tensor, ref: torch.Tensor, alt: torch.Tensor, ties: to
     return ties & ((ours - alt).abs() < (ours - ref).abs())
 
 
-def resync_step(row, hp: dict, ref: Ref, params: dict, grads: dict, state: dict, step: int,
-                max_unorm: float = 0.0) -> tuple[dict, dict]:  # fmt: skip
+def resync_step(
+    row, hp: dict, ref: Ref, params: dict, grads: dict, state: dict, step: int, max_unorm: float = 0.0
+) -> tuple[dict, dict]:
     """One step of the reference and ``bnbf.update`` from the same params and states, checked (see the
     module's docstring), and the reference re-synced to ours; returns our new params and state."""
     ties = {k: sign_ties(hp, ref.state(k).get("exp_avg"), g) for k, g in grads.items()} if row.sign_step else {}
@@ -217,8 +218,10 @@ def run_resync(device, row, tensors, fmt, steps: int, wd: float | None = None, m
     Returns the reference (its optimizer counts clipped tensor-steps with max_unorm)."""
     wd = row.weight_decays[-1] if wd is None else wd
     hp = {**row.hparams, "weight_decay": wd}
-    params = {f"{i}:{dname(dtype)}{tuple(shape)}": init_params(shape, dtype, device)
-              for i, (shape, dtype) in enumerate(tensors)}  # fmt: skip
+    params = {
+        f"{i}:{dname(dtype)}{tuple(shape)}": init_params(shape, dtype, device)
+        for i, (shape, dtype) in enumerate(tensors)
+    }
     ref = Ref(row, params, hp, max_unorm)
     spec = bnbf.OptimSpec(rule=row.name, state_bits=8, min_8bit_size=0, state_format=fmt)
     state = bnbf.init_state(params, spec, hp)
@@ -253,8 +256,7 @@ def _check_states(row, bar, state, moments: dict, ref_state: dict, what: str, al
         assert_within_code_gap(state, ours, expected, what)
 
 
-def _check_param(row, bar, p: torch.Tensor, p_ref: torch.Tensor, dtype, ties, lr: float, what: str,
-                 alt=None) -> None:  # fmt: skip
+def _check_param(row, bar, p: torch.Tensor, p_ref: torch.Tensor, dtype, ties, lr: float, what: str, alt=None) -> None:
     """One tensor's param (as float32; ``dtype`` its own) against the reference's after the same step:
     16-bit params element by element (a step of ``lr`` either way where ``ties``), and the bar's means.
     ``alt``: ``(states, param, ties)`` of :func:`l2_tie_alternative`, whose param is as right at the ties."""
@@ -279,7 +281,12 @@ def _check_param(row, bar, p: torch.Tensor, p_ref: torch.Tensor, dtype, ties, lr
         mean_abs, mean_rel = err.mean().item(), (err / (p_ref.abs() + 1e-9)).mean().item()
         if dtype == torch.bfloat16 and not row.bf16_mean_rel:
             mean_rel = 0.0  # see Row.bf16_mean_rel
-        ok = (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel) if bar.strict else \
-             (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)  # fmt: skip
-        assert ok, (f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
-                    f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})")  # fmt: skip
+        ok = (
+            (mean_abs < bar.mean_abs and mean_rel < bar.mean_rel)
+            if bar.strict
+            else (mean_abs <= bar.mean_abs and mean_rel <= bar.mean_rel)
+        )
+        assert ok, (
+            f"{what}: mean |p - p_ref| {mean_abs:.3e} (bar {bar.mean_abs:g}), "
+            f"mean rel {mean_rel:.3e} (bar {bar.mean_rel:g})"
+        )

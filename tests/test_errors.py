@@ -93,19 +93,31 @@ def test_error_names_the_key(device, fn):
     grads = {"encoder.weight": torch.randn(300, device=device), "decoder.bias": torch.randn(8, device=device)}
     expect_error(fn, (ValueError, TypeError), "decoder.bias", params, grads, state)
     as_list = [params["encoder.weight"], params["decoder.bias"]]
-    expect_error(fn, (ValueError, TypeError), r"\[1\]", as_list,
-                 [grads["encoder.weight"], grads["decoder.bias"]], bnbf.init_state(as_list, spec()))
+    expect_error(
+        fn,
+        (ValueError, TypeError),
+        r"\[1\]",
+        as_list,
+        [grads["encoder.weight"], grads["decoder.bias"]],
+        bnbf.init_state(as_list, spec()),
+    )
 
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_bad_second_leaf_leaves_first_untouched(device, fn):
     # all checks run before any write: a bad grad in the last leaf must not let the first leaf update
-    params = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device, dtype=torch.bfloat16),
-              "c": torch.randn(5, device=device)}
+    params = {
+        "a": torch.randn(300, device=device),
+        "b": torch.randn(300, device=device, dtype=torch.bfloat16),
+        "c": torch.randn(5, device=device),
+    }
     state = bnbf.init_state(params, spec(min_8bit_size=256))
-    grads = {"a": torch.randn(300, device=device), "b": torch.randn(300, device=device, dtype=torch.bfloat16),
-             "c": torch.randn(5, device=device, dtype=torch.float16)}
+    grads = {
+        "a": torch.randn(300, device=device),
+        "b": torch.randn(300, device=device, dtype=torch.bfloat16),
+        "c": torch.randn(5, device=device, dtype=torch.float16),
+    }
     expect_error(fn, (ValueError, TypeError), "c", params, grads, state)
 
 
@@ -174,8 +186,14 @@ def test_state_layouts_mismatched(device, fn):
     # 8-bit layout holding float32 moments
     expect_error(fn, ValueError, "does not fit the param", p, g, s8._replace(exp_avg_sq=s32.exp_avg_sq))
     # absmax of another block size (the layout says 256)
-    expect_error(fn, ValueError, "does not fit the param", p, g,
-                 s8._replace(exp_avg_absmax=s8_64.exp_avg_absmax, exp_avg_sq_absmax=s8_64.exp_avg_sq_absmax))
+    expect_error(
+        fn,
+        ValueError,
+        "does not fit the param",
+        p,
+        g,
+        s8._replace(exp_avg_absmax=s8_64.exp_avg_absmax, exp_avg_sq_absmax=s8_64.exp_avg_sq_absmax),
+    )
     # an 8-bit state's fields in a 32-bit-layout tuple of the right length
     expect_error(fn, ValueError, "does not fit the param", p, g, type(s32)(s8.exp_avg, s8.exp_avg_sq))
 
@@ -260,10 +278,13 @@ def test_invalid_spec():
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
-@pytest.mark.parametrize("kw,exc,match", [
-    ({"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
-    ({"max_unorm": -1.0}, ValueError, "Invalid max_unorm value: -1.0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kw,exc,match",
+    [
+        ({"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
+        ({"max_unorm": -1.0}, ValueError, "Invalid max_unorm value: -1.0"),
+    ],
+)
 def test_bad_update_options(setup, fn, kw, exc, match):
     p, g, s = setup
     snap = snapshot(p, g, s)

@@ -173,8 +173,14 @@ compilers = [a for a in spawned if any(c in str(a) for c in ("c++", "g++", "gcc"
 assert not compilers, compilers
 """
     env = dict(os.environ, HOME=str(tmp_path), XDG_CACHE_HOME=str(tmp_path / "cache"), CXX="/bin/false")
-    proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600,
-                          cwd=Path(__file__).parent.parent)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+        cwd=Path(__file__).parent.parent,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert not (tmp_path / "cache" / "bnbf").exists() and not (tmp_path / ".cache" / "bnbf").exists()
 

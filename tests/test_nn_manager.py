@@ -63,9 +63,11 @@ def test_key_value_dict_and_hparam_overrides_make_their_own_call():
     run_adapter(opt, params, grads)
     hp = {"lr": 1e-2, "weight_decay": 1e-2}
     ps, states = [p.clone() for p in params0], []
-    states = [bnbf.init_state(ps[0], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8)),
-              bnbf.init_state(ps[1], bnbf.OptimSpec(rule="adamw", state_bits=32)),
-              bnbf.init_state(ps[2], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8))]  # fmt: skip
+    states = [
+        bnbf.init_state(ps[0], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8)),
+        bnbf.init_state(ps[1], bnbf.OptimSpec(rule="adamw", state_bits=32)),
+        bnbf.init_state(ps[2], bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8)),
+    ]
     for t, gs in enumerate(grads, start=1):
         bnbf.update_([ps[0], ps[2]], [gs[0], gs[2]], [states[0], states[2]], hp, t)
         bnbf.update_(ps[1], gs[1], states[1], {**hp, "weight_decay": 0.0, "betas": (0.5, 0.9)}, t)
@@ -196,10 +198,13 @@ def test_override_config_with_a_non_tensor_changes_nothing():
     assert mng.configs_for([a]) == {} and mng.version == version
 
 
-@pytest.mark.parametrize("cls,kw,exc,match", [
-    (bnbf_nn.AdamW8bit, {"max_unorm": -1.0}, ValueError, "Invalid max_unorm value"),
-    (bnbf_nn.AdamW8bit, {"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "cls,kw,exc,match",
+    [
+        (bnbf_nn.AdamW8bit, {"max_unorm": -1.0}, ValueError, "Invalid max_unorm value"),
+        (bnbf_nn.AdamW8bit, {"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
+    ],
+)
 def test_bad_call_settings_fail_at_construction(cls, kw, exc, match):
     with pytest.raises(exc, match=match):
         cls(make_params(), lr=1e-3, **kw)

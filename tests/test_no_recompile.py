@@ -117,8 +117,10 @@ def tensor_hparams(hp: dict, device) -> dict:
 @pytest.mark.parametrize("as_tensors", [False, True], ids=["floats", "tensors"])
 def test_hparams_and_step_do_not_recompile(device, row, bits, as_tensors, monkeypatch):
     if not kernel_runs(device):
-        pytest.skip("CPU tensors take the pure-torch reference here (no kernel to compile); "
-                    "run with TRITON_INTERPRET=1 or on CUDA")
+        pytest.skip(
+            "CPU tensors take the pure-torch reference here (no kernel to compile); "
+            "run with TRITON_INTERPRET=1 or on CUDA"
+        )
     import bnbf.kernels.launcher as mt
 
     # max_unorm (a norm pass) too where the row can clip; a row that refuses it is asserted to in test_rules

@@ -107,8 +107,16 @@ def test_any_pytree(tree):
         (lambda w, v: ([w, v.long()], None), TypeError, r"param\[1\] has dtype torch.int64"),
         (lambda w, v: ([], None), ValueError, "at least one tensor"),
     ],
-    ids=["same tensor", "row view", "column views", "state of another param", "mixed rules", "not a state",
-         "integer param", "empty"],  # fmt: skip
+    ids=[
+        "same tensor",
+        "row view",
+        "column views",
+        "state of another param",
+        "mixed rules",
+        "not a state",
+        "integer param",
+        "empty",
+    ],
 )
 def test_every_check_of_params_and_states_is_made_when_the_plan_is_built(make, exc, match):
     w, v = torch.randn(4, 8), torch.randn(8)

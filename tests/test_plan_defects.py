@@ -203,8 +203,9 @@ def test_update__confirms_the_objects_it_planned():
     assert first._same(params, states) and not first._same(params, [type(s)(*s) for s in states])
     rebuilt = [type(s)(*s) for s in states]
     g = [torch.randn(300), torch.randn(8)]
-    want_p, want_s = bnbf.update([p.clone() for p in params], g, [type(s)(*(t.clone() for t in s)) for s in states],
-                                 HP, 2)  # fmt: skip
+    want_p, want_s = bnbf.update(
+        [p.clone() for p in params], g, [type(s)(*(t.clone() for t in s)) for s in states], HP, 2
+    )
     bnbf.update_(params, g, rebuilt, HP, 2)
     for a, b in zip(params, want_p):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
@@ -304,7 +305,8 @@ import bnbf
 def test_import_without_numpy_prints_no_numpy_warning():
     # without TRITON_INTERPRET: Triton's interpreter itself needs numpy
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TRITON_INTERPRET")}
-    proc = subprocess.run([sys.executable, "-W", "default", "-c", _NO_NUMPY], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+    proc = subprocess.run(
+        [sys.executable, "-W", "default", "-c", _NO_NUMPY], capture_output=True, text=True, env=env, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr
     assert "NumPy" not in proc.stderr, proc.stderr

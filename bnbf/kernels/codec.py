@@ -22,6 +22,7 @@ from bnbf._dispatch import interpreting
 # Compiled kernels use the hardware's approximate division; the interpreter has no such instruction.
 _COMPILED = tl.constexpr(not interpreting())
 
+
 @triton.jit
 def fast_div(a, b):
     """a / b to about 2 ulp: one reciprocal and one multiply (IEEE division costs ~8 instructions more
@@ -112,7 +113,11 @@ def _code_bits(q):
         return tl.inline_asm_elementwise(
             "{ .reg .b32 hi; mov.b32 hi, 0x4B000000; prmt.b32 $0, $4, hi, 0x7650; prmt.b32 $1, $4, hi, 0x7651;"
             " prmt.b32 $2, $4, hi, 0x7652; prmt.b32 $3, $4, hi, 0x7653; }",
-            "=r,=r,=r,=r,r", [q], dtype=tl.int32, is_pure=True, pack=4,
+            "=r,=r,=r,=r,r",
+            [q],
+            dtype=tl.int32,
+            is_pure=True,
+            pack=4,
         )
     else:
         return q.to(tl.int32) | 0x4B000000
@@ -246,9 +251,15 @@ def encode_search(x, code_ptr):
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, codes_ptr, absmax_ptr, code_ptr, numel,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, ARITHMETIC: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    codes_ptr,
+    absmax_ptr,
+    code_ptr,
+    numel,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    ARITHMETIC: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel
@@ -266,9 +277,15 @@ def _quantize_kernel(
 
 @triton.jit
 def _dequantize_kernel(
-    codes_ptr, absmax_ptr, code_ptr, out_ptr, numel,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-):  # fmt: skip
+    codes_ptr,
+    absmax_ptr,
+    code_ptr,
+    out_ptr,
+    numel,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+):
     row = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel

@@ -23,7 +23,9 @@ except ImportError:  # pragma: no cover
         return torch.cuda.current_stream(index).cuda_stream
 
 
-def launch(compiled: dict, device: torch.device, key: Any, grid: tuple, args: tuple, dispatch: Callable[[], Any]) -> None:
+def launch(
+    compiled: dict, device: torch.device, key: Any, grid: tuple, args: tuple, dispatch: Callable[[], Any]
+) -> None:
     """Launch one kernel of a group. ``compiled``: the group's cache of direct launchers by configuration
     ``key``. The first launch of a configuration goes through Triton's dispatch (``dispatch()``, which returns
     the compiled kernel); later ones call that kernel's launcher directly with ``args`` (the kernel's arguments
@@ -57,8 +59,11 @@ def _direct_launcher(kernel) -> tuple:
     launcher = kernel.run
     meta = (kernel.packed_metadata, None, None, None)  # then launch metadata and enter/exit hooks: none
     c_launch = getattr(launcher, "launch", None)
-    if (c_launch is not None and getattr(launcher, "global_scratch_size", 1) == 0
-            and getattr(launcher, "profile_scratch_size", 1) == 0):  # fmt: skip
+    if (
+        c_launch is not None
+        and getattr(launcher, "global_scratch_size", 1) == 0
+        and getattr(launcher, "profile_scratch_size", 1) == 0
+    ):
         # cooperative grid, PDL, global and profile scratch (none), then what the wrapper passes on
         return c_launch, kernel.function, (launcher.launch_cooperative_grid, launcher.launch_pdl, None, None, *meta)
     return launcher, kernel.function, meta

@@ -168,8 +168,12 @@ def build_group(p_in, p_out, s_in, s_out, layout: Layout) -> Group:
             continue
         k = slots.index(j)
         if quant:  # codes in, codes out, absmax in, absmax out
-            columns += [ptrs(s_in[2 * k :: per]), ptrs(s_out[2 * k :: per]),
-                        ptrs(s_in[2 * k + 1 :: per]), ptrs(s_out[2 * k + 1 :: per])]  # fmt: skip
+            columns += [
+                ptrs(s_in[2 * k :: per]),
+                ptrs(s_out[2 * k :: per]),
+                ptrs(s_in[2 * k + 1 :: per]),
+                ptrs(s_out[2 * k + 1 :: per]),
+            ]
         else:
             columns += [ptrs(s_in[k::per]), ptrs(s_out[k::per]), zeros, zeros]
     aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(columns)) % 16 == 0
@@ -217,23 +221,67 @@ def launch_group(
         def dispatch():
             rule = get_rule(layout.rule)
             norm_terms = rule.norms[0] if rule.norms is not None else None
-            LAUNCH_KEYS.add((layout.rule, fmt, layout.present, group.dtype, group.block, ROWS, NUM_WARPS,
-                             n_hp, from_ptr, aligned, skip_zeros, clip))  # fmt: skip
+            LAUNCH_KEYS.add(
+                (
+                    layout.rule,
+                    fmt,
+                    layout.present,
+                    group.dtype,
+                    group.block,
+                    ROWS,
+                    NUM_WARPS,
+                    n_hp,
+                    from_ptr,
+                    aligned,
+                    skip_zeros,
+                    clip,
+                )
+            )
             return _step_kernel[(grid,)](
-                group.table, group.tasks, grad_table, hp_row, code_ptr, norm_ptr, n_tiles, *floats,
-                HP_FROM_PTR=from_ptr, MATH=rule.math, SLOTS=len(rule.states), PRESENT=layout.present,
-                SIGNED=rule.signed_mask, QUANT=layout.quantized, P_DTYPE=_TL_DTYPES[group.dtype], HP_STRIDE=n_hp,
-                BLOCK=group.block, ROWS=ROWS,
-                SOFT_BF16=interpreting(), FORMAT=FORMATS[fmt], ALIGNED=aligned, VEC=VEC[fmt],
-                ITERS=iters, PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
-                SKIP_ZEROS=skip_zeros, NORM_MODE=mode, NORM_TERMS=norm_terms, SUM_SPLIT=SUM_SPLIT,
-                num_warps=NUM_WARPS, **_maxnreg(fmt, group.dtype),
-            )  # fmt: skip
+                group.table,
+                group.tasks,
+                grad_table,
+                hp_row,
+                code_ptr,
+                norm_ptr,
+                n_tiles,
+                *floats,
+                HP_FROM_PTR=from_ptr,
+                MATH=rule.math,
+                SLOTS=len(rule.states),
+                PRESENT=layout.present,
+                SIGNED=rule.signed_mask,
+                QUANT=layout.quantized,
+                P_DTYPE=_TL_DTYPES[group.dtype],
+                HP_STRIDE=n_hp,
+                BLOCK=group.block,
+                ROWS=ROWS,
+                SOFT_BF16=interpreting(),
+                FORMAT=FORMATS[fmt],
+                ALIGNED=aligned,
+                VEC=VEC[fmt],
+                ITERS=iters,
+                PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
+                SKIP_ZEROS=skip_zeros,
+                NORM_MODE=mode,
+                NORM_TERMS=norm_terms,
+                SUM_SPLIT=SUM_SPLIT,
+                num_warps=NUM_WARPS,
+                **_maxnreg(fmt, group.dtype),
+            )
 
-        args = (group.table.data_ptr(), group.tasks.data_ptr(), grad_table.data_ptr(), hp_row.data_ptr(),
-                code_ptr.data_ptr(), norm_ptr.data_ptr(), n_tiles, *floats, *_CONSTEXPR_SLOTS)  # fmt: skip
-        launch(group.compiled, group.device, (mode, aligned, skip_zeros, n_hp, from_ptr), (grid, 1, 1), args,
-               dispatch)  # fmt: skip
+        args = (
+            group.table.data_ptr(),
+            group.tasks.data_ptr(),
+            grad_table.data_ptr(),
+            hp_row.data_ptr(),
+            code_ptr.data_ptr(),
+            norm_ptr.data_ptr(),
+            n_tiles,
+            *floats,
+            *_CONSTEXPR_SLOTS,
+        )
+        launch(group.compiled, group.device, (mode, aligned, skip_zeros, n_hp, from_ptr), (grid, 1, 1), args, dispatch)
 
     if not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
@@ -250,8 +298,16 @@ def _launch_sums(group: Group, n_tiles: int) -> None:
     """One launch adding every tensor's partials of ``group`` into ``group.sums`` [tensors, 3, SUM_SPLIT]."""
     grid = (group.ranges.shape[0], SUM_SPLIT, 1)
     args = (group.partials.data_ptr(), group.ranges.data_ptr(), group.sums.data_ptr(), n_tiles, *_SUMS_CONSTEXPRS)
-    launch(group.compiled, group.device, "sums", grid, args, lambda: _tensor_sums_kernel[grid](
-        group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT))  # fmt: skip
+    launch(
+        group.compiled,
+        group.device,
+        "sums",
+        grid,
+        args,
+        lambda: _tensor_sums_kernel[grid](
+            group.partials, group.ranges, group.sums, n_tiles, CHUNK=_SUMS_CHUNK, SPLIT=SUM_SPLIT
+        ),
+    )
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}

@@ -69,9 +69,12 @@ def _slot_ptrs(table, SLOT: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.const
     base: tl.constexpr = HEAD + PER_SLOT * SLOT
     if (PRESENT >> SLOT) & 1:
         if QUANT:
-            return (_addr(table, base, tl.uint8, ALIGNED), _addr(table, base + 1, tl.uint8, ALIGNED),
-                    tl.load(table + base + 2).to(tl.pointer_type(tl.float32)),
-                    tl.load(table + base + 3).to(tl.pointer_type(tl.float32)))  # fmt: skip
+            return (
+                _addr(table, base, tl.uint8, ALIGNED),
+                _addr(table, base + 1, tl.uint8, ALIGNED),
+                tl.load(table + base + 2).to(tl.pointer_type(tl.float32)),
+                tl.load(table + base + 3).to(tl.pointer_type(tl.float32)),
+            )
         else:
             s_in = _addr(table, base, tl.float32, ALIGNED)
             s_out = _addr(table, base + 1, tl.float32, ALIGNED)
@@ -104,8 +107,18 @@ def _load_slot(sp, offs, mask, rows, rmask, KEPT: tl.constexpr, QUANT: tl.conste
 
 
 @triton.jit
-def _tile_load(ptrs, chunk, numel, SLOTS: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.constexpr,
-               BLOCK: tl.constexpr, ROWS: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr):  # fmt: skip
+def _tile_load(
+    ptrs,
+    chunk,
+    numel,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    QUANT: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    MASKED: tl.constexpr,
+    VEC: tl.constexpr,
+):
     """Everything one tile reads, as stored: (p, g, one pair per state slot). Decoding comes later, so the
     loads of the next tile can be issued before this one's arithmetic."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
@@ -135,8 +148,20 @@ def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.con
 
 
 @triton.jit
-def _store_state(sp, s, offs, mask, rows, rmask, lane, seed, QUANT: tl.constexpr, SIGNED: tl.constexpr,
-                 FORMAT: tl.constexpr, MASKED: tl.constexpr):  # fmt: skip
+def _store_state(
+    sp,
+    s,
+    offs,
+    mask,
+    rows,
+    rmask,
+    lane,
+    seed,
+    QUANT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    FORMAT: tl.constexpr,
+    MASKED: tl.constexpr,
+):
     """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
     ``seed``), and the block's new absmax; or float32 values."""
     if QUANT:
@@ -171,12 +196,33 @@ def _head(t, N: tl.constexpr):
 
 @triton.jit
 def _tile_step(
-    raw, ptrs, hp, dith, code_ptr, chunk, numel, nrm, part, n_tiles,
-    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
-    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
-):  # fmt: skip
+    raw,
+    ptrs,
+    hp,
+    dith,
+    code_ptr,
+    chunk,
+    numel,
+    nrm,
+    part,
+    n_tiles,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr,
+    MASKED: tl.constexpr,
+    VEC: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    NORM_MODE: tl.constexpr,
+    NORM_TERMS: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+):
     """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`)."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = raw[0].to(tl.float32)
@@ -226,36 +272,132 @@ def _tile_step(
     seed = mix(rows.to(tl.uint32) * DITHER_BLOCK + dith)[:, None]
     for j in tl.static_range(SLOTS):
         if (PRESENT >> j) & 1:
-            _store_state(ptrs[3][j], tl.where(finite, s_new[j], 0.0), offs, mask, rows, rmask, lane, seed, QUANT,
-                         (SIGNED >> j) & 1, FORMAT, MASKED)  # fmt: skip
+            _store_state(
+                ptrs[3][j],
+                tl.where(finite, s_new[j], 0.0),
+                offs,
+                mask,
+                rows,
+                rmask,
+                lane,
+                seed,
+                QUANT,
+                (SIGNED >> j) & 1,
+                FORMAT,
+                MASKED,
+            )
 
 
 @triton.jit
 def _tiles_in_turn(
-    ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
-    P_DTYPE: tl.constexpr, BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    FORMAT: tl.constexpr, MASKED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, HP_STRIDE: tl.constexpr,
-):  # fmt: skip
+    ptrs,
+    hp,
+    dith,
+    code_ptr,
+    first,
+    numel,
+    nrm,
+    part,
+    n_tiles,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr,
+    MASKED: tl.constexpr,
+    VEC: tl.constexpr,
+    ITERS: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    NORM_MODE: tl.constexpr,
+    NORM_TERMS: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+):
     """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
     for it in tl.range(0, ITERS):
         raw = _tile_load(ptrs, first + it, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, MASKED, VEC)
-        _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
-                   MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                   MASKED, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+        _tile_step(
+            raw,
+            ptrs,
+            hp,
+            dith,
+            code_ptr,
+            first + it,
+            numel,
+            nrm,
+            part + it,
+            n_tiles,
+            MATH,
+            SLOTS,
+            PRESENT,
+            SIGNED,
+            QUANT,
+            P_DTYPE,
+            BLOCK,
+            ROWS,
+            SOFT_BF16,
+            FORMAT,
+            MASKED,
+            VEC,
+            SKIP_ZEROS,
+            NORM_MODE,
+            NORM_TERMS,
+            HP_STRIDE,
+        )
 
 
 @triton.jit
 def _step_kernel(
-    table_ptr, task_ptr, grad_ptr, hp_ptr, code_ptr, norm_ptr, n_tiles,
-    h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17, HP_FROM_PTR: tl.constexpr,
-    MATH: tl.constexpr, SLOTS: tl.constexpr, PRESENT: tl.constexpr, SIGNED: tl.constexpr, QUANT: tl.constexpr,
-    P_DTYPE: tl.constexpr, HP_STRIDE: tl.constexpr,
-    BLOCK: tl.constexpr, ROWS: tl.constexpr, SOFT_BF16: tl.constexpr,
-    FORMAT: tl.constexpr, ALIGNED: tl.constexpr, VEC: tl.constexpr, ITERS: tl.constexpr, PREFETCH: tl.constexpr,
-    SKIP_ZEROS: tl.constexpr, NORM_MODE: tl.constexpr, NORM_TERMS: tl.constexpr, SUM_SPLIT: tl.constexpr,
-):  # fmt: skip
+    table_ptr,
+    task_ptr,
+    grad_ptr,
+    hp_ptr,
+    code_ptr,
+    norm_ptr,
+    n_tiles,
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    h8,
+    h9,
+    h10,
+    h11,
+    h12,
+    h13,
+    h14,
+    h15,
+    h16,
+    h17,
+    HP_FROM_PTR: tl.constexpr,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    ITERS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    NORM_MODE: tl.constexpr,
+    NORM_TERMS: tl.constexpr,
+    SUM_SPLIT: tl.constexpr,
+):
     """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
     2: the step of a rule that needs per-tensor sums, from norm_ptr[tensor, 3, SUM_SPLIT] (see
     _tensor_sums_kernel). The rule has SLOTS state slots: bit j of PRESENT says slot j is kept, bit j of
@@ -275,14 +417,20 @@ def _step_kernel(
         hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
     if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
         base = norm_ptr + tensor * (3 * SUM_SPLIT)
-        nrm = (_split_sum(base, SUM_SPLIT), _split_sum(base + SUM_SPLIT, SUM_SPLIT),
-               _split_sum(base + 2 * SUM_SPLIT, SUM_SPLIT))  # fmt: skip
+        nrm = (
+            _split_sum(base, SUM_SPLIT),
+            _split_sum(base + SUM_SPLIT, SUM_SPLIT),
+            _split_sum(base + 2 * SUM_SPLIT, SUM_SPLIT),
+        )
     else:
         nrm = (0.0, 0.0, 0.0)
     # every address once per program (param in, param out, grad, then each state slot's four), not per tile:
     # the compiler cannot hoist loads of the table past the tiles' stores
-    ptrs = (_addr(table, 0, P_DTYPE, ALIGNED), _addr(table, 1, P_DTYPE, ALIGNED),
-            _addr(grad_ptr, tensor, P_DTYPE, ALIGNED))  # grads change every step: their own small table
+    ptrs = (
+        _addr(table, 0, P_DTYPE, ALIGNED),
+        _addr(table, 1, P_DTYPE, ALIGNED),
+        _addr(grad_ptr, tensor, P_DTYPE, ALIGNED),
+    )  # grads change every step: their own small table
     slot_ptrs = ()
     for j in tl.static_range(SLOTS):
         slot_ptrs = slot_ptrs + (_slot_ptrs(table, j, PRESENT, QUANT, ALIGNED),)
@@ -296,19 +444,94 @@ def _step_kernel(
             for it in tl.static_range(ITERS):
                 if it + 1 < ITERS:
                     nxt = _tile_load(ptrs, first + it + 1, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
-                _tile_step(raw, ptrs, hp, dith, code_ptr, first + it, numel, nrm, part + it, n_tiles,
-                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                           False, VEC, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+                _tile_step(
+                    raw,
+                    ptrs,
+                    hp,
+                    dith,
+                    code_ptr,
+                    first + it,
+                    numel,
+                    nrm,
+                    part + it,
+                    n_tiles,
+                    MATH,
+                    SLOTS,
+                    PRESENT,
+                    SIGNED,
+                    QUANT,
+                    P_DTYPE,
+                    BLOCK,
+                    ROWS,
+                    SOFT_BF16,
+                    FORMAT,
+                    False,
+                    VEC,
+                    SKIP_ZEROS,
+                    NORM_MODE,
+                    NORM_TERMS,
+                    HP_STRIDE,
+                )
                 if it + 1 < ITERS:
                     raw = nxt
         else:
-            _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-                           MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                           False, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+            _tiles_in_turn(
+                ptrs,
+                hp,
+                dith,
+                code_ptr,
+                first,
+                numel,
+                nrm,
+                part,
+                n_tiles,
+                MATH,
+                SLOTS,
+                PRESENT,
+                SIGNED,
+                QUANT,
+                P_DTYPE,
+                BLOCK,
+                ROWS,
+                SOFT_BF16,
+                FORMAT,
+                False,
+                VEC,
+                ITERS,
+                SKIP_ZEROS,
+                NORM_MODE,
+                NORM_TERMS,
+                HP_STRIDE,
+            )
     else:
-        _tiles_in_turn(ptrs, hp, dith, code_ptr, first, numel, nrm, part, n_tiles,
-                       MATH, SLOTS, PRESENT, SIGNED, QUANT, P_DTYPE, BLOCK, ROWS, SOFT_BF16, FORMAT,
-                       True, VEC, ITERS, SKIP_ZEROS, NORM_MODE, NORM_TERMS, HP_STRIDE)  # fmt: skip
+        _tiles_in_turn(
+            ptrs,
+            hp,
+            dith,
+            code_ptr,
+            first,
+            numel,
+            nrm,
+            part,
+            n_tiles,
+            MATH,
+            SLOTS,
+            PRESENT,
+            SIGNED,
+            QUANT,
+            P_DTYPE,
+            BLOCK,
+            ROWS,
+            SOFT_BF16,
+            FORMAT,
+            True,
+            VEC,
+            ITERS,
+            SKIP_ZEROS,
+            NORM_MODE,
+            NORM_TERMS,
+            HP_STRIDE,
+        )
 
 
 @triton.jit

@@ -64,6 +64,12 @@ def adagrad_reference(p, g, states, h: AdagradScalars):
 
 
 ADAGRAD = Rule(
-    "adagrad", AdagradHparams, (StateSlot("sum", signed=False),), AdagradScalars, scalars, adagrad_math,
-    adagrad_reference, initial=lambda h: (float(h.initial_accumulator_value),),
-)  # fmt: skip
+    "adagrad",
+    AdagradHparams,
+    (StateSlot("sum", signed=False),),
+    AdagradScalars,
+    scalars,
+    adagrad_math,
+    adagrad_reference,
+    initial=lambda h: (float(h.initial_accumulator_value),),
+)

@@ -29,7 +29,7 @@ from bnbf.rules.base import (
     check_flag,
     check_lr,
     check_weight_decay,
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

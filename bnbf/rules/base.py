@@ -194,6 +194,10 @@ def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:
         if device.type == "cpu":
             return row
         return row.pin_memory().to(device, non_blocking=True)
-    parts = [v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, Tensor) else
-             torch.tensor(float(v), dtype=torch.float32, device=device) for v in values]
+    parts = [
+        v.to(device=device, dtype=torch.float32).reshape(())
+        if isinstance(v, Tensor)
+        else torch.tensor(float(v), dtype=torch.float32, device=device)
+        for v in values
+    ]
     return torch.stack(parts)

@@ -52,8 +52,17 @@ class LambScalars(NamedTuple):
 def scalars(h: LambHparams, step: Number) -> LambScalars:
     b1, b2 = h.betas
     c = (1 - b2**step) ** 0.5 / (1 - b1**step) if h.debias else 1.0
-    return LambScalars(step_size=h.lr * c, b1=b1, b2=b2, eps=h.eps, wd=h.weight_decay, clamp_value=h.clamp_value,
-                       adam=1.0 if h.adam else 0.0, omb1=1 - b1, omb2=1 - b2)  # fmt: skip
+    return LambScalars(
+        step_size=h.lr * c,
+        b1=b1,
+        b2=b2,
+        eps=h.eps,
+        wd=h.weight_decay,
+        clamp_value=h.clamp_value,
+        adam=1.0 if h.adam else 0.0,
+        omb1=1 - b1,
+        omb2=1 - b2,
+    )
 
 
 @triton.jit
@@ -104,5 +113,13 @@ def lamb_reference(p, g, states, h: LambScalars, sums):
 
 
 _STATES = (StateSlot("exp_avg", signed=True), StateSlot("exp_avg_sq", signed=False))
-LAMB = Rule("lamb", LambHparams, _STATES, LambScalars, scalars, lamb_math, lamb_reference,
-            norms=(lamb_norm_terms, lamb_norm_terms_ref))  # fmt: skip
+LAMB = Rule(
+    "lamb",
+    LambHparams,
+    _STATES,
+    LambScalars,
+    scalars,
+    lamb_math,
+    lamb_reference,
+    norms=(lamb_norm_terms, lamb_norm_terms_ref),
+)

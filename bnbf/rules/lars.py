@@ -73,5 +73,14 @@ def lars_reference(p, g, states, h: LarsScalars, sums):
     return p - h.lr * step, [buf]
 
 
-LARS = Rule("lars", LarsHparams, (StateSlot("momentum_buffer", signed=True),), LarsScalars, scalars, lars_math,
-            lars_reference, present=present, norms=(lars_norm_terms, lars_norm_terms_ref))  # fmt: skip
+LARS = Rule(
+    "lars",
+    LarsHparams,
+    (StateSlot("momentum_buffer", signed=True),),
+    LarsScalars,
+    scalars,
+    lars_math,
+    lars_reference,
+    present=present,
+    norms=(lars_norm_terms, lars_norm_terms_ref),
+)

@@ -65,5 +65,4 @@ def lion_reference(p, g, states, h: LionScalars):
     return p, [m]
 
 
-LION = Rule("lion", LionHparams, (StateSlot("exp_avg", signed=True),), LionScalars, scalars, lion_math,
-            lion_reference)  # fmt: skip
+LION = Rule("lion", LionHparams, (StateSlot("exp_avg", signed=True),), LionScalars, scalars, lion_math, lion_reference)

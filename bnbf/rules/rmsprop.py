@@ -34,7 +34,7 @@ from bnbf.rules.base import (
     check_momentum,
     check_nonneg,
     check_weight_decay,
-)  # fmt: skip
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -65,8 +65,15 @@ class RMSpropScalars(NamedTuple):
 
 
 def scalars(h: RMSpropHparams, step: Number) -> RMSpropScalars:
-    return RMSpropScalars(lr=h.lr, alpha=h.alpha, eps=h.eps, wd=h.weight_decay, momentum=h.momentum,
-                          centered=1.0 if h.centered else 0.0, oma=1 - h.alpha)  # fmt: skip
+    return RMSpropScalars(
+        lr=h.lr,
+        alpha=h.alpha,
+        eps=h.eps,
+        wd=h.weight_decay,
+        momentum=h.momentum,
+        centered=1.0 if h.centered else 0.0,
+        oma=1 - h.alpha,
+    )
 
 
 def present(h: RMSpropHparams) -> tuple[bool, ...]:
@@ -111,6 +118,8 @@ _STATES = (
     StateSlot("momentum_buffer", signed=True),
     StateSlot("grad_avg", signed=True),
 )
+
+
 def export(states: dict) -> dict:
     """torch.optim's view: with centered, square_avg = stored variance + grad_avg²."""
     if "grad_avg" in states:
@@ -118,5 +127,14 @@ def export(states: dict) -> dict:
     return states
 
 
-RMSPROP = Rule("rmsprop", RMSpropHparams, _STATES, RMSpropScalars, scalars, rmsprop_math, rmsprop_reference,
-               present=present, export=export)  # fmt: skip
+RMSPROP = Rule(
+    "rmsprop",
+    RMSpropHparams,
+    _STATES,
+    RMSpropScalars,
+    scalars,
+    rmsprop_math,
+    rmsprop_reference,
+    present=present,
+    export=export,
+)

@@ -49,8 +49,14 @@ class SGDScalars(NamedTuple):
 
 def scalars(h: SGDHparams, step: Number) -> SGDScalars:
     first = step == 1 if not hasattr(step, "dtype") else (step == 1).float()
-    return SGDScalars(lr=h.lr, wd=h.weight_decay, momentum=h.momentum, one_minus_damp=1 - h.dampening,
-                      nesterov=1.0 if h.nesterov else 0.0, first=first)  # fmt: skip
+    return SGDScalars(
+        lr=h.lr,
+        wd=h.weight_decay,
+        momentum=h.momentum,
+        one_minus_damp=1 - h.dampening,
+        nesterov=1.0 if h.nesterov else 0.0,
+        first=first,
+    )
 
 
 def present(h: SGDHparams) -> tuple[bool, ...]:
@@ -89,5 +95,13 @@ def sgd_reference(p, g, states, h: SGDScalars):
     return p - h.lr * step, [buf]
 
 
-SGD = Rule("sgd", SGDHparams, (StateSlot("momentum_buffer", signed=True),), SGDScalars, scalars, sgd_math,
-           sgd_reference, present=present)  # fmt: skip
+SGD = Rule(
+    "sgd",
+    SGDHparams,
+    (StateSlot("momentum_buffer", signed=True),),
+    SGDScalars,
+    scalars,
+    sgd_math,
+    sgd_reference,
+    present=present,
+)
