@@ -18,8 +18,10 @@ from torch.utils._pytree import tree_leaves
 
 HAS_CUDA = torch.cuda.is_available()
 # BNBF_TEST_DEVICES=cuda lets the GPU run skip the CPU duplicates that CI already runs
-DEVICES = os.environ.get("BNBF_TEST_DEVICES", "").split(",") if os.environ.get("BNBF_TEST_DEVICES") else (
-    ["cpu"] + (["cuda"] if HAS_CUDA else [])
+DEVICES = (
+    os.environ.get("BNBF_TEST_DEVICES", "").split(",")
+    if os.environ.get("BNBF_TEST_DEVICES")
+    else (["cpu"] + (["cuda"] if HAS_CUDA else []))
 )
 
 # deterministic by default so CI failures reproduce; HYPOTHESIS_PROFILE=dev explores more and at random
@@ -45,6 +47,69 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci"))
 def triton_mode() -> bool:
     """True when ``TRITON_INTERPRET=1``: CPU tensors then run the Triton kernels in the interpreter."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def _patch_lang_once_per_launch() -> bool:
+    """Triton's interpreter (3.x) calls ``_patch_lang`` at every call of a ``@triton.jit`` helper inside a
+    kernel: it walks triton.language, its tensor class and tl.math with ``inspect.getmembers`` to re-patch
+    builtins that the launch already patched (a patched builtin is a lambda, not a builtin, so the walk
+    changes nothing; its scope is never restored). The step kernel calls such helpers hundreds of times per
+    launch, and the walks were over half of the interpreter pass. Here a helper whose triton.language
+    modules the launch in flight has patched skips the walk; the launch's own patch, helpers that see other
+    modules, and everything the interpreter computes are as before. Returns False (and changes nothing)
+    where the interpreter lacks the functions this relies on. BNBF_TEST_PLAIN_INTERPRETER=1 turns it off;
+    tests/test_interpreter_shortcut.py checks the same bits come out with and without it."""
+    try:
+        import triton.language as tl
+        import triton.runtime.interpreter as interp
+    except ImportError:
+        return False
+    if getattr(interp, "_bnbf_patch_once", False):
+        return True
+    if not all(hasattr(interp, n) for n in ("_patch_lang", "_LangPatchScope", "GridExecutor")):
+        return False
+    import threading
+
+    original_patch, original_call = interp._patch_lang, interp.GridExecutor.__call__
+    local = threading.local()  # per thread: the modules the launch in flight has patched
+    seen: dict = {}  # function -> (its globals' size, the triton.language modules among them)
+
+    def langs_of(fn) -> frozenset:
+        known = seen.get(fn)
+        if known is None or known[0] != len(fn.__globals__):
+            mods = fn.__globals__.values()
+            known = seen[fn] = (len(fn.__globals__), frozenset(id(v) for v in mods if v is tl or v is tl.core))
+        return known[1]
+
+    def patch_lang(fn):
+        patched = getattr(local, "launches", None)
+        if not patched:  # no launch in flight: as Triton does it
+            return original_patch(fn)
+        langs = langs_of(fn)
+        if langs and langs <= patched[-1]:
+            return interp._LangPatchScope()  # nothing to restore
+        scope = original_patch(fn)  # the launch's own patch (or a helper that sees another module)
+        patched[-1].update(langs)
+        return scope
+
+    def launch(self, *args, **kwargs):
+        launches = local.__dict__.setdefault("launches", [])
+        launches.append(set())
+        try:
+            return original_call(self, *args, **kwargs)
+        finally:
+            launches.pop()
+
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = launch
+    interp._bnbf_patch_once = True
+    interp._bnbf_originals = (original_patch, original_call)  # for the check in test_interpreter_shortcut
+    return True
+
+
+INTERPRETER_SHORTCUT = (
+    triton_mode() and os.environ.get("BNBF_TEST_PLAIN_INTERPRETER", "0") in ("", "0") and _patch_lang_once_per_launch()
+)
 
 
 def kernel_runs(device: str | torch.device) -> bool:
@@ -74,6 +139,25 @@ def device(request) -> str:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_thread():
+    """Single-threaded torch for the whole session, and for the processes tests start (notebook kernels,
+    import checks) through OMP_NUM_THREADS. The suite's tensors are small: on a busy 2-core CI machine
+    torch's intra-op threads make elementwise ops on a few thousand elements take milliseconds instead of
+    microseconds (thread wake-ups), which made the reference path's long runs (test_state_format's 1200
+    steps, test_zero_point's 3000, the demo, the notebooks) 2-8x slower than on one thread. What runs is
+    the same: only where the work is scheduled changes."""
+    before, env = torch.get_num_threads(), os.environ.get("OMP_NUM_THREADS")
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+    yield
+    torch.set_num_threads(before)
+    if env is None:
+        os.environ.pop("OMP_NUM_THREADS", None)
+    else:
+        os.environ["OMP_NUM_THREADS"] = env
 
 
 # ------------------------------------------------------------------------------------------------

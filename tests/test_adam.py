@@ -92,8 +92,13 @@ def test_kernel_matches_reference_path(device, bits, fmt, dtype, monkeypatch):
                 assert_close_report(ours, ref, t.atol, t.rtol, f"{what}: {name}")
             continue
         for name in ("exp_avg", "exp_avg_sq"):
-            assert_close_report(getattr(s_k[i], name + "_absmax").cpu(), getattr(s_r[i], name + "_absmax"), 0.0,
-                                KERNEL_VS_REFERENCE_ABSMAX_RTOL, f"{what}: {name}_absmax")  # fmt: skip
+            assert_close_report(
+                getattr(s_k[i], name + "_absmax").cpu(),
+                getattr(s_r[i], name + "_absmax"),
+                0.0,
+                KERNEL_VS_REFERENCE_ABSMAX_RTOL,
+                f"{what}: {name}_absmax",
+            )
             codes_differ(getattr(s_k[i], name), getattr(s_r[i], name), KERNEL_VS_REFERENCE_CODES, f"{what}: {name}")
 
 
@@ -186,8 +191,9 @@ def test_update_is_pure(device, shape, dtype, layout, rule, step, seed):
     new_p, new_state = bnbf.update(p, g, state, {"lr": 1e-2}, step)
     assert_untouched(snap, "update input")
     assert new_p is not p and type(new_state) is type(state)
-    assert not (storages(new_p) | storages(new_state)) & (storages(p) | storages(g) | storages(state)), \
+    assert not (storages(new_p) | storages(new_state)) & (storages(p) | storages(g) | storages(state)), (
         "update returned tensors that share storage with its inputs"
+    )
     assert new_p.shape == p.shape and new_p.dtype == p.dtype
     assert not torch.equal(new_p, p), "update did not change the param"
 
@@ -197,6 +203,10 @@ def test_update_is_pure(device, shape, dtype, layout, rule, step, seed):
 @pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_update_in_place_matches_update(device, case, bits, fmt, dtype):
+    if kernel_runs(device) and device == "cpu" and case.name == "adam" and dtype != torch.float32:
+        # update_'s plan and update differ in how they reach the kernel (tables, a direct launch), not in the
+        # rule: AdamW runs every layout and dtype here, Adam float32; both every dtype in the plain pass
+        pytest.skip("interpreter pass: Adam with float32 params (AdamW with every dtype)")
     shape = (3, 257)
     p = init_params(shape, dtype, device)
     s = bnbf.init_state(p, spec(case.name, bits, fmt=fmt))
@@ -234,6 +244,10 @@ def mixed_params(device):
 @pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
 @pytest.mark.parametrize("container", ["dict", "list", "tuple"])
 def test_pytree_update_matches_per_tensor(device, bits, fmt, container):
+    if kernel_runs(device) and device == "cpu" and container != "dict":
+        # the container is flattened on the host before a path is chosen: the kernels' groups and launches
+        # are the dict's, which runs here; lists and tuples in the plain pass and on CUDA
+        pytest.skip("interpreter pass: the dict container (lists and tuples flatten alike)")
     s = spec("adamw", bits, min_8bit_size=256, fmt=fmt)
     named = mixed_params(device)
     keys = list(named)
@@ -276,10 +290,12 @@ def make_mlp():
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits,fmt", LAYOUTS, ids=LAYOUT_IDS)
 def test_torch_func_training_converges_like_adamw(device, bits, fmt):
-    if device == "cpu" and triton_mode() and (bits == 32 or fmt != bnbf.OptimSpec().state_format):
-        pytest.skip("interpreter pass: the default 8-bit format only; the kernels are pinned to the reference "
-                    "path step by step (test_kernel_matches_reference_path, test_rules' 32-bit parity), and "
-                    "every layout trains on the reference path and on CUDA")
+    if device == "cpu" and triton_mode():
+        # a long convergence run (100 steps; 14 s of the interpreter pass for one layout): every layout trains
+        # on the reference path (plain pass) and with the kernels on CUDA (scripts/gpu_check.sh); here the
+        # kernels are pinned to the reference path step by step (test_kernel_matches_reference_path, every
+        # layout and dtype; test_rules' parity and re-synced 8-bit tests)
+        pytest.skip("interpreter pass: 100 training steps run in the plain pass and on CUDA")
     from torch.func import functional_call, grad
 
     g = torch.Generator().manual_seed(102)
@@ -370,8 +386,11 @@ def test_more_than_2_31_elements(device, bits, fmt):
         big, tail = getattr(state, name), getattr(small_s["tail"], name)
         assert_equal_report(big[:head], getattr(small_s["head"], name), f"{name} codes of the first blocks")
         absmax = name + "_absmax"
-        assert_equal_report(getattr(state, absmax)[tail_start // block :], getattr(small_s["tail"], absmax),
-                            f"{name} absmax of the last blocks")  # fmt: skip
+        assert_equal_report(
+            getattr(state, absmax)[tail_start // block :],
+            getattr(small_s["tail"], absmax),
+            f"{name} absmax of the last blocks",
+        )
         apart = int((big[tail_start:].int() - tail.int()).abs().max())
         assert apart <= OTHER_DITHER_CODES_APART, f"{name} codes of the last blocks {apart} apart"
     if bits == 32:

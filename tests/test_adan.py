@@ -1,5 +1,5 @@
-"""Adan (bnbf/rules/adan.py) against a plain-torch float64 reference (``optim_table.AdanReference``) written from the paper and the
-authors' implementation (sail-sg/Adan), not from bnbf:
+"""Adan (bnbf/rules/adan.py) against a plain-torch float64 reference (``optim_table.AdanReference``) written
+from the paper and the authors' implementation (sail-sg/Adan), not from bnbf:
 
 - 32-bit state: fp32, fp16 and bf16 params of 1, 255, 257 and 4097 elements in one call, weight decay off,
   proximal (the default) and ``no_prox=True``; param changes and every state within ``tolerances.STATE32``;
@@ -39,16 +39,6 @@ from bnbf._dispatch import interpreting
 INTERP = interpreting()
 F32 = torch.float32
 STATES = ADAN_STATES
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Single-threaded torch, as tests/test_rules.py: on a 2-core machine intra-op threads' wake-ups make
-    elementwise ops on a few thousand elements take milliseconds."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 ROWS = ADAN_ROWS
@@ -221,8 +211,14 @@ def test_8bit_resynced_no_weight_decay(device, fmt):
 def test_nn_classes_take_the_authors_arguments():
     """Adan(params, lr=1e-3, betas=(0.98, 0.92, 0.99), eps=1e-8, weight_decay=0.0, max_grad_norm=0.0,
     no_prox=False, foreach, fused) as the authors' class; their global gradient clipping is refused."""
-    theirs = {"lr": 1e-3, "betas": (0.98, 0.92, 0.99), "eps": 1e-8, "weight_decay": 0.0, "max_grad_norm": 0.0,
-              "no_prox": False}  # fmt: skip
+    theirs = {
+        "lr": 1e-3,
+        "betas": (0.98, 0.92, 0.99),
+        "eps": 1e-8,
+        "weight_decay": 0.0,
+        "max_grad_norm": 0.0,
+        "no_prox": False,
+    }
     for name in ("Adan", "Adan8bit", "Adan32bit"):
         ours = inspect.signature(getattr(bnbf_nn, name)).parameters
         assert {k: ours[k].default for k in theirs} == theirs, name
@@ -301,6 +297,10 @@ ALL_BAD = [b for r in ROWS for b in r.bad] + list(EXTRA_BAD)
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bad", ALL_BAD, ids=[b.message for b in ALL_BAD])
 def test_bad_hparams_rejected_with_the_authors_wording(device, bad):
+    if INTERP and device == "cpu" and bad is not ALL_BAD[0] and bad is not EXTRA_BAD[0]:
+        # the checks are the rule's make_hparams, the same code on every path (as test_rules'
+        # test_bad_hparams_refused): two values here, every value in the plain pass
+        pytest.skip("interpreter budget: two bad values (every value in plain mode and on CUDA)")
     exact = "^" + re.escape(bad.message)
     if bad.reference == "raises":  # the authors' class checks it, in these words
         with pytest.raises(ValueError, match=exact):

@@ -19,6 +19,7 @@ from tolerances import STATE8, assert_equal_report
 
 import bnbf
 import bnbf_nn
+from bnbf._dispatch import interpreting
 from bnbf_nn._checkpoint import QUANT_KEY
 
 SHAPES = [(32, 40), (7,)]  # 8-bit and 32-bit state (min_8bit_size=MIN8)
@@ -164,8 +165,12 @@ def test_ademamix_stacks_its_first_moments_like_bitsandbytes():
 
 
 def snapshot(opt):
-    return copy.deepcopy({"groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
-                          "state": {id(p): dict(r) for p, r in opt.state.items()}})  # fmt: skip
+    return copy.deepcopy(
+        {
+            "groups": [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups],
+            "state": {id(p): dict(r) for p, r in opt.state.items()},
+        }
+    )
 
 
 def assert_unchanged(opt, snap):
@@ -185,7 +190,9 @@ def _entry(sd, i=0):
 BAD = {
     "another optimizer": (lambda sd, lion: lion, "rule 'lion'"),
     "bitsandbytes-layout dict of another optimizer": (
-        lambda sd, lion: {k: v for k, v in lion.items() if k != "bnbf"}, "missing 'state2'"),
+        lambda sd, lion: {k: v for k, v in lion.items() if k != "bnbf"},
+        "missing 'state2'",
+    ),
     "missing absmax": (lambda sd, _: (_entry(sd).pop("absmax1"), sd)[1], "absmax1 must be"),
     "float16 absmax": (lambda sd, _: _entry(sd).update(absmax2=_entry(sd)["absmax2"].half()) or sd, "absmax2"),
     "int8 codes": (lambda sd, _: _entry(sd).update(state1=_entry(sd)["state1"].to(torch.int8)) or sd, "dtype"),
@@ -204,7 +211,13 @@ BAD = {
 }
 
 
-@pytest.mark.parametrize("case", list(BAD))
+# interpreter budget: three cases. load_state_dict's checks are host code, the same on every path; what the
+# kernel path adds (an optimizer whose cached plans still step after a refused load) any case runs. Every case
+# runs in the plain pass
+BAD_CASES = list(BAD)[:3] if interpreting() else list(BAD)
+
+
+@pytest.mark.parametrize("case", BAD_CASES)
 def test_bad_state_dict_raises_and_leaves_optimizer_unchanged(case):
     damage, match = BAD[case]
     params = make_params(shapes=SHAPES)

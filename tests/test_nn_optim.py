@@ -135,6 +135,14 @@ def test_matches_core_bitwise(case, dtype, device):
     family, bits = case
     if interpreting() and bits != 8 and dtype != torch.float32:
         pytest.skip("interpreter pass: 32-bit classes run fp32 only")
+    if interpreting() and dtype != torch.float32 and family.name not in ("Adam", "SGD"):
+        # the adapter hands every dtype to bnbf.update_ alike; the kernels' 16-bit params are pinned in
+        # test_rules (each rule) and test_adam. Here a two-state and a one-state family with 16-bit params
+        pytest.skip("interpreter pass: 16-bit params with Adam8bit and SGD8bit (every family in the plain pass)")
+    if interpreting() and bits == 32:
+        # X32bit is X with optim_bits fixed at X's default, 32 (test_constructs_with_defaults_and_bnb_names): the
+        # same groups, plans and kernels as X, which runs here; both run in the plain pass and on CUDA
+        pytest.skip("interpreter pass: X32bit steps as X, which runs here")
     kw = HPARAMS[family.name]
     params = make_params(dtype, device=device)
     params0 = [p.detach().clone() for p in params]
@@ -236,8 +244,9 @@ def test_param_groups_with_their_own_settings():
     a0, b0 = [p.detach().clone() for p in a], [p.detach().clone() for p in b]
     opt = bnbf_nn.AdamW8bit(
         [{"params": a}, {"params": b, "lr": 3e-2, "weight_decay": 0.0, "optim_bits": 32, "betas": (0.5, 0.9)}],
-        lr=1e-2, min_8bit_size=MIN8,
-    )  # fmt: skip
+        lr=1e-2,
+        min_8bit_size=MIN8,
+    )
     ga, gb = make_grads(a, 2, seed=2), make_grads(b, 2, seed=3)
     for t in range(2):
         for p, g in zip(a + b, ga[t] + gb[t]):
@@ -261,8 +270,12 @@ def test_add_param_group_and_its_validation():
 
 
 def _snapshot_opt(opt) -> list:
-    return [(t, t.detach().clone()) for g in opt.param_groups for p in g["params"]
-            for t in [p, *opt.state.get(p, {}).get("state", ())]]  # fmt: skip
+    return [
+        (t, t.detach().clone())
+        for g in opt.param_groups
+        for p in g["params"]
+        for t in [p, *opt.state.get(p, {}).get("state", ())]
+    ]
 
 
 def _assert_unchanged(snap, what):

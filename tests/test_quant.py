@@ -233,6 +233,11 @@ def test_non_contiguous_input_reads_logical_order(device):
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_signed_map_randn_error_bar(device, dtype):
     # bitsandbytes' bar for the signed dynamic map, block 256
+    if kernel_runs(device) and device == "cpu" and dtype != torch.float32:
+        # 262k elements per dtype in the interpreter: the bar measures the map, which float32 input meets here;
+        # the kernel's codes for 16-bit inputs equal the reference's (test_kernel_codes_match_reference), and
+        # every dtype meets the bar in the plain pass and on CUDA
+        pytest.skip("interpreter budget: float32 input (every dtype in plain mode and on CUDA)")
     x = torch.randn(256, 1024, device=device).to(dtype)
     codes, absmax = bnbf.quantize_blockwise(x, block_size=256)
     dq = bnbf.dequantize_blockwise(codes, absmax, block_size=256)
@@ -336,8 +341,7 @@ def test_kernel_codes_at_codes_midpoints_and_decade_edges(device, explicit_code)
 # unsigned for the non-negative ones); the public quantize reaches only the signed dynamic one, so each is
 # driven through this small kernel (module level: the interpreter resolves names through its globals).
 @triton.jit
-def _encode_kernel(x_ptr, d_ptr, map_ptr, out_ptr, n, SIGNED: tl.constexpr, FORMAT: tl.constexpr,
-                   BLOCK: tl.constexpr):  # fmt: skip
+def _encode_kernel(x_ptr, d_ptr, map_ptr, out_ptr, n, SIGNED: tl.constexpr, FORMAT: tl.constexpr, BLOCK: tl.constexpr):
     """FORMAT 0: encode_dynamic (nearest); 1: the step's dynamic-map encoder, 2: its power encoder, both with
     the dither d and absmax 1."""
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)

@@ -68,16 +68,6 @@ SCALES = (1.0, 3.0, 1.0, 0.3, 1.0, 0.1, 0.3, 0.1)  # batch scales: gradients tha
 STEPS = 3 if INTERP else len(SCALES)
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny tensors: torch's intra-op threads cost more than they save (thread wake-ups on a busy 2-core
-    machine made a 48-step test take 3 s instead of 0.1 s), as in tests/test_rules.py."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _interp_subset(desc: str) -> bool:
     return "maximize" in desc or "amsgrad" in desc
 
@@ -259,11 +249,14 @@ def test_implementation_switches(name):
     for extra in accepted:
         params = make_params()
         opt = cls(params, **kw, **extra, min_8bit_size=0)
-        plain = make_params()
-        train(opt, params)
-        train(cls(plain, **kw, min_8bit_size=0), plain)
-        for p, q in zip(params, plain):
-            assert torch.equal(p, q), f"{name}8bit({extra}) stepped otherwise than without it"
+        # the switches are checked and kept, never read by the step: in the interpreter pass one family trains
+        # with them (its steps launch the kernels), every family in the plain pass
+        if not INTERP or name == "Adam":
+            plain = make_params()
+            train(opt, params)
+            train(cls(plain, **kw, min_8bit_size=0), plain)
+            for p, q in zip(params, plain):
+                assert torch.equal(p, q), f"{name}8bit({extra}) stepped otherwise than without it"
         assert all(g[k] == v for g in opt.param_groups for k, v in extra.items())  # kept, as torch keeps them
 
 
