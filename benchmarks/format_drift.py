@@ -258,7 +258,7 @@ def main():
         "dynamic map's. **Per-step** = bitsandbytes-style bar (re-synced every step): relative error of one step's",
         "update from the reference's p and its quantized moments, mean over steps 2..200 and the seeds.",
         "",
-        "## A. Smooth row scales: s_row = logspace(-3, 0, 257) (one block holds ~2 similar rows; reproduces the anchor figures)",
+        "## A. Smooth row scales: s_row = logspace(-3, 0, 257) (one block holds ~2 similar rows; as the anchors)",
         "",
         *table(smooth, True),
         "",
