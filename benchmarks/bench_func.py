@@ -1,0 +1,258 @@
+"""Time the step through PyTorch's transforms and the paged optimizers, beside the plain eager step.
+
+Usage (from the repository root)::
+
+    python benchmarks/bench_func.py                      # every row on the GPU
+    python benchmarks/bench_func.py --rows compile,graph --json out.json --markdown out.md
+    python benchmarks/bench_func.py --smoke              # tiny shapes on the CPU: checks the script
+
+Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
+
+- ``eager``: ``bnbf.update_`` with Python-float hyperparameters (the baseline of the rows below);
+- ``compile``: the same call inside ``torch.compile(fullgraph=True)``, lr changing every step; the row
+  reports the graphs compiled during the timed steps (0 expected);
+- ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
+- ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call, against a Python loop
+  of 8 ``bnbf.update`` calls;
+- ``paged``: ``bnbf_nn.PagedAdamW8bit`` against ``bnbf_nn.AdamW8bit`` (state fits on the GPU), and
+  bitsandbytes' pair when importable (``PYTHONPATH=.peers/site``); also the device memory left after
+  ``del optimizer``.
+
+Timing as in bench_step.py: warm-up steps, then the median of timed steps, each between two CUDA events
+after a synchronize. "% copy" is the effective bandwidth (bench_step.model_bytes over the time) as a
+fraction of a device-to-device copy measured in the same run. A row whose feature is missing or fails
+prints a note instead of a figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import platform
+import statistics
+import sys
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import bench_step as bs  # noqa: E402
+
+import bnbf  # noqa: E402
+
+HP = {"lr": 1e-3, "weight_decay": 0.01}
+ROWS = ("eager", "compile", "graph", "vmap", "paged")
+MEMBERS = 8
+
+
+def median_ms(device: torch.device, fn: Callable[[int], Any], warmup: int, steps: int, first: int = 1) -> float:
+    for i in range(first, first + warmup):
+        fn(i)
+    timer = bs.Timer(device)
+    for i in range(first + warmup, first + warmup + steps):
+        timer.time(functools.partial(fn, i))
+    return statistics.median(timer.results_ms())
+
+
+def fresh(shapes, dtype, device, seed=0):
+    params = bs.make_tensors(shapes, dtype, device, 0.1, seed)
+    grads = bs.make_tensors(shapes, dtype, device, 0.01, seed + 1)
+    return params, grads
+
+
+def row_eager(ctx) -> dict:
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
+    return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
+
+
+def row_compile(ctx) -> dict:
+    import torch._dynamo
+
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+
+    @torch.compile(fullgraph=True)
+    def step(params, grads, state, lr, i):
+        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+    torch._dynamo.utils.counters.clear()
+    fn = lambda i: step(params, grads, state, 1e-3 * 0.999**i, i)  # a new lr every step
+    for i in range(1, 4):  # compiles here
+        fn(i)
+    before = sum(torch._dynamo.utils.counters["stats"].values())
+    ms = median_ms(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
+    after = sum(torch._dynamo.utils.counters["stats"].values())
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
+        "note": f"dynamo stats moved by {after - before} in the timed steps",
+    }
+
+
+def row_graph(ctx) -> dict:
+    if ctx.device.type != "cuda":
+        return {"note": "needs CUDA"}
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    lr = torch.tensor(1e-3, device=ctx.device)
+    wd = torch.tensor(0.01, device=ctx.device)
+    step_t = torch.tensor(1, device=ctx.device, dtype=torch.int64)
+    hp = {"lr": lr, "weight_decay": wd}
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm up (compiles, plans) off the capture
+        for _ in range(3):
+            bnbf.update_(params, grads, state, hp, step_t)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bnbf.update_(params, grads, state, hp, step_t)
+
+    def replay(i: int) -> None:
+        graph.replay()
+
+    ms = median_ms(ctx.device, replay, ctx.warmup, ctx.steps)
+    return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
+
+
+def row_vmap(ctx) -> dict:
+    stacked = [(name, (MEMBERS, *shape)) for name, shape in ctx.shapes]
+    params, grads = fresh(stacked, ctx.dtype, ctx.device)
+    spec = bnbf.OptimSpec(rule="adamw")
+    init = torch.func.vmap(lambda p: bnbf.init_state(p, spec))
+    state = init(params)
+    step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, HP, i), in_dims=(0, 0, 0, None))
+    holder = {"p": params, "s": state}
+
+    def vmapped(i: int) -> None:
+        holder["p"], holder["s"] = step(holder["p"], grads, holder["s"], i)
+
+    ms = median_ms(ctx.device, vmapped, ctx.warmup, ctx.steps)
+    # the loop it replaces: one pure call per member
+    members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
+    member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
+    loop_state = [bnbf.init_state(p, spec) for p in members]
+
+    def loop(i: int) -> None:
+        for m in range(MEMBERS):
+            members[m], loop_state[m] = bnbf.update(members[m], member_grads[m], loop_state[m], HP, i)
+
+    loop_ms = median_ms(ctx.device, loop, ctx.warmup, ctx.steps)
+    return {
+        "ms": ms,
+        "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
+        "note": f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
+    }
+
+
+def _optim_ms(ctx, factory) -> float:
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    leaves = []
+    for k, p in params.items():
+        leaf = torch.nn.Parameter(p)
+        leaf.grad = grads[k]
+        leaves.append(leaf)
+    opt = factory(leaves)
+    ms = median_ms(ctx.device, lambda i: opt.step(), ctx.warmup, ctx.steps)
+    opt.state.clear()  # the caller measures the memory left once the optimizer is gone
+    return ms
+
+
+def row_paged(ctx) -> dict:
+    import bnbf_nn
+
+    if ctx.device.type != "cuda":
+        return {"note": "needs CUDA"}
+    plain = _optim_ms(ctx, lambda ps: bnbf_nn.AdamW8bit(ps, **HP))
+    bs.free_memory(ctx.device)
+    free0 = torch.cuda.mem_get_info()[0]
+    paged = _optim_ms(ctx, lambda ps: bnbf_nn.PagedAdamW8bit(ps, **HP))
+    bs.free_memory(ctx.device)
+    free1 = torch.cuda.mem_get_info()[0]
+    note = f"AdamW8bit {plain:.3f} ms, paged/unpaged {paged / plain:.2f}x; free memory after del {free1 - free0:+d} B"
+    try:
+        import bitsandbytes as bnb
+
+        b_plain = _optim_ms(ctx, lambda ps: bnb.optim.AdamW8bit(ps, **HP))
+        b_paged = _optim_ms(ctx, lambda ps: bnb.optim.PagedAdamW8bit(ps, **HP))
+        note += f"; bitsandbytes AdamW8bit {b_plain:.3f} ms, PagedAdamW8bit {b_paged:.3f} ms"
+    except Exception as e:  # noqa: BLE001 - a peer that fails is a note, not a failed run
+        note += f"; bitsandbytes: {type(e).__name__}: {e}"
+    return {"ms": paged, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"), "note": note}
+
+
+class Ctx:
+    def __init__(self, device, set_name, shapes, dtype, warmup, steps):
+        self.device, self.set_name, self.shapes, self.dtype = device, set_name, shapes, dtype
+        self.warmup, self.steps = warmup, steps
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--sets", default="gpt2_124M")
+    ap.add_argument("--dtypes", default="bf16,fp32")
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU")
+    ap.add_argument("--json")
+    ap.add_argument("--markdown")
+    args = ap.parse_args(argv)
+    device = torch.device("cpu" if args.smoke or not torch.cuda.is_available() else "cuda")
+    sets = bs.SMOKE_SETS if args.smoke else bs.SETS
+    if args.smoke:
+        args.steps, args.warmup = 2, 1
+    copy = bs.copy_bandwidth_gbs(device, 1 << (20 if args.smoke else 30))
+    rows = []
+    for set_name in args.sets.split(","):
+        for dname in args.dtypes.split(","):
+            ctx = Ctx(device, set_name, sets[set_name](), bs.DTYPES[dname], args.warmup, args.steps)
+            for row in args.rows.split(","):
+                try:
+                    r = globals()[f"row_{row}"](ctx)
+                except Exception as e:  # noqa: BLE001 - a failing row is reported, the others still run
+                    traceback.print_exc()
+                    r = {"note": f"failed: {type(e).__name__}: {str(e).splitlines()[0][:160]}"}
+                bs.free_memory(device)
+                if "ms" in r:
+                    r["gbs"] = r["bytes"] / (r["ms"] * 1e-3) / 1e9
+                    r["copy"] = r["gbs"] / copy
+                rows.append({"set": set_name, "dtype": dname, "row": row, **r})
+                print(rows[-1], flush=True)
+    meta = {
+        "device": torch.cuda.get_device_name(0) if device.type == "cuda" else platform.processor() or "cpu",
+        "torch": torch.__version__,
+        "triton": getattr(sys.modules.get("triton"), "__version__", "n/a"),
+        "copy_gbs": copy,
+    }
+    lines = [
+        f"{meta['device']}, torch {meta['torch']}, triton {meta['triton']}, copy {copy:.0f} GB/s",
+        "",
+        "| set | dtype | row | median ms | GB/s | % copy | note |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        ms = f"{r['ms']:.3f}" if "ms" in r else "-"
+        gbs = f"{r['gbs']:.0f}" if "gbs" in r else "-"
+        pct = f"{100 * r['copy']:.0f}%" if "copy" in r else "-"
+        lines.append(f"| {r['set']} | {r['dtype']} | {r['row']} | {ms} | {gbs} | {pct} | {r.get('note', '')} |")
+    text = "\n".join(lines)
+    print(text)
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write(text + "\n")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
