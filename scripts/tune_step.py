@@ -117,15 +117,22 @@ SWEEP = {
         (1, 1, False, 64),
         (1, 1, False, 80),
         (1, 2, False, None),
+        (1, 2, True, None),
+        (1, 2, True, 80),
+        (2, 1, False, None),
         (4, 1, False, None),
+        (4, 2, True, 80),
     ],
     ("dynamic", torch.bfloat16): [
         (1, 4, False, None),
         (1, 4, False, 64),
         (1, 4, False, 96),
         (1, 2, False, None),
+        (1, 2, True, None),
         (1, 1, False, None),
+        (2, 2, False, None),
         (4, 1, False, None),
+        (4, 4, True, 64),
     ],
     ("fp32", torch.float32): [(4, 2, True, None)],
     ("fp32", torch.bfloat16): [(4, 4, True, 64)],
@@ -185,6 +192,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--slots", action="store_true", help="only the prefetch-limit sweep (PREFETCH_SLOTS)")
     ap.add_argument("--rule", help="only this rule's sweep of tiles, prefetch and register cap (power format)")
+    ap.add_argument("--stored", help="only this state storage's AdamW sweep on the 1.07B set (power, dynamic, fp32)")
     args = ap.parse_args()
     print(torch.cuda.get_device_name(), torch.__version__, triton.__version__)
     if args.slots:
@@ -198,6 +206,8 @@ def main():
     check()
     hp = {"lr": 1e-3, "weight_decay": 0.01}
     for set_name, shapes in sets().items():
+        if args.stored and set_name != "big_1B":
+            continue
         for dtype in (torch.float32, torch.bfloat16):
             torch.manual_seed(0)
             params = {str(i): (torch.randn(s, device="cuda") * 0.1).to(dtype) for i, s in enumerate(shapes)}
@@ -205,7 +215,7 @@ def main():
             numel = sum(p.numel() for p in params.values())
             size = params["0"].element_size()
             for stored in ("power", "dynamic", "fp32"):
-                if set_name != "big_1B" and stored != "power":
+                if set_name != "big_1B" and stored != "power" or args.stored not in (None, stored):
                     continue
                 nb = numel * (3 * size + 16) if stored == "fp32" else numel * (3 * size + 4) + numel // 256 * 16
                 saved = (
