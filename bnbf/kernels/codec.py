@@ -216,35 +216,38 @@ def encode_dynamic_stochastic(x, d, SIGNED: tl.constexpr):
     params, 3032 -> 2680 with bf16, against a select chain of every constant and clamps on the integer code): the
     chain carries only the scale and n (as a float); b = n / 9 + 1/2 is one exact multiply-add; the clamps act on
     the position before rounding; the rank's offset rides in the rounding's magic constant. Equal to
-    bnbf.quant._dynamic_rounded bit for bit except at exact ties of the rounding."""
+    bnbf.quant._dynamic_rounded up to the rounding of the gap scaling (a multiply-add here)."""
+    # |x| is an operand modifier, free; |x| > 1 by rounding needs no clamp: the clamp of v below covers it
+    a = tl.abs(x)
     if SIGNED:
-        a = tl.minimum(tl.abs(x), 1.0)
         s = tl.full(a.shape, 1.0e6 * 1 / 0.9, tl.float32)
         n = tl.full(a.shape, 1.0, tl.float32)
         s, n, up = _decade_sn(a, 1e-6, 1e5 * 2 / 0.9, 2.0, s, n)
-        low_gap = tl.where(up, 1.0 / 0.6, 1.0 / (0.1 / 0.9 + 0.5))  # decade 0's lower neighbour is zero, at -b
+        # the lower gap's scale, minus 1: decade 0's lower neighbour is zero, at -b
+        low_gap = tl.where(up, 1.0 / 0.6 - 1.0, 1.0 / (0.1 / 0.9 + 0.5) - 1.0)
         s, n, up = _decade_sn(a, 1e-5, 1e4 * 4 / 0.9, 4.0, s, n)
         s, n, up = _decade_sn(a, 1e-4, 1e3 * 8 / 0.9, 8.0, s, n)
         s, n, up = _decade_sn(a, 1e-3, 1e2 * 16 / 0.9, 16.0, s, n)
         s, n, up = _decade_sn(a, 1e-2, 1e1 * 32 / 0.9, 32.0, s, n)
         s, n, up = _decade_sn(a, 1e-1, 64 / 0.9, 64.0, s, n)
     else:
-        a = tl.minimum(tl.maximum(x, 0.0), 1.0)
         s = tl.full(a.shape, 1.0e6 * 2 / 0.9, tl.float32)
         n = tl.full(a.shape, 2.0, tl.float32)
         s, n, up = _decade_sn(a, 1e-6, 1e5 * 4 / 0.9, 4.0, s, n)
-        low_gap = tl.where(up, 1.0 / 0.6, 1.0 / (0.2 / 0.9 + 0.5))
+        low_gap = tl.where(up, 1.0 / 0.6 - 1.0, 1.0 / (0.2 / 0.9 + 0.5) - 1.0)
         s, n, up = _decade_sn(a, 1e-5, 1e4 * 8 / 0.9, 8.0, s, n)
         s, n, up = _decade_sn(a, 1e-4, 1e3 * 16 / 0.9, 16.0, s, n)
         s, n, up = _decade_sn(a, 1e-3, 1e2 * 32 / 0.9, 32.0, s, n)
         s, n, up = _decade_sn(a, 1e-2, 1e1 * 64 / 0.9, 64.0, s, n)
         s, n, up = _decade_sn(a, 1e-1, 128 / 0.9, 128.0, s, n)
-    high_gap = tl.where(up, 2.0, 1.0 / 3.0)  # the top decade's upper neighbour is 1.0, half a bin above
+    high_gap = tl.where(up, 2.0 - 1.0, 1.0 / 3.0 - 1.0)  # the top decade's upper neighbour is 1.0, half a bin above
     b = n * (1.0 / 9.0) + 0.5  # = 0.1 * n / 0.9 + 0.5 exactly in float32 for these n (n a power of two)
     u = a * s - b
-    u = tl.where(u < 0, u * low_gap, u)
+    # the gaps scaled to one bin: u * scale below 0 and top + (u - top) * scale above top, as min/max and a
+    # multiply-add each (no compare and select)
+    u = tl.minimum(u, 0.0) * low_gap + u
     top = n - 1.0
-    u = tl.where(u > top, top + (u - top) * high_gap, u)
+    u = tl.maximum(u - top, 0.0) * high_gap + u
     # k = round(v) in [-1, n]: -1 and n are the neighbouring decades' codes (round commutes with integer clamps)
     v = tl.minimum(tl.maximum(u + d, -1.0), n)
     if SIGNED:
@@ -267,7 +270,8 @@ def encode_dynamic_rounded(x, s, d, SIGNED: tl.constexpr):
         d = tl.where(x < DYNAMIC_CEIL_BELOW, _CEIL, d)
     q = encode_dynamic_stochastic(x, d, SIGNED)
     if not SIGNED:
-        q = tl.maximum(q, (s != 0).to(tl.int32))
+        # at least code 1 for s > 0: a positive float's bits, read as an int, are >= 1 (0 for 0, < 0 for -0.0)
+        q = tl.maximum(q, tl.minimum(s.to(tl.int32, bitcast=True), 1))
     return q
 
 
