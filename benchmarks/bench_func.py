@@ -14,6 +14,8 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
 - ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call, against a Python loop
   of 8 ``bnbf.update`` calls;
+- ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
+  ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand;
 - ``paged``: ``bnbf_nn.PagedAdamW8bit`` against ``bnbf_nn.AdamW8bit`` (state fits on the GPU), and
   bitsandbytes' pair when importable (``PYTHONPATH=.peers/site``); also the device memory left after
   ``del optimizer``.
@@ -46,7 +48,7 @@ import bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
-ROWS = ("eager", "compile", "graph", "vmap", "paged")
+ROWS = ("eager", "compile", "graph", "vmap", "paged", "mixed")
 MEMBERS = 8
 
 
@@ -185,6 +187,37 @@ def row_paged(ctx) -> dict:
     except Exception as e:  # noqa: BLE001 - a peer that fails is a note, not a failed run
         note += f"; bitsandbytes: {type(e).__name__}: {e}"
     return {"ms": paged, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"), "note": note}
+
+
+def row_mixed(ctx) -> dict:
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    emb = lambda path: path.endswith(("wte.weight", "wpe.weight"))
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if emb(path) else "adamw")
+    decay = {"lr": 1e-3, "weight_decay": 0.1}
+    no_decay = {"lr": 1e-3, "weight_decay": 0.0}
+    lion = {"lr": 1e-4, "weight_decay": 0.1}
+    hp = lambda path, p: lion if emb(path) else decay if p.ndim > 1 else no_decay
+    state = bnbf.init_state(params, spec)
+    ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, hp, i), ctx.warmup, ctx.steps)
+    parts = []
+    for pick, h in ((lambda k, p: emb(k), lion), (lambda k, p: not emb(k) and p.ndim > 1, decay)):
+        keys = [k for k, p in params.items() if pick(k, p)]
+        parts.append(([params[k] for k in keys], [grads[k] for k in keys], [state[k] for k in keys], h))
+    keys = [k for k, p in params.items() if not emb(k) and p.ndim == 1]
+    parts.append(([params[k] for k in keys], [grads[k] for k in keys], [state[k] for k in keys], no_decay))
+
+    def three(i: int) -> None:
+        for p, g, s, h in parts:
+            bnbf.update_(p, g, s, h, i)
+
+    three_ms = median_ms(ctx.device, three, ctx.warmup, ctx.steps)
+    lion_shapes = [(k, sh) for k, sh in ctx.shapes if emb(k)]
+    adamw_shapes = [(k, sh) for k, sh in ctx.shapes if not emb(k)]
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes(lion_shapes, ctx.dtype, "8bit", 1) + bs.model_bytes(adamw_shapes, ctx.dtype, "8bit"),
+        "note": f"three update_ calls on the same partition: {three_ms:.3f} ms",
+    }
 
 
 class Ctx:
