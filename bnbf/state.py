@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bnbf import paged
 from bnbf.quant import STATE_FORMATS, quantize_state_reference, zero_code
 from bnbf.rules import get_rule
 
@@ -34,6 +35,10 @@ class OptimSpec:
         state_format: the 8-bit format (:data:`bnbf.quant.STATE_FORMATS`). ``"power"`` (the default)
             decodes with a few multiplies; ``"dynamic"`` is bitsandbytes' dynamic map, for exchanging
             checkpoints with bitsandbytes.
+        paged: keep the state of CUDA tensors of at least :data:`bnbf.paged.PAGED_MIN_NUMEL` elements in
+            CUDA managed (unified) memory, which the driver pages between host and GPU (see
+            :mod:`bnbf.paged`); ``bnbf.paged.prefetch`` moves it to the GPU ahead of a step. On the CPU it
+            changes nothing.
     """
 
     rule: str = "adamw"
@@ -41,6 +46,7 @@ class OptimSpec:
     block_size: int = 256
     min_8bit_size: int = 4096
     state_format: str = "power"
+    paged: bool = False
 
     def __post_init__(self):
         get_rule(self.rule)
@@ -53,6 +59,8 @@ class OptimSpec:
             raise ValueError(f"min_8bit_size must be a non-negative int, got {self.min_8bit_size!r}")
         if self.state_format not in STATE_FORMATS:
             raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {self.state_format!r}")
+        if not isinstance(self.paged, bool):
+            raise TypeError(f"paged must be a bool, got {self.paged!r}")
 
     def layout_for(self, numel: int, present: int | None = None) -> Layout:
         """The layout of a tensor with ``numel`` elements under this spec (``present``: bit j set when
@@ -168,29 +176,104 @@ def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None) -> tuple:
 
     ``hparams`` (a mapping or the rule's dataclass) decides which slots are kept and their initial values,
     for rules where that depends on them (SGD's momentum, RMSprop's momentum and centered, Adagrad's
-    initial_accumulator_value).
+    initial_accumulator_value). With ``spec.paged`` on CUDA (and a large enough tensor) all of the state is
+    one managed allocation (:mod:`bnbf.paged`).
     """
     rule = get_rule(spec.rule)
     h = rule.make_hparams(hparams)
     layout = spec.layout_for(param.numel(), present_mask(rule, h))
-    cls = state_class(layout)
     initial = rule.initial_values(h)
-    fields: list[Tensor] = []
+    fields = _allocate(layout, tuple(param.shape), param.device, None, spec.paged)
     for j, slot in enumerate(rule.states):
         if not (layout.present >> j) & 1:
             continue
-        if layout.quantized:
-            if initial[j] == 0:
-                zero = zero_code(layout.format, slot.signed)
-                fields.append(torch.full(param.shape, zero, dtype=torch.uint8, device=param.device))
-                nblocks = -(-param.numel() // layout.block_size)
-                fields.append(torch.zeros(nblocks, dtype=torch.float32, device=param.device))
-            else:
-                full = torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device)
-                fields.extend(quantize_state_reference(full, layout.format, slot.signed, layout.block_size))
+        codes = fields[slot.name]
+        if not layout.quantized:
+            codes.fill_(float(initial[j]))
+        elif initial[j] == 0:
+            codes.fill_(zero_code(layout.format, slot.signed))
+            fields[slot.name + "_absmax"].zero_()
         else:
-            fields.append(torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device))
-    return cls(*fields)
+            full = torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device)
+            c, a = quantize_state_reference(full, layout.format, slot.signed, layout.block_size)
+            codes.copy_(c)
+            fields[slot.name + "_absmax"].copy_(a)
+    return state_class(layout)(**fields)
+
+
+def relaid(state: Any, stacks: tuple | None = None, paged_: bool = False) -> Any:
+    """A copy of ``state`` (same values) with the fields of each stack as rows of one tensor, and paged as
+    :func:`new_state` pages: how ``bnbf_nn`` lays out AdEMAMix's first moments so that bitsandbytes' stacked
+    ``state1`` is a live view, and re-pages a state that was unpickled into plain tensors.
+
+    Args:
+        state: a bnbf state.
+        stacks: tuples of the rule's slot indices, e.g. ``((0, 1), (2,))``: each tuple's fields become the
+            rows of one tensor of shape ``(len(tuple), *param.shape)`` (absmax ``(len(tuple), nblocks)``),
+            each row starting 256-byte aligned.
+        paged_: as ``OptimSpec.paged``.
+
+    Returns:
+        The new state.
+
+    Example::
+
+        s2 = relaid(s, stacks=((0, 1), (2,)))  # AdEMAMix's first moments as rows of one tensor
+    """
+    layout = type(state).layout
+    first = state[0]
+    fields = _allocate(layout, tuple(first.shape), first.device, stacks, paged_)
+    with torch.no_grad():
+        for name, t in fields.items():
+            t.copy_(getattr(state, name))
+    return type(state)(**fields)
+
+
+def _allocate(layout: Layout, shape: tuple, device: torch.device, stacks: tuple | None, paged_: bool) -> dict:
+    """Uninitialised fields of a state of ``layout`` for a param of ``shape``: each stack's fields rows of
+    one tensor, all of it one managed allocation when paged (CUDA, large enough)."""
+    rule = get_rule(layout.rule)
+    kept = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
+    groups = [[j for j in g if j in kept] for g in (stacks or [(j,) for j in range(len(rule.states))])]
+    groups = [g for g in groups if g]
+    if sorted(j for g in groups for j in g) != kept:
+        raise ValueError(f"stacks {stacks} must hold each of the {rule.name} state slots once")
+    numel = int(torch.Size(shape).numel())
+    nblocks = -(-numel // max(layout.block_size, 1))
+    code_dtype = torch.uint8 if layout.quantized else torch.float32
+    wants: list[tuple[tuple[int, ...], torch.dtype]] = []
+    for g in groups:
+        wants.append(_rows_of(len(g), shape, code_dtype))
+        if layout.quantized:
+            wants.append(_rows_of(len(g), (nblocks,), torch.float32))
+    if paged_ and torch.device(device).type == "cuda" and numel >= paged.PAGED_MIN_NUMEL:
+        bufs = paged.allocate(wants, device)
+    else:
+        bufs = [torch.empty(s, dtype=dt, device=device) for s, dt in wants]
+    fields: dict[str, Tensor] = {}
+    per = 2 if layout.quantized else 1
+    for gi, g in enumerate(groups):
+        for i, j in enumerate(g):
+            name = rule.states[j].name
+            fields[name] = _row(bufs[per * gi], i, shape, len(g))
+            if layout.quantized:
+                fields[name + "_absmax"] = _row(bufs[per * gi + 1], i, (nblocks,), len(g))
+    return fields
+
+
+_ROW_ALIGN = 256  # bytes: each row of a stack starts aligned, so the kernels keep their aligned variant
+
+
+def _rows_of(k: int, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[tuple[int, ...], torch.dtype]:
+    """The buffer holding ``k`` stacked fields of ``shape``: one padded row each (the field itself when 1)."""
+    if k == 1:
+        return shape, dtype
+    n, size = max(1, int(torch.Size(shape).numel())), torch.empty((), dtype=dtype).element_size()
+    return (k, -(-n * size // _ROW_ALIGN) * _ROW_ALIGN // size), dtype
+
+
+def _row(buf: Tensor, i: int, shape: tuple[int, ...], k: int) -> Tensor:
+    return buf if k == 1 else buf[i, : torch.Size(shape).numel()].view(shape)
 
 
 def state_nbytes(state: Any) -> int:

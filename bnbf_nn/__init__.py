@@ -30,4 +30,4 @@ __all__ = [
     "Optimizer1State",
     "Optimizer2State",
     "Optimizer8bit",
-] + [f.name + s for f in FAMILIES for s in ("", "8bit", "32bit")]
+] + [n for n in optim.__all__ if n not in ("FAMILIES", "Family", "GlobalOptimManager") and n[0] != "O"]

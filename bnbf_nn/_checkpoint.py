@@ -9,6 +9,11 @@ and centered buffers, Adam's amsgrad maximum) continue the numbering: RMSprop ke
 ``momentum_buffer``, ``grad_avg`` in ``state1``, ``state2``, ``state3``; Adam and AdamW with
 ``amsgrad=True`` keep ``max_exp_avg_sq`` in ``state3`` (``qmap3``, ``absmax3``).
 
+The same names, as views of the live state tensors (:func:`views`), are in ``optimizer.state[p]`` beside
+the bnbf state (:func:`record`). In a state dict ``step`` is a float32 tensor, as torch.optim writes it;
+:func:`read_step` also takes the ints of older checkpoints and of bitsandbytes'. Loading refuses absmax
+values that are negative, NaN or inf.
+
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
 the only map bitsandbytes itself creates) or bnbf's power map (``"power"``, bnbf's default). Loading reads
 the format from the qmap. bitsandbytes 0.50's CPU kernels quantize and dequantize through the qmap of the
@@ -22,6 +27,7 @@ from __future__ import annotations
 import functools
 import math
 import re
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -30,6 +36,7 @@ from torch import Tensor
 
 import bnbf
 from bnbf.quant import STATE_FORMATS, state_map
+from bnbf.state import relaid
 
 QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes (>= 0.48) nests the state tensors under it
 BLOCK = 256  # bitsandbytes' block size
@@ -47,8 +54,26 @@ def _slots(rule: Any, stacks: tuple | None) -> tuple[tuple[int, ...], ...]:
     return stacks if stacks is not None else tuple((j,) for j in range(len(rule.states)))
 
 
+def portable(states: list) -> list:
+    """The states in a form that does not depend on the mesh: a DTensor param's state as
+    :func:`bnbf.distributed.state_dict` gives it (codes and float32 states as DTensors of the param's global
+    shape, 8-bit scales of the unsharded blocks, replicated), others as they are. Every rank must call it
+    with the same states, in the same order (8-bit sharded states gather their scales: a collective each)."""
+    at = [i for i, s in enumerate(states) if any(is_dtensor(t) for t in s)]
+    if not at:
+        return states
+    import bnbf.distributed
+
+    out = list(states)
+    for i, entry in zip(at, bnbf.distributed.state_dict([states[i] for i in at])):
+        s = states[i]
+        out[i] = type(s)(*(entry[f] for f in s._fields))
+    return out
+
+
 def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, Tensor]:
-    """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` tensors of one bnbf state."""
+    """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` tensors of one bnbf state (for a DTensor
+    param's, pass it through :func:`portable` first)."""
     layout = type(state).layout
     rule = bnbf.RULES[layout.rule]
     out: dict[str, Tensor] = {}
@@ -67,6 +92,75 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, 
     return out
 
 
+def views(state: Any, stacks: tuple | None) -> dict[str, Tensor]:
+    """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` of one bnbf state as views of its live tensors
+    (writing them writes the state). A stacked ``state{k}`` (AdEMAMix's) is one view over its slots' fields,
+    which must be equally spaced rows of one storage (:func:`bnbf.state.new_state` with ``stacks`` makes
+    them so); the qmaps are the shared per-device maps state dicts carry, as in bitsandbytes."""
+    layout = type(state).layout
+    rule = bnbf.RULES[layout.rule]
+    out: dict[str, Tensor] = {}
+    for k, slots in enumerate(_slots(rule, stacks), start=1):
+        names = [rule.states[j].name for j in slots if (layout.present >> j) & 1]
+        if not names:
+            continue
+        out[f"state{k}"] = _rows(state, names, len(slots) > 1)
+        if layout.quantized:
+            out[f"qmap{k}"] = qmap(layout.format, rule.states[slots[0]].signed, out[f"state{k}"].device)
+            out[f"absmax{k}"] = _rows(state, [n + "_absmax" for n in names], len(slots) > 1)
+    return out
+
+
+def _rows(state: Any, names: list[str], stack: bool) -> Tensor:
+    ts = [getattr(state, n) for n in names]
+    if not stack:
+        return ts[0]
+    t0 = ts[0]
+    gap = (ts[1].data_ptr() - t0.data_ptr()) // t0.element_size() if len(ts) > 1 else t0.numel()
+    rows = t0.as_strided((len(ts), *t0.shape), (gap, *t0.stride()), t0.storage_offset())
+    for i, t in enumerate(ts):
+        if t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or not rows[i].is_set_to(t):
+            raise RuntimeError(f"state fields {names} are not rows of one tensor: cannot show them as a stack")
+    return rows
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's params), without importing torch.distributed.tensor: no DTensor
+    exists before that module is imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _distributed(stacks: tuple | None, name: str) -> Any:
+    """:mod:`bnbf.distributed`, for the state of a DTensor param (imported on first use: it imports
+    torch.distributed.tensor)."""
+    if stacks:
+        raise NotImplementedError(
+            f"{name} on DTensor params (FSDP2) is not supported: its stacked bitsandbytes state "
+            f"(state1 holding {len(stacks[0])} slots) has no sharded layout yet"
+        )
+    import bnbf.distributed
+
+    return bnbf.distributed
+
+
+def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
+    """A new bnbf state for ``param`` through :func:`bnbf.init_state`, with the family's bitsandbytes stacks
+    (AdEMAMix's first moments) as rows of one tensor, so that :func:`views` can show them (a copy, at
+    creation only). A DTensor param (FSDP2) gets the state of its local shard as DTensors
+    (:func:`bnbf.distributed.init_state`)."""
+    if is_dtensor(param):
+        return _distributed(family.bnb_slots, family.name).init_state(param.detach(), spec, hparams)
+    state = bnbf.init_state(param.detach(), spec, hparams)
+    return relaid(state, family.bnb_slots, spec.paged) if family.bnb_slots else state
+
+
+def record(step: int, state: Any, family: Any) -> dict:
+    """``optimizer.state[p]`` of bnbf_nn: ``step`` (int), ``state`` (the bnbf state NamedTuple the kernels
+    step) and bitsandbytes' names for the same tensors (:func:`views`)."""
+    return {"step": step, "state": state, **views(state, family.bnb_slots)}
+
+
 def _fail(where: str, msg: str) -> None:
     raise ValueError(f"cannot load the optimizer state of {where}: {msg}")
 
@@ -83,10 +177,19 @@ def read_step(entry: Mapping, where: str) -> int:
 
 
 def unpack(
-    entry: Mapping, param: Tensor, rule: Any, stacks: tuple | None, hparams: Any, want_bits: int, where: str
+    entry: Mapping,
+    param: Tensor,
+    rule: Any,
+    stacks: tuple | None,
+    hparams: Any,
+    want_bits: int,
+    where: str,
+    paged: bool = False,
 ) -> Any:
-    """A new bnbf state (on ``param``'s device) holding exactly the checkpoint's values; raises ValueError
-    naming what does not fit before anything is built."""
+    """A new bnbf state (on ``param``'s device; in managed memory with ``paged``, see :mod:`bnbf.paged`)
+    holding exactly the checkpoint's values; raises ValueError naming what does not fit before anything is
+    built. Block scales must be finite and non-negative: a negative one flips the sign of its block's
+    values, and NaN or inf makes the next step's params NaN."""
     entry = dict(entry)
     entry.update(entry.pop(QUANT_KEY, None) or {})
     present = rule.slots_present(bnbf.hparams_for(rule.name, hparams))
@@ -123,6 +226,16 @@ def unpack(
         if not isinstance(a, Tensor) or a.dtype != torch.float32 or tuple(a.shape) != lead + (nblocks,):
             got = f"{a.dtype} {tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)
             _fail(where, f"absmax{k} must be float32 of shape {lead + (nblocks,)} for {n} elements, got {got}")
+        if is_dtensor(a):  # a DTensor param's scales, replicated (portable): every rank checks all of them
+            a = a.full_tensor()
+        bad = ~torch.isfinite(a) | (a < 0)
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0])
+            _fail(
+                where,
+                f"absmax{k} holds {int(bad.sum())} values that are negative, NaN or inf (first at flat index {i}: "
+                f"{a.reshape(-1)[i].item()!r}); block scales are finite and non-negative",
+            )
         signed = rule.states[kept[0]].signed
         match = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, signed))]
         if not match:
@@ -149,8 +262,24 @@ def unpack(
             f"for it (check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
         )
     fmt = fmts.pop() if fmts else "power"
-    spec = bnbf.OptimSpec(rule=rule.name, state_bits=got_bits, block_size=BLOCK, min_8bit_size=0, state_format=fmt)
+    spec = bnbf.OptimSpec(
+        rule=rule.name, state_bits=got_bits, block_size=BLOCK, min_8bit_size=0, state_format=fmt, paged=paged
+    )
+    if is_dtensor(param):
+        # the checkpoint holds the portable form (see portable): codes of the global shape, scales of the
+        # unsharded blocks; bnbf.distributed takes this shard's rows and re-expresses split blocks
+        dist = _distributed(stacks, rule.name)
+        state = dist.init_state(param.detach(), spec, hparams)
+        saved = {}
+        for key, kept in expected.items():
+            for n in (rule.states[j].name for j in kept):
+                saved[n] = tensors[key]
+                if got_bits == 8:
+                    saved[n + "_absmax"] = tensors["absmax" + key[5:]]
+        return dist.load_state_dict_(state, saved)
     state = bnbf.init_state(param.detach(), spec, hparams)
+    if stacks:
+        state = relaid(state, stacks, paged)
     with torch.no_grad():
         for key, kept in expected.items():
             k = key[5:]

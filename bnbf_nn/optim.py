@@ -12,26 +12,39 @@ SGD, RMSprop, Adagrad, LAMB, LARS, AdEMAMix and Adan, generated from one table (
     >>> opt.step()
     >>> opt.state[model.weight]["state"].exp_avg.dtype
     torch.uint8
+    >>> opt.state[model.weight]["state1"].data_ptr() == opt.state[model.weight]["state"].exp_avg.data_ptr()
+    True
 
-Arguments. ``params`` and ``lr`` may be positional; every other argument is keyword-only. bitsandbytes'
-positional orders differ between ``X`` and ``X8bit`` (``Lion`` has ``optim_bits`` where ``Lion8bit`` has
-``args``) and shift when an argument is added or removed, so a positional call that happens to bind is a
-bug waiting; here it is a ``TypeError`` naming the argument. The base classes ``Optimizer1State`` and
-``Optimizer2State`` keep bitsandbytes' positional order, since subclasses call them positionally.
-Besides bitsandbytes' arguments every class takes ``optim_bits`` (``X8bit``/``X32bit`` only accept their
-own value), ``skip_zeros``, ``max_unorm`` (bnbf's update clipping), ``state_format`` (``"power"``, the
-default, or ``"dynamic"``, bitsandbytes' map), torch.optim's ``maximize``, and the rule's hyperparameters
-bitsandbytes lacks (LAMB's ``clamp_value``, LARS' ``trust_coefficient``...). The classes of torch's families
-(Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``, ``fused``, ``capturable`` and
-``differentiable``: ``foreach``/``fused`` change nothing (bnbf's step is one fused launch per group; CPU
-params run the reference path) and are refused only in the combinations torch refuses;
-``capturable=True``/``differentiable=True`` raise ``NotImplementedError``. Every setting is checked before
-the params are read, with torch's messages where torch has them (tests/test_torch_contract.py runs torch's
-own optimizer test data against these classes).
+Arguments. Every class takes bitsandbytes' arguments in bitsandbytes' positional order for that class
+(``SGD8bit(params, lr, momentum, dampening, weight_decay, nesterov, args, min_8bit_size)``,
+``Adam8bit(params, lr, betas, eps, weight_decay, amsgrad, optim_bits, args, min_8bit_size, is_paged)``...:
+torch.optim's order for the hyperparameters, then bitsandbytes' storage arguments, which differ between
+``X``, ``X8bit`` and ``Paged*``; tests/test_bnb_conformance.py compares every signature with
+bitsandbytes'). bnbf's own arguments, and bitsandbytes' that the class of that name lacks there, are
+keyword-only after them: ``optim_bits`` (``X8bit``/``X32bit`` keep their bits; bitsandbytes' ``Adam8bit``
+default of 32 is accepted and means 8-bit state, as there), ``args``, ``min_8bit_size``, ``max_unorm``
+(bnbf's update clipping), ``is_paged``, ``skip_zeros``, ``block_wise`` (accepted; ``False`` is refused
+for 8-bit state: bnbf's 8-bit state is block-wise), ``state_format`` (``"power"``, the default, or
+``"dynamic"``, bitsandbytes' map), torch.optim's ``maximize``, and the rule's hyperparameters bitsandbytes
+lacks (LAMB's ``clamp_value``, LARS' ``trust_coefficient``...). ``args`` is bitsandbytes' config object:
+each of its attributes ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``,
+``block_wise`` and ``percentile_clipping`` (100 only) that it has wins over the argument. The classes of
+torch's families (Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``,
+``fused``, ``capturable`` and ``differentiable``: ``foreach``/``fused`` change nothing (bnbf's step is one
+fused launch per group; CPU params run the reference path) and are refused only in the combinations torch
+refuses; ``capturable=True``/``differentiable=True`` raise ``NotImplementedError``. Every setting is
+checked before the params are read, with torch's messages where torch has them
+(tests/test_torch_contract.py runs torch's own optimizer test data against these classes).
+
+Paged optimizers. ``PagedX``, ``PagedX8bit``, ``PagedX32bit`` (X in Adam, AdamW, Lion, AdEMAMix, as in
+bitsandbytes) and ``is_paged=True`` on any class keep the state of large CUDA params (bitsandbytes'
+threshold: 100k elements) in CUDA managed memory (:mod:`bnbf.paged`), prefetched to the GPU before each
+step when it fits; it is freed with the state. On the CPU it changes nothing. ``PytorchLARS`` is LARS with
+32-bit state and bitsandbytes' defaults for it.
 
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
 ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's
-``amsgrad``); ones bnbf has no rule for (LAMB's ``amsgrad=True``, ``is_paged=True``) raise
+``amsgrad``); ones bnbf has no rule for (LAMB's ``amsgrad=True``) raise
 ``NotImplementedError`` instead of being ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay):
 bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``.
 
@@ -39,9 +52,18 @@ Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_fo
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
 them per parameter; ``step`` checks every group's settings before it steps any group. A tensor may appear once
 among all groups (torch refuses it in two groups and only warns for twice in one; a group is one fused call,
-which would write it twice). ``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>}``;
-``state_dict()`` writes bitsandbytes' layout (see :mod:`bnbf_nn._checkpoint`) and, as torch.optim, keeps the
-keys of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
+which would write it twice).
+
+``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>, "state1": ..., "qmap1": ...,
+"absmax1": ..., "state2": ...}``: the NamedTuple is what the kernels step, and bitsandbytes' names are
+views of the same tensors (made when the state is, so the step does no extra work), which
+``bitsandbytes.functional.dequantize_blockwise(A=state1, absmax=absmax1, code=qmap1, blocksize=256)``
+reads; AdEMAMix's ``state1``/``absmax1`` stack its two first moments as bitsandbytes' do. A write through
+them is a write to the optimizer's state, and the tensors of ``optimizer.state`` count its true bytes
+(the 256-value qmaps are shared maps, as in bitsandbytes). ``state_dict()`` writes bitsandbytes' layout
+(see :mod:`bnbf_nn._checkpoint`) with ``step`` as torch.optim stores it (a float32 tensor, so that
+``torch.distributed.checkpoint`` round-trips it; int steps load too) and, as torch.optim, keeps the keys
+of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
 """
 
 from __future__ import annotations
@@ -63,8 +85,9 @@ import torch.optim.optimizer as _torch_optimizer
 from torch import Tensor
 
 import bnbf
+import bnbf.paged
 from bnbf._host_checks import NATIVE, _check_present, check_update_options
-from bnbf.state import present_mask
+from bnbf.state import present_mask, relaid
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
 
@@ -111,6 +134,15 @@ class Family:
     # torch.optim's implementation switches the torch class of this name takes (besides maximize, which every
     # class has): accepted as torch accepts them, see _check_torch_flags
     torch_flags: tuple[str, ...] = ()
+    # bitsandbytes' positional arguments after the hyperparameters (see _bnb_tail): whether its X8bit and
+    # X32bit also take optim_bits (and X8bit's default), take ``args``, and take ``is_paged`` (then its Paged*
+    # classes exist, which take ``is_paged`` too only where paged_takes_is_paged)
+    bnb_bits_arg: bool = False
+    bnb_bits8_default: int = 8
+    bnb_args: bool = True
+    pageable: bool = False
+    paged_classes: bool = False
+    paged_takes_is_paged: bool = False
 
     def extra_args(self) -> tuple[tuple[str, Any], ...]:
         """The rule's hyperparameters bitsandbytes has no argument for (LAMB's clamp_value...), with the rule's
@@ -126,11 +158,32 @@ _SGD_GROUP = (("betas", ("momentum", "dampening")), ("eps", 0.0))
 _TORCH_FLAGS = {"foreach": None, "fused": None, "capturable": False, "differentiable": False}  # torch's defaults
 _ADAM_FLAGS = tuple(_TORCH_FLAGS)
 _NO_CAPTURABLE = ("foreach", "fused", "differentiable")  # torch's SGD and Adagrad
+# bitsandbytes' Adam8bit takes optim_bits=32 (its default, "for compatibility") and keeps 8-bit state
+_PAGED_ADAM = dict(
+    bnb_bits_arg=True, bnb_bits8_default=32, pageable=True, paged_classes=True, paged_takes_is_paged=True
+)
 
 FAMILIES: tuple[Family, ...] = (
-    Family("Adam", "adam", 2, 1e-3, _ADAM, torch_flags=_ADAM_FLAGS),
-    Family("AdamW", "adamw", 2, 1e-3, _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:], torch_flags=_ADAM_FLAGS),
-    Family("Lion", "lion", 1, 1e-4, (("betas", (0.9, 0.99)), ("weight_decay", 0.0)), bnb_group=(("eps", 0.0),)),
+    Family("Adam", "adam", 2, 1e-3, _ADAM, torch_flags=_ADAM_FLAGS, **_PAGED_ADAM),
+    Family(
+        "AdamW",
+        "adamw",
+        2,
+        1e-3,
+        _ADAM[:2] + (("weight_decay", 1e-2),) + _ADAM[3:],
+        torch_flags=_ADAM_FLAGS,
+        **{**_PAGED_ADAM, "paged_takes_is_paged": False},
+    ),
+    Family(
+        "Lion",
+        "lion",
+        1,
+        1e-4,
+        (("betas", (0.9, 0.99)), ("weight_decay", 0.0)),
+        bnb_group=(("eps", 0.0),),
+        pageable=True,
+        paged_classes=True,
+    ),
     Family("SGD", "sgd", 1, None, _SGD, bnb_group=_SGD_GROUP, torch_flags=_NO_CAPTURABLE),
     Family(
         "RMSprop",
@@ -149,6 +202,7 @@ FAMILIES: tuple[Family, ...] = (
         (("lr_decay", 0.0), ("weight_decay", 0.0), ("initial_accumulator_value", 0.0), ("eps", 1e-10)),
         bnb_group=(("betas", (0.0, 0.0)),),
         torch_flags=_NO_CAPTURABLE,
+        bnb_bits_arg=True,
     ),
     Family(
         "LAMB",
@@ -174,6 +228,9 @@ FAMILIES: tuple[Family, ...] = (
             ("weight_decay", 1e-2),
         ),
         bnb_slots=((0, 1), (2,)),
+        bnb_args=False,
+        pageable=True,
+        paged_classes=True,
     ),
     # not in bitsandbytes: the arguments of the authors' Adan (sail-sg/Adan); its global max_grad_norm only at 0
     Family(
@@ -189,6 +246,7 @@ FAMILIES: tuple[Family, ...] = (
             ("no_prox", False),
         ),
         torch_flags=("foreach", "fused"),
+        pageable=True,  # positional as Lion's, but no Paged* classes (bitsandbytes has no Adan)
     ),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
@@ -272,15 +330,17 @@ class Optimizer8bit(torch.optim.Optimizer):
         defaults: every group's settings: ``lr`` and the rule's hyperparameters (torch.optim names), plus
             ``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``, ``max_unorm`` and ``maximize``.
         optim_bits: 8 or 32 (the default of ``defaults["optim_bits"]``).
-        is_paged: must be False (paged optimizers are not supported yet).
+        is_paged: keep the state of large CUDA params in CUDA managed memory (:mod:`bnbf.paged`), prefetched
+            to the GPU before each step when it fits; on the CPU it changes nothing.
         family: the row of :data:`FAMILIES` (subclasses set it as a class attribute).
     """
 
     family: Family
 
     def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
-        if is_paged:
-            raise NotImplementedError("paged optimizers are not yet supported")
+        if not isinstance(is_paged, bool):
+            raise TypeError(f"is_paged must be a bool, got {is_paged!r}")
+        self.is_paged = is_paged
         self.family = family or getattr(type(self), "family", None)
         if self.family is None:
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
@@ -302,17 +362,27 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
+        # each state field as its own tensor, without the views: pickle copies every tensor's whole storage,
+        # so views into one stack or one managed block would each carry all of it (__setstate__ relays them)
+        state = defaultdict(dict)
+        for p, rec in self.state.items():
+            if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec:
+                s = rec["state"]
+                rec = {"step": rec["step"], "state": type(s)(*[t.clone() for t in s])}
+            state[p] = rec
         return {
             "defaults": self.defaults,
-            "state": self.state,
+            "state": state,
             "param_groups": self.param_groups,
             "family": self.family,
+            "is_paged": self.is_paged,
             "_lr0": lr0,
         }
 
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         lr0 = state.pop("_lr0", [])
+        state.setdefault("is_paged", False)  # pickled before paged optimizers existed
         super().__setstate__(state)
         for group in [self.defaults, *self.param_groups]:  # pickled before a bnbf.update_ option existed
             for key, off in _CALL.items():
@@ -320,6 +390,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._set_rule(self.defaults)
         self._init_caches()
         self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
+        stacks = self.family.bnb_slots
+        for p, rec in self.state.items():  # as __getstate__ leaves them, or pickled before the views existed
+            if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec and "state1" not in rec:
+                s = rec["state"]
+                if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
+                    s = relaid(s, stacks, self.is_paged)
+                rec.update(_checkpoint.record(rec["step"], s, self.family))
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
@@ -359,6 +436,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             block_size=_checkpoint.BLOCK,
             min_8bit_size=storage["min_8bit_size"],
             state_format=storage["state_format"],
+            paged=self.is_paged,
         )
 
     def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
@@ -395,6 +473,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         # every group's settings are checked before any group steps, so that an error (a bad lr in the last
         # group) leaves every param and state as it was
         jobs = [self._prepare_group(group) for group in self.param_groups]
+        if self.is_paged:  # ask the driver to bring paged state to the GPU ahead of the kernels (asynchronous)
+            for job in jobs:
+                if job[1].ranges:
+                    bnbf.paged.prefetch(job[1].ranges)
         for job in jobs:
             self._step_group(*job)
         return loss
@@ -522,6 +604,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         plan = _Buckets(
             params, len(params), self.state, mng.version, made, sum(map(len, buckets.values())) == len(params), configs
         )
+        if self.is_paged:
+            plan.ranges = bnbf.paged.ranges_of(t for b in made for s in b.states for t in s)
         self._plans[id(group)] = plan
         return plan
 
@@ -533,7 +617,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 continue
             cfg = plan.configs.get(id(p), {})
             spec = self._spec(group, cfg)
-            self.state[p] = {"step": 0, "state": bnbf.init_state(p.detach(), spec, self._hparams(group, cfg))}
+            hp = self._hparams(group, cfg)
+            self.state[p] = _checkpoint.record(0, _checkpoint.new_state(p, spec, hp, self.family), self.family)
             new = True
         if new:
             plan = self._plan(group)
@@ -542,9 +627,11 @@ class Optimizer8bit(torch.optim.Optimizer):
     # ---- checkpoints -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """bitsandbytes' layout: per parameter index ``{"step": int, "__bnb_optimizer_quant_state__":
-        {"state1", "qmap1", "absmax1", "state2", ...}}``; groups also spell their settings as bitsandbytes
-        does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in torch.optim."""
+        """bitsandbytes' layout: per parameter index ``{"step": <float32 tensor>,
+        "__bnb_optimizer_quant_state__": {"state1", "qmap1", "absmax1", "state2", ...}}`` (``step`` a tensor
+        as in torch.optim, for torch.distributed.checkpoint); groups also spell their settings as
+        bitsandbytes does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in
+        torch.optim."""
         for hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             hook(self)
         index = {}
@@ -568,7 +655,10 @@ class Optimizer8bit(torch.optim.Optimizer):
                 rec = self.state.get(p)
                 if rec and "state" in rec:
                     quant = _checkpoint.pack(rec["state"], self.family.bnb_slots, group["max_unorm"])
-                    state[index[id(p)]] = {"step": rec["step"], _checkpoint.QUANT_KEY: quant}
+                    # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs
+                    # every leaf of a state entry to be a tensor to load it back
+                    step = torch.tensor(float(rec["step"]), dtype=torch.float32)
+                    state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
         out = {
             "state": state,
             "param_groups": groups,
@@ -642,8 +732,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             want = self._spec(group, cfg).layout_for(p.numel()).bits
             hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
             step = _checkpoint.read_step(entry, where)
-            s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where)
-            state[p] = {"step": step, "state": s}
+            s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged)
+            state[p] = _checkpoint.record(step, s, self.family)
         self.state = state
         self.param_groups = groups
         self._init_caches()
@@ -662,7 +752,7 @@ class _Bucket:
 
     idx: list[int]  # positions in group["params"]
     params: list[Tensor]
-    records: list[dict]  # optimizer.state[p] of each: {"step": int, "state": NamedTuple}
+    records: list[dict]  # optimizer.state[p] of each: {"step": int, "state": NamedTuple, "state1": view...}
     override: dict  # GlobalOptimManager settings (not storage) shared by these params
     whole: bool  # the bucket is the whole group, in order
     uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
@@ -699,6 +789,7 @@ class _Buckets:
     configs: dict
     has_grad: tuple = ()  # the grad pattern `partial` was built for (steps where some params have none)
     partial: list = dataclasses.field(default_factory=list)  # (bucket, its subset with grads)
+    ranges: list = dataclasses.field(default_factory=list)  # managed allocations of paged states (bnbf.paged)
 
     def valid(self, opt: Optimizer8bit, params: list) -> bool:
         return (
@@ -729,7 +820,10 @@ class Optimizer2State(Optimizer8bit):
     """bitsandbytes' two-state base class, with its positional arguments (for subclasses written for it).
 
     ``optimizer_name`` is bitsandbytes' name: ``"adam"`` (decoupled weight decay, i.e. AdamW), ``"lamb"`` or
-    ``"ademamix"``. The other arguments are bitsandbytes'; ``state_format`` is bnbf's.
+    ``"ademamix"``. The other arguments are bitsandbytes' (``args``: an object whose ``optim_bits``,
+    ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``, ``block_wise`` and
+    ``percentile_clipping`` attributes, those it has, win over the arguments); ``block_wise`` and
+    ``state_format`` are keyword-only.
     """
 
     def __init__(
@@ -750,31 +844,36 @@ class Optimizer2State(Optimizer8bit):
         t_alpha=None,
         t_beta3=None,
         *,
+        block_wise=True,
         state_format="power",
     ):
         # kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
         family, hp = _from_bnb_args(
             optimizer_name, 2, lr, betas, eps, weight_decay, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3
         )
-        storage = _storage(
+        storage, paged = _storage(
             args,
-            optim_bits,
-            min_8bit_size,
-            max_unorm,
-            skip_zeros,
-            state_format,
-            bnbf.RULES[family.rule],
+            dict(
+                optim_bits=optim_bits,
+                min_8bit_size=min_8bit_size,
+                max_unorm=max_unorm,
+                skip_zeros=skip_zeros,
+                state_format=state_format,
+            ),
+            is_paged,
+            block_wise,
             family,
             f"Optimizer2State({optimizer_name!r})",
         )
-        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
+        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], paged, family=family)
 
 
 class Optimizer1State(Optimizer8bit):
     """bitsandbytes' one-state base class, with its positional arguments (for subclasses written for it).
 
     ``optimizer_name`` is bitsandbytes' name: ``"momentum"`` (SGD; ``betas`` = (momentum, dampening)),
-    ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``.
+    ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``. ``args``,
+    ``block_wise`` and ``state_format`` as in :class:`Optimizer2State`.
     """
 
     def __init__(
@@ -792,34 +891,61 @@ class Optimizer1State(Optimizer8bit):
         skip_zeros=False,
         is_paged=False,
         *,
+        block_wise=True,
         state_format="power",
     ):
         family, hp = _from_bnb_args(optimizer_name, 1, lr, betas, eps, weight_decay)
-        storage = _storage(
+        storage, paged = _storage(
             args,
-            optim_bits,
-            min_8bit_size,
-            max_unorm,
-            skip_zeros,
-            state_format,
-            bnbf.RULES[family.rule],
+            dict(
+                optim_bits=optim_bits,
+                min_8bit_size=min_8bit_size,
+                max_unorm=max_unorm,
+                skip_zeros=skip_zeros,
+                state_format=state_format,
+            ),
+            is_paged,
+            block_wise,
             family,
             f"Optimizer1State({optimizer_name!r})",
         )
-        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], is_paged, family=family)
+        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], paged, family=family)
 
 
-def _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_format, rule, family, name) -> dict:
-    """The group settings that are not hyperparameters of the rule; bitsandbytes' ``args`` object wins."""
-    out = {
-        "optim_bits": optim_bits,
-        "min_8bit_size": min_8bit_size,
-        "max_unorm": max_unorm,
-        "skip_zeros": skip_zeros,
-        "state_format": state_format,
-    }
+def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: str, paged_class: bool = False):
+    """The group settings that are not hyperparameters of the rule, and whether the state is paged.
+
+    bitsandbytes' ``args`` object wins over the arguments for each of these attributes it has:
+    ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``state_format``, ``is_paged`` (not for a
+    Paged* class, which always pages), ``block_wise`` and ``percentile_clipping``."""
+    out = dict(settings)
     if args is not None:
         out.update({k: getattr(args, k) for k in out if hasattr(args, k)})
+        if hasattr(args, "is_paged") and not paged_class:
+            is_paged = args.is_paged
+        block_wise = getattr(args, "block_wise", block_wise)
+        clip = getattr(args, "percentile_clipping", 100)
+        if clip != 100:
+            raise NotImplementedError(
+                f"{name}: args.percentile_clipping={clip!r} is not supported (bnbf has no percentile "
+                f"clipping; 100 turns it off). Clip the gradients before step (torch.nn.utils.clip_grad_norm_)"
+            )
+    bits = out["optim_bits"]
+    if isinstance(bits, bool) or not isinstance(bits, int):  # e.g. torch's RMSprop(..., centered, capturable)
+        raise TypeError(
+            f"{name}: optim_bits must be an int (8 or 32), got {bits!r}; the arguments after the "
+            f"hyperparameters are bitsandbytes' ({', '.join(_bnb_tail(family, None, False))}), not torch's"
+        )
+    if not isinstance(is_paged, bool):
+        raise TypeError(f"{name}: is_paged must be a bool, got {is_paged!r}")
+    if not isinstance(block_wise, bool):
+        raise TypeError(f"{name}: block_wise must be a bool, got {block_wise!r}")
+    if not block_wise and out["optim_bits"] == 8:
+        raise ValueError(
+            f"{name}: block_wise=False (one scale per tensor) is not supported: bnbf's 8-bit state is "
+            f"block-wise (256 elements per scale); pass block_wise=True, or optim_bits=32"
+        )
+    rule = bnbf.RULES[family.rule]
     if rule.norms is not None:  # LAMB, LARS: their trust ratio stands for bitsandbytes' update clipping
         if out["max_unorm"] not in (0.0, family.max_unorm):
             raise NotImplementedError(
@@ -827,7 +953,7 @@ def _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_forma
                 f"rule scales its update by its own trust ratio"
             )
         out["max_unorm"] = 0.0
-    return out
+    return out, is_paged
 
 
 # ---- the generated classes ------------------------------------------------------------------------------
@@ -835,39 +961,61 @@ def _storage(args, optim_bits, min_8bit_size, max_unorm, skip_zeros, state_forma
 _P = inspect.Parameter
 
 
-def _signature(family: Family, bits: int | None) -> inspect.Signature:
-    lr = _P.empty if family.lr is None else family.lr
-    ps = [
-        _P("self", _P.POSITIONAL_OR_KEYWORD),
-        _P("params", _P.POSITIONAL_OR_KEYWORD),
-        _P("lr", _P.POSITIONAL_OR_KEYWORD, default=lr),
-    ]
-    ps += [_P(k, _P.KEYWORD_ONLY, default=v) for k, v in family.args + family.extra_args()]
-    ps += [
-        _P("optim_bits", _P.KEYWORD_ONLY, default=bits or 32),
-        _P("args", _P.KEYWORD_ONLY, default=None),
-        _P("min_8bit_size", _P.KEYWORD_ONLY, default=4096),
-    ]
-    ps.append(_P("max_unorm", _P.KEYWORD_ONLY, default=family.max_unorm or 0.0))
-    ps += [
-        _P("skip_zeros", _P.KEYWORD_ONLY, default=False),
-        _P("is_paged", _P.KEYWORD_ONLY, default=False),
-        _P("state_format", _P.KEYWORD_ONLY, default="power"),
-        _P("maximize", _P.KEYWORD_ONLY, default=False),
-    ]
-    ps += [_P(k, _P.KEYWORD_ONLY, default=_TORCH_FLAGS[k]) for k in family.torch_flags]
+def _bnb_tail(family: Family, bits: int | None, paged: bool) -> tuple[str, ...]:
+    """bitsandbytes' positional arguments of the class after the hyperparameters, in its order."""
+    tail = []
+    if bits is None or family.bnb_bits_arg:
+        tail.append("optim_bits")
+    if family.bnb_args:
+        tail.append("args")
+    tail.append("min_8bit_size")
+    if family.max_unorm is not None:
+        tail.append("max_unorm")
+    if family.pageable and (not paged or family.paged_takes_is_paged):
+        tail.append("is_paged")
+    return tuple(tail)
+
+
+def _signature(
+    family: Family, bits: int | None, paged: bool = False, lr: Any = None, tail: tuple | None = None
+) -> inspect.Signature:
+    """params, lr, the hyperparameters and bitsandbytes' tail positional in bitsandbytes' order; bnbf's own
+    arguments (and bitsandbytes' that this class of bitsandbytes lacks) keyword-only after them."""
+    lr = (_P.empty if family.lr is None else family.lr) if lr is None else lr
+    bits_default = bits or 32
+    if bits == 8 and family.bnb_bits_arg:
+        bits_default = family.bnb_bits8_default
+    storage = {
+        "optim_bits": bits_default,
+        "args": None,
+        "min_8bit_size": 4096,
+        "max_unorm": family.max_unorm or 0.0,
+        "is_paged": False,
+    }
+    tail = _bnb_tail(family, bits, paged) if tail is None else tail
+    pos = _P.POSITIONAL_OR_KEYWORD
+    ps = [_P("self", pos), _P("params", pos), _P("lr", pos, default=lr)]
+    ps += [_P(k, pos, default=v) for k, v in family.args]
+    ps += [_P(k, pos, default=storage[k]) for k in tail]
+    kw = [(k, v) for k, v in storage.items() if k not in tail and not (paged and k == "is_paged")]
+    kw += list(family.extra_args())
+    kw += [("skip_zeros", False), ("block_wise", True), ("state_format", "power"), ("maximize", False)]
+    kw += [(k, _TORCH_FLAGS[k]) for k in family.torch_flags]
+    ps += [_P(k, _P.KEYWORD_ONLY, default=v) for k, v in kw]
     return inspect.Signature(ps)
 
 
-def _make_class(family: Family, bits: int | None) -> type:
-    name = family.name + (f"{bits}bit" if bits else "")
-    sig = _signature(family, bits)
+def _make_class(family: Family, bits: int | None, paged: bool = False, name: str | None = None, **sig_kw: Any) -> type:
+    name = name or ("Paged" if paged else "") + family.name + (f"{bits}bit" if bits else "")
+    sig = _signature(family, bits, paged, **sig_kw)
+    # bitsandbytes' Adam8bit takes optim_bits=32 ("for compatibility") and keeps 8-bit state: both accepted
+    bits_ok = {bits, family.bnb_bits8_default} if bits == 8 and family.bnb_bits_arg else {bits}
 
     def __init__(self, *args, **kwargs):
         a = sig.bind(self, *args, **kwargs)
         a.apply_defaults()
         a = a.arguments
-        if bits is not None and a["optim_bits"] != bits:
+        if bits is not None and a["optim_bits"] not in bits_ok:
             raise ValueError(
                 f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
                 f"(use {family.name}(optim_bits=...) to choose)"
@@ -883,28 +1031,28 @@ def _make_class(family: Family, bits: int | None) -> type:
                 raise NotImplementedError(
                     f"{name}: {key}={a[key]!r} is not supported (bnbf's {rule.name!r} rule has no such option)"
                 )
-        storage = _storage(
-            a["args"],
-            a["optim_bits"],
-            a["min_8bit_size"],
-            a["max_unorm"],
-            a["skip_zeros"],
-            a["state_format"],
-            rule,
-            family,
-            name,
-        )
+        settings = {
+            "optim_bits": bits or a["optim_bits"],
+            "min_8bit_size": a["min_8bit_size"],
+            "max_unorm": a["max_unorm"],
+            "skip_zeros": a["skip_zeros"],
+            "state_format": a["state_format"],
+        }
+        is_paged = True if paged else a["is_paged"]  # a Paged* class pages whatever is_paged says, as bnb's
+        storage, is_paged = _storage(a["args"], settings, is_paged, a["block_wise"], family, name, paged)
         flags = {k: a[k] for k in ("maximize",) + family.torch_flags}  # group settings, as torch.optim keeps them
-        Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], a["is_paged"])
+        Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], is_paged)
 
     __init__.__signature__ = sig
     base = Optimizer2State if family.nstates == 2 else Optimizer1State
     what = {None: "8-bit or 32-bit state (optim_bits, 32 by default)", 8: "8-bit state", 32: "32-bit state"}[bits]
+    where = " in CUDA managed (paged) memory" if paged else ""
+    need_lr = family.lr is None and sig.parameters["lr"].default is _P.empty
     doc = (
-        f"{family.name} with {what}: bitsandbytes.optim.{name}'s arguments and defaults, stepping with bnbf's "
-        f"{family.rule!r} rule.\n\nSignature: {name}{str(sig).replace('(self, ', '(')}\n\nArgs are "
+        f"{family.name} with {what}{where}: bitsandbytes.optim.{name}'s arguments and defaults, stepping with "
+        f"bnbf's {family.rule!r} rule.\n\nSignature: {name}{str(sig).replace('(self, ', '(')}\n\nArgs are "
         f"bitsandbytes' and torch.optim's (see the module docstring of bnbf_nn.optim for what differs).\n\n"
-        f"Example::\n\n    opt = bnbf_nn.{name}(model.parameters(){', lr=0.1' if family.lr is None else ''})\n"
+        f"Example::\n\n    opt = bnbf_nn.{name}(model.parameters(){', lr=0.1' if need_lr else ''})\n"
         f"    loss.backward()\n    opt.step()\n    opt.zero_grad()\n"
     )
     cls = type(
@@ -920,10 +1068,16 @@ def _rule_doc(cls: type) -> str:
     return (mod.__doc__ or "") if mod else ""
 
 
+def _register(cls: type) -> None:
+    cls.__doc__ += "\nUpdate (bnbf." + cls.family.rule + "):\n" + _rule_doc(cls)
+    globals()[cls.__name__] = cls
+    __all__.append(cls.__name__)
+
+
 for _family in FAMILIES:
-    for _bits in (None, 8, 32):
-        _cls = _make_class(_family, _bits)
-        _cls.__doc__ += "\nUpdate (bnbf." + _family.rule + "):\n" + _rule_doc(_cls)
-        globals()[_cls.__name__] = _cls
-        __all__.append(_cls.__name__)
-del _family, _bits, _cls
+    for _paged in (False, True) if _family.paged_classes else (False,):
+        for _bits in (None, 8, 32):
+            _register(_make_class(_family, _bits, _paged))
+# bitsandbytes' LARS as a plain torch optimizer (32-bit state, lr 0.01 by default); here a 32-bit LARS
+_register(_make_class(_BY_NAME["LARS"], 32, name="PytorchLARS", lr=0.01, tail=("max_unorm",)))
+del _family, _bits, _paged

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import warnings
 
 import pytest
 import torch
@@ -208,6 +209,10 @@ BAD = {
     "not a state dict": (lambda sd, _: {"state": {}}, "'state' and 'param_groups'"),
     "group not a dict": (lambda sd, _: sd.update(param_groups=[["params"]]) or sd, "a list of dicts"),
     "state not a dict": (lambda sd, _: sd.update(state=[1]) or sd, "'state' must be a dict"),
+    # a negative block scale flips its block's sign; NaN or inf turns the next step's params into NaN
+    "negative absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(0, -0.5) or sd, "negative, NaN or inf"),
+    "NaN absmax": (lambda sd, _: _entry(sd)["absmax2"].__setitem__(1, float("nan")) or sd, "negative, NaN or inf"),
+    "inf absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(-1, float("inf")) or sd, "negative, NaN or inf"),
 }
 
 
@@ -282,3 +287,48 @@ def test_amsgrad_keeps_its_maximum_in_state3(name):
     bad["param_groups"][0]["amsgrad"] = False
     with pytest.raises(ValueError, match=r"\['max_exp_avg_sq'\], which these hyperparameters do not keep"):
         cls(make_params(shapes=SHAPES), lr=1e-2, min_8bit_size=MIN8).load_state_dict(bad)
+
+
+# ---- torch.distributed.checkpoint ----------------------------------------------------------------------------
+
+
+def test_plain_dcp_round_trip_of_state_dict(tmp_path):
+    """dcp.save / dcp.load of ``optimizer.state_dict()`` itself (one process, no process group): every leaf
+    of a param's entry is a tensor (``step`` as torch.optim stores it), so DCP loads it back into a state
+    dict of the same structure, and training continues bit for bit."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    params = make_params(shapes=SHAPES)
+    grads = make_grads(params, 4)
+    opt = bnbf_nn.AdEMAMix8bit(params, min_8bit_size=MIN8)  # stacked state1 and a 32-bit param
+    run_adapter(opt, params, grads[:2])
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=".*single process", category=UserWarning)
+        dcp.save(opt.state_dict(), checkpoint_id=str(tmp_path))
+        twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt2 = bnbf_nn.AdEMAMix8bit(twin, min_8bit_size=MIN8)
+        run_adapter(opt2, twin, make_grads(params, 1, seed=7))  # state of the right structure, other values
+        target = opt2.state_dict()
+        dcp.load(target, checkpoint_id=str(tmp_path))
+    opt2.load_state_dict(target)
+    for p, q in zip(params, twin):
+        q.data.copy_(p.data)  # the params are the model's to restore; the optimizer's state came from DCP
+        assert opt2.state[q]["step"] == 2
+        for field, a, b in zip(opt.state[p]["state"]._fields, opt.state[p]["state"], opt2.state[q]["state"]):
+            assert_equal_report(b, a, f"{field} after dcp.load")
+    run_adapter(opt, params, grads[2:])
+    run_adapter(opt2, twin, grads[2:])
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal_report(q.detach(), p.detach(), f"param {i} continued after dcp.load")
+
+
+def test_checkpoints_with_int_steps_still_load():
+    """Checkpoints written before ``step`` became a tensor (and bitsandbytes' own) hold a Python int."""
+    params = make_params(shapes=SHAPES)
+    opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 3))
+    sd = reload(opt.state_dict())
+    for entry in sd["state"].values():
+        entry["step"] = int(entry["step"].item())
+    opt2 = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], min_8bit_size=MIN8)
+    opt2.load_state_dict(sd)
+    assert [r["step"] for r in opt2.state.values()] == [3] * len(SHAPES)

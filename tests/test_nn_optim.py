@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import io
 import pickle
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -23,6 +24,7 @@ from tolerances import assert_equal_report
 import bnbf
 import bnbf_nn
 from bnbf._dispatch import interpreting
+from bnbf_nn import _checkpoint
 
 MIN8 = 256  # min_8bit_size in these tests: the (300,) and (16, 40) params get 8-bit state, (7,) 32-bit
 SHAPES = [(300,), (16, 40), (7,)]
@@ -115,7 +117,8 @@ def test_constructs_with_defaults_and_bnb_names(case):
     assert isinstance(opt, torch.optim.Optimizer)
     assert isinstance(opt, bnbf_nn.Optimizer2State if family.nstates == 2 else bnbf_nn.Optimizer1State)
     ours = inspect.signature(cls).parameters
-    assert [n for n, p in ours.items() if p.kind != p.KEYWORD_ONLY] == ["params", "lr"]
+    positional = [n for n, p in ours.items() if p.kind != p.KEYWORD_ONLY]
+    assert positional[:2] == ["params", "lr"] and positional[2 : 2 + len(family.args)] == [k for k, _ in family.args]
     bnb = pytest.importorskip("bitsandbytes.optim")
     if not hasattr(bnb, name):  # a family bitsandbytes lacks (Adan: its own tests check the authors' arguments)
         return
@@ -124,8 +127,7 @@ def test_constructs_with_defaults_and_bnb_names(case):
         if n in ("self", "params"):
             continue
         assert n in ours, f"{name} lacks bitsandbytes' argument {n!r}"
-        if n != "optim_bits" or bits is None:  # bitsandbytes' X8bit(optim_bits=32) default is ignored there
-            assert ours[n].default == p.default, f"{name}({n}=...): default {ours[n].default!r} != {p.default!r}"
+        assert ours[n].default == p.default, f"{name}({n}=...): default {ours[n].default!r} != {p.default!r}"
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
@@ -172,7 +174,9 @@ def test_state_dict_round_trip_continues_bitwise(case, device):
     sd = torch.load(buf, weights_only=True)
     for entry in sd["state"].values():  # the layout bitsandbytes writes
         quant = entry["__bnb_optimizer_quant_state__"]
-        assert isinstance(entry["step"], int) and entry["step"] == 2
+        # step as torch.optim stores it: a float32 tensor (so torch.distributed.checkpoint loads it back)
+        assert isinstance(entry["step"], torch.Tensor) and entry["step"].dtype == torch.float32
+        assert entry["step"].item() == 2
         assert {t.dtype for k, t in quant.items() if k.startswith(("absmax", "qmap"))} <= {torch.float32}
     for p, q in zip(params, twin):
         q.data.copy_(p.data)
@@ -183,12 +187,90 @@ def test_state_dict_round_trip_continues_bitwise(case, device):
     assert_same(opt2, twin, [p.detach() for p in params], [opt.state[p]["state"] for p in params], "continued ")
 
 
+@pytest.mark.parametrize("case", CLASSES, ids=cls_name)
+def test_state_has_bitsandbytes_names_as_live_views(case):
+    """``optimizer.state[p]`` holds bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` beside bnbf's state:
+    the same values a state dict writes, as views of the tensors the kernels step (a write through them is a
+    write to the optimizer), so summing the tensors in ``optimizer.state`` counts the state's true bytes."""
+    family, bits = case
+    cls = get_cls(case)
+    if interpreting() and (bits != 8 or family.name not in ("AdamW", "AdEMAMix")):
+        pytest.skip("interpreter pass: the layout (host code) on AdamW8bit and AdEMAMix8bit (all in the plain pass)")
+    params = make_params()
+    opt = cls(params, **HPARAMS[family.name], min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    for i, p in enumerate(params):
+        rec = opt.state[p]
+        s = rec["state"]
+        packed = _checkpoint.pack(s, family.bnb_slots)
+        views = {k: v for k, v in rec.items() if k not in ("step", "state")}
+        assert set(views) == set(packed) - {"unorm_vec"}, f"param {i}: {sorted(views)} != {sorted(packed)}"
+        for k, v in views.items():
+            assert_equal_report(v, packed[k], f"param {i} {k}")
+        # true bytes: the state's own tensors, counted once (the 256-value qmaps are shared maps, as bitsandbytes')
+        held = sum(v.numel() * v.element_size() for k, v in views.items() if not k.startswith("qmap"))
+        assert held == bnbf.state_nbytes(s), (
+            f"param {i}: {held} bytes in state[p], the state holds {bnbf.state_nbytes(s)}"
+        )
+        # live: a write through each view reaches the field the kernels read
+        for k, v in views.items():
+            if k.startswith("qmap"):
+                continue
+            rows = v if family.bnb_slots and v.dim() > (1 if k.startswith("absmax") else p.dim()) else v[None]
+            for r in range(rows.shape[0]):
+                flat = rows[r].reshape(-1)
+                before = flat[0].clone()
+                with torch.no_grad():
+                    flat[0] = before + 1 if v.dtype == torch.uint8 else before + 0.5
+                assert any(
+                    f.data_ptr() == rows[r].data_ptr() and not torch.equal(f.reshape(-1)[0], before) for f in s
+                ), f"param {i}: {k}[{r}] is not a view of a state field"
+                with torch.no_grad():
+                    flat[0] = before
+
+
+@pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdEMAMix32bit", "PagedLion", "PagedAdam8bit"])
+def test_paged_classes_on_the_cpu_step_as_unpaged(name):
+    """On the CPU paged state is ordinary memory: a Paged* class, and ``is_paged=True`` on any class, steps
+    bit for bit as its unpaged class (tests/test_paged.py checks managed memory on CUDA)."""
+    if interpreting():
+        pytest.skip("interpreter pass: paged or not, the same kernels step (plain pass: this test; CUDA: test_paged)")
+    unpaged = getattr(bnbf_nn, name.removeprefix("Paged"))
+    params, twin, third = make_params(), make_params(), make_params()
+    grads = make_grads(params, 2)
+    a = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8)
+    b = unpaged(twin, min_8bit_size=MIN8)
+    c = bnbf_nn.SGD8bit(third, 0.1, 0.9, is_paged=True, min_8bit_size=MIN8)
+    assert a.is_paged and not b.is_paged and c.is_paged
+    run_adapter(a, params, grads)
+    run_adapter(b, twin, grads)
+    assert_same(a, params, [p.detach() for p in twin], [b.state[p]["state"] for p in twin])
+    run_adapter(c, third, grads)
+    ref = make_params()
+    run_adapter(bnbf_nn.SGD8bit(ref, 0.1, 0.9, min_8bit_size=MIN8), ref, grads)
+    for p, q in zip(third, ref):
+        assert_equal_report(p.detach(), q.detach(), "is_paged=True on the CPU")
+
+
 # ---- arguments --------------------------------------------------------------------------------------------
 
 
-def test_arguments_after_lr_are_keyword_only():
+def test_positional_arguments_bind_as_bitsandbytes():
+    """bitsandbytes' positional order (torch.optim's for the hyperparameters), then its storage arguments;
+    bnbf's own arguments are keyword-only. tests/test_bnb_conformance.py compares every signature."""
+    a = bnbf_nn.SGD8bit(make_params(), 0.01, 0.9, 0.0, 0.01, False, None, 100, block_wise=True)
+    g = a.param_groups[0]
+    assert (g["lr"], g["momentum"], g["weight_decay"], g["min_8bit_size"], g["optim_bits"]) == (0.01, 0.9, 0.01, 100, 8)
+    b = bnbf_nn.RMSprop8bit(make_params(), 0.01, 0.9, 1e-6, 0.0, 0.5, True)
+    g = b.param_groups[0]
+    assert (g["alpha"], g["eps"], g["momentum"], g["centered"]) == (0.9, 1e-6, 0.5, True)
+    c = bnbf_nn.Adam8bit(make_params(), 1e-3, (0.8, 0.9), 1e-6, 0.0, False, 32, None, 64, True)
+    g = c.param_groups[0]
+    assert (g["betas"], g["optim_bits"], g["min_8bit_size"], c.is_paged) == ((0.8, 0.9), 8, 64, True)
+    d = bnbf_nn.Lion(make_params(), 1e-4, (0.9, 0.99), 0.0, 8, None, 64)
+    assert d.param_groups[0]["optim_bits"] == 8
     with pytest.raises(TypeError):
-        bnbf_nn.Adam8bit(make_params(), 1e-3, (0.9, 0.99))
+        bnbf_nn.Adam8bit(make_params(), 1e-3, (0.9, 0.99), 1e-8, 0.0, False, 32, None, 64, False, 0.0)
     with pytest.raises(TypeError, match="lr"):
         bnbf_nn.SGD8bit(make_params())  # lr is required, as in bitsandbytes
 
@@ -196,7 +278,14 @@ def test_arguments_after_lr_are_keyword_only():
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged=True), NotImplementedError, "paged optimizers are not yet"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged=1), TypeError, "is_paged must be a bool"),
+        (lambda ps: bnbf_nn.Adam8bit(ps, block_wise=False), ValueError, "block_wise=False"),
+        (lambda ps: bnbf_nn.Lion8bit(ps, args=SimpleNamespace(block_wise=False)), ValueError, "block_wise=False"),
+        (
+            lambda ps: bnbf_nn.SGD8bit(ps, 0.1, args=SimpleNamespace(percentile_clipping=5)),
+            NotImplementedError,
+            "percentile",
+        ),
         (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad"),
         (lambda ps: bnbf_nn.Adam(ps, amsgrad=1), TypeError, "amsgrad must be a bool"),
         (lambda ps: bnbf_nn.AdamW8bit(ps, differentiable=True), NotImplementedError, "differentiable"),
@@ -208,7 +297,9 @@ def test_arguments_after_lr_are_keyword_only():
         (lambda ps: bnbf_nn.SGD8bit(ps, lr=0.1, momentum=float("inf")), ValueError, "Invalid momentum value: inf"),
         (lambda ps: bnbf_nn.Adam([ps[0], ps[1], ps[0]]), ValueError, "duplicate parameters"),
         (lambda ps: bnbf_nn.Adam([{"params": ps[:2]}, {"params": ps[1:]}]), ValueError, "more than one"),
-        (lambda ps: bnbf_nn.Adam8bit(ps, optim_bits=32), ValueError, "8-bit state"),
+        (lambda ps: bnbf_nn.Lion8bit(ps, optim_bits=32), ValueError, "8-bit state"),
+        (lambda ps: bnbf_nn.Adagrad8bit(ps, optim_bits=32), ValueError, "8-bit state"),
+        (lambda ps: bnbf_nn.Adam32bit(ps, optim_bits=8), ValueError, "32-bit state"),
         (lambda ps: bnbf_nn.Adam(ps, optim_bits=16), ValueError, "state_bits"),
         (lambda ps: bnbf_nn.AdamW(ps, lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
         (lambda ps: bnbf_nn.AdamW(ps, betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
@@ -518,12 +609,79 @@ def test_copies_are_independent_and_step_alike(how):
     assert_same(twin, twin_params, [p.detach() for p in params], [opt.state[p]["state"] for p in params])
 
 
-def test_bitsandbytes_args_object_wins():
-    from types import SimpleNamespace
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
+def test_copies_keep_bitsandbytes_views_live_and_compact(how):
+    """A copied optimizer's bitsandbytes names are views of its own state again (AdEMAMix's stack included),
+    and a pickle holds each state tensor once, not the whole stack per field."""
+    params = make_params(shapes=[(64, 65)])
+    opt = bnbf_nn.AdEMAMix8bit(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    blob = pickle.dumps(opt)
+    held = bnbf.state_nbytes(opt.state[params[0]]["state"]) + params[0].numel() * 4  # and the param itself
+    assert len(blob) < held * 1.2, f"pickle of {len(blob)} bytes for {held} bytes of state and param"
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(blob)
+    p = twin.param_groups[0]["params"][0]
+    rec, s = twin.state[p], twin.state[p]["state"]
+    assert rec["state1"][1].data_ptr() == s.exp_avg_slow.data_ptr() and rec["absmax1"][0].data_ptr() == (
+        s.exp_avg_absmax.data_ptr()
+    )
+    for k, v in opt.state[params[0]].items():
+        if isinstance(v, torch.Tensor):
+            assert_equal_report(rec[k], v, f"{how}: {k}")
 
+
+def test_bitsandbytes_args_object_wins():
+    """bitsandbytes' config object: each attribute it has wins over the argument (as in bitsandbytes, whose
+    get_config reads ``args``), those it lacks leave the arguments alone."""
     args = SimpleNamespace(optim_bits=32, min_8bit_size=100, max_unorm=0.0, skip_zeros=False)
     opt = bnbf_nn.Adam(make_params(), optim_bits=8, args=args)
     assert (opt.param_groups[0]["optim_bits"], opt.param_groups[0]["min_8bit_size"]) == (32, 100)
+    full = SimpleNamespace(
+        optim_bits=8,
+        min_8bit_size=64,
+        percentile_clipping=100,
+        block_wise=True,
+        max_unorm=0.5,
+        skip_zeros=True,
+        is_paged=True,
+    )
+    opt = bnbf_nn.Lion(make_params(), args=full)
+    g = opt.param_groups[0]
+    assert (g["optim_bits"], g["min_8bit_size"], g["max_unorm"], g["skip_zeros"], opt.is_paged) == (
+        8,
+        64,
+        0.5,
+        True,
+        True,
+    )
+    assert bnbf_nn.PagedLion(make_params(), args=SimpleNamespace()).is_paged is True  # Paged* always pages
+    assert bnbf_nn.PagedLion(make_params(), args=SimpleNamespace(is_paged=False)).is_paged
+    partial = bnbf_nn.SGD(make_params(), 0.1, args=SimpleNamespace(min_8bit_size=7), optim_bits=8)
+    assert (partial.param_groups[0]["optim_bits"], partial.param_groups[0]["min_8bit_size"]) == (8, 7)
+
+
+def test_bnb_base_classes_take_every_documented_argument():
+    """Optimizer2State's positional arguments through t_beta3, Optimizer1State's through is_paged, and the
+    keyword-only block_wise: each lands where bitsandbytes documents it."""
+    params = make_params()
+    a = bnbf_nn.Optimizer2State(
+        "ademamix", params, 1e-2, (0.8, 0.9, 0.99), 1e-6, 0.1, 8, None, MIN8, 0.0, True, True, 4.0, 10, 20
+    )
+    g = a.param_groups[0]
+    assert (g["betas"], g["eps"], g["weight_decay"], g["optim_bits"], g["min_8bit_size"]) == (
+        (0.8, 0.9, 0.99),
+        1e-6,
+        0.1,
+        8,
+        MIN8,
+    )
+    assert (g["skip_zeros"], a.is_paged, g["alpha"], g["t_alpha"], g["t_beta3"]) == (True, True, 4.0, 10, 20)
+    b = bnbf_nn.Optimizer1State("lion", make_params(), 1e-3, (0.9, 0.99), 0.0, 0.0, 8, None, MIN8, 0.3, False, True)
+    g = b.param_groups[0]
+    assert (g["betas"], g["max_unorm"], b.is_paged) == ((0.9, 0.99), 0.3, True)
+    with pytest.raises(ValueError, match="block_wise=False"):
+        bnbf_nn.Optimizer1State("lion", make_params(), optim_bits=8, block_wise=False)
+    bnbf_nn.Optimizer1State("lion", make_params(), optim_bits=32, block_wise=False)  # ignored for 32-bit state
 
 
 def test_max_unorm_clips_like_the_core():
