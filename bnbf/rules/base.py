@@ -23,13 +23,16 @@ A rule is one file in ``bnbf/rules/`` that defines:
 - optionally ``present(hparams)``: which slots a state keeps (e.g. no momentum buffer when momentum is
   0), and ``initial(hparams)``: the slots' initial values (zeros by default).
 
-Registering it is one row in :data:`bnbf.rules.RULES`.
+Registering it is one row in :data:`bnbf.rules.RULES`; a rule made at run time is registered with
+:func:`bnbf.rules.register_rule`, which checks it first (:func:`validate_rule`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import re
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -201,3 +204,145 @@ def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:
         for v in values
     ]
     return torch.stack(parts)
+
+
+# ---- checks of a rule, at registration -------------------------------------------------------------------------
+
+MAX_RULE_SCALARS = 14  # the kernel takes 18 scalars (h0..h17); the step adds four (see bnbf.plan._scalars)
+_NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]*")
+
+
+def _arity(fn: Any, n: int) -> bool:
+    """Whether ``fn`` can be called with ``n`` positional arguments (True where Python cannot tell)."""
+    try:
+        inspect.signature(fn).bind(*range(n))
+    except TypeError:
+        return False
+    except ValueError:  # no signature (some builtins)
+        return True
+    return True
+
+
+def _is_triton_fn(fn: Any) -> bool:
+    """A ``@triton.jit`` function (compiled, or the interpreter's with ``TRITON_INTERPRET=1``)."""
+    return isinstance(getattr(fn, "arg_names", None), list) and hasattr(fn, "fn") and callable(fn.fn)
+
+
+def validate_rule(rule: Any) -> None:
+    """Check what a rule declares, so that a mistake raises here and not inside a kernel at the first step.
+
+    Checks the types and arities of every field (``math(p, g, s, hp, nrm)`` a ``@triton.jit`` function,
+    ``reference(p, g, states, scalars[, sums])``, ``scalars(hparams, step)``...), the hyperparameter class
+    (a frozen dataclass with ``lr`` whose defaults construct), the state slots (identifiers, unique, at least
+    one), the scalars (a NamedTuple of at most 14), ``present``/``initial`` (one value per slot), and runs
+    ``scalars`` and ``reference`` once on a 3-element float32 tensor with the default hyperparameters (the math
+    itself is compiled at the first step; its arity is checked here).
+
+    Raises:
+        TypeError, ValueError: naming the rule and what is wrong.
+    """
+    if not isinstance(rule, Rule):
+        raise TypeError(f"a rule must be a bnbf.rules.Rule, got {type(rule).__name__}")
+    name = rule.name
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or "_state_" in name:
+        raise ValueError(f"rule name must be an identifier (letters, digits, '_'; no '_state_'), got {name!r}")
+
+    def bad(what: str, exc: type = TypeError) -> Exception:
+        return exc(f"rule {name!r}: {what}")
+
+    # hyperparameters: a frozen dataclass whose defaults construct (make_hparams(None)) and that has lr (the
+    # step passes lr for update clipping)
+    hp_cls = rule.hparams
+    if not (isinstance(hp_cls, type) and dataclasses.is_dataclass(hp_cls)):
+        raise bad(f"hparams must be a dataclass class, got {hp_cls!r}")
+    if not hp_cls.__dataclass_params__.frozen:
+        raise bad(f"hparams class {hp_cls.__name__} must be frozen (@dataclasses.dataclass(frozen=True, kw_only=True))")
+    if "lr" not in {f.name for f in dataclasses.fields(hp_cls)}:
+        raise bad(f"hparams class {hp_cls.__name__} needs an lr field")
+    try:
+        h = hp_cls()
+    except Exception as e:
+        raise bad(f"hparams class {hp_cls.__name__}() must construct from its defaults: {e}") from e
+
+    # state slots
+    slots = rule.states
+    if not isinstance(slots, tuple) or not slots or not all(isinstance(s, StateSlot) for s in slots):
+        raise bad("states must be a non-empty tuple of StateSlot (a stateless rule keeps a slot with present() False)")
+    names = [s.name for s in slots]
+    for s in slots:
+        if not isinstance(s.name, str) or not s.name.isidentifier() or s.name.startswith("_"):
+            raise bad(f"state slot name must be an identifier not starting with '_', got {s.name!r}", ValueError)
+        if not isinstance(s.signed, bool):
+            raise bad(f"state slot {s.name!r}: signed must be a bool, got {type(s.signed).__name__}")
+    fields = names + [n + "_absmax" for n in names]
+    if len(set(fields)) != len(fields):
+        raise bad(f"state slot names collide (each slot also gets '<name>_absmax'): {names}", ValueError)
+
+    # scalars
+    sn = rule.scalar_names
+    if not (isinstance(sn, type) and issubclass(sn, tuple) and hasattr(sn, "_fields")):
+        raise bad(f"scalar_names must be a NamedTuple class, got {sn!r}")
+    if not 1 <= len(sn._fields) <= MAX_RULE_SCALARS:
+        raise bad(f"{sn.__name__} has {len(sn._fields)} fields; a rule passes 1 to {MAX_RULE_SCALARS}", ValueError)
+    if rule.norms is not None:
+        if not (isinstance(rule.norms, tuple) and len(rule.norms) == 2):
+            raise bad("norms must be a pair (@triton.jit fn, torch fn)")
+        if not _is_triton_fn(rule.norms[0]) or len(rule.norms[0].arg_names) != 4:
+            raise bad("norms[0] must be a @triton.jit function of (p, g, s, hp)")
+        if not callable(rule.norms[1]) or not _arity(rule.norms[1], 4):
+            raise bad("norms[1] must be callable with (p, g, states, scalars)")
+    for what, fn, n in (("scalars", rule.scalars, 2), ("reference", rule.reference, 5 if rule.norms else 4)):
+        if not callable(fn) or not _arity(fn, n):
+            raise bad(f"{what} must be callable with {n} positional arguments")
+    if not _is_triton_fn(rule.math):
+        raise bad(f"math must be a @triton.jit function, got {type(rule.math).__name__}")
+    if len(rule.math.arg_names) != 5:
+        raise bad(f"math must take (p, g, s, hp, nrm), got ({', '.join(rule.math.arg_names)})")
+    for what in ("present", "initial", "export"):
+        fn = getattr(rule, what)
+        if fn is not None and (not callable(fn) or not _arity(fn, 1)):
+            raise bad(f"{what} must be callable with one argument")
+
+    # what the defaults give
+    try:
+        present = rule.slots_present(h)
+        initial = rule.initial_values(h)
+    except Exception as e:
+        raise bad(f"present/initial failed on the default hyperparameters: {e!r}") from e
+    if len(present) != len(slots) or not all(isinstance(x, bool) for x in present):
+        raise bad(f"present() must return one bool per state slot ({len(slots)}), got {present!r}", ValueError)
+    if len(initial) != len(slots) or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in initial):
+        raise bad(f"initial() must return one finite number per state slot ({len(slots)}), got {initial!r}", ValueError)
+    try:
+        sc = rule.scalars(h, 1)
+    except Exception as e:
+        raise bad(f"scalars(default hparams, step=1) failed: {e!r}") from e
+    if type(sc) is not sn:
+        raise bad(f"scalars() must return a {sn.__name__}, got {type(sc).__name__}")
+    _smoke_reference(rule, h, sc, present, initial, bad)
+
+
+def _smoke_reference(rule: Rule, h: Any, sc: tuple, present: tuple, initial: tuple, bad: Callable) -> None:
+    """Run the reference once as the CPU step calls it: scalars as 0-d float32 tensors, float32 states."""
+    p = torch.tensor([0.5, -1.0, 2.0])
+    g = torch.tensor([0.1, 0.2, -0.3])
+    scalars = rule.scalar_names(*(torch.tensor(float(v), dtype=torch.float32) for v in sc))
+    states = [torch.full_like(p, float(v)) if keep else None for keep, v in zip(present, initial)]
+    try:
+        if rule.norms is not None:
+            terms = rule.norms[1](p, g, list(states), scalars)
+            out = rule.reference(p, g, list(states), scalars, [t.sum() for t in terms])
+        else:
+            out = rule.reference(p, g, list(states), scalars)
+    except Exception as e:
+        raise bad(f"reference failed on a 3-element float32 tensor with the default hyperparameters: {e!r}") from e
+    if not (isinstance(out, (tuple, list)) and len(out) == 2):
+        raise bad("reference must return (new_param, new_states)")
+    new_p, new_s = out
+    if not isinstance(new_p, Tensor) or new_p.shape != p.shape:
+        raise bad("reference's new_param must be a tensor of the param's shape")
+    if not isinstance(new_s, (list, tuple)) or len(new_s) != len(rule.states):
+        raise bad(f"reference must return one state per slot ({len(rule.states)}), None for slots not kept")
+    for slot, keep, s in zip(rule.states, present, new_s):
+        if keep and (not isinstance(s, Tensor) or s.shape != p.shape):
+            raise bad(f"reference's new state {slot.name!r} must be a tensor of the param's shape, got {s!r}")

@@ -1,0 +1,892 @@
+"""Composing update rules: mixed rules in one call, per-leaf and scheduled hyperparameters, updates, clipping.
+
+Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`bnbf.update_`):
+
+- :func:`init_state` takes one :class:`~bnbf.OptimSpec`, a pytree of them matching the params (or a prefix of
+  them), or a callable ``(path, param) -> OptimSpec``;
+- :func:`update` / :func:`update_` step a tree of mixed rules, formats, bit widths and block sizes with
+  hyperparameters given as one mapping, ``{rule_name: mapping}``, a callable ``(path, param) -> mapping`` or a
+  pytree of mappings. Leaves are partitioned by (rule, hyperparameters) and the core is called once per part:
+  one kernel launch per (device, param dtype, state layout, hyperparameters), results bit for bit those of
+  separate calls;
+- any hyperparameter may be a callable of the step (a schedule), evaluated once per call
+  (:func:`resolve_hparams`);
+- :func:`updates` returns the rule's update in float32 and :func:`apply_updates` / :func:`apply_updates_` add
+  it, for transforms that act after the rule;
+- :func:`clip_grad_norm` clips a pytree of gradients by their global norm as ``torch.nn.utils.clip_grad_norm_``,
+  on the device, without a host synchronisation.
+
+``path`` is a leaf's key path as ``torch.func.functional_call`` names it: ``"0.weight"`` for the key
+``"0.weight"`` of a flat dict, ``"enc.w"`` for ``{"enc": {"w": ...}}``, ``"1"`` for the second item of a list.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import itertools
+import operator
+import threading
+import weakref
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+import bnbf
+from bnbf.rules import RULES, get_rule
+from bnbf.state import OptimSpec, is_state
+
+__all__ = [
+    "apply_updates",
+    "apply_updates_",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "init_state",
+    "is_shared_hparams",
+    "path_name",
+    "resolve_hparams",
+    "update",
+    "update_",
+    "updates",
+]
+
+
+# ---- paths and prefix trees --------------------------------------------------------------------------------
+
+
+def _key(entry: Any) -> Any:
+    for attr in ("key", "idx", "name"):  # MappingKey, SequenceKey, GetAttrKey
+        if hasattr(entry, attr):
+            return getattr(entry, attr)
+    return entry
+
+
+def path_name(keypath: tuple) -> str:
+    """A pytree key path as ``functional_call`` names the leaf: ``"0.weight"``, ``"enc.w"``, ``"1"``.
+
+    Args:
+        keypath: a key path from ``torch.utils._pytree.tree_flatten_with_path``.
+
+    Returns:
+        The keys joined by dots (``""`` for a tree that is one tensor).
+
+    Example:
+        >>> from torch.utils._pytree import tree_flatten_with_path
+        >>> [path_name(k) for k, _ in tree_flatten_with_path({"enc": {"w": 0}, "head": [1]})[0]]
+        ['enc.w', 'head.0']
+    """
+    return ".".join(str(_key(e)) for e in keypath)
+
+
+def _leaf_names(keypaths: list) -> list[str]:
+    """Names for the per-group dicts handed to the core (its error messages name them): functional_call's
+    names where they are unique (always for ``dict(model.named_parameters())``), pytree's key strings if not."""
+    names = [path_name(k) for k in keypaths]
+    return names if len(set(names)) == len(names) else [pytree.keystr(k) for k in keypaths]
+
+
+def _broadcast(tree: Any, keypaths: list, is_leaf: Callable[[Any], bool], what: str) -> list:
+    """One value of ``tree`` per param leaf, ``tree`` matching the params or a prefix of them (optax's and
+    JAX's prefix rule: a leaf of ``tree`` serves every param below its place)."""
+    leaves = pytree.tree_flatten_with_path(tree, is_leaf=is_leaf)[0]
+    at = {tuple(k): v for k, v in leaves}
+    used: set = set()
+    out = []
+    for kp in keypaths:
+        for n in range(len(kp) + 1):
+            if kp[:n] in at:
+                out.append(at[kp[:n]])
+                used.add(kp[:n])
+                break
+        else:
+            raise ValueError(
+                f"{what} has no entry for param {path_name(kp)!r}: give a {what} tree matching the params or a "
+                f"prefix of them"
+            )
+    unused = [path_name(k) for k in at if k not in used]
+    if unused:
+        raise ValueError(f"{what} has entries that match no param: {unused}")
+    return out
+
+
+# ---- schedules -----------------------------------------------------------------------------------------------
+
+
+class _Resolver:
+    """Evaluates each schedule (a callable hyperparameter) once per call, however many leaves share it."""
+
+    def __init__(self, step: Any):
+        self.step = step
+        self.memo: dict[int, tuple[Callable, Any]] = {}  # id -> (fn, value): fn held so that its id stays its own
+
+    def value(self, v: Any) -> Any:
+        if callable(v) and not isinstance(v, Tensor):
+            hit = self.memo.get(id(v))
+            if hit is None:
+                hit = self.memo[id(v)] = (v, v(self.step))
+            return hit[1]
+        if type(v) is tuple and any(map(callable, v)):
+            return tuple(map(self.value, v))
+        return v
+
+    def mapping(self, h: Any) -> Any:
+        """``h`` with its schedules evaluated; ``h`` itself when it has none (so that the core's cache of
+        validated hyperparameters keeps working)."""
+        if not isinstance(h, Mapping):
+            return h
+        if not any(callable(v) or (type(v) is tuple and any(map(callable, v))) for v in h.values()):
+            return h
+        return {k: self.value(v) for k, v in h.items()}
+
+
+def resolve_hparams(hparams: Any, step: Any) -> Any:
+    """Evaluate the schedules in ``hparams`` at ``step``.
+
+    A hyperparameter given as a callable of the step (or a tuple such as ``betas`` with callables in it) is
+    called once with ``step`` (an int or a 0-d integer tensor, passed as given: a schedule written with
+    tensor ops then returns a 0-d tensor on the step's device, which the core reads without a host
+    synchronisation and which compiles no new kernel).
+
+    Args:
+        hparams: ``None``, a rule's hyperparameter dataclass, a mapping of hyperparameters, or a mapping
+            ``{rule_name: mapping}``.
+        step: the 1-based step of this call.
+
+    Returns:
+        ``hparams`` with every schedule replaced by its value; the same object when it has none.
+
+    Example:
+        >>> resolve_hparams({"lr": lambda step: 1e-3 * min(1.0, step / 10), "weight_decay": 0.0}, 5)
+        {'lr': 0.0005, 'weight_decay': 0.0}
+    """
+    r = _Resolver(step)
+    if _by_rule(hparams):
+        return {name: r.mapping(h) for name, h in hparams.items()}
+    return r.mapping(hparams)
+
+
+# ---- hyperparameter forms ------------------------------------------------------------------------------------
+
+
+def _is_hparams_leaf(x: Any) -> bool:
+    """One leaf's hyperparameters: None, a dataclass instance, or a mapping with no mapping among its values."""
+    if x is None or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
+        return True
+    return isinstance(x, Mapping) and not any(isinstance(v, Mapping) for v in x.values())
+
+
+def _by_rule(h: Any) -> bool:
+    return (
+        isinstance(h, Mapping)
+        and len(h) > 0
+        and all(isinstance(k, str) and k in RULES for k in h)
+        and all(_is_hparams_leaf(v) for v in h.values())
+    )
+
+
+def is_shared_hparams(hparams: Any) -> bool:
+    """True for hyperparameters the core takes as they are: ``None``, a dataclass, or a mapping of plain
+    values (no schedule, no per-rule or per-leaf form). The core can send every other form here.
+
+    Example:
+        >>> is_shared_hparams({"lr": 1e-3}), is_shared_hparams({"lr": lambda step: 1e-3})
+        (True, False)
+    """
+    if hparams is None or (dataclasses.is_dataclass(hparams) and not isinstance(hparams, type)):
+        return True
+    return (
+        isinstance(hparams, Mapping)
+        and not _by_rule(hparams)
+        and not any(
+            isinstance(v, Mapping)
+            or (callable(v) and not isinstance(v, Tensor))
+            or (type(v) is tuple and any(map(callable, v)))
+            for v in hparams.values()
+        )
+    )
+
+
+def _per_leaf_hparams(
+    hparams: Any, names: list[str], keypaths: Callable[[], list], params: list, rules: list[str], r: _Resolver
+) -> list:
+    """Each leaf's hyperparameters (a mapping, a dataclass or None), schedules evaluated. ``names``: the leaves'
+    functional_call names; ``keypaths()``: their pytree key paths (only the tree form needs them)."""
+    if callable(hparams) and not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams):
+        out = []
+        for name, p in zip(names, params):
+            h = hparams(name, p)
+            if not (type(h) is dict and not any(type(v) is dict for v in h.values())) and not _is_hparams_leaf(h):
+                raise TypeError(
+                    f"the hparams callable returned {type(h).__name__} for {name!r}; expected a mapping, "
+                    f"a rule's hparams dataclass or None"
+                )
+            out.append(r.mapping(h))
+        return out
+    if _by_rule(hparams):
+        missing = sorted(set(rules) - set(hparams))
+        if missing:
+            raise ValueError(
+                f"hparams by rule has no entry for rule(s) {missing} of the states; it has {sorted(hparams)}"
+            )
+        resolved = {name: r.mapping(h) for name, h in hparams.items()}
+        return [resolved[name] for name in rules]
+    if _is_hparams_leaf(hparams):
+        h = r.mapping(hparams)
+        return [h] * len(params)
+    return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")]
+
+
+_PLAIN = (float, int, bool)
+
+
+def _group_key(h: Any) -> Any:
+    """:func:`_hkey`, faster for the usual dict of plain numbers: its items (equal numbers give equal scalars)."""
+    if type(h) is dict:
+        items = tuple(h.items())
+        for _, v in items:
+            if type(v) not in _PLAIN and not (type(v) is tuple and all(type(x) in _PLAIN for x in v)):
+                return _hkey(h)
+        return items
+    return _hkey(h)
+
+
+def _hkey(v: Any) -> Any:
+    """A hashable key equal for hyperparameters that are the same values: numbers by type and value, tensors by
+    identity (comparing tensors would read them, a host synchronisation on a GPU)."""
+    if isinstance(v, Tensor):
+        return ("tensor", id(v))
+    if type(v) in (tuple, list):
+        return (type(v), tuple(map(_hkey, v)))
+    if isinstance(v, Mapping):
+        return ("map", tuple(sorted((str(k), _hkey(x)) for k, x in v.items())))
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return (type(v), tuple((f.name, _hkey(getattr(v, f.name))) for f in dataclasses.fields(v)))
+    try:
+        hash(v)
+    except TypeError:
+        return ("id", id(v))
+    return (type(v), v)
+
+
+# ---- init_state ------------------------------------------------------------------------------------------
+
+
+def init_state(params: Any, spec: Any, hparams: Any = None) -> Any:
+    """Optimizer state for a pytree of params whose leaves may use different rules and storage.
+
+    Args:
+        params: a tensor or a pytree of tensors (e.g. ``dict(model.named_parameters())``).
+        spec: an :class:`~bnbf.OptimSpec` for every leaf; or a pytree of them matching ``params`` or a prefix
+            of it (``{"encoder": OptimSpec(rule="adamw"), "embed": OptimSpec(rule="lion")}``); or a callable
+            ``(path, param) -> OptimSpec``.
+        hparams: where they decide which states are kept or their initial values (see
+            :func:`bnbf.init_state`), in any form :func:`update` takes; schedules are evaluated at step 1.
+
+    Returns:
+        The states in the structure of ``params``, each as :func:`bnbf.init_state` makes it for its spec.
+
+    Example:
+        >>> params = {"w": torch.zeros(64, 64), "emb": torch.zeros(100, 8)}
+        >>> state = init_state(params, lambda path, p: bnbf.OptimSpec(rule="lion" if path == "emb" else "adamw"))
+        >>> [type(s).layout.rule for s in state.values()]
+        ['adamw', 'lion']
+    """
+    if isinstance(spec, OptimSpec) and is_shared_hparams(hparams):
+        return bnbf.init_state(params, spec, hparams)
+    flat, treespec = pytree.tree_flatten_with_path(params)
+    if not flat:
+        raise ValueError("init_state needs at least one tensor")
+    keypaths = [k for k, _ in flat]
+    leaves = [p for _, p in flat]
+    if isinstance(spec, OptimSpec):
+        specs = [spec] * len(leaves)
+    elif callable(spec):
+        specs = [spec(path_name(k), p) for k, p in flat]
+        for k, s in zip(keypaths, specs):
+            if not isinstance(s, OptimSpec):
+                raise TypeError(f"the spec callable returned {type(s).__name__} for {path_name(k)!r}, not an OptimSpec")
+    else:
+        specs = _broadcast(spec, keypaths, lambda x: isinstance(x, OptimSpec), "spec")
+        for k, s in zip(keypaths, specs):
+            if not isinstance(s, OptimSpec):
+                raise TypeError(f"spec for {path_name(k)!r} must be an OptimSpec, got {type(s).__name__}")
+    names = _leaf_names(keypaths)
+    hps = _per_leaf_hparams(
+        hparams, [path_name(k) for k in keypaths], lambda: keypaths, leaves, [s.rule for s in specs], _Resolver(1)
+    )
+    groups: dict[tuple, list[int]] = {}
+    for i, (s, h) in enumerate(zip(specs, hps)):
+        groups.setdefault((s, _hkey(h)), []).append(i)
+    # every group's hyperparameters are checked before any state is made
+    for (s, _), idx in groups.items():
+        get_rule(s.rule).make_hparams(hps[idx[0]])
+    out: list = [None] * len(leaves)
+    for (s, _), idx in groups.items():
+        made = bnbf.init_state({names[i]: leaves[i] for i in idx}, s, hps[idx[0]])
+        for i in idx:
+            out[i] = made[names[i]]
+    return pytree.tree_unflatten(out, treespec)
+
+
+# ---- update / update_ ----------------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _Parts:
+    """A call split into the core's calls: per (rule, hyperparameters), the leaves' indices."""
+
+    rebuild: Callable[[list], Any]  # leaves -> a tree of the params' structure
+    names: list[str]  # the per-group dicts' keys (the core's error messages name them)
+    params: list
+    grads: list
+    states: list
+    groups: list[tuple[Any, list[int]]]  # (validated hparams, leaf indices)
+
+
+def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
+    """(rebuild, names, paths, keypaths(), params, grads, states) of a call; a flat dict of tensors (the usual
+    ``dict(model.named_parameters())``) without pytree's walk."""
+    if (
+        type(params) is dict
+        and type(grads) is dict
+        and type(state) is dict
+        and params
+        and params.keys() == grads.keys() == state.keys()
+        and all(isinstance(k, str) for k in params)
+        and all(map(isinstance, params.values(), itertools.repeat(Tensor)))
+        and all(map(is_state, state.values()))
+    ):
+        keys = list(params)
+        gs = [grads[k] for k in keys]
+        ss = [state[k] for k in keys]
+        keypaths = lambda: [(pytree.MappingKey(k),) for k in keys]
+        return (lambda leaves: dict(zip(keys, leaves))), keys, keys, keypaths, list(params.values()), gs, ss
+    flat, treespec = pytree.tree_flatten_with_path(params)
+    g_leaves, g_spec = pytree.tree_flatten(grads)
+    s_leaves, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+    if not flat:
+        raise ValueError("update needs at least one tensor")
+    if g_spec != treespec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
+    if s_spec != treespec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {treespec}")
+    kps = [k for k, _ in flat]
+    for k, s in zip(kps, s_leaves):
+        if not is_state(s):
+            raise TypeError(
+                f"state{pytree.keystr(k)} is not a bnbf state (make it with bnbf.init_state), got {type(s)}"
+            )
+    rebuild = lambda leaves: pytree.tree_unflatten(leaves, treespec)
+    paths = [path_name(k) for k in kps]
+    return rebuild, _leaf_names(kps), paths, lambda: kps, [p for _, p in flat], g_leaves, s_leaves
+
+
+def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Parts:
+    rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
+    rules = [type(s).layout.rule for s in ss]
+    hps = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step))
+    groups: dict[tuple, list[int]] = {}
+    keys: dict[int, Any] = {}  # id(mapping) -> its key: a mapping shared by many leaves is keyed once
+    for i, (rule, h) in enumerate(zip(rules, hps)):
+        k = keys.get(id(h))
+        if k is None:
+            k = keys[id(h)] = _group_key(h)
+        groups.setdefault((rule, k), []).append(i)
+    # every group's hyperparameters are validated before anything runs: a bad one raises with nothing written
+    validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
+    return _Parts(rebuild, names, ps, gs, ss, validated)
+
+
+def _sub(parts: _Parts, leaves: list, idx: list[int]) -> dict:
+    names = parts.names
+    return {names[i]: leaves[i] for i in idx}
+
+
+def _one_rule_tree(state: Any) -> bool:
+    """Whether every state of the tree is for one rule (the core's own case)."""
+    if type(state) is dict:
+        leaves = list(state.values())
+    else:
+        leaves = pytree.tree_leaves(state, is_leaf=is_state)
+    rules = {type(s).layout.rule for s in leaves if is_state(s)}
+    return len(rules) <= 1
+
+
+def update(
+    params: Any,
+    grads: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
+    max_grad_norm: Any = None,
+) -> tuple[Any, Any]:
+    """:func:`bnbf.update` for trees of mixed rules and per-leaf or scheduled hyperparameters (pure).
+
+    Args:
+        params, grads, state, step, skip_zeros, max_unorm, maximize: as :func:`bnbf.update`; the states may be
+            for different rules, bit widths, formats and block sizes (:func:`init_state`).
+        hparams: one of
+            - a mapping of hyperparameters (or a rule's dataclass, or None) for every leaf;
+            - ``{rule_name: mapping}``: each rule's hyperparameters (every rule of the states needs an entry; a
+              mapping whose keys are all registered rule names, with mappings as values, is read this way);
+            - a callable ``(path, param) -> mapping`` (e.g. no weight decay for biases and norms);
+            - a pytree of mappings matching ``params`` or a prefix of it.
+            Any value may be a schedule, a callable of the step evaluated once per call.
+        max_grad_norm: if given, the grads are first clipped to this global norm as
+            :func:`clip_grad_norm` does (a separate pass over the grads, before the step).
+
+    Returns:
+        ``(new_params, new_state)`` in the input structures. Leaves are stepped by one core call per
+        (rule, hyperparameters): bit for bit what separate :func:`bnbf.update` calls on those leaves return.
+
+    Example:
+        >>> params = {"w": torch.ones(64, 64), "b": torch.ones(64)}
+        >>> state = init_state(params, bnbf.OptimSpec(rule="adamw"))
+        >>> grads = {k: torch.ones_like(p) for k, p in params.items()}
+        >>> no_decay = lambda path, p: {"lr": 0.1, "weight_decay": 0.0 if p.ndim == 1 else 0.1}
+        >>> new, state = update(params, grads, state, no_decay, step=1)
+        >>> round(new["w"][0, 0].item(), 6), round(new["b"][0].item(), 6)  # decay on w, none on b
+        (0.89, 0.9)
+    """
+    if max_grad_norm is not None:
+        grads, _ = clip_grad_norm(grads, max_grad_norm)
+    opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+    if is_shared_hparams(hparams) and _one_rule_tree(state):
+        return bnbf.update(params, grads, state, hparams, step, **opts)
+    parts = _split(params, grads, state, hparams, step)
+    _check_options(parts, max_unorm)
+    new_p: list = [None] * len(parts.params)
+    new_s: list = [None] * len(parts.params)
+    for h, idx in parts.groups:
+        out_p, out_s = bnbf.update(
+            _sub(parts, parts.params, idx),
+            _sub(parts, parts.grads, idx),
+            _sub(parts, parts.states, idx),
+            h,
+            step,
+            **opts,
+        )
+        for i in idx:
+            new_p[i] = out_p[parts.names[i]]
+            new_s[i] = out_s[parts.names[i]]
+    return parts.rebuild(new_p), parts.rebuild(new_s)
+
+
+def update_(
+    params: Any,
+    grads: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
+    max_grad_norm: Any = None,
+) -> tuple[Any, Any]:
+    """The step of :func:`update`, written into ``params`` and ``state`` in place; returns them.
+
+    Every input is checked before any group is stepped, so a call that raises leaves every param and state as
+    it was. Each group steps through :func:`bnbf.update_` (and its cache of plans).
+
+    Example:
+        >>> params = {"w": torch.ones(64, 64), "emb": torch.ones(100, 8)}
+        >>> state = init_state(params, lambda path, p: bnbf.OptimSpec(rule="lion" if path == "emb" else "adamw"))
+        >>> grads = {k: torch.ones_like(p) for k, p in params.items()}
+        >>> _ = update_(params, grads, state, {"adamw": {"lr": 0.1}, "lion": {"lr": 0.01}}, step=1)
+        >>> params["emb"][0, 0].item()
+        0.9900000095367432
+    """
+    if max_grad_norm is not None:
+        grads, _ = clip_grad_norm(grads, max_grad_norm)
+    opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+    if is_shared_hparams(hparams) and _one_rule_tree(state):
+        return bnbf.update_(params, grads, state, hparams, step, **opts)
+    parts = _split(params, grads, state, hparams, step)
+    _check_options(parts, max_unorm)
+    if len(parts.groups) > 1:
+        _check_before_writing(parts)
+    for h, idx in parts.groups:
+        bnbf.update_(
+            _sub(parts, parts.params, idx),
+            _sub(parts, parts.grads, idx),
+            _sub(parts, parts.states, idx),
+            h,
+            step,
+            **opts,
+        )
+    return params, state
+
+
+def _check_options(parts: _Parts, max_unorm: Any) -> None:
+    if isinstance(max_unorm, Tensor) or (isinstance(max_unorm, (int, float)) and max_unorm > 0):
+        for _, idx in parts.groups:
+            rule = get_rule(type(parts.states[idx[0]]).layout.rule)
+            if rule.norms is not None:
+                raise ValueError(
+                    f"max_unorm does not combine with {rule.name}, which scales its update by its own norms"
+                )
+
+
+_SHAPE, _STRIDE, _DTYPE, _DEVICE, _LAYOUT = (
+    operator.attrgetter(a) for a in ("shape", "stride", "dtype", "device", "layout")
+)
+
+
+@dataclasses.dataclass
+class _Checked:
+    """A mixed tree whose params and states passed every check, as it was then. Weak references only: the
+    cache keeps no tensor alive."""
+
+    refs: list  # weakref.ref to each param and state field
+    layout: tuple  # their addresses, the params' shapes, strides and dtypes, the state classes, the groups
+
+    def same(self, tensors: list, layout: tuple) -> bool:
+        return (
+            len(tensors) == len(self.refs)
+            and all(map(operator.is_, (r() for r in self.refs), tensors))
+            and layout == self.layout
+        )
+
+
+_CHECKED: collections.OrderedDict[tuple, _Checked] = collections.OrderedDict()
+_CHECKED_SIZE = 16
+_CHECKED_LOCK = threading.Lock()
+
+
+def _check_before_writing(parts: _Parts) -> None:
+    """Everything that could make a later group's core call raise after an earlier group was stepped, checked
+    before the first: each group's params and states through the core's own checks (``bnbf.plan`` checks them
+    as ``update_`` does), the grads' fit, and no memory shared between groups (the core checks within a call).
+
+    The params' and states' checks are kept for the next call (by weak reference), which only confirms that
+    they are the same tensors at the same addresses (and the params of the same shapes, strides and dtypes),
+    in the same groups, as the core's plans confirm theirs: about 0.3 us a tensor instead of a plan per group
+    (GPT-2's 148 leaves, 540 tensors with 8-bit AdamW: 0.1 ms on the CI machine's CPU, grads' check included)."""
+    _check_grads(parts)
+    tensors = list(parts.params)
+    for st in parts.states:
+        tensors.extend(st)
+    group_of = [0] * len(parts.params)
+    for gi, (_, idx) in enumerate(parts.groups):
+        for i in idx:
+            group_of[i] = gi
+    # what the core's plans confirm between steps: every param's and state field's address, the params'
+    # shapes, strides and dtypes (``resize_``, ``t_``, ``set_``, ``.data =``)
+    ps = parts.params
+    layout = (
+        tuple(map(Tensor.data_ptr, tensors)),
+        tuple(map(_SHAPE, ps)),
+        tuple(map(Tensor.stride, ps)),
+        tuple(map(_DTYPE, ps)),
+        tuple(map(type, parts.states)),
+        tuple(group_of),
+    )
+    key = tuple(map(id, tensors))
+    found = _CHECKED.get(key)
+    if found is not None and found.same(tensors, layout):
+        return
+    for _, idx in parts.groups:
+        bnbf.plan(_sub(parts, parts.params, idx), _sub(parts, parts.states, idx))
+    _check_disjoint(parts)
+    with _CHECKED_LOCK:
+        _CHECKED[key] = _Checked([weakref.ref(t) for t in tensors], layout)
+        while len(_CHECKED) > _CHECKED_SIZE:
+            _CHECKED.popitem(last=False)
+
+
+def _check_grads(parts: _Parts) -> None:
+    ps, gs = parts.params, parts.grads
+    if (
+        all(map(isinstance, gs, itertools.repeat(Tensor)))
+        and set(map(_LAYOUT, gs)) == {torch.strided}
+        and list(map(_SHAPE, gs)) == list(map(_SHAPE, ps))
+        and list(map(_DTYPE, gs)) == list(map(_DTYPE, ps))
+        and list(map(_DEVICE, gs)) == list(map(_DEVICE, ps))
+    ):
+        return
+    for name, p, g in zip(parts.names, ps, gs):
+        _check_grad(name, p, g)
+
+
+def _check_grad(name: str, p: Tensor, g: Any) -> None:
+    where = f"['{name}']"
+    if not isinstance(g, Tensor):
+        raise TypeError(f"grad{where} must be a Tensor, got {type(g).__name__}")
+    if g.is_sparse or g.layout != torch.strided:
+        raise RuntimeError(f"bnbf does not support sparse gradients (grad{where} has layout {g.layout})")
+    if g.shape != p.shape:
+        raise ValueError(f"grad{where} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+    if g.dtype != p.dtype:
+        raise TypeError(f"grad{where} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"grad{where} is on {g.device} but the param is on {p.device}")
+
+
+def _span(t: Tensor) -> tuple[int, int]:
+    """The bytes ``t`` may touch: [first, last + 1)."""
+    last = sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
+    return (t.data_ptr(), t.data_ptr() + (last + 1) * t.element_size())
+
+
+def _check_disjoint(parts: _Parts) -> None:
+    """No param or state field of one group shares memory with another group's, by byte ranges (strided views
+    with disjoint elements in different groups are refused too; the core takes them within one call)."""
+    spans = []
+    for gi, (_, idx) in enumerate(parts.groups):
+        for i in idx:
+            name = f"['{parts.names[i]}']"
+            if parts.params[i].numel():
+                spans.append((str(parts.params[i].device), *_span(parts.params[i]), gi, f"param{name}"))
+            for field, t in zip(parts.states[i]._fields, parts.states[i]):
+                if t.numel():
+                    spans.append((str(t.device), *_span(t), gi, f"state{name}.{field}"))
+    spans.sort(key=lambda s: (s[0], s[1]))
+    # sweep in order of start: y overlaps an earlier span of another group iff the largest end among the other
+    # groups' earlier spans passes y's start; the two largest ends of distinct groups answer that
+    device, top = None, []  # [(end, group, what)], at most two, distinct groups, largest first
+    for dev, start, end, gi, what in spans:
+        if dev != device:
+            device, top = dev, []
+        other = next((t for t in top if t[1] != gi), None)
+        if other is not None and other[0] > start:
+            raise ValueError(f"{other[2]} and {what} overlap in memory: each leaf is stepped on its own")
+        mine = max([t for t in top if t[1] == gi] + [(end, gi, what)])
+        top = sorted([t for t in top if t[1] != gi] + [mine], reverse=True)[:2]
+
+
+# ---- updates -------------------------------------------------------------------------------------------------
+
+
+def _as_float32(tensors: list[Tensor]) -> list[Tensor]:
+    """Float32 copies of 16-bit tensors (one cat and one cast per device, not a launch per tensor); float32
+    tensors are returned as they are."""
+    out = list(tensors)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.dtype != torch.float32:
+            by_device.setdefault(t.device, []).append(i)
+    for device, idx in by_device.items():
+        # cat converts as it copies: one pass, 2 bytes read and 4 written per element
+        flat = torch.empty(sum(tensors[i].numel() for i in idx), dtype=torch.float32, device=device)
+        torch.cat([tensors[i].reshape(-1) for i in idx], out=flat)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def updates(
+    params: Any,
+    grads: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    **options: Any,
+) -> tuple[Any, Any]:
+    """The rule's update in float32, before rounding into the param dtype, and the new state (pure).
+
+    ``apply_updates(params, u)`` then gives the params :func:`update` would. The step runs on float32 copies
+    of 16-bit params and grads (exact: every 16-bit value is a float32 value), so the states and the float32
+    new value are the fused step's, and ``u = new - p`` in float32 is exact wherever the new value is within a
+    factor 2 of the old (Sterbenz), which covers every step small against its param; where ``new - p`` in the
+    param dtype would round to zero (bf16 params, lr 1e-4), ``u`` keeps the update. Cost over :func:`update`,
+    per element: one subtraction pass (8 bytes read, 4 written); with 16-bit params also a float32 copy of the
+    params and grads (4 bytes read, 8 written; one launch per device each) and a step on float32 params and
+    grads (6 bytes more). 8-bit AdamW moves about 40 bytes per element this way against the fused in-place
+    step's 10 with bf16 params (28 against 16 with float32 params): ``update_`` stays the fast path.
+
+    Args:
+        params, grads, state, hparams, step: as :func:`update` (mixed rules and every hparams form too).
+        **options: ``skip_zeros``, ``max_unorm``, ``maximize``, ``max_grad_norm``, as :func:`update`.
+
+    Returns:
+        ``(updates, new_state)``: float32 tensors in the structure of ``params``, and the new states.
+
+    Example:
+        >>> p = {"w": torch.ones(3, dtype=torch.bfloat16)}
+        >>> s = init_state(p, bnbf.OptimSpec(rule="sgd", state_bits=32))
+        >>> u, s = updates(p, {"w": torch.ones(3, dtype=torch.bfloat16)}, s, {"lr": 1e-4}, step=1)
+        >>> [f"{x:.3g}" for x in u["w"].tolist()]  # bnbf.update's new bf16 params: still 1.0
+        ['-0.0001', '-0.0001', '-0.0001']
+    """
+    flat, treespec = pytree.tree_flatten_with_path(params)
+    g_leaves, g_spec = pytree.tree_flatten(grads)
+    if g_spec != treespec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
+    ps = [p for _, p in flat]
+    for (k, p), g in zip(flat, g_leaves):
+        # the casts below would hide a grad of another dtype than its param's: checked here, the rest by the core
+        if isinstance(p, Tensor) and isinstance(g, Tensor) and g.dtype != p.dtype:
+            raise TypeError(f"grad{pytree.keystr(k)} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    if all(isinstance(p, Tensor) for p in ps) and all(isinstance(g, Tensor) for g in g_leaves):
+        with torch.no_grad():
+            p32 = _as_float32([p.detach() for p in ps])
+            g32 = _as_float32([g.detach() for g in g_leaves])
+    else:  # the core names the leaf that is not a tensor
+        p32, g32 = ps, g_leaves
+    new, new_state = update(
+        pytree.tree_unflatten(p32, treespec), pytree.tree_unflatten(g32, treespec), state, hparams, step, **options
+    )
+    with torch.no_grad():
+        u = torch._foreach_sub(pytree.tree_leaves(new), p32)
+    return pytree.tree_unflatten(u, treespec), new_state
+
+
+def _flatten_updates(params: Any, updates: Any) -> tuple[list, list, Any]:
+    flat, treespec = pytree.tree_flatten_with_path(params)
+    u_leaves, u_spec = pytree.tree_flatten(updates)
+    if u_spec != treespec:
+        raise ValueError(f"updates structure {u_spec} does not match param structure {treespec}")
+    for (k, p), u in zip(flat, u_leaves):
+        where = pytree.keystr(k)
+        if not isinstance(p, Tensor) or not p.is_floating_point():
+            raise TypeError(
+                f"param{where} must be a floating point Tensor, got {getattr(p, 'dtype', type(p).__name__)}"
+            )
+        if not isinstance(u, Tensor) or not u.is_floating_point():
+            raise TypeError(
+                f"updates{where} must be a floating point Tensor, got {getattr(u, 'dtype', type(u).__name__)}"
+            )
+        if u.shape != p.shape:
+            raise ValueError(f"updates{where} has shape {tuple(u.shape)} but the param has shape {tuple(p.shape)}")
+        if u.device != p.device:
+            raise ValueError(f"updates{where} is on {u.device} but the param is on {p.device}")
+    return [p for _, p in flat], u_leaves, treespec
+
+
+def apply_updates(params: Any, updates: Any) -> Any:
+    """``params + updates``, computed in float32 and rounded once into each param's dtype (pure).
+
+    Args:
+        params: a tensor or pytree of float tensors.
+        updates: float tensors of the params' shapes in the same structure (e.g. from :func:`updates`).
+
+    Returns:
+        New params in the structure and dtypes of ``params``.
+
+    Example:
+        >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), -0.25)})
+        {'w': tensor([0.7500, 0.7500], dtype=torch.bfloat16)}
+    """
+    ps, us, treespec = _flatten_updates(params, updates)
+    with torch.no_grad():
+        # a 16-bit param plus a float32 update promotes to float32: one rounding, into the param dtype, after
+        out = torch._foreach_add([p.detach() for p in ps], us)
+        out = [o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(out, ps)]
+    return pytree.tree_unflatten(out, treespec)
+
+
+def apply_updates_(params: Any, updates: Any) -> Any:
+    """:func:`apply_updates` written into ``params`` in place (the sum in float32, one rounding); returns them.
+
+    Example:
+        >>> p = {"w": torch.ones(2)}
+        >>> _ = apply_updates_(p, {"w": torch.full((2,), -0.5)})
+        >>> p["w"]
+        tensor([0.5000, 0.5000])
+    """
+    ps, us, _ = _flatten_updates(params, updates)
+    with torch.no_grad():
+        torch._foreach_add_(ps, us)  # in-place add computes in the promoted dtype (float32), then rounds
+    return params
+
+
+# ---- clipping ------------------------------------------------------------------------------------------------
+
+
+def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
+    by: dict[tuple, list[int]] = {}
+    for i, g in enumerate(gs):
+        by.setdefault((g.device, g.dtype), []).append(i)
+    norms: list[Tensor] = []
+    for idx in by.values():
+        norms.extend(torch._foreach_norm([gs[i] for i in idx], norm_type))
+    first = gs[0].device
+    return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type), by
+
+
+def _clip_args(grads: Any, max_norm: Any, norm_type: Any) -> tuple[list, Any, float]:
+    gs, treespec = pytree.tree_flatten(grads)
+    for i, g in enumerate(gs):
+        if not isinstance(g, Tensor):
+            raise TypeError(f"grads must be tensors, got {type(g).__name__} at leaf {i}")
+    norm_type = float(norm_type)
+    if not isinstance(max_norm, Tensor):
+        max_norm = float(max_norm)
+    return [g.detach() for g in gs], treespec, norm_type
+
+
+def clip_grad_norm(
+    grads: Any, max_norm: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False
+) -> tuple[Any, Tensor]:
+    """Gradients scaled to a global norm of at most ``max_norm``, as ``torch.nn.utils.clip_grad_norm_`` (pure).
+
+    The norm of every gradient's norm, ``total``; each gradient times ``min(1, max_norm / (total + 1e-6))``.
+    All on the device, without a host synchronisation (the factor is a tensor, applied also when it is 1);
+    the same arithmetic as torch's (per (device, dtype) group ``torch._foreach_norm``, then the norm of the
+    norms), so the same bits.
+
+    Args:
+        grads: a tensor or pytree of tensors.
+        max_norm: the largest global norm (a number or a 0-d tensor).
+        norm_type: the p of the p-norm, ``math.inf`` for the largest magnitude.
+        error_if_nonfinite: raise ``RuntimeError`` if the total norm is nan or inf (reads it: a host
+            synchronisation, as in torch).
+
+    Returns:
+        ``(clipped_grads, total_norm)``: new tensors in the structure of ``grads``, and the total norm before
+        clipping (a 0-d tensor in the grads' dtype, on the first grad's device).
+
+    Example:
+        >>> clipped, norm = clip_grad_norm({"a": torch.tensor([3.0]), "b": torch.tensor([4.0])}, 1.0)
+        >>> norm.item(), round(clipped["a"].item(), 4)
+        (5.0, 0.6)
+    """
+    gs, treespec, norm_type = _clip_args(grads, max_norm, norm_type)
+    if not gs:
+        return grads, torch.tensor(0.0)
+    with torch.no_grad():
+        total, by = _total_norm(gs, norm_type)
+        _check_finite_norm(total, norm_type, error_if_nonfinite)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        out: list = [None] * len(gs)
+        for (device, _), idx in by.items():
+            for i, c in zip(idx, torch._foreach_mul([gs[i] for i in idx], coef.to(device))):
+                out[i] = c
+    return pytree.tree_unflatten(out, treespec), total
+
+
+def clip_grad_norm_(grads: Any, max_norm: Any, norm_type: Any = 2.0, error_if_nonfinite: bool = False) -> Tensor:
+    """:func:`clip_grad_norm` in place: scales the gradient tensors and returns the total norm.
+
+    Example:
+        >>> g = [torch.tensor([3.0, 4.0])]
+        >>> clip_grad_norm_(g, 1.0).item(), g[0]
+        (5.0, tensor([0.6000, 0.8000]))
+    """
+    gs, _, norm_type = _clip_args(grads, max_norm, norm_type)
+    if not gs:
+        return torch.tensor(0.0)
+    with torch.no_grad():
+        total, by = _total_norm(gs, norm_type)
+        _check_finite_norm(total, norm_type, error_if_nonfinite)
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        for (device, _), idx in by.items():
+            torch._foreach_mul_([gs[i] for i in idx], coef.to(device))
+    return total
+
+
+def _check_finite_norm(total: Tensor, norm_type: float, error_if_nonfinite: bool) -> None:
+    if error_if_nonfinite and bool(torch.logical_or(total.isnan(), total.isinf())):
+        raise RuntimeError(
+            f"The total norm of order {norm_type} for gradients from `parameters` is non-finite, so it cannot be "
+            f"clipped. To disable this error and scale the gradients by the non-finite norm anyway, set "
+            f"`error_if_nonfinite=False`"
+        )
