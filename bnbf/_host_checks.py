@@ -23,9 +23,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
+from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
-from bnbf.rules import get_rule
+from bnbf.rules import RULES, get_rule
 from bnbf.state import Layout, State, is_state, present_mask
 
 
@@ -88,7 +90,7 @@ def _check_step(step: Any) -> None:
     if isinstance(step, Tensor):
         if step.numel() != 1 or step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
             raise TypeError(f"step must be an int or a 0-d integer tensor, got {step.dtype} {tuple(step.shape)}")
-        if step.device.type == "cpu" and int(step) < 1:
+        if step.device.type == "cpu" and not torch.compiler.is_compiling() and int(step) < 1:  # traced: unread
             raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
         return
     if isinstance(step, bool) or not isinstance(step, int):
@@ -316,6 +318,100 @@ def _overlap(params: list, states: list) -> tuple[int, int] | None:
     return min(found) if found else None
 
 
+# ---- gradients asked for through a step that is not differentiable -------------------------------------------
+
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def hparam_tensors(h: Any, step: Any = None, max_unorm: Any = None) -> list[tuple[str, Tensor]]:
+    """``(name, tensor)`` of every tensor among the hyperparameters (a rule's dataclass or a mapping; ``betas[0]``...),
+    the step and max_unorm: the inputs a meta-gradient is taken with respect to."""
+    found = []
+    if h is None:
+        items = []
+    elif dataclasses.is_dataclass(h):
+        items = [(f.name, getattr(h, f.name)) for f in dataclasses.fields(h)]
+    elif type(h) is _TracedHparams:  # a traced call's (_hparams_traced)
+        items = list(h.values.items())
+    else:  # a mapping not validated yet: a hyperparameter read while it requires grad would warn first
+        try:
+            items = list(dict(h).items())
+        except (TypeError, ValueError):
+            items = []  # make_hparams names the problem
+    for name, v in items:
+        if isinstance(v, Tensor):
+            found.append((name, v))
+        elif type(v) is tuple:
+            found.extend((f"{name}[{i}]", x) for i, x in enumerate(v) if isinstance(x, Tensor))
+    found.extend((n, v) for n, v in (("step", step), ("max_unorm", max_unorm)) if isinstance(v, Tensor))
+    return found
+
+
+def _tracked(t: Tensor, grad_mode: bool, fwd: bool) -> bool:
+    """Whether ``t`` takes part in a derivative: wrapped by torch.func's grad/vjp/jacrev/jvp, requiring grad
+    under grad mode, or a forward-mode dual."""
+    if _functorch.is_gradtrackingtensor(t) or (grad_mode and t.requires_grad):
+        return True
+    return fwd and forward_ad.unpack_dual(t).tangent is not None
+
+
+def differentiated(tensors: list) -> bool:
+    """Whether any of ``tensors`` takes part in a derivative (see :func:`_tracked`); C-level checks first."""
+    grad_mode = torch.is_grad_enabled()
+    fwd = forward_ad._current_level >= 0
+    if _functorch.maybe_current_level() is None and not fwd and not (grad_mode and any(map(_REQUIRES_GRAD, tensors))):
+        return False
+    return any(_tracked(t, grad_mode, fwd) for t in tensors)
+
+
+def check_not_differentiated(
+    tree: Any, params: list, grads: list, h: Any, step: Any, max_unorm: Any, states: list, *, in_place: bool
+) -> None:
+    """Raise where a gradient is asked for through a step that is not differentiable (bnbf's default step,
+    the fused kernels and 8-bit states): never return a silent zero gradient.
+
+    Asking means: an input wrapped by ``torch.func.grad``/``vjp``/``jacrev``/``jvp``, a forward-mode dual,
+    or, under grad mode, a grad or hyperparameter tensor that requires grad. A param that requires grad
+    counts for the pure :func:`bnbf.update` (its result would silently lose the param's history); for
+    ``update_`` only a param with history (not a leaf) counts: stepping leaves that require grad, such as
+    ``nn.Parameter``, is the in-place step's purpose and asks for no gradient. ``update_`` takes grads that
+    require grad (``backward(create_graph=True)``) as torch.optim's steps do, detached: a plan's step would
+    pay ~5 us a step (GPT-2's 148 grads) to look at each, and the grads' history never reaches the params of
+    an in-place step anyway.
+    """
+    hps = hparam_tensors(h, step, max_unorm)
+    named = [("param", i, p) for i, p in enumerate(params)] + [("grad", i, g) for i, g in enumerate(grads)]
+    tensors = [t for *_, t in named] + [t for _, t in hps]
+    if not differentiated(tensors):
+        return
+    grad_mode = torch.is_grad_enabled()
+    fwd = forward_ad._current_level >= 0
+    names = None
+    for kind, i, t in named:
+        if not _tracked(t, grad_mode, fwd):
+            continue
+        if in_place and not _functorch.is_gradtrackingtensor(t) and (kind == "grad" or (t.is_leaf and not fwd)):
+            continue
+        names = names or _names(tree)
+        _refuse(f"{kind}{names[i]}", states, in_place)
+    for name, t in hps:
+        if _tracked(t, grad_mode, fwd):
+            _refuse(f"the hyperparameter {name}", states, in_place)
+
+
+def _refuse(what: str, states: list, in_place: bool) -> None:
+    fix = f"pass differentiable=True to bnbf.{'update_' if in_place else 'update'} to differentiate through the step"
+    if any(type(s).layout.quantized for s in states):
+        fix += (
+            ", with 32-bit state (OptimSpec(state_bits=32)): differentiable=True needs 32-bit state, 8-bit "
+            "states are rounded to codes, which have no gradient"
+        )
+    raise RuntimeError(
+        f"{what} takes part in a gradient computation (it requires grad, or torch.func.grad/jvp wraps it), but "
+        f"this optimizer step is not differentiable: {fix}; or step detached tensors under torch.no_grad()"
+    )
+
+
 def _check_no_overlap(param: Any, params: list, states: list) -> None:
     """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
     pair = _overlap(params, states)
@@ -399,8 +495,11 @@ class _Call:
     step: Any
 
 
-def _prepare(param: Any, grad: Any, state: Any, hparams: Any, step: Any) -> _Call:
-    """Every check of one call, raising the precise error (the pure call's and the generic path's)."""
+def _prepare(
+    param: Any, grad: Any, state: Any, hparams: Any, step: Any, max_unorm: Any = 0.0, *, in_place: bool = False
+) -> _Call:
+    """Every check of one call, raising the precise error (the pure call's and the generic path's); a gradient
+    asked for through the step (:func:`check_not_differentiated`) before anything reads an address."""
     params, p_spec = _flatten(param)
     grads, g_spec = _flatten(grad)
     states, s_spec = _flatten(state, is_leaf=is_state)
@@ -411,9 +510,127 @@ def _prepare(param: Any, grad: Any, state: Any, hparams: Any, step: Any) -> _Cal
     if s_spec != p_spec:
         raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
     _check_leaves(param, params, states, grads)
-    _check_no_overlap(param, params, states)
+    check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
     rule = _rule_of(param, states)
     h = rule.make_hparams(hparams)
+    _check_no_overlap(param, params, states)
     _check_present(rule, h, states)
     _check_step(step)
     return _Call(params, grads, states, p_spec, rule, h, step)
+
+
+_PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
+_OWN_DISPATCH = Tensor.__torch_dispatch__  # a builtin: the same object through every class that keeps it
+
+
+def unaddressable(*groups: list) -> bool:
+    """Whether a call cannot be checked through its tensors' addresses: traced by torch.compile, under a
+    torch.func transform, or with a tensor subclass that dispatches on its own (FakeTensor, DTensor...), whose
+    storage, if any, is not what the kernels would address. Such a call takes :func:`_prepare_traced`'s checks
+    and the custom op's dispatch."""
+    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        return True
+    for ts in groups:
+        if not set(map(type, ts)) <= _PLAIN_TYPES and any(
+            getattr(type(t).__torch_dispatch__, "__func__", None) is not _OWN_DISPATCH
+            for t in ts
+            if isinstance(t, Tensor)
+        ):
+            return True
+    return False
+
+
+# ---- calls traced by torch.compile -----------------------------------------------------------------------------
+
+
+def _prepare_traced(
+    param: Any, grad: Any, state: Any, hparams: Any, step: Any, max_unorm: Any = 0.0, *, in_place: bool = False
+) -> _Call:
+    """:func:`_prepare` for a call traced by ``torch.compile`` (plain loops Dynamo traces without a graph break),
+    or made under a torch.func transform such as ``vmap``, whose wrappers have no addresses to compare.
+
+    The metadata checks (structure, dtypes, shapes, devices) run at trace time: the compiled graph is guarded
+    on them. Not made here: the overlap of leaves (fake tensors have no addresses), and the hyperparameters'
+    values (reading a number traced as an input would turn it into a guarded constant, one compile per value);
+    only their names are checked.
+    """
+    params, p_spec = pytree.tree_flatten(param)
+    grads, g_spec = pytree.tree_flatten(grad)
+    states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+    if not params:
+        raise ValueError("update needs at least one tensor")
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    if s_spec != p_spec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    for i in range(len(params)):
+        p, g, s = params[i], grads[i], states[i]
+        if not (
+            isinstance(p, Tensor)
+            and p.dtype in _PARAM_DTYPES
+            and p.layout == torch.strided
+            and isinstance(g, Tensor)
+            and g.layout == torch.strided
+            and g.shape == p.shape
+            and g.dtype == p.dtype
+            and g.device == p.device
+            and is_state(s)
+            and _fits_traced(p, s)
+        ):
+            _check_leaf(_names(param)[i], p, g, s)
+    rule = _rule_of(param, states)
+    if torch.compiler.is_compiling():
+        grad_mode = torch.is_grad_enabled()
+        for i in range(len(params)):
+            t = grads[i]
+            if grad_mode and (t.requires_grad or (not in_place and params[i].requires_grad)):
+                _refuse(f"{'grad' if t.requires_grad else 'param'}{_names(param)[i]}", states, in_place)
+        h = _hparams_traced(rule, hparams)
+        for name, t in hparam_tensors(h, step, max_unorm):
+            if grad_mode and t.requires_grad:
+                _refuse(f"the hyperparameter {name}", states, in_place)
+    else:  # under a torch.func transform (vmap): every check but the addresses'
+        check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
+        batched = any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(_hparams_traced(rule, hparams)))
+        h = _hparams_traced(rule, hparams) if batched else rule.make_hparams(hparams)  # a member's value is unread
+    _check_present(rule, h, states)
+    if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
+        raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+    return _Call(params, grads, states, p_spec, rule, h, step)
+
+
+def _fits_traced(p: Tensor, s: Any) -> bool:
+    for (shape, dtype), t in zip(type(s).layout.expected(p.shape).values(), s):
+        if tuple(t.shape) != shape or t.dtype != dtype or t.device != p.device or not t.is_contiguous():
+            return False
+    return len(s) == len(type(s)._fields)
+
+
+def _hparams_traced(rule: Any, hparams: Any) -> Any:
+    """The rule's hyperparameters with the given values unread: a namespace of the defaults (validated) and the
+    given values, whose names are checked. (Building the dataclass would validate, that is read, each value.)"""
+    if hparams is None or type(hparams) is rule.hparams or dataclasses.is_dataclass(hparams):
+        return rule.make_hparams(hparams)  # the dataclass as it is, or another rule's: refused
+    defaults = _DEFAULTS[rule.name]
+    merged = dict(defaults)
+    for k, v in dict(hparams).items():
+        if k not in defaults:
+            unknown = sorted(k for k in dict(hparams) if k not in defaults)
+            raise ValueError(f"unknown hyperparameters for rule {rule.name!r}: {unknown}; known: {sorted(defaults)}")
+        merged[k] = v
+    return _TracedHparams(merged)
+
+
+class _TracedHparams:
+    """A traced call's hyperparameters: the names a rule's dataclass has, the values unread."""
+
+    def __init__(self, values: dict):
+        self.values = values
+        for k, v in values.items():
+            setattr(self, k, v)
+
+
+# each rule's default hyperparameters by name, made once: a traced call reads no dataclass machinery
+_DEFAULTS = {
+    name: {f.name: getattr(r.hparams(), f.name) for f in dataclasses.fields(r.hparams)} for name, r in RULES.items()
+}

@@ -12,14 +12,25 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
-from bnbf._host_checks import _check_param, _fast_leaves, _flatten, _groups, _prepare, _unflatten
-from bnbf.plan import _PLANS, _cached, _scalars, _step_generic  # noqa: F401 - _PLANS: tests read update_'s cache
+from bnbf._host_checks import (
+    _check_param,
+    _fast_leaves,
+    _flatten,
+    _groups,
+    _prepare,
+    _prepare_traced,
+    _unflatten,
+    unaddressable,
+)
+from bnbf.differentiable import update as differentiable_update
+from bnbf.differentiable import update_ as differentiable_update_
+from bnbf.plan import _PLANS, _cached, _scalars, _step_generic, scalar_row  # noqa: F401 - _PLANS: tests read update_'s cache
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
-from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout, OptimSpec, is_state, new_state
 
 
@@ -51,7 +62,17 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
     for path, p in leaves:
         _check_param(p, pytree.keystr(path))
     get_rule(spec.rule).make_hparams(hparams)  # bad hyperparameters fail before anything is built
-    return pytree.tree_unflatten([new_state(p.detach(), spec, hparams) for _, p in leaves], treespec)
+    return pytree.tree_unflatten([_new_state(p.detach(), spec, hparams) for _, p in leaves], treespec)
+
+
+def _new_state(p: Tensor, spec: OptimSpec, hparams: Any) -> tuple:
+    """A param's initial state; under ``vmap`` one of its own per member (not one state expanded over the
+    members, sharing memory): a member's initial state is the same for every member, so each field is made
+    for one member and given the batch by adding the zeros that ``new_zeros`` makes per member."""
+    if not _functorch.is_batchedtensor(p):
+        return new_state(p, spec, hparams)
+    one = new_state(torch.empty(p.shape, dtype=p.dtype, device=p.device), spec, hparams)
+    return type(one)._make(f + p.new_zeros(f.shape, dtype=f.dtype) for f in one)
 
 
 def update(
@@ -64,6 +85,7 @@ def update(
     skip_zeros: bool = False,
     max_unorm: float = 0.0,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
@@ -82,6 +104,10 @@ def update(
             learning rate, ``(p_new - p) / lr``). Costs a norm pass. Not for rules with their own norms
             (LAMB, LARS).
         maximize: step along the gradient instead of against it (torch.optim's ``maximize``).
+        differentiable: write the step in differentiable torch ops (torch.optim's name), so that autograd and
+            ``torch.func`` give the true derivatives of the outputs with respect to params, grads, states and
+            0-d tensor hyperparameters (:mod:`bnbf.differentiable`). Needs 32-bit state; accepts float64
+            params and states. Without it, asking for such a derivative raises (never a silent zero).
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
@@ -89,6 +115,8 @@ def update(
     Raises:
         ValueError: among others, for a param (or state) listed twice, or params or states sharing memory
             (views of one tensor): each leaf is stepped on its own.
+        RuntimeError: where a derivative is asked for through the step without ``differentiable=True``
+            (an input requires grad under grad mode, or torch.func's grad/jvp wraps it).
 
     Example:
         >>> p, g = torch.ones(3), torch.ones(3)
@@ -97,15 +125,25 @@ def update(
         >>> p2
         tensor([0.9000, 0.9000, 0.9000])
     """
-    call = _prepare(param, grad, state, hparams, step)
+    if differentiable is not False:
+        if differentiable is not True:
+            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        return differentiable_update(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+    if unaddressable(_flatten(param)[0], _flatten(grad)[0]):
+        # traced (Dynamo-friendly checks, hyperparameters as graph values), or under vmap (no addresses)
+        call = _prepare_traced(param, grad, state, hparams, step, max_unorm)
+    else:
+        call = _prepare(param, grad, state, hparams, step, max_unorm)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    rows = {d: as_scalar_row(values, d) for d in {p.device for p in call.params}}
+    rows = {d: scalar_row(values, d) for d in {p.device for p in call.params}}
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
-            ps = list(map(Tensor.contiguous, map(Tensor.detach, map(call.params.__getitem__, idx))))
-            gs = list(map(Tensor.contiguous, map(Tensor.detach, map(call.grads.__getitem__, idx))))
+            ps = [call.params[i].detach().contiguous() for i in idx]
+            gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(ps, gs, ss, rows[device], layout, skip_zeros, clip)
             per = len(layout.field_names())
@@ -126,6 +164,7 @@ def update_(
     skip_zeros: bool = False,
     max_unorm: float = 0.0,
     maximize: bool = False,
+    differentiable: bool = False,
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
@@ -133,7 +172,21 @@ def update_(
     same params and states step through one :class:`bnbf.plan.Plan`, kept in a small cache that holds no
     tensor alive (a plan whose tensor is freed is dropped); a loop that owns its params and states can hold
     the plan itself (:func:`bnbf.plan`) and skip the cache's lookup.
+
+    ``differentiable=True`` has torch.optim's meaning (:func:`bnbf.differentiable.update_`): the step of
+    ``update(..., differentiable=True)`` written into the params and states with ``copy_``, which autograd
+    records (32-bit state; a param that is a leaf requiring grad cannot be written so under grad mode, torch's
+    error). Without it a derivative asked for through the step raises (a hyperparameter tensor or a param with
+    history that requires grad under grad mode, or an input wrapped by torch.func's grad/jvp); params that are
+    leaves requiring grad (``nn.Parameter``) are stepped as torch.optim steps them, and grads that require
+    grad are taken detached, as torch.optim takes them.
     """
+    if differentiable is not False:
+        if differentiable is not True:
+            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        return differentiable_update_(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
     # flat dicts and lists without a type check of each leaf: a cached plan confirms its params and states
     # (the same objects, at their planned addresses), a new plan checks them, the step checks the grads
     params, spec = _fast_leaves(param)

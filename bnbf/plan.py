@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
@@ -41,10 +42,15 @@ from bnbf._host_checks import (
     _names,
     _overlap,
     _prepare,
+    _prepare_traced,
     _rule_of,
     _states_ok,
     _unflatten,
+    check_not_differentiated,
     check_update_options,
+    differentiated,
+    hparam_tensors,
+    unaddressable,
 )
 from bnbf.kernels.launcher import build_group, launch_group
 from bnbf.quant import DITHER_SEED_MOD
@@ -155,8 +161,14 @@ class Plan:
         self._checked_h = None  # the last hparams whose state slots matched the states
         self._direct = _plannable(params)
         self.groups: list = []
+        self._cuda = False
         if not self._direct:
             return
+        if any(p.device.type == "cuda" for p in params) and torch.cuda.is_current_stream_capturing():
+            raise not_capturable(
+                "the first step of these params builds their kernel tables (copies from the host); run a step "
+                "before capturing (torch's warm-up on a side stream)"
+            )
         built = []
         with BUILD_LOCK:
             for (_, _, layout), idx in _groups(params, states):
@@ -169,6 +181,7 @@ class Plan:
         self.groups = [(None, built[0][1])] if len(built) == 1 else [(_picker(idx), g) for idx, g in built]
         self._devices = {p.device for p in params}
         self._interpreted = any(d.type == "cpu" for d in self._devices)
+        self._cuda = any(d.type == "cuda" for d in self._devices)  # a step may be captured in a CUDA graph
         # what a step compares: the params' addresses, shapes and dtypes, the fields' addresses, and what
         # each grad must be (the param's shape, dtype, device, strided)
         self._ptrs = tuple(map(Tensor.data_ptr, params))
@@ -216,7 +229,8 @@ class Plan:
             ValueError, TypeError, RuntimeError: for a bad grad, hyperparameter, step or option, before
                 anything is written.
         """
-        if self._direct and not self._confirm(self._params, self._states):
+        # traced by torch.compile: the generic path (the compiled checks are opaque to Dynamo)
+        if self._direct and not torch.compiler.is_compiling() and not self._confirm(self._params, self._states):
             self._rebuild()  # raises where the leaves no longer make a valid step
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
@@ -292,7 +306,8 @@ class Plan:
         max_unorm: Any,
         maximize: Any,
     ) -> None:
-        if not self._direct or torch.compiler.is_compiling():
+        # under a torch.func transform the generic path's checks refuse a gradient asked for through the step
+        if not self._direct or torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
             _step_generic(
                 _unflatten(params, self._spec),
                 grad,
@@ -322,10 +337,14 @@ class Plan:
                 _check_present(rule, h, states)
             self._checked_h = h
         _check_step(step)
+        if self._cuda and torch.cuda.is_current_stream_capturing():
+            self._check_capture(grads, h, step)
         values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
         if not set(map(type, values)) <= _NUMBERS:
+            if differentiated([t for _, t in hparam_tensors(h, step, max_unorm)]):
+                check_not_differentiated(tree, params, grads, h, step, max_unorm, states, in_place=True)
             with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
-                rows = {d: as_scalar_row(values, d) for d in self._devices}
+                rows = {d: scalar_row(values, d) for d in self._devices}
         else:  # Python numbers reach the kernel as arguments: nothing to upload
             rows = dict.fromkeys(self._devices, tuple(map(float, values)))
         if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
@@ -333,6 +352,32 @@ class Plan:
                 self._launch(grads, rows, skip_zeros, clip)
         else:
             self._launch(grads, rows, skip_zeros, clip)
+
+    def _check_capture(self, grads: list, h: Any, step: Any) -> None:
+        """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read
+        freed memory. The step and lr must be tensors on the params' device (a Python number would replay its
+        captured value: bias correction, the rounding's seed and a schedule's lr frozen); other Python numbers
+        replay as the constants they are. The grads must sit where a step before the capture had them: their
+        address table is uploaded from the host only when they move."""
+        device = next(iter(self._devices))
+        for name, v in (("step", step), ("lr", h.lr)):
+            if not (isinstance(v, Tensor) and v.device == device):
+                raise not_capturable(
+                    f"{name} must be a 0-d tensor on {device} to capture a step in a CUDA graph (a Python "
+                    f"number{' or a tensor on another device' if isinstance(v, Tensor) else ''} would be "
+                    f"replayed as its captured value); got {type(v).__name__}"
+                    + (f" on {v.device}" if isinstance(v, Tensor) else "")
+                )
+        for name, v in hparam_tensors(h):
+            if v.device != device:
+                raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
+        for pick, group in self.groups:
+            picked = grads if pick is None else pick(grads)
+            if tuple(map(Tensor.data_ptr, picked)) != group.grad_ptrs:
+                raise not_capturable(
+                    "the grads are not where the last step before the capture had them (their address table "
+                    "would be copied from the host); warm up with the grad tensors the graph will use"
+                )
 
     def _launch(self, grads: list, rows: dict, skip_zeros: bool, clip: bool) -> None:
         for pick, group in self.groups:
@@ -359,7 +404,10 @@ def _plannable(params: list) -> bool:
     differently), contiguous, on a device the Triton kernels run on, outside tracing."""
     return (
         not torch.compiler.is_compiling()
+        and _functorch.maybe_current_level() is None  # torch.func's wrappers have no storage to address
         and all(map(_is_plain, params))
+        # a param with history: the generic path's checks refuse it under grad mode (the step would cut it)
+        and not any(p.requires_grad and not p.is_leaf for p in params)
         and all(map(use_triton, params))
         and all(map(Tensor.is_contiguous, params))
     )
@@ -390,14 +438,62 @@ def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maxi
     return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
 
 
+def not_capturable(why: str) -> RuntimeError:
+    return RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
+
+
+def scalar_row(values: Any, device: torch.device) -> Tensor:
+    """The step's scalars as one float32 row on ``device`` (:func:`bnbf.rules.base.as_scalar_row`); in a call
+    traced by torch.compile, numbers traced as inputs (SymInt/SymFloat) stay graph values, never read on the
+    host (reading one would make it a guarded constant: a compile per value)."""
+    if not torch.compiler.is_compiling():
+        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+            return as_scalar_row(values, device)
+        # captured: each Python number filled in on the device (a copy from the host cannot be captured)
+        return torch.stack(
+            [
+                v.to(device=device, dtype=torch.float32).reshape(())
+                if isinstance(v, Tensor)
+                else torch.full((), float(v), dtype=torch.float32, device=device)
+                for v in values
+            ]
+        )
+    parts = [
+        v.to(device=device, dtype=torch.float32).reshape(())
+        if isinstance(v, Tensor)
+        else torch.scalar_tensor(v, dtype=torch.float64, device=device).to(torch.float32)
+        for v in values
+    ]
+    return torch.stack(parts)
+
+
 def _step_generic(
     param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any
 ) -> None:
     """The in-place step without a plan's tables: every check, then one op call per group (the reference
     path, non-contiguous params, subclasses, tracing)."""
-    call = _prepare(param, grad, state, hparams, step)
+    if torch.compiler.is_compiling():  # traced: Dynamo-friendly checks, hyperparameters as graph values
+        call = _prepare_traced(param, grad, state, hparams, step, max_unorm, in_place=True)
+    elif unaddressable(_flatten(param)[0], _flatten(grad)[0]):
+        # under vmap, or with subclasses such as FakeTensor: the pure step (vmap's batching rule, the op's fake
+        # implementation...), written back into the params and states
+        from bnbf.functional import update
+
+        _prepare_traced(param, grad, state, hparams, step, max_unorm, in_place=True)  # refuses torch.func.grad
+        new_p, new_s = update(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+        with torch.no_grad():
+            for old, new in zip(_flatten(param)[0], _flatten(new_p)[0]):
+                old.copy_(new)
+            for old, new in zip(_flatten(state, is_leaf=is_state)[0], _flatten(new_s, is_leaf=is_state)[0]):
+                for a, b in zip(old, new):
+                    a.copy_(b)
+        return
+    else:
+        call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    rows = {d: as_scalar_row(values, d) for d in {p.device for p in call.params}}
+    rows = {d: scalar_row(values, d) for d in {p.device for p in call.params}}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ps = [call.params[i].detach() for i in idx]

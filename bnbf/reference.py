@@ -1,7 +1,9 @@
 """The pure-torch optimizer step: the CPU path and the oracle the Triton kernels are tested against.
 
-Per tensor: dequantize the states to float32, run the rule's ``reference`` math, apply the non-finite
-gradient rule, write the param in its dtype and requantize the states (stochastic rounding, see bnbf.quant).
+Per tensor: dequantize the states to float32, run the rule's ``reference`` math (:func:`step_math`), apply the
+non-finite gradient rule, write the param in its dtype and requantize the states (stochastic rounding, see
+bnbf.quant). :func:`step_math` is written in differentiable torch ops only (no in-place writes, no reads of
+values on the host), so ``bnbf.update(..., differentiable=True)`` runs it as it is.
 """
 
 from __future__ import annotations
@@ -10,6 +12,43 @@ import torch
 
 from bnbf.quant import dequantize_state_reference, quantize_state_reference, state_dither
 from bnbf.rules import get_rule
+
+
+def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False):
+    """One tensor's step on dequantized values: ``(new_p, new_states, finite)``.
+
+    Args:
+        rule: the rule (``bnbf.RULES[name]``).
+        p, g: the param and the gradient (already negated for ``maximize``), in the compute dtype.
+        states: one tensor per rule slot (``None`` for a slot the state does not keep).
+        scalars: the rule's scalars NamedTuple (0-d tensors or numbers).
+        max_unorm, lr: the clipping pair, read only with ``clip``.
+
+    Returns:
+        The new param (non-finite gradient elements keep their old value), the new states (not yet zeroed
+        where the gradient is non-finite) and the mask of finite gradient elements.
+    """
+    finite = torch.isfinite(g)
+    counted = finite & (g != 0) if skip_zeros else finite
+    if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
+        terms = rule.norms[1](p, g, states, scalars)
+        sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
+        new_p, new_states = rule.reference(p, g, states, scalars, sums)
+    else:
+        new_p, new_states = rule.reference(p, g, states, scalars)
+        if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
+            zero = torch.zeros_like(p)
+            pnorm = torch.where(counted, p * p, zero).sum().sqrt()
+            d = (new_p - p) / lr
+            unorm = torch.where(counted, d * d, zero).sum().sqrt()
+            limit = max_unorm * pnorm
+            scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
+            new_p = p + scale * (new_p - p)
+    if skip_zeros:  # an exactly-zero gradient element leaves its param element and states alone
+        keep = g == 0
+        new_p = torch.where(keep, p, new_p)
+        new_states = [s if s is None else torch.where(keep, old, s) for s, old in zip(new_states, states)]
+    return torch.where(finite, new_p, p), new_states, finite
 
 
 def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False, clip=False) -> None:
@@ -32,27 +71,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
             else:
                 states[j] = fields[k].float()
         # a non-finite gradient element leaves its param element alone and zeroes its states
-        finite = torch.isfinite(g32)
-        counted = finite & (g32 != 0) if skip_zeros else finite
-        if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
-            terms = rule.norms[1](p32, g32, states, scalars)
-            sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
-            new_p, new_states = rule.reference(p32, g32, states, scalars, sums)
-        else:
-            new_p, new_states = rule.reference(p32, g32, states, scalars)
-            if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
-                zero = torch.zeros_like(p32)
-                pnorm = torch.where(counted, p32 * p32, zero).sum().sqrt()
-                d = (new_p - p32) / lr
-                unorm = torch.where(counted, d * d, zero).sum().sqrt()
-                limit = max_unorm * pnorm
-                scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
-                new_p = p32 + scale * (new_p - p32)
-        if skip_zeros:  # an exactly-zero gradient element leaves its param element and states alone
-            keep = g32 == 0
-            new_p = torch.where(keep, p32, new_p)
-            new_states = [s if s is None else torch.where(keep, old, s) for s, old in zip(new_states, states)]
-        new_p = torch.where(finite, new_p, p32)
+        new_p, new_states, finite = step_math(rule, p32, g32, states, scalars, max_unorm, lr, skip_zeros, clip)
         out = s_out[i * per : (i + 1) * per]
         p_out[i].copy_(new_p.to(p.dtype))
         # stochastic rounding, as the kernels: one offset per element, shared by its states

@@ -1,0 +1,226 @@
+"""The differentiable step: ``bnbf.update(..., differentiable=True)`` (torch.optim's name for it).
+
+The step of every rule written in differentiable torch ops: the rule's own pure-torch reference
+(:func:`bnbf.reference.step_math`, the same math the reference path runs), with no in-place write, no
+``torch.no_grad`` and no read of a value on the host. Eager autograd, ``torch.func.grad``/``vjp``/``jacrev``
+and ``jvp`` then give the true derivatives of the new params and states with respect to the params, the grads,
+the states and the hyperparameters (0-d tensors), through one step or several (TorchOpt's MetaAdam is the
+model). Only 32-bit states: an 8-bit state is rounded to codes, which have no derivative.
+
+The computation runs in the params' dtype promoted to at least float32, so float64 params with float64 state
+(``torch.func``/``gradcheck`` style) are stepped in float64 throughout.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from bnbf._host_checks import (
+    _check_present,
+    _check_step,
+    _flatten,
+    _hparams_traced,
+    _names,
+    _unflatten,
+    check_update_options,
+)
+from bnbf.reference import step_math
+from bnbf.rules import get_rule
+from bnbf.state import is_state
+
+_FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_STATE_FLOATS = (torch.float32, torch.float64)
+
+
+def update(
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: Any = 0.0,
+    maximize: bool = False,
+) -> tuple[Any, Any]:
+    """:func:`bnbf.update` with ``differentiable=True``: the same step as new tensors that keep their history.
+
+    Args:
+        param: a tensor or pytree of tensors (float16, bfloat16, float32 or float64).
+        grad: gradients in the same structure, each of its param's shape, dtype and device.
+        state: 32-bit states from :func:`bnbf.init_state` (``OptimSpec(state_bits=32)``), same structure;
+            their fields may be float64 (e.g. ``tree_map(torch.Tensor.double, state)``) for float64 params.
+        hparams: a mapping with torch.optim's names or the rule's hparams dataclass; Python numbers or 0-d
+            tensors, which may require grad (meta-gradients).
+        step: 1-based index of this update (int or 0-d integer tensor).
+        skip_zeros, max_unorm, maximize: as for :func:`bnbf.update`.
+
+    Returns:
+        ``(new_param, new_state)``: new tensors in the inputs' structures, params in their dtypes, state fields
+        in theirs; differentiable with respect to every tensor input.
+
+    Example:
+        >>> p = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        >>> lr = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+        >>> s = bnbf.init_state(torch.ones(3), bnbf.OptimSpec(rule="sgd", state_bits=32))
+        >>> p2, _ = bnbf.update(p, torch.ones(3, dtype=torch.float64), s, {"lr": lr}, 1, differentiable=True)
+        >>> torch.autograd.grad(p2.sum(), lr)[0]
+        tensor(-3., dtype=torch.float64)
+    """
+    params, p_spec = _flatten(param)
+    grads, g_spec = _flatten(grad)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    if not params:
+        raise ValueError("update needs at least one tensor")
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    if s_spec != p_spec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    names = _names(param) if len(params) > 1 or p_spec != "leaf" else [""]
+    for name, p, g, s in zip(names, params, grads, states):
+        _check_leaf(name, p, g, s)
+    rules = {type(s).layout.rule for s in states}
+    if len(rules) != 1:
+        raise ValueError(f"the states are for several rules ({sorted(rules)}); one call steps one rule")
+    rule = get_rule(rules.pop())
+    checked, h = _make_hparams(rule, hparams)
+    _check_present(rule, checked, states)
+    _check_step(step)
+    clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
+    scalars = rule.scalars(h, step)
+    new_params, new_states = [], []
+    for p, g, s in zip(params, grads, states):
+        dt = torch.promote_types(p.dtype, torch.float32)
+        sc = rule.scalar_names(*(_as(v, dt, p.device) for v in scalars))
+        slots = [j for j in range(len(rule.states)) if (type(s).layout.present >> j) & 1]
+        values: list = [None] * len(rule.states)
+        for j, field in zip(slots, s):
+            values[j] = field.to(dt)
+        g = g.to(dt)
+        if maximize:
+            g = -g
+        new_p, out, finite = step_math(
+            rule, p.to(dt), g, values, sc, _as(max_unorm, dt, p.device), _as(h.lr, dt, p.device), skip_zeros, clip
+        )
+        new_params.append(new_p.to(p.dtype))
+        # a non-finite gradient element zeroes its states (as the kernels and the reference path)
+        fields = [torch.where(finite, out[j], torch.zeros_like(out[j])).to(f.dtype) for j, f in zip(slots, s)]
+        new_states.append(type(s)._make(fields))
+    return _unflatten(new_params, p_spec), _unflatten(new_states, p_spec)
+
+
+def _as(v: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """A scalar as a 0-d tensor of the compute dtype (a tensor keeps its history)."""
+    if isinstance(v, Tensor):
+        return v.to(device=device, dtype=dtype).reshape(())
+    return torch.scalar_tensor(v, dtype=dtype, device=device)  # a traced SymFloat too, unread
+
+
+def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
+    if not isinstance(p, Tensor) or p.dtype not in _FLOATS or p.layout != torch.strided:
+        got = f"{p.dtype} {p.layout}" if isinstance(p, Tensor) else type(p).__name__
+        raise TypeError(f"param{name} must be a dense float16, bfloat16, float32 or float64 tensor, got {got}")
+    if not isinstance(g, Tensor) or g.layout != torch.strided:
+        raise TypeError(f"grad{name} must be a dense tensor, got {type(g).__name__}")
+    if g.shape != p.shape:
+        raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+    if g.dtype != p.dtype:
+        raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    if g.device != p.device:
+        raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+    if not is_state(s):
+        raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+    layout = type(s).layout
+    if layout.quantized:
+        raise ValueError(
+            f"state{name} is 8-bit: differentiable=True needs 32-bit state (OptimSpec(state_bits=32)); 8-bit "
+            "states are rounded to codes, which have no gradient"
+        )
+    for field, t in zip(type(s)._fields, s):
+        if not isinstance(t, Tensor) or tuple(t.shape) != tuple(p.shape) or t.dtype not in _STATE_FLOATS:
+            got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+            raise ValueError(
+                f"state{name}.{field} does not fit the param: expected float32 or float64 {tuple(p.shape)}, got {got}"
+            )
+        if t.device != p.device:
+            raise ValueError(f"state{name}.{field} is on {t.device} but the param is on {p.device}")
+
+
+def _detached(v: Any) -> Any:
+    if isinstance(v, Tensor):
+        return v.detach()
+    if type(v) is tuple:
+        return tuple(map(_detached, v))
+    return v
+
+
+def _make_hparams(rule: Any, hparams: Any) -> tuple[Any, Any]:
+    """The rule's hparams validated on detached values (reading a value of a tensor that requires grad warns),
+    and the same holding the caller's tensors, so derivatives reach them."""
+    if torch.compiler.is_compiling():  # traced: the values stay graph inputs, unread (see _prepare_traced)
+        h = _hparams_traced(rule, hparams)
+        return h, h
+    if hparams is None or dataclasses.is_dataclass(hparams) or not isinstance(hparams, Mapping):
+        h = rule.make_hparams(hparams)
+        return h, h
+    items = dict(hparams)
+    checked = rule.make_hparams({k: _detached(v) for k, v in items.items()})
+    h = copy.copy(checked)
+    for k, v in items.items():
+        object.__setattr__(h, k, v)  # the frozen dataclass, checked, with the caller's values
+    return checked, h
+
+
+def update_(
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: Any = 0.0,
+    maximize: bool = False,
+) -> tuple[Any, Any]:
+    """:func:`bnbf.update_` with ``differentiable=True``: torch.optim's differentiable in-place step.
+
+    The step of :func:`update` on clones of the inputs, written into the params and the state fields with
+    ``copy_``, which autograd records: the params and states afterwards carry the step's history, as after a
+    ``torch.optim`` step with ``differentiable=True``. As there, a param that is a leaf requiring grad cannot be
+    written in place under grad mode (torch's error); step a non-leaf (e.g. ``p = p0.clone()``) or a
+    ``torch.func.functional_call`` copy.
+
+    Args:
+        param, grad, state, hparams, step, skip_zeros, max_unorm, maximize: as for :func:`update`.
+
+    Returns:
+        ``(param, state)``, the same objects, written.
+
+    Example:
+        >>> p0 = torch.ones(3, dtype=torch.float64, requires_grad=True)
+        >>> p = p0.clone()  # a non-leaf: written in place, with its history
+        >>> s = bnbf.init_state(torch.ones(3), bnbf.OptimSpec(rule="sgd", state_bits=32))
+        >>> _ = bnbf.update_(p, 2 * p, s, {"lr": 0.1}, 1, differentiable=True)  # p = p0 - 0.1 * 2 * p0
+        >>> torch.autograd.grad(p.sum(), p0)[0]
+        tensor([0.8000, 0.8000, 0.8000], dtype=torch.float64)
+    """
+    clone = lambda t: t.clone() if isinstance(t, Tensor) else t
+    params, p_spec = _flatten(param)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    copies_p = _unflatten([clone(p) for p in params], p_spec)
+    copies_s = _unflatten([type(s)._make(map(clone, s)) if is_state(s) else s for s in states], s_spec)
+    new_p, new_s = update(
+        copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+    )
+    for p, n in zip(params, _flatten(new_p)[0]):
+        p.copy_(n)
+    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
+        for a, b in zip(s, n):
+            a.copy_(b)
+    return param, state

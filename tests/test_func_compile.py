@@ -1,0 +1,180 @@
+"""``torch.compile(fullgraph=True)`` of a whole training step through ``bnbf.update`` and ``bnbf.update_``.
+
+A graph break fails the test (fullgraph=True raises on one, and Dynamo's break counter must stay empty); the
+graphs are counted with a CompileCounter backend: hyperparameters and the step as 0-d tensors that change
+every call compile once; as Python numbers they compile once with ``dynamic=True``, and with Dynamo's default
+(automatic dynamic: a number is a constant at the first compile, an input from the first change on) at most
+twice, never again after the second call. Results equal the eager step bit for bit (the CompileCounter
+backend runs the traced graph as it is, aot_eager functionalizes the in-place op). Runs on the reference path
+and under ``TRITON_INTERPRET=1`` (the custom ops then launch the Triton kernels in the interpreter).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+from torch.func import grad_and_value
+from torch.utils._pytree import tree_leaves, tree_map
+
+import bnbf
+
+
+def _loss(p, x):
+    return ((x @ p["w"] + p["b"]) ** 2).mean()
+
+
+def _pure_step(params, state, x, lr, t):
+    g, loss = grad_and_value(_loss)(params, x)
+    params, state = bnbf.update(params, g, state, {"lr": lr, "weight_decay": 0.01}, t)
+    return params, state, loss
+
+
+def _in_place_step(params, state, x, lr, t):
+    g, loss = grad_and_value(_loss)(params, x)
+    bnbf.update_(params, g, state, {"lr": lr, "weight_decay": 0.01}, t)
+    return params, state, loss
+
+
+STEPS = {"update": _pure_step, "update_": _in_place_step}
+
+
+def _run(fn, bits: int, numbers: str, calls: int = 4, device: str = "cpu"):
+    torch.manual_seed(0)
+    params = {"w": torch.randn(37, 9, device=device), "b": torch.randn(9, device=device)}  # 333, 9: partial blocks
+    x = torch.randn(5, 37, device=device)
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0))
+    for t in range(1, calls + 1):
+        lr, step = 1e-2 / t, t
+        if numbers == "tensors":
+            lr, step = torch.tensor(lr, device=device), torch.tensor(step, device=device)
+        params, state, _ = fn(params, state, x, lr, step)
+    return params, state
+
+
+def _equal(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True))
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_tensor_hparams_compile_once(kind, device):
+    cnt = CompileCounter()
+    compiled = torch.compile(STEPS[kind], fullgraph=True, backend=cnt)
+    got = _run(compiled, 8, "tensors", device=device)
+    assert cnt.frame_count == 1
+    assert _equal(got, _run(STEPS[kind], 8, "tensors", device=device))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA graph of the step")
+@pytest.mark.parametrize("kind", list(STEPS))
+def test_inductor_on_cuda_matches_eager(kind):
+    """Inductor compiles the loss and its grads (its own kernels round otherwise than eager torch); the step is
+    the opaque op, so the params match the eager loop closely, and one graph serves every call."""
+    cnt = torch._dynamo.utils.counters
+    compiled = torch.compile(STEPS[kind], fullgraph=True)
+    got = _run(compiled, 32, "tensors", device="cuda")
+    assert cnt["stats"]["unique_graphs"] == 1
+    torch.testing.assert_close(got[0], _run(STEPS[kind], 32, "tensors", device="cuda")[0], rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("dynamic", [None, True], ids=["default", "dynamic"])
+def test_python_numbers(dynamic):
+    """With ``dynamic=True`` one compile. Dynamo's default (automatic dynamic) takes the numbers as constants
+    at the first compile and as inputs from the first change on: two compiles, then none, whatever the values
+    (bnbf reads none of them while tracing)."""
+    cnt = CompileCounter()
+    compiled = torch.compile(_in_place_step if dynamic else _pure_step, fullgraph=True, backend=cnt, dynamic=dynamic)
+    got = _run(compiled, 32, "numbers", calls=5)
+    assert cnt.frame_count == (1 if dynamic else 2)
+    assert _equal(got, _run(_in_place_step if dynamic else _pure_step, 32, "numbers", calls=5))
+
+
+def test_aot_eager_functionalizes_the_in_place_step():
+    compiled = torch.compile(_in_place_step, fullgraph=True, backend="aot_eager")
+    assert _equal(_run(compiled, 8, "tensors", calls=2), _run(_in_place_step, 8, "tensors", calls=2))
+
+
+def test_a_traced_step_still_refuses_bad_input():
+    """The trace raises where eager raises (fullgraph=True reports it as Dynamo's "Observed exception" with
+    the message; without fullgraph the frame falls back to eager, which raises the error itself)."""
+    params = {"w": torch.randn(4, 3)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    bad_hparams = lambda p, g, s: bnbf.update(p, g, s, {"lr": 0.1, "bogus": 1.0}, 1)
+    with pytest.raises(Exception, match="unknown hyperparameters for rule 'adamw'"):
+        torch.compile(bad_hparams, fullgraph=True)(params, {"w": torch.randn(4, 3)}, state)
+    with pytest.raises(Exception, match="has shape"):
+        torch.compile(lambda p, g, s: bnbf.update(p, g, s, {"lr": 0.1}, 1), fullgraph=True)(
+            params, {"w": torch.randn(3, 4)}, state
+        )
+
+
+def test_plan_step_compiles_without_a_break():
+    """A plan's step traced by torch.compile takes the generic path (bnbf_nn's compiled step goes through it)."""
+    torch.manual_seed(0)
+    params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    twin_p, twin_s = tree_map(torch.clone, (params, state))
+    grads = [{k: torch.randn_like(v) for k, v in params.items()} for _ in range(3)]
+    opt, twin = bnbf.plan(params, state), bnbf.plan(twin_p, twin_s)
+    cnt = CompileCounter()
+    step = torch.compile(lambda g, lr, t: opt.step(g, {"lr": lr}, t), fullgraph=True, backend=cnt)
+    for t in (1, 2, 3):
+        step(grads[t - 1], torch.tensor(1e-2 / t), torch.tensor(t))
+        twin.step(grads[t - 1], {"lr": torch.tensor(1e-2 / t)}, torch.tensor(t))
+    assert cnt.frame_count == 1
+    assert _equal((params, state), (twin_p, twin_s))
+
+
+def test_fake_tensors_never_reach_a_kernel():
+    """Under FakeTensorMode (what tracers use) the step takes the op's fake implementation: outputs of the
+    right types, shapes and dtypes, no kernel launched and no address read."""
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    params = {"w": torch.randn(300), "b": torch.randn(7)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    with FakeTensorMode() as mode:
+        fp, fg, fs = tree_map(mode.from_tensor, (params, grads, state))
+        new_p, new_s = bnbf.update(fp, fg, fs, {"lr": 0.1}, 1)
+        bnbf.update_(fp, fg, fs, {"lr": torch.tensor(0.1)}, 2)
+    assert all(isinstance(t, FakeTensor) for t in tree_leaves((new_p, new_s)))
+    assert [(t.shape, t.dtype) for t in tree_leaves(new_s)] == [(t.shape, t.dtype) for t in tree_leaves(state)]
+
+
+def test_a_compiled_meta_gradient_through_differentiable_steps():
+    """torch.func.grad of a loss after two ``update(..., differentiable=True)`` steps, compiled whole: one graph
+    for every lr and step, equal to the eager meta-gradient."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=gen)
+    y = x @ torch.randn(4, generator=gen)
+    p0 = torch.randn(4, generator=gen)
+    s0 = bnbf.init_state(p0, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    loss = lambda p: ((x @ p - y) ** 2).mean()
+
+    def meta(lr, t):
+        p, s = p0, s0
+        for k in range(2):
+            p, s = bnbf.update(p, torch.func.grad(loss)(p), s, {"lr": lr}, t + k, differentiable=True)
+        return loss(p)
+
+    cnt = CompileCounter()
+    compiled = torch.compile(torch.func.grad(meta), fullgraph=True, backend=cnt)
+    for t in (1, 3):
+        lr = torch.tensor(0.05 / t)
+        got, want = compiled(lr, torch.tensor(t)), torch.func.grad(meta)(lr, torch.tensor(t))
+        assert want != 0
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    assert cnt.frame_count == 1

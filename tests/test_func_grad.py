@@ -1,0 +1,374 @@
+"""Derivatives through the step: ``bnbf.update(..., differentiable=True)``, and a clear error otherwise.
+
+- Without ``differentiable=True`` (and for 8-bit state, or ``update_``, always) every way of asking for a
+  derivative through the step raises RuntimeError naming the option: eager autograd, torch.func's grad, vjp,
+  jacrev and jvp, and forward-mode duals; never a silent zero. Normal loops are not affected: leaves that
+  require grad stepped under ``torch.no_grad()`` and ``update_`` of ``nn.Parameter`` leaves.
+- With it (plain torch on every path, so in the plain pass only), for every row of the optimizer table
+  (every registered rule, tests/optim_table.py): derivatives of two steps with respect to the param, both
+  grads, the states and every float hyperparameter (0-d float64 tensors) checked against finite differences in
+  float64 by ``torch.autograd.gradcheck`` (reverse and forward mode), torch.func's grad and jvp equal to those,
+  a meta-gradient through a three-step training loop against central differences, and the float32 step equal
+  bit for bit to the non-differentiable reference step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+from conftest import triton_mode
+from optim_table import ROW_IDS, ROWS
+from torch.utils._pytree import tree_map
+
+import bnbf
+
+F64 = torch.float64
+# the differentiable step is plain torch on every path: the interpreter pass would run the same code again
+_plain_only = pytest.mark.skipif(triton_mode(), reason="plain torch on every path; runs in the plain pass")
+
+
+def _float_fields(rule, hp: dict) -> dict:
+    """The rule's hparams from the row, with weight decay switched on and every float field (and each float of
+    a tuple) a 0-d float64 tensor requiring grad: the inputs a meta-gradient is taken with respect to."""
+    h = dict(hp)
+    if "weight_decay" in {f.name for f in dataclasses.fields(rule.hparams)}:
+        h["weight_decay"] = 0.03
+    full = dataclasses.asdict(rule.make_hparams(h))
+    out = {}
+    for k, v in full.items():
+        if type(v) is float and v != 0.0:
+            out[k] = _tensor(v)
+        elif type(v) is tuple and all(type(x) is float for x in v):
+            out[k] = tuple(map(_tensor, v))
+        else:
+            out[k] = v  # a flag, a step count, or 0.0 (which may decide the state slots; a difference would leave
+            # the valid range)
+    return out
+
+
+def _tensor(v: float) -> torch.Tensor:
+    # finite differences step 1e-6: eps-like values raised to 1e-3 stay valid (and matter) on both sides
+    return torch.tensor(max(v, 1e-3), dtype=F64, requires_grad=True)
+
+
+def _leaves(hp: dict) -> list:
+    return [t for v in hp.values() for t in (v if type(v) is tuple else (v,)) if isinstance(t, torch.Tensor)]
+
+
+def _rebuild(hp: dict, values: list) -> dict:
+    it = iter(values)
+    out = {}
+    for k, v in hp.items():
+        if type(v) is tuple and v and isinstance(v[0], torch.Tensor):
+            out[k] = tuple(next(it) for _ in v)
+        elif isinstance(v, torch.Tensor):
+            out[k] = next(it)
+        else:
+            out[k] = v
+    return out
+
+
+def _state64(row, hp: dict, n: int):
+    plain = lambda x: float(x.detach()) if isinstance(x, torch.Tensor) else x
+    detached = {k: (tuple(map(plain, v)) if type(v) is tuple else plain(v)) for k, v in hp.items()}
+    s = bnbf.init_state(torch.zeros(n), bnbf.OptimSpec(rule=row.name, state_bits=32), detached)
+    return tree_map(lambda t: t.double(), s), detached
+
+
+def _two_steps(row, hp: dict, n: int = 3):
+    """f(p, g1, g2, *states, *hparams) -> (p after two steps, *its states), and the inputs (float64)."""
+    state, _ = _state64(row, hp, n)
+    gen = torch.Generator().manual_seed(hash(row.id) % 2**31)
+    p = torch.randn(n, generator=gen, dtype=F64)
+    g1, g2 = (torch.randn(n, generator=gen, dtype=F64) for _ in range(2))
+    # a nonzero state, so its derivative is not taken at the kinks of a zero second moment
+    s0 = [(torch.rand(n, generator=gen, dtype=F64) + 0.5) * 0.1 for _ in state]
+    hps = _leaves(hp)
+
+    def f(p, g1, g2, *rest):
+        st = type(state)._make(rest[: len(s0)])
+        h = _rebuild(hp, list(rest[len(s0) :]))
+        p1, s1 = bnbf.update(p, g1, st, h, 1, differentiable=True)
+        p2, s2 = bnbf.update(p1, g2, s1, h, 2, differentiable=True)
+        return (p2, *s2)
+
+    inputs = [x.requires_grad_() for x in (p, g1, g2, *s0)] + hps
+    return f, inputs, 3 + len(s0)
+
+
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_gradcheck_two_steps(row):
+    """Reverse and forward mode against finite differences (float64), w.r.t. every input."""
+    rule = bnbf.RULES[row.name]
+    hp = _float_fields(rule, row.hparams)
+    f, inputs, _ = _two_steps(row, hp)
+    assert torch.autograd.gradcheck(f, inputs, check_forward_ad=True, check_batched_grad=False)
+
+
+def test_every_rule_has_a_row():
+    assert {r.name for r in ROWS} == set(bnbf.RULES)
+
+
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_func_grad_and_jvp_equal_autograd(row):
+    """torch.func.grad (w.r.t. the param and the hyperparameters) and torch.func.jvp equal eager autograd,
+    which gradcheck tied to finite differences."""
+    rule = bnbf.RULES[row.name]
+    hp = _float_fields(rule, row.hparams)
+    f, inputs, first_hp = _two_steps(row, hp)
+    weight = torch.linspace(0.5, 1.5, inputs[0].numel(), dtype=F64)
+    scalar = lambda *xs: (f(*xs)[0] * weight).sum()
+    expected = torch.autograd.grad(scalar(*inputs), inputs, allow_unused=True)
+    expected = [torch.zeros_like(x) if e is None else e for x, e in zip(inputs, expected)]
+    plain = [x.detach() for x in inputs]
+    argnums = (0, *range(first_hp, len(plain)))  # the param and the hyperparameters
+    got = torch.func.grad(scalar, argnums=argnums)(*plain)
+    for i, gi in zip(argnums, got):
+        torch.testing.assert_close(gi, expected[i], rtol=1e-10, atol=1e-12)
+    tangents = [torch.linspace(-1, 1, x.numel(), dtype=F64).reshape(x.shape) for x in plain]
+    _, jv = torch.func.jvp(scalar, tuple(plain), tuple(tangents))
+    torch.testing.assert_close(jv, sum((e * t).sum() for e, t in zip(expected, tangents)), rtol=1e-10, atol=1e-12)
+
+
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_meta_gradient_of_lr_through_training(row):
+    """d(loss after 3 steps)/d(lr), the grads taken by torch.func.grad inside the loop, against a central
+    difference of the whole loop in float64."""
+    rule = bnbf.RULES[row.name]
+    base = {k: (tuple(float(x) for x in v) if type(v) is tuple else v) for k, v in row.hparams.items()}
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 4, generator=gen, dtype=F64)
+    y = x @ torch.randn(4, generator=gen, dtype=F64)
+    p0 = torch.randn(4, generator=gen, dtype=F64)
+    loss = lambda p: ((x @ p - y) ** 2).mean()
+    s0 = tree_map(
+        lambda t: t.double(), bnbf.init_state(torch.zeros(4), bnbf.OptimSpec(rule=row.name, state_bits=32), base)
+    )
+    lr0 = float(rule.make_hparams(base).lr)
+
+    def run(lr):
+        p, s = p0, s0
+        for t in (1, 2, 3):
+            p, s = bnbf.update(p, torch.func.grad(loss)(p), s, {**base, "lr": lr}, t, differentiable=True)
+        return loss(p)
+
+    got = torch.func.grad(run)(torch.tensor(lr0, dtype=F64))
+    h = lr0 * 1e-4
+    fd = (run(torch.tensor(lr0 + h, dtype=F64)) - run(torch.tensor(lr0 - h, dtype=F64))) / (2 * h)
+    assert got != 0
+    torch.testing.assert_close(got, fd, rtol=1e-5, atol=1e-9)
+
+
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_float32_equals_the_reference_step(row):
+    """In float32 the differentiable step is the reference path's step, bit for bit (one implementation)."""
+    if bnbf.use_triton(torch.zeros(1)):
+        pytest.skip("the plain reference path runs only without TRITON_INTERPRET")
+    gen = torch.Generator().manual_seed(2)
+    p = {n: torch.randn(*shape, generator=gen) for n, shape in (("a", (3, 5)), ("b", (257,)))}
+    g = {n: torch.randn(t.shape, generator=gen) for n, t in p.items()}
+    g["b"][3] = float("nan")
+    state = bnbf.init_state(p, bnbf.OptimSpec(rule=row.name, state_bits=32), row.hparams)
+    for step in (1, 2):
+        want = bnbf.update(p, g, state, row.hparams, step)
+        got = bnbf.update(p, g, state, row.hparams, step, differentiable=True)
+        for a, b in zip(torch.utils._pytree.tree_leaves(want), torch.utils._pytree.tree_leaves(got)):
+            assert torch.equal(a, b)
+        p, state = want
+
+
+# torch.optim's own differentiable steps, where they are a faithful reference: its SGD with momentum detaches
+# the first momentum buffer (grad.detach().clone(), so its derivative misses the first grad's dependence; ours
+# is checked against finite differences above), and its amsgrad and centered RMSprop steps raise ("modified by
+# an inplace operation") when the grads depend on the params
+TORCH_DIFFERENTIABLE = [
+    "adam",
+    "adamw",
+    "sgd-plain",
+    "rmsprop-plain",
+    "rmsprop-momentum",
+    "adagrad-plain",
+    "adagrad-decay",
+]
+
+
+@_plain_only
+@pytest.mark.parametrize("row", [r for r in ROWS if r.id in TORCH_DIFFERENTIABLE], ids=str)
+def test_in_place_differentiable_matches_torch_optim(row):
+    """``update_(..., differentiable=True)`` is torch.optim's ``differentiable=True``: three in-place steps with
+    grads that depend on the params, d(loss)/d(initial params) (and d/d(lr) where torch takes a tensor lr) equal
+    to torch.optim's, all in float64."""
+    gen = torch.Generator().manual_seed(3)
+    p0 = torch.randn(5, generator=gen, dtype=F64, requires_grad=True)
+    grads = [torch.randn(5, generator=gen, dtype=F64) for _ in range(3)]
+    w = torch.randn(5, generator=gen, dtype=F64)
+    tensor_lr = row.name.startswith("adam")  # torch's RMSprop and Adagrad take no tensor lr here
+    lr = torch.tensor(0.01, dtype=F64, requires_grad=True) if tensor_lr else 0.01
+    hp = {k: v for k, v in row.hparams.items() if k != "lr"}
+    wrt = (p0, lr) if tensor_lr else (p0,)
+
+    p = p0.clone()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(F64)  # torch.optim then counts steps in float64 (else its bias corrections are float32)
+    try:
+        opt = row.torch_cls([p], lr=lr, differentiable=True, **hp, **row.torch_kwargs)
+        for g in grads:
+            p.grad = g + 0.5 * p
+            opt.step()
+    finally:
+        torch.set_default_dtype(default)
+    want = torch.autograd.grad((p * w).sum(), wrt)
+
+    q = p0.clone()
+    s32 = bnbf.init_state(torch.zeros(5), bnbf.OptimSpec(rule=row.name, state_bits=32), row.hparams)
+    rule = bnbf.RULES[row.name]
+    # the initial values in float64 (Adagrad's initial_accumulator_value=0.1 in float32 is 1.5e-9 off)
+    initial = [v for v, keep in zip(rule.initial_values(rule.make_hparams(row.hparams)), _kept(type(s32))) if keep]
+    state = type(s32)._make(torch.full((5,), float(v), dtype=F64) for v in initial)
+    for t, g in enumerate(grads, 1):
+        bnbf.update_(q, g + 0.5 * q, state, {**hp, "lr": lr}, t, differentiable=True)
+    torch.testing.assert_close(q, p, rtol=1e-12, atol=1e-14)
+    for a, b in zip(torch.autograd.grad((q * w).sum(), wrt), want):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+def _kept(state_class) -> list[bool]:
+    return [bool((state_class.layout.present >> j) & 1) for j in range(len(bnbf.RULES[state_class.layout.rule].states))]
+
+
+# ---- refusals -----------------------------------------------------------------------------------------------
+
+
+def _setup(bits: int = 32):
+    p = torch.randn(300)
+    g = torch.randn(300)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0))
+    return p, g, s
+
+
+ASKS = {
+    "eager lr": lambda p, g, s, up: up(p, g, s, {"lr": torch.tensor(0.1, requires_grad=True)}, 1),
+    "eager beta": lambda p, g, s, up: up(p, g, s, {"betas": (torch.tensor(0.9, requires_grad=True), 0.99)}, 1),
+    "eager grad": lambda p, g, s, up: up(p, g.clone().requires_grad_(), s, {"lr": 0.1}, 1),
+    "eager param with history": lambda p, g, s, up: up(p.clone().requires_grad_() * 1.0, g, s, {"lr": 0.1}, 1),
+    "func.grad lr": lambda p, g, s, up: torch.func.grad(lambda lr: up(p, g, s, {"lr": lr}, 1)[0].sum())(
+        torch.tensor(0.1)
+    ),
+    "func.grad param": lambda p, g, s, up: torch.func.grad(lambda q: up(q, g, s, {"lr": 0.1}, 1)[0].sum())(p.clone()),
+    "func.grad grad": lambda p, g, s, up: torch.func.grad(lambda q: up(p, q, s, {"lr": 0.1}, 1)[0].sum())(g),
+    "func.vjp param": lambda p, g, s, up: torch.func.vjp(lambda q: up(q, g, s, {"lr": 0.1}, 1)[0], p.clone()),
+    "func.jacrev lr": lambda p, g, s, up: torch.func.jacrev(lambda lr: up(p, g, s, {"lr": lr}, 1)[0])(
+        torch.tensor(0.1)
+    ),
+    "func.jvp lr": lambda p, g, s, up: torch.func.jvp(
+        lambda lr: up(p, g, s, {"lr": lr}, 1)[0], (torch.tensor(0.1),), (torch.tensor(1.0),)
+    ),
+    "func.jvp param": lambda p, g, s, up: torch.func.jvp(lambda q: up(q, g, s, {"lr": 0.1}, 1)[0], (p.clone(),), (g,)),
+    "forward-AD dual lr": lambda p, g, s, up: _dual(lambda lr: up(p, g, s, {"lr": lr}, 1)),
+}
+
+
+def _dual(fn):
+    import torch.autograd.forward_ad as fwAD
+
+    with fwAD.dual_level():
+        return fn(fwAD.make_dual(torch.tensor(0.1), torch.tensor(1.0)))
+
+
+def _in_place(p, g, s, h, step, **kw):
+    return bnbf.update_(p, g, s, h, step, **kw)
+
+
+@pytest.mark.parametrize("bits", [32, 8])
+@pytest.mark.parametrize("pure", [True, False], ids=["update", "update_"])
+@pytest.mark.parametrize("ask", list(ASKS))
+def test_asking_for_a_gradient_raises(ask, pure, bits):
+    if ask == "eager grad" and not pure:
+        pytest.skip("update_ detaches grads that require grad, as torch.optim does (test_update__detaches_grads)")
+    p, g, s = _setup(bits)
+    before = [t.clone() for t in (p, g, *s)]
+    up = bnbf.update if pure else _in_place
+    with pytest.raises(RuntimeError, match="not differentiable") as info:
+        ASKS[ask](p, g, s, up)
+    msg = str(info.value)
+    assert "differentiable=True" in msg
+    if bits == 8:
+        assert "32-bit" in msg
+    if not pure:
+        assert "update_" in msg
+    for a, b in zip(before, (p, g, *s)):  # nothing written
+        assert torch.equal(a, b)
+
+
+def test_update__detaches_grads():
+    """Grads that require grad (``backward(create_graph=True)``) are stepped detached by ``update_``, as by
+    torch.optim's steps: the same result as detached grads."""
+    p, g, s = _setup(8)
+    p2, s2 = p.clone(), tuple(t.clone() for t in s)
+    bnbf.update_(p, g.clone().requires_grad_(), s, {"lr": 0.1}, 1)
+    bnbf.update_(p2, g, type(s)._make(s2), {"lr": 0.1}, 1)
+    assert torch.equal(p, p2) and all(torch.equal(a, b) for a, b in zip(s, s2))
+
+
+def test_a_leaf_param_is_refused_by_the_pure_step_under_grad_mode():
+    p, g, s = _setup()
+    with pytest.raises(RuntimeError, match="param takes part in a gradient computation"):
+        bnbf.update(p.clone().requires_grad_(), g, s, {"lr": 0.1}, 1)
+
+
+def test_normal_loops_keep_working():
+    """Leaves requiring grad under no_grad (pure and in place), update_ of nn.Parameters with grad mode on,
+    0-d tensor hyperparameters that do not require grad."""
+    p, g, s = _setup()
+    leaf = torch.nn.Parameter(p.clone())
+    with torch.no_grad():
+        new, _ = bnbf.update(leaf, g, s, {"lr": torch.tensor(0.1)}, 1)
+    assert not new.requires_grad
+    s8 = bnbf.init_state(leaf, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    params = {"w": leaf}
+    bnbf.update_(params, {"w": g}, {"w": s8}, {"lr": 0.1}, 1)  # grad mode on
+    bnbf.update_(params, {"w": g}, {"w": s8}, {"lr": torch.tensor(0.1)}, 2)
+    opt = bnbf.plan(params, {"w": s8})
+    opt.step({"w": g}, {"lr": torch.tensor(0.1)}, 3)
+    assert leaf.requires_grad and leaf.is_leaf and not torch.equal(leaf, p)
+    with torch.no_grad():
+        bnbf.update_(params, {"w": g}, {"w": s8}, {"lr": torch.tensor(0.1, requires_grad=True)}, 4)
+
+
+def test_plan_refuses_a_hyperparameter_that_requires_grad():
+    p, g, s = _setup(8)
+    opt = bnbf.plan([p], [s])
+    before = p.clone()
+    with pytest.raises(RuntimeError, match="lr takes part"):
+        opt.step([g], {"lr": torch.tensor(0.1, requires_grad=True)}, 1)
+    assert torch.equal(p, before)
+
+
+def test_differentiable_refusals():
+    p, g, s8 = _setup(8)
+    with pytest.raises(ValueError, match="differentiable=True needs 32-bit state"):
+        bnbf.update(p, g, s8, {"lr": 0.1}, 1, differentiable=True)
+    with pytest.raises(ValueError, match="differentiable=True needs 32-bit state"):
+        bnbf.update_(p, g, s8, {"lr": 0.1}, 1, differentiable=True)
+    p, g, s = _setup()
+    leaf = p.clone().requires_grad_()
+    with pytest.raises(RuntimeError, match="leaf Variable that requires grad"):  # torch's own error, as torch.optim
+        bnbf.update_(leaf, g, s, {"lr": 0.1}, 1, differentiable=True)
+    with pytest.raises(TypeError, match="differentiable must be a bool"):
+        bnbf.update(p, g, s, {"lr": 0.1}, 1, differentiable=1)
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+        bnbf.update(p, g, s, {"lr": torch.tensor(-1.0, requires_grad=True)}, 1, differentiable=True)
+
+
+def test_the_docstring_examples_run():
+    import doctest
+
+    import bnbf.differentiable
+
+    failed, tried = doctest.testmod(bnbf.differentiable, extraglobs={"torch": torch, "bnbf": bnbf})
+    assert failed == 0 and tried > 0

@@ -1,0 +1,123 @@
+"""CUDA-graph capture of ``bnbf.update_`` (GPU only: skipped without CUDA).
+
+With the step and the hyperparameters as 0-d tensors on the device, a captured step replayed N times, with lr,
+the step and the grads changed between replays, equals N eager steps bit for bit (the same kernels read the
+same values). What cannot be captured raises while capturing, and writes nothing: a Python-number step or lr
+(it would replay its captured value), a first step (it builds its tables from the host), grads at addresses
+the warm-up did not see, and the pure ``update`` (the generic path copies its tables from the host).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+import bnbf
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device"),
+]
+
+RULES = [("adamw", {"weight_decay": 0.01}), ("lamb", {}), ("sgd", {"momentum": 0.9})]
+
+
+def _problem(rule, hp, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(0)
+    shapes = {"w": (64, 65), "b": (257,), "one": (1,)}  # 4160 elements (partial blocks), 257, 1
+    params = {k: torch.randn(*s, generator=gen).to("cuda", dtype) for k, s in shapes.items()}
+    spec = bnbf.OptimSpec(rule=rule, state_bits=8, min_8bit_size=0)
+    state = bnbf.init_state(params, spec, hp)
+    grads = [{k: torch.randn(*s, generator=gen).to("cuda", dtype) for k, s in shapes.items()} for _ in range(6)]
+    return params, state, grads
+
+
+def _same(a, b) -> bool:
+    return all(torch.equal(x, y) for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("rule", "extra"), RULES, ids=[r for r, _ in RULES])
+def test_captured_step_replays_like_eager_steps(rule, extra, dtype):
+    params, state, grads = _problem(rule, extra, dtype)
+    eager_p, eager_s = tree_map(torch.clone, (params, state))
+    lrs = [1e-2, 5e-3, 2e-3, 1e-3, 5e-4, 2e-4]
+    lr = torch.tensor(lrs[0], device="cuda")
+    step = torch.tensor(1, device="cuda")
+    g = tree_map(torch.clone, grads[0])  # the static grads the graph reads
+    hp = {"lr": lr, **extra}
+
+    side = torch.cuda.Stream()  # warm-up (step 1) on a side stream, as torch's capture recipe
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        bnbf.update_(params, g, state, hp, step)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        bnbf.update_(params, g, state, hp, step)
+    for t in range(2, len(lrs) + 1):  # replays: steps 2..6, each with its lr and grads
+        lr.fill_(lrs[t - 1])
+        step.fill_(t)
+        for k in g:
+            g[k].copy_(grads[t - 1][k])
+        graph.replay()
+    torch.cuda.synchronize()
+
+    for t in range(1, len(lrs) + 1):  # the same steps eagerly
+        bnbf.update_(
+            eager_p,
+            grads[t - 1],
+            eager_s,
+            {"lr": torch.tensor(lrs[t - 1], device="cuda"), **extra},
+            torch.tensor(t, device="cuda"),
+        )
+    assert _same((params, state), (eager_p, eager_s))
+
+
+def _warm(rule="adamw", extra=None):
+    extra = extra or {}
+    params, state, grads = _problem(rule, extra)
+    hp = {"lr": torch.tensor(1e-3, device="cuda"), **extra}
+    step = torch.tensor(1, device="cuda")
+    bnbf.update_(params, grads[0], state, hp, step)
+    torch.cuda.synchronize()
+    return params, state, grads, hp, step
+
+
+def _refused(fn, match: str, watched) -> None:
+    before = tree_map(torch.clone, watched)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match=match), torch.cuda.graph(graph):
+        fn()
+    torch.cuda.synchronize()
+    assert _same(before, watched)
+
+
+def test_a_python_number_step_or_lr_is_refused_while_capturing():
+    params, state, grads, hp, step = _warm()
+    watched = (params, state)
+    _refused(lambda: bnbf.update_(params, grads[0], state, hp, 2), "step must be a 0-d tensor on cuda", watched)
+    _refused(lambda: bnbf.update_(params, grads[0], state, {"lr": 1e-3}, step), "lr must be a 0-d tensor", watched)
+    cpu_lr = {"lr": torch.tensor(1e-3)}
+    _refused(lambda: bnbf.update_(params, grads[0], state, cpu_lr, step), "lr must be a 0-d tensor", watched)
+
+
+def test_an_unwarmed_step_or_moved_grads_are_refused_while_capturing():
+    params, state, grads, hp, step = _warm()
+    _refused(lambda: bnbf.update_(params, grads[1], state, hp, step), "warm up with the grad tensors", (params, state))
+    fresh = tree_map(torch.clone, (params, state))
+    _refused(lambda: bnbf.update_(fresh[0], grads[0], fresh[1], hp, step), "run a step before capturing", fresh)
+
+
+def test_the_pure_update_is_refused_while_capturing():
+    params, state, grads, hp, step = _warm()
+    _refused(lambda: bnbf.update(params, grads[0], state, hp, step), "generic path", (params, state))
+
+
+def test_cpu_params_are_refused_while_capturing():
+    """CPU params are stepped on the host at capture time only: a replay would skip them."""
+    params = {"w": torch.randn(300)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {"w": torch.randn(300)}
+    _refused(lambda: bnbf.update_(params, grads, state, {"lr": 0.1}, 1), "stepped on the host", (params, state))
