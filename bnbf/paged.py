@@ -135,6 +135,7 @@ class _Driver:
 _DRIVER: _Driver | None = None
 _DRIVER_LOCK = threading.Lock()
 _LIVE: dict[int, tuple[int, int]] = {}  # base pointer -> (bytes, device) of every live managed allocation
+_FIELDS: dict[int, int] = {}  # a field storage's address -> its allocation's base pointer
 
 
 def _driver() -> _Driver:
@@ -158,6 +159,7 @@ class _Managed:
             f"cuMemAllocManaged({nbytes} bytes)",
         )
         self.ptr, self.nbytes, self.device = ptr.value, nbytes, device
+        self.fields: list[int] = []  # the field storages' addresses (_FIELDS keys)
         _LIVE[self.ptr] = (nbytes, device)
         self.__cuda_array_interface__ = {
             "shape": (nbytes,),
@@ -169,6 +171,8 @@ class _Managed:
 
     def __del__(self):
         if _LIVE is not None and _LIVE.pop(self.ptr, None) is not None:  # (None: interpreter shutdown)
+            for f in self.fields:
+                _FIELDS.pop(f, None)
             drv = _driver()
             drv.check(drv.call_in(self.device, drv.free, self.ptr), "cuMemFree")
 
@@ -197,13 +201,26 @@ def allocate(specs: Sequence[tuple[tuple[int, ...], torch.dtype]], device: torch
         offsets.append(end)
         n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
         end += -(-n // _ALIGN) * _ALIGN
-    with torch.cuda.device(index):
-        block = torch.as_tensor(_Managed(end, index), device=f"cuda:{index}")
+    owner = _Managed(end, index)
     out = []
-    for (shape, dtype), off in zip(specs, offsets):
-        n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
-        out.append(block[off : off + n].view(dtype).view(shape))
+    with torch.cuda.device(index):
+        for (shape, dtype), off in zip(specs, offsets):
+            n = _numel(shape) * torch.empty((), dtype=dtype).element_size()
+            raw = torch.as_tensor(_Field(owner, off, max(n, 1)), device=f"cuda:{index}")
+            out.append(raw[:n].view(dtype).view(shape))
     return out
+
+
+class _Field:
+    """One tensor's part of a managed allocation as a storage of its own (torch.save refuses one storage
+    viewed as two dtypes: uint8 codes beside float32 scales); it keeps the allocation alive."""
+
+    def __init__(self, owner: _Managed, offset: int, nbytes: int):
+        self.owner = owner
+        _FIELDS[owner.ptr + offset] = owner.ptr
+        owner.fields.append(owner.ptr + offset)
+        self.__cuda_array_interface__ = dict(owner.__cuda_array_interface__, shape=(nbytes,))
+        self.__cuda_array_interface__["data"] = (owner.ptr + offset, False)
 
 
 def _numel(shape: Iterable[int]) -> int:
@@ -238,8 +255,8 @@ def ranges_of(tensors: Iterable[Any]) -> list[tuple[int, int, int]]:
     seen: dict[int, tuple[int, int, int]] = {}
     for t in tensors:
         if isinstance(t, Tensor) and t.is_cuda:
-            base = t.untyped_storage().data_ptr()
-            live = _LIVE.get(base)
+            base = _FIELDS.get(t.untyped_storage().data_ptr())
+            live = None if base is None else _LIVE.get(base)
             if live is not None:
                 seen[base] = (base, live[0], live[1])
     return list(seen.values())

@@ -191,17 +191,17 @@ def check_flag(x: Any, name: str) -> None:
 
 
 def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:
-    """Pack a rule's scalars into one float32 row on ``device`` without a host synchronisation."""
+    """Pack a rule's scalars into one float32 row on ``device`` without a host synchronisation: the Python
+    numbers go up in one copy from pinned memory (a copy from pageable memory, as ``torch.tensor(x,
+    device=...)`` makes, waits for the stream), the tensors join them on the device."""
+    numbers = torch.tensor([0.0 if isinstance(v, Tensor) else float(v) for v in values], dtype=torch.float32)
+    if device.type != "cpu":
+        numbers = numbers.pin_memory().to(device, non_blocking=True)
     if not any(isinstance(v, Tensor) for v in values):
-        row = torch.tensor([float(v) for v in values], dtype=torch.float32)
-        if device.type == "cpu":
-            return row
-        return row.pin_memory().to(device, non_blocking=True)
+        return numbers
     parts = [
-        v.to(device=device, dtype=torch.float32).reshape(())
-        if isinstance(v, Tensor)
-        else torch.tensor(float(v), dtype=torch.float32, device=device)
-        for v in values
+        v.to(device=device, dtype=torch.float32).reshape(()) if isinstance(v, Tensor) else numbers[i]
+        for i, v in enumerate(values)
     ]
     return torch.stack(parts)
 
