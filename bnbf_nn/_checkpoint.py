@@ -131,9 +131,10 @@ def is_dtensor(t: Any) -> bool:
     return mod is not None and isinstance(t, mod.DTensor)
 
 
-def _distributed(stacks: tuple | None, name: str) -> Any:
+def distributed_module(stacks: tuple | None, name: str) -> Any:
     """:mod:`bnbf.distributed`, for the state of a DTensor param (imported on first use: it imports
-    torch.distributed.tensor)."""
+    torch.distributed.tensor); ``NotImplementedError`` for a family with stacked state (``stacks``, AdEMAMix's),
+    which has no sharded layout. ``name`` names the optimizer in the message."""
     if stacks:
         raise NotImplementedError(
             f"{name} on DTensor params (FSDP2) is not supported: its stacked bitsandbytes state "
@@ -150,7 +151,7 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
     creation only). A DTensor param (FSDP2) gets the state of its local shard as DTensors
     (:func:`bnbf.distributed.init_state`)."""
     if is_dtensor(param):
-        return _distributed(family.bnb_slots, family.name).init_state(param.detach(), spec, hparams)
+        return distributed_module(family.bnb_slots, family.name).init_state(param.detach(), spec, hparams)
     state = bnbf.init_state(param.detach(), spec, hparams)
     return relaid(state, family.bnb_slots, spec.paged) if family.bnb_slots else state
 
@@ -268,7 +269,7 @@ def unpack(
     if is_dtensor(param):
         # the checkpoint holds the portable form (see portable): codes of the global shape, scales of the
         # unsharded blocks; bnbf.distributed takes this shard's rows and re-expresses split blocks
-        dist = _distributed(stacks, rule.name)
+        dist = distributed_module(stacks, rule.name)
         state = dist.init_state(param.detach(), spec, hparams)
         saved = {}
         for key, kept in expected.items():

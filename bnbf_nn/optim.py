@@ -42,6 +42,13 @@ threshold: 100k elements) in CUDA managed memory (:mod:`bnbf.paged`), prefetched
 step when it fits; it is freed with the state. On the CPU it changes nothing. ``PytorchLARS`` is LARS with
 32-bit state and bitsandbytes' defaults for it.
 
+FSDP2. DTensor params (``fully_shard``) are stepped through :mod:`bnbf.distributed`: each rank keeps the
+state of its local shard, as DTensors, and steps its shards in one core call per bucket; ``state_dict()``
+(which every rank must call) writes the mesh-independent layout, so DCP's ``get_state_dict``/
+``set_state_dict`` and plain ``dcp.save``/``dcp.load`` of it load on any mesh, or unsharded
+(docs/DISTRIBUTED.md). Paged state, AdEMAMix, and norm rules the core cannot reduce across the mesh raise
+``NotImplementedError`` at step, before anything is written.
+
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
 ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's
 ``amsgrad``); ones bnbf has no rule for (LAMB's ``amsgrad=True``) raise
@@ -261,6 +268,13 @@ _BNB_NAMES = {
     "adagrad": "Adagrad",
     "lion": "Lion",
 }
+
+
+def _distributed() -> Any:
+    """:mod:`bnbf.distributed` (imported where DTensor params are met: it imports torch.distributed.tensor)."""
+    import bnbf.distributed
+
+    return bnbf.distributed
 
 
 def _check_unique(params: list) -> None:
@@ -493,10 +507,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
+        if plan.dist:  # FSDP2: what a sharded step cannot do raises here, before anything is written
+            self._check_dist(group, plan)
         for bucket in plan.buckets:
             bucket.call = self._settings(group, bucket)
             if bucket.plan is None and plan.complete and every:  # checked (and built) before any group steps
-                bucket.plan = bnbf.plan(bucket.params, bucket.states)
+                bucket.plan = bucket.make_plan()
         if not (plan.complete and every):
             checked = set()
             for p, g in zip(params, grads):
@@ -505,6 +521,17 @@ class Optimizer8bit(torch.optim.Optimizer):
                     self._check_group(group, cfg)
                     checked.add(id(cfg))
         return group, plan, grads, every
+
+    def _check_dist(self, group: dict, plan: _Buckets) -> None:
+        """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
+        AdEMAMix's stacked state, whole-tensor norms where the core cannot reduce them across the mesh)."""
+        name = type(self).__name__
+        if self.is_paged:
+            raise NotImplementedError(f"{name}: paged state (is_paged=True) of DTensor params (FSDP2) is not supported")
+        _checkpoint.distributed_module(self.family.bnb_slots, name)  # raises for a stacked state (AdEMAMix)
+        mus = {group["max_unorm"]} | {c["max_unorm"] for c in plan.configs.values() if "max_unorm" in c}
+        for mu in mus:
+            _distributed().check_step(group["params"], self._rule, mu)
 
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
@@ -553,9 +580,10 @@ class Optimizer8bit(torch.optim.Optimizer):
                 by_step: dict[int, list[int]] = defaultdict(list)
                 for k, r in enumerate(records):
                     by_step[r["step"]].append(k)
+                update_ = _distributed().update_ if bucket.dist else bnbf.update_
                 for keep in by_step.values():  # rare: bnbf.update_'s cached plans, not one kept per split
                     sub = bucket.subset(keep)
-                    bnbf.update_(
+                    update_(
                         sub.params, [grads[k] for k in keep], sub.states, call[0], sub.records[0]["step"] + 1, **call[1]
                     )
                     for r in sub.records:
@@ -563,7 +591,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 return
             bucket.uniform = True  # until a step leaves some of its params out
         if bucket.plan is None:
-            bucket.plan = bnbf.plan(bucket.params, bucket.states)
+            bucket.plan = bucket.make_plan()
         bucket.plan.step(grads, call[0], t + 1, **call[1])
         # every record's step in one C-level loop (a deque of length 0 consumes the map)
         if NATIVE is not None:
@@ -604,6 +632,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         plan = _Buckets(
             params, len(params), self.state, mng.version, made, sum(map(len, buckets.values())) == len(params), configs
         )
+        plan.dist = any(map(_checkpoint.is_dtensor, params))
         if self.is_paged:
             plan.ranges = bnbf.paged.ranges_of(t for b in made for s in b.states for t in s)
         self._plans[id(group)] = plan
@@ -650,15 +679,16 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"optimizer.state has the int keys {sorted(ints)}, which a state dict reserves for "
                 f"param indices: use other keys (strings, say)"
             )
-        for group in self.param_groups:
-            for p in group["params"]:
-                rec = self.state.get(p)
-                if rec and "state" in rec:
-                    quant = _checkpoint.pack(rec["state"], self.family.bnb_slots, group["max_unorm"])
-                    # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs
-                    # every leaf of a state entry to be a tensor to load it back
-                    step = torch.tensor(float(rec["step"]), dtype=torch.float32)
-                    state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
+        have = [(p, group) for group in self.param_groups for p in group["params"] if "state" in self.state.get(p, ())]
+        # DTensor params' states in their mesh-independent form (every rank makes this call: a collective
+        # per sharded 8-bit state), so that a checkpoint saved on one mesh loads on any other
+        portable = _checkpoint.portable([self.state[p]["state"] for p, _ in have])
+        for (p, group), st in zip(have, portable):
+            quant = _checkpoint.pack(st, self.family.bnb_slots, group["max_unorm"])
+            # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs every leaf
+            # of a state entry to be a tensor to load it back
+            step = torch.tensor(float(self.state[p]["step"]), dtype=torch.float32)
+            state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
         out = {
             "state": state,
             "param_groups": groups,
@@ -763,6 +793,15 @@ class _Bucket:
         self.states = [r["state"] for r in self.records]
         presents = {type(s).layout.present for s in self.states}
         self.present = presents.pop() if len(presents) == 1 else -1  # the state slots all of them keep
+        # DTensor params (FSDP2): decided once here, so the single-device step pays nothing for it
+        self.dist = any(map(_checkpoint.is_dtensor, self.params))
+
+    def make_plan(self) -> Any:
+        """The bucket's plan: :func:`bnbf.plan`, or :func:`bnbf.distributed.plan` for DTensor params (it
+        steps their local shards in one core call)."""
+        if self.dist:
+            return _distributed().plan(self.params, self.states)
+        return bnbf.plan(self.params, self.states)
 
     def subset(self, keep: list[int]) -> _Bucket:
         return _Bucket(
@@ -790,6 +829,7 @@ class _Buckets:
     has_grad: tuple = ()  # the grad pattern `partial` was built for (steps where some params have none)
     partial: list = dataclasses.field(default_factory=list)  # (bucket, its subset with grads)
     ranges: list = dataclasses.field(default_factory=list)  # managed allocations of paged states (bnbf.paged)
+    dist: bool = False  # some param is a DTensor (FSDP2)
 
     def valid(self, opt: Optimizer8bit, params: list) -> bool:
         return (

@@ -1,0 +1,742 @@
+"""bnbf on torch.distributed: DTensor params (FSDP2's ``fully_shard``) and checkpoints that load on any mesh.
+
+FSDP2 gives each rank its params as DTensors whose local tensor is one slice of rows (``Shard(0)``). Here
+each rank keeps the state of its local shard only, as DTensors on the param's mesh, and one call of the
+functional core steps all local shards (one fused launch per group on GPU, as on one GPU). A DTensor never
+reaches a kernel: the core sees the local tensors, whose storage a kernel can address.
+
+State of a sharded param (``W`` shards along the mesh dim that holds ``Shard(0)``):
+
+- float32 states and 8-bit codes: DTensors with the param's mesh, placements and global shape;
+- 8-bit block scales (``*_absmax``): a DTensor of global shape ``[W, blocks of the largest shard]``,
+  ``Shard(0)`` on the param's shard dim (row r: shard r's scales, zero-padded). Each shard is quantized in
+  blocks that start at its own first element, so where a shard boundary falls inside a 256-element block
+  the two pieces keep one scale each (finer than unsharded, never coarser).
+
+:func:`state_dict` turns states into a mesh-independent form for ``torch.distributed.checkpoint``: codes as
+above and, per 8-bit slot, the scales of the global blocks of the unsharded tensor (replicated, ``numel /
+block_size`` floats). Where a block is split, the pieces are re-expressed in the block's larger scale (the
+one requantization of the round trip, only in split blocks); shards that hold whole blocks save and load
+bit for bit, on any mesh. :func:`load_state_dict_` loads that form into states on any mesh, or unsharded.
+
+Per-tensor norms (LAMB, LARS, ``max_unorm``) need sums over the whole tensor: a sharded step that reads them
+sets the core's ``NORM_REDUCE`` hook to an all-reduce over the shard group, so every shard steps with the
+whole tensor's norms; a core without the hook makes such a step raise (docs/DISTRIBUTED.md).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import importlib
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
+
+import bnbf
+from bnbf.quant import quantize_state_reference, state_map
+from bnbf.rules import get_rule
+from bnbf.state import OptimSpec, is_state
+
+# where the core has it (bnbf._dispatch.NORM_REDUCE): the hook through which a step's per-tensor norm sums
+# are summed across shards; without it, sharded steps that read norms raise
+_NORM_REDUCE = getattr(importlib.import_module("bnbf._dispatch"), "NORM_REDUCE", None)
+
+__all__ = [
+    "Plan",
+    "check_step",
+    "dequantize_state",
+    "init_state",
+    "is_dtensor",
+    "load_state_dict_",
+    "plan",
+    "state_dict",
+    "update",
+    "update_",
+]
+
+
+def is_dtensor(x: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    return isinstance(x, DTensor)
+
+
+# --- where a rank's shard sits in the global tensor ---------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Shards:
+    """How a DTensor param is split: ``world`` shards along mesh dim ``mesh_dim`` (None: replicated), this
+    rank's shard ``index``, and per shard its first element and element count in the flattened tensor."""
+
+    mesh: DeviceMesh
+    placements: tuple
+    mesh_dim: int | None
+    world: int
+    index: int
+    starts: tuple[int, ...]
+    counts: tuple[int, ...]
+
+    @property
+    def start(self) -> int:
+        return self.starts[self.index]
+
+    @property
+    def count(self) -> int:
+        return self.counts[self.index]
+
+    @property
+    def sharded(self) -> bool:
+        return self.world > 1
+
+
+# DTensor param -> its _Shards (the split costs tens of microseconds to work out; a step needs it for every
+# param). Weak on the key; an entry is used only while the param keeps its mesh, placements and shape.
+_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _shards(p: DTensor, where: str = "") -> _Shards:
+    """The split of ``p``: only ``Replicate`` and at most one ``Shard(0)`` (FSDP2, HSDP), whose shards are
+    contiguous element ranges of the flattened tensor; anything else raises."""
+    hit = _SHARDS.get(p)
+    if hit is not None and hit[0] is p.device_mesh and hit[1] == p.placements and hit[2] == p.shape:
+        return hit[3]
+    made = _split(p, where)
+    _SHARDS[p] = (p.device_mesh, p.placements, p.shape, made)
+    return made
+
+
+def _split(p: DTensor, where: str) -> _Shards:
+    placements = tuple(p.placements)
+    shard_dims = [i for i, pl in enumerate(placements) if not isinstance(pl, Replicate)]
+    for i in shard_dims:
+        pl = placements[i]
+        if type(pl) is not Shard or pl.dim != 0:  # _StridedShard (a Shard) splits rows in another order
+            raise NotImplementedError(
+                f"param{where} has placements {placements}: bnbf steps DTensors that are Replicate or Shard(0) "
+                f"(FSDP2's layout); redistribute it first"
+            )
+    if len(shard_dims) > 1:
+        raise NotImplementedError(f"param{where} has placements {placements}: at most one Shard(0) is supported")
+    shape = tuple(p.shape)
+    numel = p.numel()
+    if not shard_dims:
+        return _Shards(p.device_mesh, placements, None, 1, 0, (0,), (numel,))
+    mesh_dim = shard_dims[0]
+    world = p.device_mesh.size(mesh_dim)
+    index = p.device_mesh.get_local_rank(mesh_dim)
+    rows = shape[0]
+    per_row = numel // rows if rows else 0
+    k = -(-rows // world)  # torch.chunk's split, as DTensor's Shard
+    row0 = [min(r * k, rows) for r in range(world + 1)]
+    starts = tuple(row0[r] * per_row for r in range(world))
+    counts = tuple((row0[r + 1] - row0[r]) * per_row for r in range(world))
+    local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    if offset[0] * per_row != starts[index] or torch.Size(local_shape).numel() != counts[index]:
+        raise NotImplementedError(f"param{where}: DTensor's Shard(0) split is not torch.chunk's; unsupported")
+    return _Shards(p.device_mesh, placements, mesh_dim, world, index, starts, counts)
+
+
+def _blocks(n: int, block_size: int) -> int:
+    return -(-n // block_size)
+
+
+def _scale_placements(sh: _Shards) -> list:
+    return [Replicate() if i != sh.mesh_dim else Shard(0) for i in range(sh.mesh.ndim)]
+
+
+# --- local views of DTensor states -------------------------------------------------------------------
+
+# DTensor state field (codes or first float32 state) -> the local state NamedTuple of plain tensors, so
+# repeated steps hand the core the same objects (its plan cache finds them by id). Weak on the key: an
+# entry goes with its state.
+_LOCAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
+def _local_state(s: Any, sh: _Shards) -> Any:
+    """The state of the local shard (plain tensors sharing the DTensors' storage)."""
+    if not s:  # a rule state with no slots (SGD without momentum)
+        return s
+    first = s[0]
+    hit = _LOCAL.get(first)
+    # the same DTensors with the same local tensors (a state rebuilt with _replace, or a field given new
+    # memory, is looked at again)
+    if hit is not None and len(hit[0]) == len(s) and all(map(_is_local_of, hit[0], s)):
+        return hit[1]
+    layout = type(s).layout
+    fields = []
+    for name, t in zip(s._fields, s):
+        if not isinstance(t, DTensor):
+            raise TypeError(f"state field {name!r} of a DTensor param must be a DTensor, got {type(t).__name__}")
+        local = t._local_tensor
+        if layout.quantized and name.endswith("_absmax"):
+            local = local[0, : _blocks(sh.count, layout.block_size)]  # this shard's row, without padding
+        fields.append(local)
+    made = type(s)(*fields)
+    _LOCAL[first] = (tuple(t._local_tensor for t in s), made)
+    return made
+
+
+def _is_local_of(local: Tensor, t: Any) -> bool:
+    return isinstance(t, DTensor) and t._local_tensor is local
+
+
+def _wrap_state(local: Any, sh: _Shards, shape: torch.Size, stride: tuple) -> Any:
+    """DTensor state of a param from the state of its local shard (the inverse of :func:`_local_state`)."""
+    layout = type(local).layout
+    fields = []
+    for name, t in zip(local._fields, local):
+        if layout.quantized and name.endswith("_absmax"):
+            width = _blocks(max(sh.counts), layout.block_size)
+            buf = t.new_zeros(1, width)
+            buf[0, : t.numel()] = t
+            fields.append(DTensor.from_local(buf, sh.mesh, _scale_placements(sh), run_check=False))
+        else:
+            fields.append(DTensor.from_local(t, sh.mesh, sh.placements, run_check=False, shape=shape, stride=stride))
+    return type(local)(*fields)
+
+
+# --- the functional core on DTensors -----------------------------------------------------------------
+
+
+def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
+    """:func:`bnbf.init_state` for params that may be DTensors: each rank builds the state of its shards only.
+
+    Whether a tensor gets 8-bit state is decided by its global size (``spec.min_8bit_size``), so every
+    rank and every mesh picks the layout an unsharded run would.
+
+    Args:
+        param: a tensor or pytree of tensors; DTensors must be ``Replicate`` or ``Shard(0)`` (FSDP2).
+        spec, hparams: as for :func:`bnbf.init_state`.
+
+    Returns:
+        States in the structure of ``param``; a DTensor's state holds DTensors (module docstring).
+
+    Example (on each rank, after ``fully_shard(model)``)::
+
+        state = bnbf.distributed.init_state(dict(model.named_parameters()), bnbf.OptimSpec(rule="adamw"))
+    """
+    if not isinstance(spec, OptimSpec):
+        raise TypeError(f"spec must be an OptimSpec, got {type(spec).__name__}")
+    leaves, treespec = pytree.tree_flatten_with_path(param)
+    if not any(isinstance(p, DTensor) for _, p in leaves):
+        return bnbf.init_state(param, spec, hparams)
+    shards = [_shards(p, pytree.keystr(k)) if isinstance(p, DTensor) else None for k, p in leaves]
+    # the layout of the global tensor: min_8bit_size compared with the global numel, not the shard's
+    big = dataclasses.replace(spec, min_8bit_size=0)
+    small = dataclasses.replace(spec, state_bits=32)
+    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in leaves]
+    out = [None] * len(leaves)
+    for variant in (big, small):
+        idx = [i for i, (_, p) in enumerate(leaves) if (p.numel() >= spec.min_8bit_size) == (variant is big)]
+        if idx:
+            made = bnbf.init_state([local[i] for i in idx], variant, hparams)
+            for i, s in zip(idx, made):
+                out[i] = s
+    for i, (_, p) in enumerate(leaves):
+        if shards[i] is not None:
+            out[i] = _wrap_state(out[i], shards[i], p.shape, p.stride())
+    return pytree.tree_unflatten(out, treespec)
+
+
+def _localize(params: list, grads: list, states: list) -> tuple[list, list, list, list]:
+    """Local tensors of every leaf; checks the DTensor leaves (all before anything is written)."""
+    if not (len(params) == len(grads) == len(states)):
+        raise ValueError(f"got {len(params)} params, {len(grads)} grads and {len(states)} states")
+    lp, lg, ls, shards = [], [], [], []
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        if not is_state(s):
+            raise TypeError(f"state [{i}] must be a bnbf state, got {type(s).__name__}")
+        if not isinstance(p, DTensor):
+            if isinstance(g, DTensor) or any(isinstance(t, DTensor) for t in s):
+                raise TypeError(f"[{i}]: got mixed torch.Tensor and DTensor (a plain param needs plain grad and state)")
+            local = (p, g, s, None)
+        else:
+            local = _localize_one(i, p, g, s)
+        for out, x in zip((lp, lg, ls, shards), local):
+            out.append(x)
+    return lp, lg, ls, shards
+
+
+def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
+    """The local tensor of a DTensor param's grad, in the param's placements."""
+    if not isinstance(g, DTensor):
+        raise TypeError(f"grad [{i}]: got mixed torch.Tensor and DTensor (a DTensor param needs a DTensor grad)")
+    if g.device_mesh != p.device_mesh:
+        raise ValueError(f"grad [{i}] is on another device mesh than its param")
+    if tuple(g.placements) != sh.placements:
+        # e.g. a Partial grad: reduce it to the param's placements (a collective every rank makes)
+        g = g.redistribute(p.device_mesh, sh.placements)
+    return g.to_local()
+
+
+def _check_state(i: int, p: DTensor, s: Any) -> None:
+    if any(not isinstance(t, DTensor) or t.device_mesh != p.device_mesh for t in s):
+        raise TypeError(f"state [{i}] of a DTensor param must hold DTensors on the param's mesh (from init_state)")
+
+
+def _norms_needed(rule: Any, max_unorm: Any) -> bool:
+    """Whether a step reads per-tensor norms (the rule's own, or max_unorm's clipping)."""
+    clip = isinstance(max_unorm, Tensor) or (isinstance(max_unorm, (int, float)) and max_unorm > 0)
+    return rule is not None and (rule.norms is not None or clip)
+
+
+def _norm_reduce(shards: list, rule: Any, max_unorm: Any) -> Any:
+    """The all-reduce that makes the shards' norm sums the whole tensors' (None where none is needed):
+    every sharded tensor of the call on one process group, and no unsharded tensor beside them."""
+    sharded = [sh for sh in shards if sh is not None and sh.sharded]
+    if not sharded or not _norms_needed(rule, max_unorm):
+        return None
+    what = f"{rule.name} scales its step by per-tensor norms" if rule.norms else "max_unorm needs per-tensor norms"
+    if _NORM_REDUCE is None:
+        raise NotImplementedError(
+            f"{what} of whole tensors, and this bnbf core does not reduce norm sums across a mesh (docs/DISTRIBUTED.md)"
+        )
+    groups = {id(sh.mesh.get_group(sh.mesh_dim)): sh.mesh.get_group(sh.mesh_dim) for sh in sharded}
+    if len(groups) > 1 or len(sharded) != len(shards):
+        raise NotImplementedError(
+            f"{what}: step sharded params together only with params sharded over the same process group "
+            f"(make separate calls)"
+        )
+    (group,) = groups.values()
+    return functools.partial(dist.all_reduce, group=group)
+
+
+def check_step(params: Any, rule: Any, max_unorm: Any = 0.0) -> None:
+    """Raise, before anything is written, where a step of ``params`` (one core call) with ``rule`` would need
+    whole-tensor norms it cannot reduce across the mesh (see :func:`update_`'s Raises); else do nothing.
+
+    Args:
+        params: a tensor or pytree of tensors, some of which may be DTensors.
+        rule: a rule name (``"lamb"``) or a registered rule.
+        max_unorm: as for :func:`update_` (``> 0`` reads per-tensor norms).
+
+    Example (an optimizer that steps later checks all its groups first)::
+
+        bnbf.distributed.check_step(list(model.parameters()), "lamb")
+    """
+    rule = get_rule(rule) if isinstance(rule, str) else rule
+    if not _norms_needed(rule, max_unorm):
+        return
+    leaves = pytree.tree_leaves(params)
+    shards = [_shards(p, f" [{i}]") if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
+    _norm_reduce(shards, rule, max_unorm)
+
+
+@contextlib.contextmanager
+def _reducing(reduce: Any):
+    """The core's norm sums all-reduced by ``reduce`` while the block runs (nothing where it is None)."""
+    if reduce is None:
+        yield
+        return
+    token = _NORM_REDUCE.set(reduce)
+    try:
+        yield
+    finally:
+        _NORM_REDUCE.reset(token)
+
+
+def _localize_one(i: int, p: DTensor, g: Any, s: Any) -> tuple:
+    """One DTensor leaf's local param, grad and state, after its checks."""
+    sh = _shards(p, f" [{i}]")
+    _check_state(i, p, s)
+    return p._local_tensor, _local_grad(i, p, g, sh), _local_state(s, sh), sh
+
+
+def _rule(states: list) -> Any:
+    """The rule of the states (the core checks that they agree); None for no states."""
+    return get_rule(type(states[0]).layout.rule) if states and is_state(states[0]) else None
+
+
+def _leaves(param: Any, grad: Any, state: Any) -> tuple[list, Any, list, list]:
+    params, spec = pytree.tree_flatten(param)
+    grads, g_spec = pytree.tree_flatten(grad)
+    states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+    if g_spec != spec:
+        raise ValueError("grad must have the structure of param")
+    if s_spec != spec:
+        raise ValueError("state must have the structure of param (from init_state)")
+    return params, spec, grads, states
+
+
+def update_(
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
+) -> tuple[Any, Any]:
+    """:func:`bnbf.update_` for params that may be DTensors: steps every local shard in one core call.
+
+    Args:
+        param, grad, state: as for :func:`bnbf.update_`; a DTensor param takes a DTensor grad on its mesh
+            (another placement, e.g. ``Partial``, is redistributed to the param's) and a state from
+            :func:`init_state`.
+        hparams, step, skip_zeros, max_unorm, maximize: as for :func:`bnbf.update_`.
+
+    Returns:
+        ``(param, state)``, the same objects, updated in place.
+
+    Raises:
+        NotImplementedError: for DTensors that are not ``Replicate``/``Shard(0)``; for LAMB, LARS or
+            ``max_unorm > 0`` on sharded params where the core lacks ``NORM_REDUCE``, where they are on
+            several process groups, or beside unsharded params in one call.
+
+    Example (on each rank, after ``loss.backward()`` under FSDP2)::
+
+        params = dict(model.named_parameters())
+        bnbf.distributed.update_(params, {k: p.grad for k, p in params.items()}, state, {"lr": 1e-3}, step=1)
+    """
+    params, _, grads, states = _leaves(param, grad, state)
+    if not any(isinstance(p, DTensor) for p in params):
+        return bnbf.update_(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+    lp, lg, ls, shards = _localize(params, grads, states)
+    with _reducing(_norm_reduce(shards, _rule(states), max_unorm)):
+        bnbf.update_(lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
+    return param, state
+
+
+def update(
+    param: Any,
+    grad: Any,
+    state: Any,
+    hparams: Any = None,
+    step: Any = 1,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: float = 0.0,
+    maximize: bool = False,
+) -> tuple[Any, Any]:
+    """:func:`bnbf.update` (pure) for params that may be DTensors; arguments and errors as :func:`update_`.
+
+    Returns:
+        ``(new_param, new_state)``: new DTensors with the inputs' meshes and placements.
+    """
+    params, spec, grads, states = _leaves(param, grad, state)
+    if not any(isinstance(p, DTensor) for p in params):
+        return bnbf.update(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+    lp, lg, ls, shards = _localize(params, grads, states)
+    with _reducing(_norm_reduce(shards, _rule(states), max_unorm)):
+        new_p, new_s = bnbf.update(
+            lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+    out_p, out_s = [], []
+    for p, sh, np_, ns in zip(params, shards, new_p, new_s):
+        if sh is None:
+            out_p.append(np_), out_s.append(ns)
+            continue
+        out_p.append(DTensor.from_local(np_, sh.mesh, sh.placements, run_check=False, shape=p.shape, stride=p.stride()))
+        out_s.append(_wrap_state(ns, sh, p.shape, p.stride()))
+    return pytree.tree_unflatten(out_p, spec), pytree.tree_unflatten(out_s, spec)
+
+
+class Plan:
+    """:class:`bnbf.Plan` of the local shards of DTensor params (see :func:`plan`)."""
+
+    def __init__(self, params: Any, state: Any):
+        leaves, self._spec = pytree.tree_flatten(params)
+        states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+        if s_spec != self._spec:
+            raise ValueError("state must have the structure of params (from init_state)")
+        self._shards = [_shards(p, f" [{i}]") if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
+        self._params = leaves
+        self.rule = get_rule(type(states[0]).layout.rule) if states else None
+        for i, (p, st, sh) in enumerate(zip(leaves, states, self._shards)):
+            if not is_state(st):
+                raise TypeError(f"state [{i}] must be a bnbf state, got {type(st).__name__}")
+            if sh is not None:
+                _check_state(i, p, st)
+            elif any(isinstance(t, DTensor) for t in st):
+                raise TypeError(f"state [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain state)")
+        local_p = [p if sh is None else p._local_tensor for p, sh in zip(leaves, self._shards)]
+        local_s = [s if sh is None else _local_state(s, sh) for s, sh in zip(states, self._shards)]
+        self._plan = bnbf.plan(local_p, local_s)
+
+    def step(
+        self,
+        grads: Any,
+        hparams: Any = None,
+        step: Any = 1,
+        *,
+        skip_zeros: bool = False,
+        max_unorm: Any = 0.0,
+        maximize: bool = False,
+    ) -> None:
+        """One in-place step: :func:`update_` of the planned params and states (arguments as there)."""
+        flat, g_spec = pytree.tree_flatten(grads)
+        if g_spec != self._spec:
+            raise ValueError("grads must have the structure of the plan's params")
+        local = []
+        for i, (p, g, sh) in enumerate(zip(self._params, flat, self._shards)):
+            if sh is None:
+                if isinstance(g, DTensor):
+                    raise TypeError(
+                        f"grad [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain grad)"
+                    )
+                local.append(g)
+                continue
+            local.append(_local_grad(i, p, g, sh))
+        with _reducing(_norm_reduce(self._shards, self.rule, max_unorm)):
+            self._plan.step(local, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
+
+
+def plan(params: Any, state: Any) -> Plan:
+    """:func:`bnbf.plan` for params that may be DTensors: checked once, then ``plan.step(grads, hparams,
+    step)`` steps every local shard in one core call per step (an optimizer that holds its params, such as
+    a ``torch.optim`` adapter, keeps one).
+
+    Args:
+        params: a tensor or pytree of tensors; DTensors ``Replicate`` or ``Shard(0)`` (FSDP2).
+        state: from :func:`init_state`, same structure.
+
+    Returns:
+        A :class:`Plan`.
+
+    Example (on each rank, after ``fully_shard(model)``)::
+
+        params = dict(model.named_parameters())
+        opt = bnbf.distributed.plan(params, bnbf.distributed.init_state(params, bnbf.OptimSpec(rule="adamw")))
+        opt.step({k: p.grad for k, p in params.items()}, {"lr": 1e-3}, step=1)
+    """
+    return Plan(params, state)
+
+
+def _param_like(s: Any) -> Any:
+    """A field of state ``s`` with its param's shape, mesh and placements (None for a state of no slots)."""
+    for name, t in zip(s._fields, s):
+        if not name.endswith("_absmax"):
+            return t
+    return None
+
+
+def _states(state: Any) -> tuple[list, Any]:
+    states, spec = pytree.tree_flatten(state, is_leaf=is_state)
+    for i, s in enumerate(states):
+        if not is_state(s):
+            raise TypeError(f"state{_names(state)[i]} must be a bnbf state, got {type(s).__name__}")
+    return states, spec
+
+
+def _names(tree: Any) -> list[str]:
+    """Each leaf's path (``['w']``), for messages."""
+    return [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
+
+
+def dequantize_state(state: Any) -> Any:
+    """:func:`bnbf.dequantize_state` for states that may hold DTensors (from :func:`init_state`).
+
+    Args:
+        state: a state or a pytree of states.
+
+    Returns:
+        Per state a dict of float32 tensors (torch.optim's names); a DTensor param's are DTensors with its
+        placements (``.full_tensor()`` gathers them).
+
+    Example (on each rank)::
+
+        exp_avg = bnbf.distributed.dequantize_state(state)["w"]["exp_avg"].full_tensor()
+    """
+    states, spec = _states(state)
+    out = []
+    for i, s in enumerate(states):
+        like = _param_like(s)
+        if not isinstance(like, DTensor):
+            out.append(bnbf.dequantize_state(s))
+            continue
+        sh = _shards(like, f" [{i}]")
+        local = bnbf.dequantize_state(_local_state(s, sh))
+        out.append({k: _like_param(v, sh, like) for k, v in local.items()})
+    return pytree.tree_unflatten(out, spec)
+
+
+def _like_param(local: Tensor, sh: _Shards, like: DTensor) -> DTensor:
+    return DTensor.from_local(local, sh.mesh, sh.placements, run_check=False, shape=like.shape, stride=like.stride())
+
+
+# --- checkpoints that load on any mesh ---------------------------------------------------------------
+
+
+def _rescale(codes: Tensor, old: Tensor, new: Tensor, fmt: str, signed: bool) -> Tensor:
+    """Codes of the values ``map[codes] * old`` re-expressed in scale ``new`` (per element, ``new >= old``),
+    rounded to the nearest code; elements whose scale does not change keep their code. Flat tensors."""
+    change = old != new
+    if not bool(change.any()):
+        return codes
+    x = state_map(fmt, signed, codes.device)[codes[change].long()] * old[change] / new[change]
+    # quantize_state_reference scales each block by its absmax: one value per 64-element block with 1.0
+    # beside it gives the scale 1 (|x| <= 1), i.e. the nearest code of x itself
+    blocks = torch.zeros(x.numel(), 64, dtype=torch.float32, device=codes.device)
+    blocks[:, 0], blocks[:, 1] = x, 1.0
+    q, _ = quantize_state_reference(blocks.reshape(-1), fmt, signed, 64)
+    out = codes.clone()
+    out[change] = q.view(-1, 64)[:, 0]
+    return out
+
+
+def _element_blocks(start: int, count: int, block_size: int, device) -> tuple[Tensor, Tensor]:
+    """Per element of a shard: its local block and its global block."""
+    i = torch.arange(count, device=device)
+    return i // block_size, (i + start) // block_size
+
+
+def _global_scales(pieces: Tensor, sh: _Shards, numel: int, block_size: int) -> Tensor:
+    """Scales of the unsharded tensor's blocks from every shard's own (``pieces`` [W, padded]): the largest
+    scale among the pieces of each block."""
+    out = torch.zeros(_blocks(numel, block_size), dtype=torch.float32, device=pieces.device)
+    for r in range(sh.world):
+        n = sh.counts[r]
+        if n == 0:
+            continue
+        local_b, global_b = _element_blocks(sh.starts[r], n, block_size, pieces.device)
+        out.scatter_reduce_(0, global_b, pieces[r, local_b], reduce="amax")
+    return out
+
+
+def state_dict(state: Any) -> Any:
+    """The mesh-independent form of ``state`` for ``torch.distributed.checkpoint`` (module docstring).
+
+    Every rank must call it (8-bit states of sharded params gather their block scales, one collective
+    each). Use it both to save and as the template to load into (then :func:`load_state_dict_`).
+
+    Args:
+        state: from :func:`init_state` (DTensors or plain tensors), a state or a pytree of them.
+
+    Returns:
+        The structure of ``state`` with a dict ``{field: tensor}`` per state: codes and float32 states
+        shaped like the param (DTensors with its placements where it is one), and per 8-bit slot the
+        ``numel / block_size`` scales of the unsharded tensor's blocks (replicated).
+
+    Example (on each rank)::
+
+        torch.distributed.checkpoint.save({"optim": bnbf.distributed.state_dict(state)}, checkpoint_id=path)
+    """
+    states, spec = _states(state)
+    out = []
+    for i, s in enumerate(states):
+        layout = type(s).layout
+        like = _param_like(s)
+        if not isinstance(like, DTensor) or not layout.quantized:
+            out.append(dict(zip(s._fields, s)))
+            continue
+        sh = _shards(like, f" [{i}]")
+        local = _local_state(s, sh)
+        bs = layout.block_size
+        local_b, global_b = _element_blocks(sh.start, sh.count, bs, like.device)
+        entry = {}
+        for slot in layout.slots():
+            scales = getattr(s, slot.name + "_absmax")
+            pieces = scales.full_tensor() if sh.sharded else scales.to_local()  # [W, padded]: every shard's scales
+            full = _global_scales(pieces, sh, like.numel(), bs)
+            own = getattr(local, slot.name + "_absmax")
+            codes = getattr(local, slot.name)
+            codes = _rescale(codes.reshape(-1), own[local_b], full[global_b], layout.format, slot.signed)
+            entry[slot.name] = _like_param(codes.view(like.to_local().shape), sh, like)
+            entry[slot.name + "_absmax"] = DTensor.from_local(
+                full, sh.mesh, [Replicate()] * sh.mesh.ndim, run_check=False
+            )
+        out.append(entry)
+    return pytree.tree_unflatten(out, spec)
+
+
+def _is_entry(x: Any) -> bool:
+    return isinstance(x, dict) and all(isinstance(v, Tensor) for v in x.values())
+
+
+def _check_entry(i: str, s: Any, e: Any) -> None:
+    """A loaded entry has the fields of state ``s`` in their global shapes (``i``: its path, for messages)."""
+    if not isinstance(e, dict) or set(e) != set(s._fields):
+        raise ValueError(
+            f"saved{i} must be a dict with the keys {list(s._fields)}, got "
+            + (f"the keys {list(e)}" if isinstance(e, dict) else type(e).__name__)
+        )
+    like = _param_like(s)
+    layout = type(s).layout
+    for name, t in zip(s._fields, s):
+        want = torch.Size([_blocks(like.numel(), layout.block_size)]) if name.endswith("_absmax") else like.shape
+        got = e[name].shape
+        if got != want or e[name].dtype != t.dtype:
+            raise ValueError(
+                f"saved{i}.{name} is {e[name].dtype} {tuple(got)}; the state needs {t.dtype} {tuple(want)}"
+            )
+
+
+def load_state_dict_(state: Any, saved: Any) -> Any:
+    """Write a checkpoint's states (from :func:`state_dict`, loaded in place by DCP) into ``state``.
+
+    ``state`` may live on another mesh than the one that saved, or be unsharded: codes are re-expressed in
+    the scales of this mesh's blocks where a block of this mesh spans two saved blocks (never where shards
+    hold whole blocks). Every entry is checked before any is written.
+
+    Args:
+        state: the live states (from :func:`init_state`), written in place.
+        saved: ``state_dict(state)`` after ``dcp.load`` filled it (or the same structure of tensors).
+
+    Returns:
+        ``state``.
+
+    Example (on each rank)::
+
+        sd = bnbf.distributed.state_dict(state)
+        torch.distributed.checkpoint.load({"optim": sd}, checkpoint_id=path)
+        bnbf.distributed.load_state_dict_(state, sd)
+    """
+    states, spec = _states(state)
+    entries, e_spec = pytree.tree_flatten(saved, is_leaf=_is_entry)
+    if len(entries) != len(states):
+        raise ValueError(f"saved holds {len(entries)} states, state {len(states)}")
+    for name, s, e in zip(_names(state), states, entries):
+        _check_entry(name, s, e)
+    with torch.no_grad():
+        for i, (s, e) in enumerate(zip(states, entries)):
+            _load_one(i, s, e)
+    return state
+
+
+def _load_one(i: int, s: Any, e: dict) -> None:
+    layout = type(s).layout
+    like = _param_like(s)
+    if not isinstance(like, DTensor):
+        for name, t in zip(s._fields, s):
+            src = e[name].full_tensor() if isinstance(e[name], DTensor) else e[name]
+            if src is not t:
+                t.copy_(src)
+        return
+    sh = _shards(like, f" [{i}]")
+    local = _local_state(s, sh)
+    mine = slice(sh.start, sh.start + sh.count)  # this shard's elements of a plain (global) tensor
+
+    def rows(t: Tensor) -> Tensor:
+        return t.to_local().reshape(-1) if isinstance(t, DTensor) else t.reshape(-1)[mine]
+
+    if not layout.quantized:
+        for name, t in zip(local._fields, local):
+            src = rows(e[name])
+            if src.data_ptr() != t.data_ptr() or src.numel() != t.numel():
+                t.copy_(src.view(t.shape))
+        return
+    bs = layout.block_size
+    local_b, global_b = _element_blocks(sh.start, sh.count, bs, like.device)
+    for slot in layout.slots():
+        full = e[slot.name + "_absmax"]
+        full = full.full_tensor() if isinstance(full, DTensor) else full
+        own = getattr(local, slot.name + "_absmax")
+        scales = torch.zeros_like(own).scatter_reduce_(0, local_b, full[global_b], reduce="amax")
+        live = getattr(local, slot.name)
+        new = _rescale(rows(e[slot.name]), full[global_b], scales[local_b], layout.format, slot.signed)
+        live.copy_(new.view(live.shape))
+        own.copy_(scales)

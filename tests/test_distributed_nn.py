@@ -1,0 +1,361 @@
+"""bnbf_nn's torch.optim adapters under FSDP2 (``fully_shard``), DCP and DDP: two gloo processes, one spawn.
+
+The scenarios use tests/test_distributed.py's model (shards with whole 256-element blocks, a shard
+boundary inside a block, float32-state tensors, an empty shard) and its spawn harness; each is checked
+against a single-process reference stepped on the averaged grads.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import test_distributed as td
+import torch
+from tolerances import STATE8, STATE32
+
+LR = td.LR
+MIN8 = td.MIN8
+
+
+def _fsdp_model() -> torch.nn.Module:
+    from torch.distributed.fsdp import fully_shard
+
+    model = td._model().to(td.DEVICE)
+    fully_shard(model)
+    return model
+
+
+def _backward(model: torch.nn.Module, step: int) -> None:
+    """This rank's batch through ``model``: FSDP2 leaves the ranks' average grad, DDP all-reduces it."""
+    rank = torch.distributed.get_rank()
+    model.zero_grad(set_to_none=True)
+    x, y = (t.to(td.DEVICE) for t in td._batch(rank, step))
+    torch.nn.functional.mse_loss(model(x), y).backward()
+
+
+def _full(model: torch.nn.Module, grads: bool = False) -> dict:
+    """The model's params (or grads) gathered whole, by name."""
+    return {k: (p.grad if grads else p).detach().full_tensor() for k, p in model.named_parameters()}
+
+
+def _deq(opt, model) -> dict:
+    """Each param's dequantized state, gathered whole (zeros before the first step)."""
+    import bnbf.distributed as bd
+
+    out = {}
+    for k, p in model.named_parameters():
+        rec = opt.state.get(p, {})
+        if "state" not in rec:
+            out[k] = {n: torch.zeros(p.shape, device=td.DEVICE) for n in ("exp_avg", "exp_avg_sq")}
+        else:
+            out[k] = {n: t.full_tensor() for n, t in bd.dequantize_state(rec["state"]).items()}
+    return out
+
+
+def _local_bytes(opt, params) -> int:
+    return sum(t.to_local().numel() * t.element_size() for p in params for t in opt.state[p]["state"])
+
+
+def _train8(cls, hp: dict, paper_step, drop: str | None = None) -> None:
+    """FSDP2 training with ``cls``: each step equals the paper's step (plain torch) from the sharded run's
+    own dequantized state within the 8-bit re-synced tolerance; rank 0's whole blocks and every float32
+    state equal the unsharded bnbf_nn run on the averaged grads bit for bit; each rank keeps half the 8-bit
+    state bytes; bitsandbytes' names are the live DTensor state. ``drop``: a param without grad at step 1,
+    so that step 2 steps params at two step counts (the optimizer's split path)."""
+    import bnbf
+
+    model, ref_model = _fsdp_model(), td._model().to(td.DEVICE)
+    opt = cls(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    ref = cls(ref_model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    tol = STATE8[(torch.float32, 8)]
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        before, grads, deq = _full(model), _full(model, grads=True), _deq(opt, model)
+        steps = {k: t for k in grads}
+        if t == 1 and drop:
+            dict(model.named_parameters())[drop].grad = None
+            grads[drop] = None
+        elif drop:
+            steps[drop] = t - 1
+        opt.step()
+        for k, p in ref_model.named_parameters():
+            p.grad = grads[k]
+        ref.step()
+        after = _full(model)
+        for k in after:
+            if grads[k] is None:
+                assert torch.equal(after[k], before[k]), k
+                continue
+            want = paper_step(before[k], grads[k], deq[k], steps[k])[0]
+            diff = (after[k] - want).abs()
+            assert diff.mean() < tol.mean_abs, (k, diff.mean())
+            assert (diff / (want.abs() + 1e-9)).mean() < tol.mean_rel, k
+    rank = torch.distributed.get_rank()
+    refs = dict(ref_model.named_parameters())
+    for k, p in model.named_parameters():
+        local, mine = p.detach().to_local().reshape(-1), td._local_slice(k, p, refs[k].detach()).reshape(-1)
+        if p.numel() < MIN8:  # float32 state: elementwise, bit for bit on every rank
+            assert torch.equal(local, mine), k
+        elif rank == 0:  # whole blocks from element 0: the unsharded blocks and their dither
+            whole = local.numel() // 256 * 256
+            assert torch.equal(local[:whole], mine[:whole]), k
+        rec = opt.state[p]
+        assert rec["step"] == td.STEPS - (k == drop) and type(rec["state1"]).__name__ == "DTensor", k
+        assert rec["state1"].to_local().data_ptr() == rec["state"][0].to_local().data_ptr(), k
+    big = [p for p in model.parameters() if p.numel() >= MIN8]
+    mine8 = _local_bytes(opt, big)
+    whole8 = sum(bnbf.state_nbytes(ref.state[p]["state"]) for p in ref_model.parameters() if p.numel() >= MIN8)
+    assert 0.49 * whole8 < mine8 < 0.51 * whole8, (mine8, whole8)
+
+
+def scenario_nn_adamw8bit():
+    import bnbf_nn
+
+    # the param whose shard boundary splits a block misses step 1's grad: its step 2 is its first (debiased
+    # as such) while the others' is their second
+    _train8(bnbf_nn.AdamW8bit, {"weight_decay": 0.01}, td._adamw_step, drop="4.weight")
+
+
+def scenario_nn_lion8bit():
+    import bnbf_nn
+
+    _train8(bnbf_nn.Lion8bit, {"weight_decay": 0.01, "betas": (0.9, 0.99)}, td._lion_step)
+
+
+def scenario_nn_adamw32bit_torch():
+    """32-bit state: FSDP2 training with AdamW32bit equals torch.optim.AdamW on the unsharded model fed the
+    averaged grads (compared as changes from the initial params)."""
+    import bnbf_nn
+
+    model, ref_model = _fsdp_model(), td._model().to(td.DEVICE)
+    init = _full(model)
+    opt = bnbf_nn.AdamW32bit(model.parameters(), lr=LR, weight_decay=0.01)
+    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.01)
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        grads = _full(model, grads=True)
+        for k, p in ref_model.named_parameters():
+            p.grad = grads[k]
+        opt.step()
+        ref.step()
+    tol = STATE32[(torch.float32, 32)]
+    for k, p in _full(model).items():
+        want = dict(ref_model.named_parameters())[k].detach()
+        torch.testing.assert_close(p - init[k], want - init[k], atol=tol.atol, rtol=tol.rtol)
+
+
+def scenario_nn_lamb8bit():
+    """LAMB reads whole-tensor norms: without the core's norm hook a sharded step raises before anything is
+    written (params, states, step counts); with it, 32-bit state equals the unsharded run."""
+    import bnbf.distributed as bd
+    import bnbf_nn
+
+    model = _fsdp_model()
+    opt = bnbf_nn.LAMB8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    _backward(model, 1)
+    before = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
+    if bd._NORM_REDUCE is None:
+        with pytest.raises(NotImplementedError, match="per-tensor norms of whole tensors"):
+            opt.step()
+        assert not opt.state, "a refused step created state"
+        assert all(torch.equal(p.detach().to_local(), before[k]) for k, p in model.named_parameters())
+        return
+    ref_model = td._model().to(td.DEVICE)
+    init = _full(model)
+    ours = bnbf_nn.LAMB32bit(model.parameters(), lr=LR)
+    ref = bnbf_nn.LAMB32bit(ref_model.parameters(), lr=LR)
+    grads = _full(model, grads=True)
+    for k, p in ref_model.named_parameters():
+        p.grad = grads[k]
+    ours.step()
+    ref.step()
+    tol = STATE32[(torch.float32, 32)]
+    for k, p in _full(model).items():
+        want = dict(ref_model.named_parameters())[k].detach()
+        torch.testing.assert_close(p - init[k], want - init[k], atol=tol.atol, rtol=tol.rtol)
+
+
+def scenario_nn_refused():
+    """What has no sharded implementation (paged state, AdEMAMix's stacked state) raises at step, before
+    anything is written."""
+    import bnbf_nn
+
+    model = _fsdp_model()
+    _backward(model, 1)
+    before = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
+    for cls, match in ((bnbf_nn.PagedAdamW8bit, "paged state"), (bnbf_nn.AdEMAMix8bit, "stacked")):
+        opt = cls(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        with pytest.raises(NotImplementedError, match=match):
+            opt.step()
+        assert not opt.state, cls.__name__
+    assert all(torch.equal(p.detach().to_local(), before[k]) for k, p in model.named_parameters())
+
+
+def _code_step_close(got: torch.Tensor, want: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:
+    """Whether dequantized states differ by at most one code step of their block's scale."""
+    from bnbf.quant import state_map
+
+    gap = state_map("power", signed).diff().max().to(got.device)
+    scale = absmax.repeat_interleave(256)[: got.numel()].view(got.shape)
+    return bool(((got - want).abs() <= gap * scale).all())
+
+
+def scenario_nn_dcp():
+    """DCP with bnbf_nn.AdamW8bit. (1) Saved on 2 ranks through get_state_dict; loaded on one process into
+    an unsharded model and a plain AdamW8bit through set_state_dict: the state equals the sharded one where
+    shards hold whole blocks, within one code step in the split block, and training continues within the
+    8-bit tolerance of the sharded run. (2) Plain dcp.save/dcp.load of optimizer.state_dict() on 2 ranks:
+    training resumes exactly as it went on where shards hold whole blocks. (3) The unsharded checkpoint
+    saved by (1) loads back on 2 ranks under FSDP2 and training continues."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import bnbf
+    import bnbf_nn
+
+    rank = torch.distributed.get_rank()
+    path = os.environ["BNBF_TEST_CKPT"] + "_nn"
+    model = _fsdp_model()
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path + "_gsd")
+    saved_deq = _deq(opt, model)
+    # plain DCP of optimizer.state_dict(), with the params, then two more steps whose grads are kept
+    saved_params = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
+    dcp.save({"optim": opt.state_dict()}, checkpoint_id=path + "_plain")
+    kept = []
+    for t in range(td.STEPS + 1, td.STEPS + 3):
+        _backward(model, t)
+        kept.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        opt.step()
+    final = _full(model)
+
+    # (2) back to the saved step on the same mesh: a fresh optimizer, its state_dict as the template
+    again = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    with torch.no_grad():
+        for k, p in model.named_parameters():
+            p.to_local().copy_(saved_params[k])
+            p.grad = torch.zeros_like(p)
+    again.param_groups[0]["lr"] = 0.0
+    again.step()  # state to load into (what get_state_dict's helper does; lr 0 changes nothing)
+    again.param_groups[0]["lr"] = LR
+    sd = again.state_dict()
+    dcp.load({"optim": sd}, checkpoint_id=path + "_plain")
+    again.load_state_dict(sd)
+    assert all(r["step"] == td.STEPS for r in again.state.values())
+    for grads in kept:
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+        again.step()
+    for k, p in _full(model).items():
+        if td._aligned(k) or p.numel() < MIN8:
+            assert torch.equal(p, final[k]), k
+        else:  # the split block's codes were re-expressed in the larger scale once
+            diff = (p - final[k]).abs()
+            assert diff.mean() < STATE8[(torch.float32, 8)].mean_abs, (k, diff.mean())
+    kept_full = [{k: g.full_tensor() for k, g in gs.items()} for gs in kept]
+    torch.distributed.barrier()
+
+    # (1) one process, unsharded
+    if rank == 0:
+        plain = td._model().to(td.DEVICE)
+        popt = bnbf_nn.AdamW8bit(plain.parameters(), lr=LR, min_8bit_size=MIN8)
+        msd1, osd1 = get_state_dict(plain, popt)
+        dcp.load({"model": msd1, "optim": osd1}, checkpoint_id=path + "_gsd", no_dist=True)
+        set_state_dict(plain, popt, model_state_dict=msd1, optim_state_dict=osd1)
+        named = dict(plain.named_parameters())
+        for k, p in named.items():
+            rec = popt.state[p]
+            assert rec["step"] == td.STEPS, (k, rec["step"])
+            for n, v in bnbf.dequantize_state(rec["state"]).items():
+                want = saved_deq[k][n]
+                if td._aligned(k) or p.numel() < MIN8:
+                    assert torch.equal(v, want), (k, n)
+                else:
+                    assert _code_step_close(v, want, getattr(rec["state"], n + "_absmax"), n == "exp_avg"), (k, n)
+        msd1, osd1 = get_state_dict(plain, popt)  # unsharded, for (3)
+        dcp.save({"model": msd1, "optim": osd1}, checkpoint_id=path + "_one", no_dist=True)
+        for grads in kept_full:
+            for k, p in named.items():
+                p.grad = grads[k].to(td.DEVICE)
+            popt.step()
+        tol = STATE8[(torch.float32, 8)]
+        for k, p in named.items():
+            diff = (p.detach() - final[k]).abs()
+            assert diff.mean() < tol.mean_abs, (k, diff.mean())
+        assert all(r["step"] == td.STEPS + 2 for r in popt.state.values())
+    torch.distributed.barrier()
+
+    # (3) the unsharded checkpoint of (1) loaded on 2 ranks: the scales of the unsharded blocks, and the
+    # sharded run's state within one code step of them; training continues within the 8-bit tolerance
+    model = _fsdp_model()
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path + "_one")
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    deq = _deq(opt, model)
+    for k, p in model.named_parameters():
+        assert opt.state[p]["step"] == td.STEPS, k
+        quant = osd["state"][k]["__bnb_optimizer_quant_state__"]
+        for n, v in deq[k].items():
+            if td._aligned(k) or p.numel() < MIN8:
+                assert torch.equal(v, saved_deq[k][n]), (k, n)
+            else:
+                absmax = quant["absmax1" if n == "exp_avg" else "absmax2"].full_tensor()
+                assert _code_step_close(v, saved_deq[k][n], absmax, n == "exp_avg"), (k, n)
+    for grads in kept:
+        for k, p in model.named_parameters():
+            p.grad = grads[k]
+        opt.step()
+    for k, p in _full(model).items():
+        assert (p - final[k]).abs().mean() < STATE8[(torch.float32, 8)].mean_abs, k
+
+
+def scenario_nn_ddp_unchanged():
+    """DDP: plain params and all-reduced grads; AdamW8bit on every rank equals the unsharded run bit for bit."""
+    import bnbf_nn
+
+    model = torch.nn.parallel.DistributedDataParallel(td._model().to(td.DEVICE))
+    ref_model = td._model().to(td.DEVICE)
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    ref = bnbf_nn.AdamW8bit(ref_model.parameters(), lr=LR, min_8bit_size=MIN8)
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        for p, r in zip(model.module.parameters(), ref_model.parameters()):
+            r.grad = p.grad.clone()
+        opt.step()
+        ref.step()
+    for p, r in zip(model.module.parameters(), ref_model.parameters()):
+        assert torch.equal(p.detach(), r.detach())
+        assert type(opt.state[p]["state1"]) is torch.Tensor
+
+
+SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
+
+
+@pytest.fixture(scope="module")
+def results():
+    return td._spawn("cpu", __name__)
+
+
+@pytest.fixture(scope="module")
+def results_gpu():
+    if torch.cuda.device_count() < td.WORLD:
+        pytest.skip(f"needs {td.WORLD} CUDA devices")
+    return td._spawn("cuda", __name__)
+
+
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario(results, name):
+    td._report(results, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", list(SCENARIOS))
+def test_scenario_two_gpus(results_gpu, name):
+    """The same on two GPUs with nccl: the compiled Triton kernels on the local shards."""
+    td._report(results_gpu, name)
