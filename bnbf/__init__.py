@@ -16,17 +16,30 @@ with warnings.catch_warnings():
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
     import torch  # noqa: F401
 
+# bnbf.compose: mixed trees, schedules, updates, clipping; bnbf.distributed: FSDP2's DTensor params. Both call
+# the core's functions only when called, so the import order does not matter.
+from bnbf import compose, distributed, paged
 from bnbf._dispatch import use_triton
+from bnbf.compose import apply_updates, apply_updates_, clip_grad_norm, clip_grad_norm_, updates
 from bnbf.functional import dequantize_state, hparams_for, init_state, update, update_
 from bnbf.plan import Plan, plan
 from bnbf.quant import create_dynamic_map, dequantize_blockwise, quantize_blockwise
-from bnbf.rules import RULES
+from bnbf.rules import RULES, register_rule
 from bnbf.state import Layout, OptimSpec, state_nbytes
 
 __version__ = "0.1.0"
 
 __all__ = [
     "RULES",
+    "apply_updates",
+    "apply_updates_",
+    "clip_grad_norm",
+    "clip_grad_norm_",
+    "compose",
+    "distributed",
+    "paged",
+    "register_rule",
+    "updates",
     "Layout",
     "OptimSpec",
     "Plan",

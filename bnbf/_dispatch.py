@@ -7,6 +7,7 @@ interpreter, which is how CI exercises the kernels on machines without a GPU.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import os
 import threading
@@ -22,6 +23,10 @@ _TRITON_DEVICES = ("cuda", "xpu")
 # launches take no lock.
 BUILD_LOCK = threading.Lock()
 INTERPRETER_LOCK = threading.Lock()
+# Set by bnbf.distributed around a step of sharded tensors: called with each float tensor of per-tensor norm sums
+# (LAMB, LARS, max_unorm) between the pass that computes them and the step that reads them, it sums them across
+# the shards in place, so a shard steps with the whole tensor's norms. None: no reduction.
+NORM_REDUCE: contextvars.ContextVar = contextvars.ContextVar("bnbf_norm_reduce", default=None)
 
 
 @functools.cache

@@ -471,12 +471,17 @@ def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: A
     return clip
 
 
+class MixedRulesError(ValueError):
+    """States of several rules in one core call: :mod:`bnbf.compose` steps such trees (bnbf.update sends
+    them there)."""
+
+
 def _rule_of(param: Any, states: list) -> Any:
     """The rule module of the states, which must all be for one rule."""
     rule_name = type(states[0]).layout.rule
     for i, s in enumerate(states):
         if type(s).layout.rule != rule_name:
-            raise ValueError(
+            raise MixedRulesError(
                 f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are for {rule_name!r}"
             )
     return get_rule(rule_name)

@@ -21,7 +21,7 @@ bit for bit, on any mesh. :func:`load_state_dict_` loads that form into states o
 
 Per-tensor norms (LAMB, LARS, ``max_unorm``) need sums over the whole tensor: a sharded step that reads them
 sets the core's ``NORM_REDUCE`` hook to an all-reduce over the shard group, so every shard steps with the
-whole tensor's norms; a core without the hook makes such a step raise (docs/DISTRIBUTED.md).
+whole tensor's norms; a core without the hook makes such a step raise (docs/DESIGN.md, Beyond one GPU).
 """
 
 from __future__ import annotations
@@ -297,7 +297,8 @@ def _norm_reduce(shards: list, rule: Any, max_unorm: Any) -> Any:
     what = f"{rule.name} scales its step by per-tensor norms" if rule.norms else "max_unorm needs per-tensor norms"
     if _NORM_REDUCE is None:
         raise NotImplementedError(
-            f"{what} of whole tensors, and this bnbf core does not reduce norm sums across a mesh (docs/DISTRIBUTED.md)"
+            f"{what} of whole tensors, and this bnbf core does not reduce norm sums across a mesh "
+            "(docs/DESIGN.md, 'Beyond one GPU')"
         )
     groups = {id(sh.mesh.get_group(sh.mesh_dim)): sh.mesh.get_group(sh.mesh_dim) for sh in sharded}
     if len(groups) > 1 or len(sharded) != len(shards):

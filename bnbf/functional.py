@@ -7,6 +7,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +18,7 @@ from torch.utils import _pytree as pytree
 
 from bnbf import ops
 from bnbf._host_checks import (
+    MixedRulesError,
     _check_param,
     _fast_leaves,
     _flatten,
@@ -54,11 +56,15 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
         >>> type(s).__name__, s.exp_avg.dtype
         ('adamw_state_8bit_power_b256_s3', torch.uint8)
     """
-    if not isinstance(spec, OptimSpec):
-        raise TypeError(f"spec must be an OptimSpec, got {type(spec).__name__}")
+    if not isinstance(spec, OptimSpec) or not _shared(hparams):
+        if isinstance(spec, OptimSpec) or callable(spec) or isinstance(spec, (Mapping, list, tuple)):
+            return _compose().init_state(param, spec, hparams)  # per-leaf specs or hyperparameters
+        raise TypeError(f"spec must be an OptimSpec, a pytree of them or a callable, got {type(spec).__name__}")
     leaves, treespec = pytree.tree_flatten_with_path(param)
     if not leaves:
         raise ValueError("init_state needs at least one tensor")
+    if any(map(is_dtensor, (p for _, p in leaves))):
+        return _distributed().init_state(param, spec, hparams)  # FSDP2's sharded params: the local shards' state
     for path, p in leaves:
         _check_param(p, pytree.keystr(path))
     get_rule(spec.rule).make_hparams(hparams)  # bad hyperparameters fail before anything is built
@@ -86,6 +92,7 @@ def update(
     max_unorm: float = 0.0,
     maximize: bool = False,
     differentiable: bool = False,
+    max_grad_norm: Any = None,
 ) -> tuple[Any, Any]:
     """One optimizer step, purely: returns ``(new_param, new_state)`` and modifies no input.
 
@@ -108,6 +115,13 @@ def update(
             ``torch.func`` give the true derivatives of the outputs with respect to params, grads, states and
             0-d tensor hyperparameters (:mod:`bnbf.differentiable`). Needs 32-bit state; accepts float64
             params and states. Without it, asking for such a derivative raises (never a silent zero).
+        max_grad_norm: if given, the grads are first clipped to this global norm, as
+            ``torch.nn.utils.clip_grad_norm_`` clips them (:func:`bnbf.clip_grad_norm`; a pass over the grads).
+
+    The state tree may mix rules, bit widths, formats and block sizes (:func:`init_state` with a tree or a
+    callable of specs), and ``hparams`` may be ``{rule_name: mapping}``, a callable ``(path, param) ->
+    mapping``, a pytree of mappings, and any value a schedule (a callable of the step): such calls go through
+    :mod:`bnbf.compose`, one core call per (rule, hyperparameters), equal to separate calls bit for bit.
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.
@@ -131,7 +145,20 @@ def update(
         return differentiable_update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
-    if unaddressable(_flatten(param)[0], _flatten(grad)[0]):
+    opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+    if max_grad_norm is not None or not _shared(hparams):
+        return _compose().update(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
+    leaves = _flatten(param)[0]
+    if any(map(is_dtensor, leaves)):
+        return _distributed().update(param, grad, state, hparams, step, **opts)
+    try:
+        return _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, maximize)
+    except MixedRulesError:  # raised by the checks, before anything is computed
+        return _compose().update(param, grad, state, hparams, step, **opts)
+
+
+def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, maximize):
+    if unaddressable(leaves, _flatten(grad)[0]):
         # traced (Dynamo-friendly checks, hyperparameters as graph values), or under vmap (no addresses)
         call = _prepare_traced(param, grad, state, hparams, step, max_unorm)
     else:
@@ -165,6 +192,7 @@ def update_(
     max_unorm: float = 0.0,
     maximize: bool = False,
     differentiable: bool = False,
+    max_grad_norm: Any = None,
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
@@ -187,6 +215,9 @@ def update_(
         return differentiable_update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
+    if max_grad_norm is not None or not _shared(hparams):
+        opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+        return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
     # flat dicts and lists without a type check of each leaf: a cached plan confirms its params and states
     # (the same objects, at their planned addresses), a new plan checks them, the step checks the grads
     params, spec = _fast_leaves(param)
@@ -196,7 +227,13 @@ def update_(
         states, s_spec = _flatten(state, is_leaf=is_state)
     found = _cached(param, params, states, spec, s_spec)
     if found is None:
-        _step_generic(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize)
+        opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+        if any(map(is_dtensor, params)):
+            return _distributed().update_(param, grad, state, hparams, step, **opts)
+        try:
+            _step_generic(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize)
+        except MixedRulesError:  # raised by the checks, before anything is written
+            return _compose().update_(param, grad, state, hparams, step, **opts)
     else:
         found._step(params, states, param, grad, hparams, step, skip_zeros, max_unorm, maximize)
     return param, state
@@ -208,6 +245,8 @@ def dequantize_state(state: Any) -> Any:
     For a pytree of states, returns the same structure with a dict in place of each state.
     """
     if is_state(state):
+        if any(map(is_dtensor, state)):
+            return _distributed().dequantize_state(state)
         layout: Layout = type(state).layout
         out = {}
         for slot in layout.slots():
@@ -223,6 +262,40 @@ def dequantize_state(state: Any) -> Any:
     if not leaves or not all(is_state(s) for s in leaves):
         raise TypeError("dequantize_state expects a bnbf state or a pytree of them")
     return pytree.tree_unflatten([dequantize_state(s) for s in leaves], spec)
+
+
+def _shared(hparams: Any) -> bool:
+    """Hyperparameters the core takes as they are (one mapping of numbers and tensors for every leaf); others
+    (per rule, per leaf, schedules) go through :mod:`bnbf.compose`. The common dict of numbers costs a loop."""
+    if hparams is None:
+        return True
+    if type(hparams) is dict:
+        for v in hparams.values():
+            number = type(v) is float or type(v) is int or type(v) is bool or isinstance(v, Tensor)
+            if not number and (type(v) is not tuple or any(map(callable, v))):
+                break
+        else:
+            return True
+    return _compose().is_shared_hparams(hparams)
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's params), without importing torch.distributed.tensor: no DTensor
+    exists before that module is imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)
+
+
+def _compose():
+    from bnbf import compose  # compose builds on this module
+
+    return compose
+
+
+def _distributed():
+    from bnbf import distributed  # distributed builds on this module
+
+    return distributed
 
 
 def hparams_for(rule: str, hparams: Mapping | None = None, **kwargs) -> Any:

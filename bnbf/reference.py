@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from bnbf._dispatch import NORM_REDUCE
 from bnbf.quant import dequantize_state_reference, quantize_state_reference, state_dither
 from bnbf.rules import get_rule
 
@@ -32,15 +33,14 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
     counted = finite & (g != 0) if skip_zeros else finite
     if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
         terms = rule.norms[1](p, g, states, scalars)
-        sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
+        sums = _reduced([torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms])
         new_p, new_states = rule.reference(p, g, states, scalars, sums)
     else:
         new_p, new_states = rule.reference(p, g, states, scalars)
         if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
             zero = torch.zeros_like(p)
-            pnorm = torch.where(counted, p * p, zero).sum().sqrt()
             d = (new_p - p) / lr
-            unorm = torch.where(counted, d * d, zero).sum().sqrt()
+            pnorm, unorm = (x.sqrt() for x in _reduced([torch.where(counted, x * x, zero).sum() for x in (p, d)]))
             limit = max_unorm * pnorm
             scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
             new_p = p + scale * (new_p - p)
@@ -49,6 +49,16 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
         new_p = torch.where(keep, p, new_p)
         new_states = [s if s is None else torch.where(keep, old, s) for s, old in zip(new_states, states)]
     return torch.where(finite, new_p, p), new_states, finite
+
+
+def _reduced(sums: list) -> list:
+    """Per-tensor sums, summed across the shards of a sharded tensor where bnbf.distributed asks for it."""
+    reduce = NORM_REDUCE.get()
+    if reduce is None:
+        return sums
+    both = torch.stack(sums)
+    reduce(both)
+    return list(both.unbind())
 
 
 def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False, clip=False) -> None:

@@ -1,7 +1,7 @@
-"""Rules registered at run time (issue 13): validated at registration, and docs/COMPOSING.md's examples run.
+"""Rules registered at run time (issue 13): validated at registration, and the README's composing examples run.
 
-- every example of docs/COMPOSING.md runs as written (both CPU passes: under ``TRITON_INTERPRET=1`` its
-  AdaBelief math runs in the Triton kernel);
+- every example of the README's section on composing rules runs as written (both CPU passes: under
+  ``TRITON_INTERPRET=1`` its AdaBelief math runs in the Triton kernel);
 - that AdaBelief, 32-bit state, against a float64 AdaBelief written from the paper (Zhuang et al., 2020,
   Algorithm 2 with decoupled decay); with 8-bit state, within bitsandbytes' bar of the 32-bit one after a step;
 - each malformed declaration raises at ``register_rule``, naming the rule and the problem, and registers
@@ -27,11 +27,15 @@ from bnbf.rules import RULES, Rule, StateSlot, register_rule
 from bnbf.rules.base import validate_rule
 from bnbf.rules.lion import LION, LionHparams, LionScalars, lion_math, lion_reference
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "COMPOSING.md"
+README = Path(__file__).resolve().parents[1] / "README.md"
 
 
 def _blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", DOC.read_text(), flags=re.S)
+    """The python examples of the README's section on composing rules."""
+    text = README.read_text()
+    section = text[text.index("## Composing update rules") :]
+    section = section[: section.index("\n## ", 1)]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 @pytest.fixture

@@ -21,7 +21,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from bnbf._dispatch import interpreting
+from bnbf._dispatch import NORM_REDUCE, interpreting
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
@@ -291,6 +291,9 @@ def launch_group(
         group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
     run(group.partials, 1)
     _launch_sums(group, n_tiles)
+    reduce = NORM_REDUCE.get()
+    if reduce is not None:  # sharded tensors: each shard's sums -> the whole tensor's (bnbf.distributed)
+        reduce(group.sums)
     run(group.sums, 2)
 
 
