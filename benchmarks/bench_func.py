@@ -9,8 +9,8 @@ Usage (from the repository root)::
 Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
 
 - ``eager``: ``bnbf.update_`` with Python-float hyperparameters (the baseline of the rows below);
-- ``compile``: the same call inside ``torch.compile(fullgraph=True)``, lr changing every step; the row
-  reports the graphs compiled during the timed steps (0 expected);
+- ``compile``: the same call inside ``torch.compile(fullgraph=True)``, lr and step as 0-d tensors changing
+  every step; the row reports the graphs compiled during the timed steps (0 expected);
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
 - ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call, against a Python loop
   of 8 ``bnbf.update`` calls;
@@ -85,7 +85,14 @@ def row_compile(ctx) -> dict:
         bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
 
     torch._dynamo.utils.counters.clear()
-    fn = lambda i: step(params, grads, state, 1e-3 * 0.999**i, i)  # a new lr every step
+    lr = torch.tensor(1e-3, device=ctx.device)
+    t = torch.tensor(1, device=ctx.device)
+
+    def fn(i: int) -> None:  # lr and step as 0-d tensors, a new lr every step: one graph
+        lr.fill_(1e-3 * 0.999**i)
+        t.fill_(i)
+        step(params, grads, state, lr, t)
+
     for i in range(1, 4):  # compiles here
         fn(i)
     before = sum(torch._dynamo.utils.counters["stats"].values())

@@ -546,7 +546,8 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     key = (id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params))
     found = _PLANS.get(key)
     if found is not None:
-        if found._same(params, states) and found._confirm(params, states):
+        # the same tensors in another container (a dict, then a list) are another call: its own plan
+        if found._spec == spec and found._same(params, states) and found._confirm(params, states):
             with _PLANS_LOCK:
                 if _PLANS.get(key) is found:
                     _PLANS.move_to_end(key)

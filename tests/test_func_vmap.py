@@ -76,6 +76,15 @@ def test_vmap_update_equals_a_loop_over_members(rule, bits, dtype, device):
         p, s = torch.vmap(lambda q, r, u, t=step: bnbf.update(q, r, u, hp, t))(p, g, s)
         loop = [bnbf.update(q, _member(g, b), u, hp, step) for b, (q, u) in enumerate(loop)]
         for b in range(B):
+            if device == "cuda" and bnbf.RULES[rule].norms is not None:
+                # per-tensor norm sums on CUDA: member 0 alone is 16-byte aligned, in the batch it is not, and
+                # Triton vectorizes the aligned kernel's loads, which orders a tile's sum differently (H200: 11 of
+                # 257 params 1.5e-11 apart, states equal); bit-equality holds on the reference path and in the
+                # interpreter
+                assert _same(_member(s, b), loop[b][1])
+                for x, y in zip(tree_leaves(_member(p, b)), tree_leaves(loop[b][0])):
+                    torch.testing.assert_close(x, y, rtol=1e-6, atol=0)
+                continue
             assert _same((_member(p, b), _member(s, b)), loop[b])
 
 

@@ -19,7 +19,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_untouched, kernel_runs, snapshot
+from conftest import DEVICES, assert_untouched, kernel_runs, snapshot
 
 import bnbf
 from bnbf import functional as F
@@ -310,3 +310,22 @@ def test_import_without_numpy_prints_no_numpy_warning():
     )
     assert proc.returncode == 0, proc.stderr
     assert "NumPy" not in proc.stderr, proc.stderr
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_same_tensors_in_another_container_step_as_that_container(device):
+    """update_'s plan cache finds plans by their tensors: the same tensors stepped as a dict, then as a list (as
+    a mixed-rule call's parts and a hand-made partition do), then as the dict again, each step like a fresh call."""
+    ps = {"a": torch.randn(300, device=device), "b": torch.randn(4097, device=device)}
+    st = bnbf.init_state(ps, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    gs = {k: torch.randn_like(v) for k, v in ps.items()}
+    twin = {k: v.clone() for k, v in ps.items()}
+    twin_st = {k: type(s)(*(t.clone() for t in s)) for k, s in st.items()}
+    for t, as_list in ((1, False), (2, True), (3, False)):
+        if as_list:
+            bnbf.update_([ps["a"], ps["b"]], [gs["a"], gs["b"]], [st["a"], st["b"]], {"lr": 1e-3}, t)
+        else:
+            bnbf.update_(ps, gs, st, {"lr": 1e-3}, t)
+        twin, twin_st = bnbf.update(twin, gs, twin_st, {"lr": 1e-3}, t)
+        for k in ps:
+            assert torch.equal(ps[k], twin[k]), (t, k)

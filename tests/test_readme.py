@@ -5,6 +5,8 @@ also checked for what its text claims."""
 from __future__ import annotations
 
 import re
+import sys
+import types
 from pathlib import Path
 
 import torch
@@ -23,7 +25,10 @@ def _section_blocks(heading: str) -> list[str]:
 def test_torch_func_section_runs(capsys):
     blocks = _section_blocks("## torch.func, torch.compile, CUDA graphs")
     assert len(blocks) == 4
-    scope: dict = {"__name__": "readme_torch_func"}
+    # a module of its own in sys.modules: Dynamo looks the compiled function's module up there
+    module = types.ModuleType("readme_torch_func")
+    sys.modules[module.__name__] = module
+    scope = module.__dict__
     exec(compile(blocks[0], "README.md meta-gradient", "exec"), scope)
     lr = scope["lr"]
     assert lr.grad is not None and torch.isfinite(lr.grad) and lr.grad != 0, "a real derivative with respect to lr"
