@@ -184,6 +184,22 @@ def _grads_ok(params: list, grads: list) -> bool:
     )
 
 
+def _structures(param: Any, grad: Any, state: Any, traced: bool = False) -> tuple[list, list, list, Any]:
+    """The call's leaves (params, grads, states) and its structure, which the three must share; ``traced``:
+    torch's pytree flattening, which Dynamo traces."""
+    flat = pytree.tree_flatten if traced else _flatten
+    params, p_spec = flat(param)
+    grads, g_spec = flat(grad)
+    states, s_spec = flat(state, is_leaf=is_state)
+    if not params:
+        raise ValueError("update needs at least one tensor")
+    if g_spec != p_spec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
+    if s_spec != p_spec:
+        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    return params, grads, states, p_spec
+
+
 def _check_grad(name: str, p: Tensor, g: Any) -> None:
     """Raise the precise error for a grad that does not fit its (valid) param; return if it does."""
     if not isinstance(g, Tensor):
@@ -505,15 +521,7 @@ def _prepare(
 ) -> _Call:
     """Every check of one call, raising the precise error (the pure call's and the generic path's); a gradient
     asked for through the step (:func:`check_not_differentiated`) before anything reads an address."""
-    params, p_spec = _flatten(param)
-    grads, g_spec = _flatten(grad)
-    states, s_spec = _flatten(state, is_leaf=is_state)
-    if not params:
-        raise ValueError("update needs at least one tensor")
-    if g_spec != p_spec:
-        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
-    if s_spec != p_spec:
-        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    params, grads, states, p_spec = _structures(param, grad, state)
     _check_leaves(param, params, states, grads)
     check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
     rule = _rule_of(param, states)
@@ -559,15 +567,7 @@ def _prepare_traced(
     values (reading a number traced as an input would turn it into a guarded constant, one compile per value);
     only their names are checked.
     """
-    params, p_spec = pytree.tree_flatten(param)
-    grads, g_spec = pytree.tree_flatten(grad)
-    states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
-    if not params:
-        raise ValueError("update needs at least one tensor")
-    if g_spec != p_spec:
-        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
-    if s_spec != p_spec:
-        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    params, grads, states, p_spec = _structures(param, grad, state, traced=True)
     for i in range(len(params)):
         p, g, s = params[i], grads[i], states[i]
         if not (

@@ -36,6 +36,7 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 import bnbf
+from bnbf._host_checks import _check_grad
 from bnbf.rules import RULES, get_rule
 from bnbf.state import OptimSpec, is_state
 
@@ -613,21 +614,7 @@ def _check_grads(parts: _Parts) -> None:
     ):
         return
     for name, p, g in zip(parts.names, ps, gs):
-        _check_grad(name, p, g)
-
-
-def _check_grad(name: str, p: Tensor, g: Any) -> None:
-    where = f"['{name}']"
-    if not isinstance(g, Tensor):
-        raise TypeError(f"grad{where} must be a Tensor, got {type(g).__name__}")
-    if g.is_sparse or g.layout != torch.strided:
-        raise RuntimeError(f"bnbf does not support sparse gradients (grad{where} has layout {g.layout})")
-    if g.shape != p.shape:
-        raise ValueError(f"grad{where} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
-    if g.dtype != p.dtype:
-        raise TypeError(f"grad{where} has dtype {g.dtype} but the param has dtype {p.dtype}")
-    if g.device != p.device:
-        raise ValueError(f"grad{where} is on {g.device} but the param is on {p.device}")
+        _check_grad(f"['{name}']", p, g)
 
 
 def _span(t: Tensor) -> tuple[int, int]:

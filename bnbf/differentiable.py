@@ -27,6 +27,7 @@ from bnbf._host_checks import (
     _flatten,
     _hparams_traced,
     _names,
+    _structures,
     _unflatten,
     check_update_options,
 )
@@ -73,15 +74,7 @@ def update(
         >>> torch.autograd.grad(p2.sum(), lr)[0]
         tensor(-3., dtype=torch.float64)
     """
-    params, p_spec = _flatten(param)
-    grads, g_spec = _flatten(grad)
-    states, s_spec = _flatten(state, is_leaf=is_state)
-    if not params:
-        raise ValueError("update needs at least one tensor")
-    if g_spec != p_spec:
-        raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
-    if s_spec != p_spec:
-        raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
+    params, grads, states, p_spec = _structures(param, grad, state)
     names = _names(param) if len(params) > 1 or p_spec != "leaf" else [""]
     for name, p, g, s in zip(names, params, grads, states):
         _check_leaf(name, p, g, s)
