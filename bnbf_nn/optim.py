@@ -29,12 +29,23 @@ for 8-bit state: bnbf's 8-bit state is block-wise), ``state_format`` (``"power"`
 lacks (LAMB's ``clamp_value``, LARS' ``trust_coefficient``...). ``args`` is bitsandbytes' config object:
 each of its attributes ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``,
 ``block_wise`` and ``percentile_clipping`` (100 only) that it has wins over the argument. The classes of
-torch's families (Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``,
-``fused``, ``capturable`` and ``differentiable``: ``foreach``/``fused`` change nothing (bnbf's step is one
-fused launch per group; CPU params run the reference path) and are refused only in the combinations torch
-refuses; ``capturable=True``/``differentiable=True`` raise ``NotImplementedError``. Every setting is
-checked before the params are read, with torch's messages where torch has them
-(tests/test_torch_contract.py runs torch's own optimizer test data against these classes).
+torch's families (Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``
+and ``fused``, which change nothing (bnbf's step is one fused launch per group; CPU params run the reference
+path) and are refused only in the combinations torch refuses. Every class takes torch's ``capturable`` and
+``differentiable`` (keyword-only, False by default). Every setting is checked before the params are read, with
+torch's messages where torch has them (tests/test_torch_contract.py runs torch's own optimizer test data
+against these classes).
+
+``capturable=True``: as in torch.optim, each param's ``step`` is a 0-d tensor on its device (int64 here) that
+the step adds to there, and a tensor ``lr`` (which torch's schedulers ``fill_``) is read on the device, so a
+step captured in a CUDA graph and replayed follows the step count and the scheduler. Without it capturing a
+step raises (a Python step would replay its captured value). ``differentiable=True``: the group steps through
+``bnbf.update_(..., differentiable=True)`` under grad mode, so autograd records the step (derivatives with
+respect to the params, the grads and tensor hyperparameters, over several steps); it needs 32-bit state
+(``X32bit``, ``optim_bits=32``), and float64 params get float64 state. ``torch.compile(opt.step)`` traces
+each bucket's ``bnbf.update_`` with the step counts as tensors (as ``capturable=True`` keeps them) and runs
+the bookkeeping (checks, new states) eagerly before it: no more graphs than torch.optim's AdamW compiles in
+the same loop.
 
 Paged optimizers. ``PagedX``, ``PagedX8bit``, ``PagedX32bit`` (X in Adam, AdamW, Lion, AdEMAMix, as in
 bitsandbytes) and ``is_paged=True`` on any class keep the state of large CUDA params (bitsandbytes'
@@ -46,7 +57,7 @@ FSDP2. DTensor params (``fully_shard``) are stepped through :mod:`bnbf.distribut
 state of its local shard, as DTensors, and steps its shards in one core call per bucket; ``state_dict()``
 (which every rank must call) writes the mesh-independent layout, so DCP's ``get_state_dict``/
 ``set_state_dict`` and plain ``dcp.save``/``dcp.load`` of it load on any mesh, or unsharded
-(docs/DISTRIBUTED.md). Paged state, AdEMAMix, and norm rules the core cannot reduce across the mesh raise
+(docs/DESIGN.md, "Beyond one GPU"). Paged state, AdEMAMix, and norm rules the core cannot reduce across the mesh raise
 ``NotImplementedError`` at step, before anything is written.
 
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
@@ -62,7 +73,8 @@ among all groups (torch refuses it in two groups and only warns for twice in one
 which would write it twice).
 
 ``optimizer.state[p]`` is ``{"step": int, "state": <bnbf state NamedTuple>, "state1": ..., "qmap1": ...,
-"absmax1": ..., "state2": ...}``: the NamedTuple is what the kernels step, and bitsandbytes' names are
+"absmax1": ..., "state2": ...}`` (``step`` a 0-d int64 tensor with ``capturable=True``, on the param's
+device, or ``differentiable=True``, on the CPU): the NamedTuple is what the kernels step, and bitsandbytes' names are
 views of the same tensors (made when the state is, so the step does no extra work), which
 ``bitsandbytes.functional.dequantize_blockwise(A=state1, absmax=absmax1, code=qmap1, blocksize=256)``
 reads; AdEMAMix's ``state1``/``absmax1`` stack its two first moments as bitsandbytes' do. A write through
@@ -94,6 +106,7 @@ from torch import Tensor
 import bnbf
 import bnbf.paged
 from bnbf._host_checks import NATIVE, _check_present, check_update_options
+from bnbf.plan import not_capturable
 from bnbf.state import present_mask, relaid
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -102,6 +115,8 @@ __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optim
 
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
 _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
+# torch.optim's meanings, on every class: step count and lr on the device (capturable), a step autograd records
+_MODES = {"capturable": False, "differentiable": False}
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 _STEP = operator.itemgetter("step")
@@ -109,6 +124,9 @@ _STEP = operator.itemgetter("step")
 _GLOBAL_HOOKS = tuple(
     getattr(_torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
 )
+
+
+_compiling = torch.compiler.is_compiling  # Dynamo reads it as True while it traces
 
 
 def _plain_step(opt: torch.optim.Optimizer) -> bool:
@@ -300,15 +318,46 @@ def _check_torch_flags(settings: Mapping) -> None:
     """torch.optim's implementation switches, where the class has them. bnbf always runs one fused step per
     group (on CPU, the reference path), so ``foreach`` and ``fused`` change nothing and are accepted where
     torch accepts them, ``fused=True`` with CPU params included (torch runs a fused CPU kernel there);
-    ``differentiable`` and ``capturable`` have no bnbf implementation yet."""
+    ``capturable`` and ``differentiable`` (every class has them) are bools with torch's meaning."""
     get = settings.get
     if get("fused") and get("differentiable"):
         raise RuntimeError("`fused` does not support `differentiable`")
     if get("fused") and get("foreach"):
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
-    for name in ("differentiable", "capturable"):
-        if get(name):
-            raise NotImplementedError(f"{name}=True is not supported by bnbf_nn yet (pass {name}=False)")
+    for name in _MODES:
+        if not isinstance(get(name, False), bool):
+            raise TypeError(f"{name} must be a bool, got {type(get(name)).__name__}")
+
+
+def _new_step(step: int, param: Tensor, group: Mapping) -> int | Tensor:
+    """A param's step count as a group keeps it: a 0-d int64 tensor on the param's device with capturable=True
+    (torch.optim's capturable steps), on the CPU with differentiable=True (torch.optim keeps tensor steps
+    there too), else an int."""
+    if group["capturable"]:
+        return torch.tensor(step, dtype=torch.int64, device=param.device)
+    if group["differentiable"]:
+        return torch.tensor(step, dtype=torch.int64)
+    return step
+
+
+def _tensor_steps(bucket: Any, capturable: bool) -> None:
+    """The bucket's int steps as tensors (states made or loaded before capturable/differentiable was set;
+    once: later steps find tensors), on the params' devices for capturable=True."""
+    for r, p in zip(bucket.records, bucket.params):
+        step = r["step"]
+        if type(step) is int or (capturable and step.device != p.device):
+            r["step"] = torch.tensor(int(step), dtype=torch.int64, device=p.device if capturable else "cpu")
+
+
+def _detached(v: Any) -> Any:
+    """Hyperparameters with tensors detached, for their checks."""
+    if isinstance(v, Tensor):
+        return v.detach()
+    if isinstance(v, dict):
+        return {k: _detached(x) for k, x in v.items()}
+    if type(v) is tuple:
+        return tuple(map(_detached, v))
+    return v
 
 
 def _to_bnb_group(family: Family, group: Mapping) -> dict:
@@ -360,7 +409,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
         self._set_rule(defaults)
         self._init_caches()
-        defaults = {**_STORAGE, "optim_bits": optim_bits, **_CALL, **defaults}
+        defaults = {**_STORAGE, "optim_bits": optim_bits, **_CALL, **_MODES, **defaults}
         self._check_group(defaults)  # before torch.optim reads params: bad settings say so, whatever params are
         super().__init__(params, defaults)
 
@@ -373,6 +422,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
         self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
+        self._traced_key: list | None = None  # (id(group), id(bucket)) of the last compiled step's jobs
+        self._traced_cache: list = []  # those jobs: the same list object while they stay (Dynamo guards on it)
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
@@ -399,7 +450,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         state.setdefault("is_paged", False)  # pickled before paged optimizers existed
         super().__setstate__(state)
         for group in [self.defaults, *self.param_groups]:  # pickled before a bnbf.update_ option existed
-            for key, off in _CALL.items():
+            for key, off in {**_CALL, **_MODES}.items():
                 group.setdefault(key, off)
         self._set_rule(self.defaults)
         self._init_caches()
@@ -434,7 +485,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         adam = self.family.rule in ("adam", "adamw") and "foreach" in settings
         if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-        bnbf.hparams_for(self._rule.name, self._hparams(group, override))
+        bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override)))
         if adam:
             _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         self._spec(group, override)
@@ -480,6 +531,10 @@ class Optimizer8bit(torch.optim.Optimizer):
     step.hooked = True
 
     def _step(self, closure=None):  # no torch.no_grad(): a plan's direct launch needs none, its generic path has it
+        # torch.compile(opt.step) traces this frame (or resumes into it after _plain_step's profiler check, which
+        # Dynamo runs eagerly); torch's hook wrapper, where hooks are registered, is traced around it
+        if _compiling():
+            return self._traced_step(closure)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -494,6 +549,74 @@ class Optimizer8bit(torch.optim.Optimizer):
         for job in jobs:
             self._step_group(*job)
         return loss
+
+    def _traced_step(self, closure=None):
+        """The step as torch.compile traces it: the bookkeeping (checks, new states, buckets) runs eagerly in
+        :meth:`_traced_jobs`, and the traced part is each bucket's :func:`bnbf.update_` with the group's
+        hyperparameters as Dynamo sees them (a tensor lr a graph input, a float lr a symbolic float after
+        Dynamo's first recompile, as for torch.optim) and the step counts as tensors, added to in the graph
+        (so a new step never recompiles)."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group, bucket in self._traced_jobs():
+            hp = self._hparams(group, bucket.override)
+            kw = {k: bucket.override.get(k, group[k]) for k in _CALL}
+            steps = [r["step"] for r in bucket.records]
+            torch._foreach_add_(steps, 1)
+            grads = [p.grad for p in bucket.params]
+            if group["differentiable"]:
+                with torch.enable_grad():
+                    bnbf.update_(bucket.params, grads, bucket.states, hp, steps[0], differentiable=True, **kw)
+            else:
+                bnbf.update_(bucket.params, grads, bucket.states, hp, steps[0], **kw)
+        return loss
+
+    @torch.compiler.disable
+    def _traced_jobs(self) -> list:
+        """Eagerly, for :meth:`_traced_step`: every group checked and prepared as an eager step prepares it
+        (states for new grads, each record's step as a 0-d int64 tensor on its param's device, as with
+        capturable=True), and the (group, bucket) pairs to step, the same list while nothing changes (Dynamo
+        guards on it)."""
+        jobs = []
+        prepared = [self._prepare_group(group) for group in self.param_groups]
+        for group, plan, grads, every in prepared:
+            if plan.complete and every:
+                pairs = [(group, b) for b in plan.buckets]
+            else:
+                has_grad = tuple(g is not None for g in grads)
+                if plan.has_grad != has_grad:
+                    plan = self._create_states(group, grads, plan)
+                    plan.has_grad = has_grad
+                    plan.partial = []
+                    for bucket in plan.buckets:
+                        keep = [k for k, i in enumerate(bucket.idx) if has_grad[i]]
+                        if keep:
+                            plan.partial.append((bucket, bucket.subset(keep)))
+                pairs = [(group, sub) for _, sub in plan.partial]
+            for g, bucket in pairs:
+                if bucket.dist:
+                    raise NotImplementedError(
+                        f"{type(self).__name__}: torch.compile of step on DTensor params (FSDP2) is not supported"
+                    )
+                if bucket.call is None:
+                    bucket.call = self._settings(g, bucket)
+                for r, p in zip(bucket.records, bucket.params):
+                    if type(r["step"]) is int:
+                        r["step"] = torch.tensor(r["step"], dtype=torch.int64, device=p.device)
+                steps = [int(r["step"]) for r in bucket.records] if not bucket.uniform else ()
+                if steps and steps.count(steps[0]) != len(steps):
+                    raise NotImplementedError(
+                        f"{type(self).__name__}: a compiled step of params at different step counts (some had no "
+                        "grad in an earlier step) is not supported; step them eagerly"
+                    )
+                bucket.uniform = True
+            jobs += pairs
+        key = [(id(g), id(b)) for g, b in jobs]
+        if key != self._traced_key:
+            self._traced_key, self._traced_cache = key, jobs
+        return self._traced_cache
 
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
@@ -511,7 +634,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._check_dist(group, plan)
         for bucket in plan.buckets:
             bucket.call = self._settings(group, bucket)
-            if bucket.plan is None and plan.complete and every:  # checked (and built) before any group steps
+            # checked (and built) before any group steps; a differentiable step takes no plan
+            if bucket.plan is None and plan.complete and every and not group["differentiable"]:
                 bucket.plan = bucket.make_plan()
         if not (plan.complete and every):
             checked = set()
@@ -536,6 +660,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
         as it is: the check costs nothing extra), and the step's keywords."""
+        if group["capturable"] or group["differentiable"]:
+            return self._mode_settings(group, bucket)
         override = bucket.override
         h = self._rule.make_hparams(self._hparams(group, override))
         kw = {}
@@ -549,6 +675,28 @@ class Optimizer8bit(torch.optim.Optimizer):
         if present_mask(self._rule, h) != bucket.present:  # e.g. momentum switched on after states were made
             _check_present(self._rule, h, bucket.states)
         return h, kw
+
+    def _mode_settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
+        """:meth:`_settings` of a group with capturable=True or differentiable=True: the bucket's steps as
+        tensors (what sends it to :meth:`_run_modes`), the hyperparameters checked on detached values (reading
+        a tensor that requires grad warns), and for a differentiable step the mapping with the caller's
+        tensors, so that derivatives reach them."""
+        _tensor_steps(bucket, group["capturable"])
+        override = bucket.override
+        hp = self._hparams(group, override)
+        h = self._rule.make_hparams(_detached(hp))
+        kw = {k: override.get(k, group[k]) for k in _CALL}
+        check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
+        if present_mask(self._rule, h) != bucket.present:
+            _check_present(self._rule, h, bucket.states)
+        if not group["differentiable"]:
+            return self._rule.make_hparams(hp), kw
+        if any(type(s).layout.quantized for s in bucket.states):
+            raise ValueError(
+                f"{type(self).__name__}: differentiable=True needs 32-bit state (optim_bits=32, or a 32-bit "
+                "class such as AdamW32bit): 8-bit states are rounded to codes, which have no gradient"
+            )
+        return hp, kw
 
     def _step_group(self, group: dict, plan: _Buckets, grads: list, every: bool) -> None:
         if plan.complete and every:
@@ -575,6 +723,9 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _run(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
         records = bucket.records
         t = records[0]["step"]
+        if type(t) is not int:  # capturable=True or differentiable=True (see _settings)
+            self._run_modes(group, bucket, grads, call)
+            return
         if not bucket.uniform:
             if list(map(_STEP, records)).count(t) != len(records):  # params of the group out of step: split
                 by_step: dict[int, list[int]] = defaultdict(list)
@@ -600,6 +751,53 @@ class Optimizer8bit(torch.optim.Optimizer):
             collections.deque(
                 map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t + 1)), maxlen=0
             )
+
+    def _run_modes(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
+        """A bucket's step with capturable=True (step counts as 0-d int64 tensors on the params' device, added
+        to there, and the group's lr as it is: a tensor lr is read on the device, so a captured step replays
+        with the current step and lr) or differentiable=True (:func:`bnbf.update_`'s differentiable step under
+        grad mode)."""
+        if bucket.dist:
+            raise NotImplementedError(
+                f"{type(self).__name__}: capturable=True or differentiable=True on DTensor params (FSDP2) is not "
+                "supported"
+            )
+        records = bucket.records
+        capturable = group["capturable"]
+        if not (capturable or group["differentiable"]):  # tensor steps of a group that turned both off (or of
+            for r in records:  # compiled steps): ints again, one read each
+                r["step"] = int(r["step"])
+            self._run(group, bucket, grads, call)
+            return
+        _tensor_steps(bucket, capturable)
+        steps = list(map(_STEP, records))
+        if not bucket.uniform:
+            if capturable and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                raise not_capturable(
+                    "the params of this group may be at different steps (some had no grad in an earlier step): "
+                    "run a step with every grad before capturing"
+                )
+            at = [int(s) for s in steps]  # reads device steps: only until the bucket is known to be uniform
+            if at.count(at[0]) != len(at):  # params of the group out of step: each step count on its own
+                for value in dict.fromkeys(at):
+                    keep = [k for k, v in enumerate(at) if v == value]
+                    sub = bucket.subset(keep)
+                    sub.uniform = True
+                    self._run_modes(group, sub, [grads[k] for k in keep], call)
+                return
+            bucket.uniform = True
+        h, kw = call
+        torch._foreach_add_(steps, 1)  # one launch for the bucket, as torch.optim's capturable steps
+        if group["differentiable"]:
+            # a CPU step as the int it holds: bias corrections from an int are computed in float64 (from a
+            # tensor step in float32, as with capturable=True)
+            step = steps[0] if capturable else int(steps[0])
+            with torch.enable_grad():  # torch.optim steps a differentiable group under grad mode too
+                bnbf.update_(bucket.params, grads, bucket.states, h, step, differentiable=True, **kw)
+            return
+        if bucket.plan is None:
+            bucket.plan = bucket.make_plan()
+        bucket.plan.step(grads, h, steps[0], **kw)
 
     def _plan(self, group: dict) -> _Buckets:
         """Group the parameters that have state by their overrides: one bnbf plan each."""
@@ -647,7 +845,15 @@ class Optimizer8bit(torch.optim.Optimizer):
             cfg = plan.configs.get(id(p), {})
             spec = self._spec(group, cfg)
             hp = self._hparams(group, cfg)
-            self.state[p] = _checkpoint.record(0, _checkpoint.new_state(p, spec, hp, self.family), self.family)
+            step = _new_step(0, p, group)
+            if p.dtype == torch.float64 and group["differentiable"]:
+                # float64 params (gradcheck, torch.func): float64 state, stepped in float64 throughout
+                s = _checkpoint.new_state(p.detach().float(), spec, _detached(hp), self.family)
+                s = type(s)._make(t.double() if t.is_floating_point() else t for t in s)
+                s = relaid(s, self.family.bnb_slots, False) if self.family.bnb_slots else s
+            else:
+                s = _checkpoint.new_state(p, spec, hp, self.family)
+            self.state[p] = _checkpoint.record(step, s, self.family)
             new = True
         if new:
             plan = self._plan(group)
@@ -762,6 +968,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             want = self._spec(group, cfg).layout_for(p.numel()).bits
             hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
             step = _checkpoint.read_step(entry, where)
+            step = _new_step(step, p, group)
             s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged)
             state[p] = _checkpoint.record(step, s, self.family)
         self.state = state
@@ -862,8 +1069,8 @@ class Optimizer2State(Optimizer8bit):
     ``optimizer_name`` is bitsandbytes' name: ``"adam"`` (decoupled weight decay, i.e. AdamW), ``"lamb"`` or
     ``"ademamix"``. The other arguments are bitsandbytes' (``args``: an object whose ``optim_bits``,
     ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``, ``block_wise`` and
-    ``percentile_clipping`` attributes, those it has, win over the arguments); ``block_wise`` and
-    ``state_format`` are keyword-only.
+    ``percentile_clipping`` attributes, those it has, win over the arguments); ``block_wise``,
+    ``state_format``, ``capturable`` and ``differentiable`` (torch.optim's meanings) are keyword-only.
     """
 
     def __init__(
@@ -886,6 +1093,8 @@ class Optimizer2State(Optimizer8bit):
         *,
         block_wise=True,
         state_format="power",
+        capturable=False,
+        differentiable=False,
     ):
         # kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
         family, hp = _from_bnb_args(
@@ -905,7 +1114,8 @@ class Optimizer2State(Optimizer8bit):
             family,
             f"Optimizer2State({optimizer_name!r})",
         )
-        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], paged, family=family)
+        modes = {"capturable": capturable, "differentiable": differentiable}
+        Optimizer8bit.__init__(self, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
 
 
 class Optimizer1State(Optimizer8bit):
@@ -913,7 +1123,7 @@ class Optimizer1State(Optimizer8bit):
 
     ``optimizer_name`` is bitsandbytes' name: ``"momentum"`` (SGD; ``betas`` = (momentum, dampening)),
     ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``. ``args``,
-    ``block_wise`` and ``state_format`` as in :class:`Optimizer2State`.
+    ``block_wise``, ``state_format``, ``capturable`` and ``differentiable`` as in :class:`Optimizer2State`.
     """
 
     def __init__(
@@ -933,6 +1143,8 @@ class Optimizer1State(Optimizer8bit):
         *,
         block_wise=True,
         state_format="power",
+        capturable=False,
+        differentiable=False,
     ):
         family, hp = _from_bnb_args(optimizer_name, 1, lr, betas, eps, weight_decay)
         storage, paged = _storage(
@@ -949,7 +1161,8 @@ class Optimizer1State(Optimizer8bit):
             family,
             f"Optimizer1State({optimizer_name!r})",
         )
-        Optimizer8bit.__init__(self, params, {**hp, **storage}, storage["optim_bits"], paged, family=family)
+        modes = {"capturable": capturable, "differentiable": differentiable}
+        Optimizer8bit.__init__(self, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
 
 
 def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: str, paged_class: bool = False):
@@ -1041,6 +1254,7 @@ def _signature(
     kw += list(family.extra_args())
     kw += [("skip_zeros", False), ("block_wise", True), ("state_format", "power"), ("maximize", False)]
     kw += [(k, _TORCH_FLAGS[k]) for k in family.torch_flags]
+    kw += [(k, off) for k, off in _MODES.items() if k not in family.torch_flags]
     ps += [_P(k, _P.KEYWORD_ONLY, default=v) for k, v in kw]
     return inspect.Signature(ps)
 
@@ -1080,7 +1294,8 @@ def _make_class(family: Family, bits: int | None, paged: bool = False, name: str
         }
         is_paged = True if paged else a["is_paged"]  # a Paged* class pages whatever is_paged says, as bnb's
         storage, is_paged = _storage(a["args"], settings, is_paged, a["block_wise"], family, name, paged)
-        flags = {k: a[k] for k in ("maximize",) + family.torch_flags}  # group settings, as torch.optim keeps them
+        # group settings, as torch.optim keeps them
+        flags = {k: a[k] for k in ("maximize", *family.torch_flags, *_MODES)}
         Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], is_paged)
 
     __init__.__signature__ = sig

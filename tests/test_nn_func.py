@@ -1,0 +1,315 @@
+"""bnbf_nn's optimizers with torch.optim's ``differentiable=True`` and ``capturable=True``, and under
+``torch.compile(opt.step)``.
+
+- differentiable: the optimizer's steps are recorded by autograd; gradients through two steps with respect
+  to the initial params, the grads and lr are checked against finite differences in float64 (gradcheck), and
+  the values against torch.optim's differentiable steps; 8-bit state raises naming 32-bit state.
+- capturable: step counts are 0-d int64 tensors on the params' device, a tensor lr (which torch's schedulers
+  ``fill_``) is read on the device; the result equals the same run with Python steps (bias correction in
+  float32 on the device, so to float32 rounding), and checkpoints keep the tensor step on the device. On CUDA
+  a captured ``opt.step()`` replayed with a scheduler changing lr between replays equals the eager steps bit
+  for bit, and without capturable=True capturing raises.
+- torch.compile: ``torch.compile(opt.step)`` of every family in a loop with an LR scheduler compiles no more
+  graphs than torch.optim.AdamW in the same loop (Dynamo's CompileCounter), never again after the calls that
+  torch's compile too, and equals the eager capturable steps bit for bit (the counting backend runs the
+  traced graph as it is).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import pytest
+import torch
+from conftest import triton_mode
+from test_nn_optim import HPARAMS
+from torch._dynamo.testing import CompileCounter
+
+import bnbf_nn
+from bnbf_nn.optim import Optimizer1State, Optimizer2State, Optimizer8bit
+
+CLASSES = [getattr(bnbf_nn, n) for n in bnbf_nn.optim.__all__ if isinstance(getattr(bnbf_nn, n), type)]
+CLASSES = [c for c in CLASSES if issubclass(c, Optimizer8bit) and c not in (Optimizer8bit,)]
+FAMILIES = [f.name for f in bnbf_nn.FAMILIES]
+
+
+def _make(name: str, params, bits: int = 8, **kw):
+    cls = getattr(bnbf_nn, f"{name}{bits}bit")
+    return cls(params, **{**HPARAMS[name], **kw}, min_8bit_size=0)
+
+
+# ---- the arguments ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("cls", CLASSES, ids=lambda c: c.__name__)
+def test_every_class_takes_capturable_and_differentiable(cls):
+    if cls in (Optimizer1State, Optimizer2State):
+        params = inspect.signature(cls.__init__).parameters
+        make = lambda **kw: cls("lion" if cls is Optimizer1State else "adam", [torch.nn.Parameter(torch.ones(3))], **kw)
+    else:
+        params = inspect.signature(cls).parameters
+        lr = {"lr": 0.1} if params["lr"].default is inspect.Parameter.empty else {}
+        make = lambda **kw: cls([torch.nn.Parameter(torch.ones(3))], **lr, **kw)
+    for flag in ("capturable", "differentiable"):
+        assert params[flag].kind == inspect.Parameter.KEYWORD_ONLY and params[flag].default is False
+        opt = make(**{flag: True})
+        assert opt.param_groups[0][flag] is True and opt.defaults[flag] is True
+        with pytest.raises(TypeError, match=f"{flag} must be a bool"):
+            make(**{flag: 1})
+
+
+def test_fused_with_differentiable_is_refused_in_torchs_words():
+    with pytest.raises(RuntimeError, match="`fused` does not support `differentiable`"):
+        bnbf_nn.AdamW([torch.nn.Parameter(torch.ones(3))], fused=True, differentiable=True)
+
+
+# ---- differentiable=True -----------------------------------------------------------------------------------
+
+DIFF_CASES = ["AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "Adan"]
+
+
+def _two_steps(name: str, p0, g, lr, **kw):
+    p = p0.clone()  # a non-leaf, written in place with its history (torch.optim's differentiable idiom)
+    opt = _make(name, [p], bits=32, lr=lr, differentiable=True, **kw)
+    for k in range(2):
+        p.grad = g * (1.0 + k)
+        opt.step()
+    return p
+
+
+@pytest.mark.parametrize("name", DIFF_CASES)
+def test_differentiable_steps_have_the_true_gradients(name):
+    torch.manual_seed(0)
+    p0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    lr = torch.tensor(HPARAMS[name]["lr"], dtype=torch.float64, requires_grad=True)
+    # finite differences in float64 of the whole two-step map: params, grads and lr
+    assert torch.autograd.gradcheck(lambda a, b, c: _two_steps(name, a, b, c), (p0, g, lr))
+
+
+# torch's differentiable SGD with momentum cannot be differentiated here (its in-place buffer update trips
+# autograd's version check): SGD's derivatives are checked by gradcheck above
+@pytest.mark.parametrize("torch_cls, name", [(torch.optim.AdamW, "AdamW"), (torch.optim.Adam, "Adam")])
+def test_differentiable_steps_equal_torch_optims(torch_cls, name):
+    torch.manual_seed(0)
+    p0 = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(7, dtype=torch.float64)
+    lr = torch.tensor(0.05, dtype=torch.float64, requires_grad=True)
+    hp = dict(betas=(0.8, 0.99), weight_decay=0.1)
+    ours = p0.clone()
+    opt = getattr(bnbf_nn, f"{name}32bit")([ours], lr=lr, differentiable=True, **hp)
+    theirs = p0.clone()
+    ref = torch_cls([theirs], lr=lr, differentiable=True, **hp)
+    for k in range(3):
+        ours.grad, theirs.grad = g * (k + 1), g * (k + 1)
+        opt.step()
+        ref.step()
+    d_ours = torch.autograd.grad(ours.square().sum(), (p0, lr))
+    d_ref = torch.autograd.grad(theirs.square().sum(), (p0, lr))
+    # torch's differentiable Adam keeps its step as a float32 tensor, so its bias corrections are float32
+    # (5.6e-8 from its own float-lr result here); bnbf's are float64: float32 rounding apart, no more
+    torch.testing.assert_close(ours, theirs, rtol=2e-6, atol=0)
+    for a, b in zip(d_ours, d_ref):
+        torch.testing.assert_close(a, b, rtol=2e-6, atol=1e-12)
+    exact = p0.detach().clone()  # and equal to torch's float64 steps where torch computes them in float64
+    ref = torch_cls([exact], lr=0.05, **hp)
+    for k in range(3):
+        exact.grad = g * (k + 1)
+        ref.step()
+    torch.testing.assert_close(ours.detach(), exact, rtol=1e-12, atol=1e-15)
+
+
+def test_differentiable_with_8bit_state_raises_naming_32bit_and_writes_nothing():
+    p = torch.nn.Parameter(torch.randn(300))
+    opt = bnbf_nn.AdamW8bit([p], differentiable=True, min_8bit_size=0)
+    p.grad = torch.randn(300)
+    before = p.detach().clone()
+    with pytest.raises(ValueError, match="differentiable=True needs 32-bit state"):
+        opt.step()
+    assert torch.equal(p.detach(), before)
+
+
+def test_without_differentiable_a_gradient_through_the_step_raises():
+    p = torch.nn.Parameter(torch.randn(5))
+    lr = torch.tensor(0.1, requires_grad=True)
+    opt = bnbf_nn.SGD32bit([p], lr=lr, momentum=0.9)
+    p.grad = torch.randn(5)
+    with pytest.warns(UserWarning, match="requires_grad"), pytest.raises(RuntimeError, match="differentiable=True"):
+        opt.step()
+
+
+# ---- capturable=True (CPU bookkeeping) ---------------------------------------------------------------------
+
+
+def _run_with_scheduler(name, capturable, lr, steps=4, bits=8, device="cpu"):
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s, device=device)) for s in ((257,), (16, 9), (1,))]
+    opt = _make(name, params, bits=bits, lr=lr, capturable=capturable)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sched.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("name", ["AdamW", "Lion", "SGD"])
+def test_capturable_keeps_steps_on_the_device_and_follows_the_scheduler(name):
+    lr0 = HPARAMS[name]["lr"]
+    opt, params = _run_with_scheduler(name, True, torch.tensor(lr0))
+    plain, ref = _run_with_scheduler(name, False, lr0)
+    for p in params:
+        step = opt.state[p]["step"]
+        assert isinstance(step, torch.Tensor) and step.dtype == torch.int64 and step.device == p.device
+        assert int(step) == 4 and plain.state[ref[0]]["step"] == 4
+    assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # filled in place by the scheduler
+    torch.testing.assert_close(opt.param_groups[0]["lr"].item(), plain.param_groups[0]["lr"])
+    for p, q in zip(params, ref):
+        # bias correction from the device step in float32 (Python steps: float64): float32 rounding
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
+
+
+def test_capturable_state_dict_keeps_a_tensor_step_loaded_onto_the_device():
+    opt, params = _run_with_scheduler("AdamW", True, torch.tensor(1e-2), steps=2)
+    sd = opt.state_dict()
+    assert all(torch.equal(e["step"], torch.tensor(2.0)) for e in sd["state"].values())
+    again = bnbf_nn.AdamW8bit(params, lr=torch.tensor(1e-2), capturable=True, min_8bit_size=0)
+    again.load_state_dict(sd)
+    for p in params:
+        step = again.state[p]["step"]
+        assert isinstance(step, torch.Tensor) and step.dtype == torch.int64 and step.device == p.device
+        assert int(step) == 2
+    # the saved group's settings load with it, capturable included (as torch.optim's load_state_dict)
+    plain = bnbf_nn.AdamW8bit(params, min_8bit_size=0)
+    plain.load_state_dict(sd)
+    assert plain.param_groups[0]["capturable"] is True
+    assert all(plain.state[p]["step"].dtype == torch.int64 for p in params)
+    sd["param_groups"][0]["capturable"] = False
+    plain.load_state_dict(sd)
+    assert all(plain.state[p]["step"] == 2 and type(plain.state[p]["step"]) is int for p in params)
+
+
+# ---- torch.compile(opt.step) -------------------------------------------------------------------------------
+
+
+def _compiled_loop(make, lr, steps=3):
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = make(params, lr)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cnt = CompileCounter()
+    step = torch.compile(opt.step, backend=cnt)
+    frames = []
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step()
+        sched.step()
+        frames.append(cnt.frame_count)
+    return frames, params
+
+
+@functools.cache
+def _torch_adamw_graphs(tensor_lr: bool) -> list[int]:
+    return _compiled_loop(lambda ps, lr: torch.optim.AdamW(ps, lr=torch.tensor(lr) if tensor_lr else lr), 1e-3)[0]
+
+
+@pytest.mark.parametrize("tensor_lr", [True, False], ids=["tensor_lr", "float_lr"])
+@pytest.mark.parametrize("name", FAMILIES)
+def test_compiled_step_compiles_no_more_than_torchs_adamw(name, tensor_lr):
+    if not tensor_lr and name not in ("AdamW", "SGD"):
+        pytest.skip("float lr: two families keep the pass short")
+    if triton_mode() and name not in ("AdamW", "Lion", "AdEMAMix"):
+        pytest.skip("the interpreter pass compiles three families (every family compiles in the reference pass)")
+    lr0 = HPARAMS[name]["lr"]
+    as_lr = (lambda v: torch.tensor(v)) if tensor_lr else (lambda v: v)
+    ref = _torch_adamw_graphs(tensor_lr)
+    ours, params = _compiled_loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr)), lr0)
+    assert ours[-1] <= ref[-1], f"{name}8bit compiled {ours} graphs by call, torch's AdamW {ref}"
+    assert ours[-1] == ours[1], f"{name}8bit recompiled after its second call: {ours}"
+    torch._dynamo.reset()
+    # the same steps eagerly, with tensor steps (what the compiled step keeps): equal bit for bit
+    torch.manual_seed(0)
+    eager_params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = _make(name, eager_params, lr=as_lr(lr0), capturable=True)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    for _ in range(3):
+        for p in eager_params:
+            p.grad = torch.randn_like(p)
+        opt.step()
+        sched.step()
+    for p, q in zip(params, eager_params):
+        assert torch.equal(p, q), f"{name}8bit: the compiled steps differ from the eager ones"
+
+
+def test_compiled_step_keeps_step_hooks():
+    torch._dynamo.reset()
+    p = torch.nn.Parameter(torch.randn(9))
+    opt = bnbf_nn.AdamW8bit([p], min_8bit_size=0)
+    seen = []
+    opt.register_step_post_hook(lambda o, a, k: seen.append(1))
+    p.grad = torch.randn(9)
+    torch.compile(opt.step, backend="eager")()
+    assert seen == [1] and int(opt.state[p]["step"]) == 1
+    torch._dynamo.reset()
+
+
+# ---- CUDA graphs -------------------------------------------------------------------------------------------
+
+
+def _cuda_setup(name, capturable, seed=0):
+    torch.manual_seed(seed)
+    params = [torch.nn.Parameter(torch.randn(s, device="cuda")) for s in ((4097,), (64, 33), (1,))]
+    lr = torch.tensor(HPARAMS[name]["lr"], device="cuda") if capturable else HPARAMS[name]["lr"]
+    opt = _make(name, params, lr=lr, capturable=capturable)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    grads = [torch.zeros_like(p) for p in params]
+    for p, g in zip(params, grads):
+        p.grad = g  # the graph reads these tensors: every step's grads are copied into them
+    return params, grads, opt, sched
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", FAMILIES)
+def test_captured_step_replayed_equals_eager_steps(name):
+    n = 5
+    torch.manual_seed(1)
+    feed = [[torch.randn(s, device="cuda") for s in ((4097,), (64, 33), (1,))] for _ in range(n + 2)]
+    params, grads, opt, sched = _cuda_setup(name, True)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # torch's warm-up on a side stream: tables built, buckets known uniform
+        for k in range(2):
+            torch._foreach_copy_(grads, feed[k])
+            opt.step()
+            sched.step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        opt.step()
+    for k in range(2, n + 2):
+        torch._foreach_copy_(grads, feed[k])
+        graph.replay()
+        sched.step()
+    torch.cuda.synchronize()
+    ref_params, ref_grads, ref_opt, ref_sched = _cuda_setup(name, True)
+    for k in range(n + 2):
+        torch._foreach_copy_(ref_grads, feed[k])
+        ref_opt.step()
+        ref_sched.step()
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q), f"{name}8bit: the replayed steps differ from the eager ones"
+    assert int(opt.state[params[0]]["step"]) == n + 2
+
+
+@pytest.mark.gpu
+def test_capture_without_capturable_raises():
+    params, grads, opt, _ = _cuda_setup("AdamW", False)
+    opt.step()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="cannot be captured in a CUDA graph"), torch.cuda.graph(graph):
+        opt.step()
