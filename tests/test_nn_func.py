@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import warnings
 
 import pytest
 import torch
@@ -135,8 +136,11 @@ def test_without_differentiable_a_gradient_through_the_step_raises():
     lr = torch.tensor(0.1, requires_grad=True)
     opt = bnbf_nn.SGD32bit([p], lr=lr, momentum=0.9)
     p.grad = torch.randn(5)
-    with pytest.warns(UserWarning, match="requires_grad"), pytest.raises(RuntimeError, match="differentiable=True"):
-        opt.step()
+    # torch may warn about the lr that requires grad (once per process: not asserted)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        with pytest.raises(RuntimeError, match="differentiable=True"):
+            opt.step()
 
 
 # ---- capturable=True (CPU bookkeeping) ---------------------------------------------------------------------
