@@ -21,7 +21,7 @@ bit for bit, on any mesh. :func:`load_state_dict_` loads that form into states o
 
 Per-tensor norms (LAMB, LARS, ``max_unorm``) need sums over the whole tensor: a sharded step that reads them
 sets the core's ``NORM_REDUCE`` hook to an all-reduce over the shard group, so every shard steps with the
-whole tensor's norms; a core without the hook makes such a step raise (docs/DESIGN.md, Beyond one GPU).
+whole tensor's norms (docs/DESIGN.md, Beyond one GPU).
 """
 
 from __future__ import annotations
@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 from typing import Any
 
 import torch
@@ -41,13 +40,10 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 import bnbf
+from bnbf._dispatch import NORM_REDUCE
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec, is_state
-
-# where the core has it (bnbf._dispatch.NORM_REDUCE): the hook through which a step's per-tensor norm sums
-# are summed across shards; without it, sharded steps that read norms raise
-_NORM_REDUCE = getattr(importlib.import_module("bnbf._dispatch"), "NORM_REDUCE", None)
 
 __all__ = [
     "Plan",
@@ -295,11 +291,6 @@ def _norm_reduce(shards: list, rule: Any, max_unorm: Any) -> Any:
     if not sharded or not _norms_needed(rule, max_unorm):
         return None
     what = f"{rule.name} scales its step by per-tensor norms" if rule.norms else "max_unorm needs per-tensor norms"
-    if _NORM_REDUCE is None:
-        raise NotImplementedError(
-            f"{what} of whole tensors, and this bnbf core does not reduce norm sums across a mesh "
-            "(docs/DESIGN.md, 'Beyond one GPU')"
-        )
     groups = {id(sh.mesh.get_group(sh.mesh_dim)): sh.mesh.get_group(sh.mesh_dim) for sh in sharded}
     if len(groups) > 1 or len(sharded) != len(shards):
         raise NotImplementedError(
@@ -337,11 +328,11 @@ def _reducing(reduce: Any):
     if reduce is None:
         yield
         return
-    token = _NORM_REDUCE.set(reduce)
+    token = NORM_REDUCE.set(reduce)
     try:
         yield
     finally:
-        _NORM_REDUCE.reset(token)
+        NORM_REDUCE.reset(token)
 
 
 def _localize_one(i: int, p: DTensor, g: Any, s: Any) -> tuple:
@@ -391,8 +382,8 @@ def update_(
 
     Raises:
         NotImplementedError: for DTensors that are not ``Replicate``/``Shard(0)``; for LAMB, LARS or
-            ``max_unorm > 0`` on sharded params where the core lacks ``NORM_REDUCE``, where they are on
-            several process groups, or beside unsharded params in one call.
+            ``max_unorm > 0`` on sharded params on several process groups, or beside unsharded params in one
+            call.
 
     Example (on each rank, after ``loss.backward()`` under FSDP2)::
 

@@ -57,8 +57,8 @@ FSDP2. DTensor params (``fully_shard``) are stepped through :mod:`bnbf.distribut
 state of its local shard, as DTensors, and steps its shards in one core call per bucket; ``state_dict()``
 (which every rank must call) writes the mesh-independent layout, so DCP's ``get_state_dict``/
 ``set_state_dict`` and plain ``dcp.save``/``dcp.load`` of it load on any mesh, or unsharded
-(docs/DESIGN.md, "Beyond one GPU"). Paged state, AdEMAMix, and norm rules the core cannot reduce across the mesh raise
-``NotImplementedError`` at step, before anything is written.
+(docs/DESIGN.md, "Beyond one GPU"). Paged state, AdEMAMix, and norm rules over params on several process
+groups raise ``NotImplementedError`` at step, before anything is written.
 
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
 ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's
@@ -648,7 +648,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_dist(self, group: dict, plan: _Buckets) -> None:
         """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
-        AdEMAMix's stacked state, whole-tensor norms where the core cannot reduce them across the mesh)."""
+        AdEMAMix's stacked state, whole-tensor norms of params on several process groups)."""
         name = type(self).__name__
         if self.is_paged:
             raise NotImplementedError(f"{name}: paged state (is_paged=True) of DTensor params (FSDP2) is not supported")

@@ -258,7 +258,7 @@ def scenario_errors():
 
 def scenario_norms():
     """LAMB, LARS and max_unorm on shards step with the whole tensors' norms: 32-bit state equals the
-    unsharded run up to the order of the norms' sums. A core without the norm hook refuses, unchanged."""
+    unsharded run up to the order of the norms' sums (the core's NORM_REDUCE hook all-reduces them)."""
     import bnbf
     import bnbf.distributed as bd
 
@@ -271,13 +271,6 @@ def scenario_norms():
     for rule, hp, kw in cases:
         run = _Run(bnbf.OptimSpec(rule=rule, state_bits=32), hp)
         init = {k: p.detach().clone() for k, p in run.ref_params.items()}
-        if bd._NORM_REDUCE is None:
-            grads = run.grads()
-            before = {k: p.to_local().clone() for k, p in run.params.items()}
-            with pytest.raises(NotImplementedError, match="per-tensor norms"):
-                bd.update_(run.params, grads, run.state, hp, 1, **kw)
-            assert all(torch.equal(p.to_local(), before[k]) for k, p in run.params.items())
-            continue
         grads = run.grads()  # one step: the norms of a fresh state's first update
         bd.update_(run.params, grads, run.state, hp, 1, **kw)
         bnbf.update_(run.ref_params, {k: g.full_tensor() for k, g in grads.items()}, run.ref_state, hp, 1, **kw)
