@@ -76,16 +76,6 @@ def test_vmap_update_equals_a_loop_over_members(rule, bits, dtype, device):
         p, s = torch.vmap(lambda q, r, u, t=step: bnbf.update(q, r, u, hp, t))(p, g, s)
         loop = [bnbf.update(q, _member(g, b), u, hp, step) for b, (q, u) in enumerate(loop)]
         for b in range(B):
-            if device == "cuda" and bnbf.RULES[rule].norms is not None:
-                # per-tensor norm sums on CUDA: only member 0 differs (H200: a few of 257 params, at most 1.5e-11
-                # on values of 1e-3, states equal); it alone is 16-byte aligned when stepped on its own, and the
-                # kernel's aligned variant vectorizes its loads, which orders a tile's sum differently. Float32
-                # rounding of the sums, relative to the tensor's scale; the reference path and the interpreter
-                # stay bit-equal
-                assert _same(_member(s, b), loop[b][1])
-                for x, y in zip(tree_leaves(_member(p, b)), tree_leaves(loop[b][0])):
-                    torch.testing.assert_close(x, y, rtol=1e-6, atol=1e-6 * float(y.abs().max()))
-                continue
             assert _same((_member(p, b), _member(s, b)), loop[b])
 
 
