@@ -73,32 +73,9 @@ class StableEmbedding(Embedding):
         (torch.Size([1, 3, 64]), 0.0)
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        padding_idx: int | None = None,
-        max_norm: float | None = None,
-        norm_type: float = 2.0,
-        scale_grad_by_freq: bool = False,
-        sparse: bool = False,
-        _weight: Tensor | None = None,
-        device=None,
-        dtype=None,
-    ) -> None:
-        super().__init__(
-            num_embeddings,
-            embedding_dim,
-            padding_idx,
-            max_norm,
-            norm_type,
-            scale_grad_by_freq,
-            sparse,
-            _weight,
-            device=device,
-            dtype=dtype,
-        )
-        self.norm = torch.nn.LayerNorm(embedding_dim, device=device)
+    def __init__(self, *args, **kwargs) -> None:  # torch.nn.Embedding's arguments, as Embedding takes them
+        super().__init__(*args, **kwargs)
+        self.norm = torch.nn.LayerNorm(self.embedding_dim, device=self.weight.device)
 
     def forward(self, input: Tensor) -> Tensor:
         emb = F.embedding(
