@@ -1096,26 +1096,11 @@ class Optimizer2State(Optimizer8bit):
         capturable=False,
         differentiable=False,
     ):
-        # kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
+        # alpha, t_alpha, t_beta3: kept only by rules that have them (AdEMAMix), as every bitsandbytes argument
         family, hp = _from_bnb_args(
             optimizer_name, 2, lr, betas, eps, weight_decay, alpha=alpha, t_alpha=t_alpha, t_beta3=t_beta3
         )
-        storage, paged = _storage(
-            args,
-            dict(
-                optim_bits=optim_bits,
-                min_8bit_size=min_8bit_size,
-                max_unorm=max_unorm,
-                skip_zeros=skip_zeros,
-                state_format=state_format,
-            ),
-            is_paged,
-            block_wise,
-            family,
-            f"Optimizer2State({optimizer_name!r})",
-        )
-        modes = {"capturable": capturable, "differentiable": differentiable}
-        Optimizer8bit.__init__(self, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
+        _init_bnb_base(self, "Optimizer2State", optimizer_name, params, family, hp, dict(locals()))
 
 
 class Optimizer1State(Optimizer8bit):
@@ -1147,22 +1132,17 @@ class Optimizer1State(Optimizer8bit):
         differentiable=False,
     ):
         family, hp = _from_bnb_args(optimizer_name, 1, lr, betas, eps, weight_decay)
-        storage, paged = _storage(
-            args,
-            dict(
-                optim_bits=optim_bits,
-                min_8bit_size=min_8bit_size,
-                max_unorm=max_unorm,
-                skip_zeros=skip_zeros,
-                state_format=state_format,
-            ),
-            is_paged,
-            block_wise,
-            family,
-            f"Optimizer1State({optimizer_name!r})",
-        )
-        modes = {"capturable": capturable, "differentiable": differentiable}
-        Optimizer8bit.__init__(self, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
+        _init_bnb_base(self, "Optimizer1State", optimizer_name, params, family, hp, dict(locals()))
+
+
+def _init_bnb_base(opt, base: str, optimizer_name: str, params, family: Family, hp: dict, a: dict) -> None:
+    """The shared body of bitsandbytes' two bases: ``a`` holds the constructor's arguments by name."""
+    settings = {k: a[k] for k in ("optim_bits", "min_8bit_size", "max_unorm", "skip_zeros", "state_format")}
+    storage, paged = _storage(
+        a["args"], settings, a["is_paged"], a["block_wise"], family, f"{base}({optimizer_name!r})"
+    )
+    modes = {"capturable": a["capturable"], "differentiable": a["differentiable"]}
+    Optimizer8bit.__init__(opt, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
 
 
 def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: str, paged_class: bool = False):
