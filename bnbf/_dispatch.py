@@ -10,7 +10,9 @@ from __future__ import annotations
 import contextvars
 import functools
 import os
+import sys
 import threading
+from typing import Any
 
 import torch
 
@@ -48,3 +50,10 @@ def use_triton(t: torch.Tensor) -> bool:
     if t.device.type in _TRITON_DEVICES:
         return True
     return t.device.type == "cpu" and interpreting() and triton_available()
+
+
+def is_dtensor(t: Any) -> bool:
+    """Whether ``t`` is a DTensor (FSDP2's params), without importing torch.distributed.tensor: no DTensor
+    exists before that module is imported."""
+    mod = sys.modules.get("torch.distributed.tensor")
+    return mod is not None and isinstance(t, mod.DTensor)

@@ -40,7 +40,7 @@ from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
 import bnbf
-from bnbf._dispatch import NORM_REDUCE
+from bnbf._dispatch import NORM_REDUCE, is_dtensor
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec, is_state
@@ -57,11 +57,6 @@ __all__ = [
     "update",
     "update_",
 ]
-
-
-def is_dtensor(x: Any) -> bool:
-    """True for a ``torch.distributed.tensor.DTensor``."""
-    return isinstance(x, DTensor)
 
 
 # --- where a rank's shard sits in the global tensor ---------------------------------------------------

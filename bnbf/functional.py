@@ -7,7 +7,6 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +16,7 @@ from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
+from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import (
     MixedRulesError,
     _check_param,
@@ -277,13 +277,6 @@ def _shared(hparams: Any) -> bool:
         else:
             return True
     return _compose().is_shared_hparams(hparams)
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2's params), without importing torch.distributed.tensor: no DTensor
-    exists before that module is imported."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def _compose():

@@ -27,7 +27,6 @@ from __future__ import annotations
 import functools
 import math
 import re
-import sys
 from collections.abc import Mapping
 from typing import Any
 
@@ -35,6 +34,7 @@ import torch
 from torch import Tensor
 
 import bnbf
+from bnbf._dispatch import is_dtensor
 from bnbf.quant import STATE_FORMATS, state_map
 from bnbf.state import relaid
 
@@ -122,13 +122,6 @@ def _rows(state: Any, names: list[str], stack: bool) -> Tensor:
         if t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or not rows[i].is_set_to(t):
             raise RuntimeError(f"state fields {names} are not rows of one tensor: cannot show them as a stack")
     return rows
-
-
-def is_dtensor(t: Any) -> bool:
-    """Whether ``t`` is a DTensor (FSDP2's params), without importing torch.distributed.tensor: no DTensor
-    exists before that module is imported."""
-    mod = sys.modules.get("torch.distributed.tensor")
-    return mod is not None and isinstance(t, mod.DTensor)
 
 
 def distributed_module(stacks: tuple | None, name: str) -> Any:
