@@ -22,6 +22,7 @@ import torch
 from torch import Tensor
 
 from bnbf._host_checks import (
+    _check_grad,
     _check_present,
     _check_step,
     _flatten,
@@ -119,14 +120,7 @@ def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
     if not isinstance(p, Tensor) or p.dtype not in _FLOATS or p.layout != torch.strided:
         got = f"{p.dtype} {p.layout}" if isinstance(p, Tensor) else type(p).__name__
         raise TypeError(f"param{name} must be a dense float16, bfloat16, float32 or float64 tensor, got {got}")
-    if not isinstance(g, Tensor) or g.layout != torch.strided:
-        raise TypeError(f"grad{name} must be a dense tensor, got {type(g).__name__}")
-    if g.shape != p.shape:
-        raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
-    if g.dtype != p.dtype:
-        raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
-    if g.device != p.device:
-        raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+    _check_grad(name, p, g)
     if not is_state(s):
         raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
     layout = type(s).layout
