@@ -463,6 +463,11 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
     import conftest  # the parent's pytest session set these up; a spawned process starts bare
 
     global DEVICE
+    import faulthandler
+
+    # a crash in a spawned rank (a SIGSEGV) leaves its Python stack in the run's folder for _spawn to report
+    crash_log = open(os.path.join(out, f"crash{rank}.txt"), "w")
+    faulthandler.enable(crash_log, all_threads=True)
     torch.set_num_threads(1)
     if device == "cuda":
         DEVICE = torch.device("cuda", rank)
@@ -496,7 +501,15 @@ def _spawn(device: str, module: str = __name__) -> list[dict]:
 
     with tempfile.TemporaryDirectory() as out:
         os.environ["BNBF_TEST_CKPT"] = os.path.join(out, "ckpt")
-        mp.spawn(_worker, args=(out, device, module), nprocs=WORLD)
+        try:
+            mp.spawn(_worker, args=(out, device, module), nprocs=WORLD)
+        except mp.ProcessExitedException as e:
+            stacks = []
+            for r in range(WORLD):
+                path = os.path.join(out, f"crash{r}.txt")
+                if os.path.exists(path):
+                    stacks.append(f"rank {r}:\n" + open(path).read()[-6000:])
+            raise AssertionError(f"{e}\n" + "\n".join(stacks)) from e
         found = []
         for r in range(WORLD):
             with open(os.path.join(out, f"rank{r}.json")) as f:
