@@ -489,6 +489,10 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
             results[name] = "ok"
         except Exception:
             results[name] = traceback.format_exc()
+            # now, not at the end: a rank that fails mid-scenario leaves its peers in a collective it never
+            # joins, which gloo can answer with a crash before rank*.json is written
+            crash_log.write(f"scenario {name} failed:\n{results[name]}\n")
+            crash_log.flush()
         torch.distributed.barrier()
     torch.distributed.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
