@@ -24,6 +24,7 @@ are not tested here with any map but the dynamic one, so write checkpoints meant
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -145,8 +146,11 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
     (:func:`bnbf.distributed.init_state`)."""
     if is_dtensor(param):
         return distributed_module(family.bnb_slots, family.name).init_state(param.detach(), spec, hparams)
-    state = bnbf.init_state(param.detach(), spec, hparams)
-    return relaid(state, family.bnb_slots, spec.paged) if family.bnb_slots else state
+    if not family.bnb_slots:
+        return bnbf.init_state(param.detach(), spec, hparams)
+    # made unpaged, then relaid into paged memory once: a paged first copy would stay in its managed chunk
+    state = bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams)
+    return relaid(state, family.bnb_slots, spec.paged)
 
 
 def record(step: int, state: Any, family: Any) -> dict:
@@ -271,9 +275,10 @@ def unpack(
                 if got_bits == 8:
                     saved[n + "_absmax"] = tensors["absmax" + key[5:]]
         return dist.load_state_dict_(state, saved)
-    state = bnbf.init_state(param.detach(), spec, hparams)
-    if stacks:
-        state = relaid(state, stacks, paged)
+    if stacks:  # unpaged first, as new_state
+        state = relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)
+    else:
+        state = bnbf.init_state(param.detach(), spec, hparams)
     with torch.no_grad():
         for key, kept in expected.items():
             k = key[5:]
