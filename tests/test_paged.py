@@ -489,7 +489,8 @@ def test_the_first_managed_allocation_of_a_process_costs_the_driver_a_few_mib():
     got = json.loads(out.stdout.strip().splitlines()[-1])
     assert got["live"] == 0, got
     assert got["optimizer"] <= 0, f"a paged optimizer kept {got['optimizer']} bytes after del: {got}"
-    assert 0 <= got["first_use"] <= 64 << 20, f"the first managed allocation left {got['first_use']} bytes: {got}"
+    # free memory may also grow meanwhile (the driver's own pools): only the upper bound is a property
+    assert got["first_use"] <= 64 << 20, f"the first managed allocation left {got['first_use']} bytes: {got}"
     # the chunk reserved 256 MiB for the 4 KiB; only the page touched took GPU memory
     assert got["reserved"] >= 256 << 20 and got["held"] <= 64 << 20, got
 
