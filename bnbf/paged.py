@@ -458,7 +458,7 @@ def _should_prefetch(nbytes: int, free: int, new: bool, headroom: int) -> bool:
     return new or free < nbytes + headroom
 
 
-def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None) -> bool:
+def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None, force: bool = False) -> bool:
     """Ask the driver to move paged state to its GPU, asynchronously on ``stream`` (the current stream by
     default), where it may have been paged out and fits: one call per chunk. Skipped when the state does not
     fit in free memory (the kernels then fault pages in) and when the GPU has :data:`PREFETCH_HEADROOM`
@@ -469,6 +469,8 @@ def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None) -
     Args:
         ranges: from :func:`ranges_of`.
         stream: the stream the next kernels run on.
+        force: prefetch whatever the free memory (the driver evicts other managed pages to make room): for
+            a slice of a state larger than the GPU's memory, stepped before the next slice is prefetched.
 
     Returns:
         Whether a prefetch was issued.
@@ -494,7 +496,7 @@ def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None) -
         if now - arena.free_seen[0] >= _FREE_TTL_S:
             arena.free_seen = (now, torch.cuda.mem_get_info(dev)[0])
         free = arena.free_seen[1]
-        if not _should_prefetch(sum(r.nbytes for r in rs), free, new, PREFETCH_HEADROOM):
+        if not force and not _should_prefetch(sum(r.nbytes for r in rs), free, new, PREFETCH_HEADROOM):
             continue
         s = torch.cuda.current_stream(dev) if stream is None else stream
         drv.prefetch_all(dev, [(r.ptr, r.nbytes) for r in rs], s.cuda_stream)

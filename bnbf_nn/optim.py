@@ -424,6 +424,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
         self._traced_key: list | None = None  # (id(group), id(bucket)) of the last compiled step's jobs
         self._traced_cache: list = []  # those jobs: the same list object while they stay (Dynamo guards on it)
+        # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
+        self._paged_free: dict[int, int] = {}
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
@@ -544,7 +546,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         jobs = [self._prepare_group(group) for group in self.param_groups]
         if self.is_paged:  # ask the driver to bring paged state to the GPU ahead of the kernels (asynchronous)
             for job in jobs:
-                if job[1].ranges:
+                if job[1].ranges and not job[1].slices:
                     bnbf.paged.prefetch(job[1].ranges)
         for job in jobs:
             self._step_group(*job)
@@ -699,6 +701,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         return hp, kw
 
     def _step_group(self, group: dict, plan: _Buckets, grads: list, every: bool) -> None:
+        if plan.slices and plan.complete and every:  # paged state larger than the GPU's free memory
+            for bucket, slices in zip(plan.buckets, plan.slices):
+                for sub, ranges in slices:
+                    bnbf.paged.prefetch(ranges, force=True)
+                    self._run(group, sub, [grads[i] for i in sub.idx], bucket.call)
+            return
         if plan.complete and every:
             for bucket in plan.buckets:
                 self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx], bucket.call)
@@ -833,8 +841,42 @@ class Optimizer8bit(torch.optim.Optimizer):
         plan.dist = any(map(_checkpoint.is_dtensor, params))
         if self.is_paged:
             plan.ranges = bnbf.paged.ranges_of(t for b in made for s in b.states for t in s)
+            plan.slices = self._paged_slices(plan)
         self._plans[id(group)] = plan
         return plan
+
+    def _paged_slices(self, plan: _Buckets) -> list:
+        """For paged state larger than the GPU memory that was free before it was made: each bucket's params
+        in slices of at most half that memory, each with its managed ranges, so that a step prefetches a
+        slice and steps it before the next (as bitsandbytes' per-tensor launches do). One launch over all of
+        it would instead fault every page in: 3.5x bitsandbytes' step time, measured. [] when it fits."""
+        free = self._paged_free
+        total = sum(r.nbytes for r in plan.ranges)
+        if not plan.ranges or not free or total <= min(free.values()):
+            return []
+        budget = max(min(free.values()) // 2, 1)
+        slices = []
+        for bucket in plan.buckets:
+            cut, size, keep = [], 0, []
+            for k, s in enumerate(bucket.states):
+                nbytes = sum(t.nbytes for t in s)
+                if keep and size + nbytes > budget:
+                    cut.append(keep)
+                    keep, size = [], 0
+                keep.append(k)
+                size += nbytes
+            cut.append(keep)
+            slices.append(
+                [(bucket.subset(c), bnbf.paged.ranges_of(t for k in c for t in bucket.states[k])) for c in cut]
+            )
+        return slices
+
+    def _note_free(self, params: list) -> None:
+        """The GPU's free bytes before paged states are made (the lowest seen, by device): _paged_slices's
+        budget. Made states take memory once touched, so free memory read later would count them."""
+        for dev in {p.device for p in params if p.is_cuda}:
+            free = torch.cuda.mem_get_info(dev)[0]
+            self._paged_free[dev.index] = min(free, self._paged_free.get(dev.index, free))
 
     def _create_states(self, group: dict, grads: list, plan: _Buckets) -> _Buckets:
         """States for the parameters that got their first gradient; returns the (re)built plan."""
@@ -842,6 +884,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         for p, g in zip(group["params"], grads):
             if g is None or "state" in self.state.get(p, {}):
                 continue
+            if self.is_paged and not new:
+                self._note_free(group["params"])
             cfg = plan.configs.get(id(p), {})
             spec = self._spec(group, cfg)
             hp = self._hparams(group, cfg)
@@ -1036,6 +1080,7 @@ class _Buckets:
     has_grad: tuple = ()  # the grad pattern `partial` was built for (steps where some params have none)
     partial: list = dataclasses.field(default_factory=list)  # (bucket, its subset with grads)
     ranges: list = dataclasses.field(default_factory=list)  # managed allocations of paged states (bnbf.paged)
+    slices: list = dataclasses.field(default_factory=list)  # per bucket, (subset, ranges) when paged state overflows
     dist: bool = False  # some param is a DTensor (FSDP2)
 
     def valid(self, opt: Optimizer8bit, params: list) -> bool:

@@ -376,6 +376,36 @@ def test_an_optimizers_state_is_one_prefetch_range_prefetched_when_it_may_be_out
 
 
 @pytest.mark.gpu
+def test_state_larger_than_free_memory_steps_in_prefetched_slices(monkeypatch):
+    """Paged state larger than the GPU memory free before it was made is stepped in slices of at most half of
+    that, each prefetched (forced) before its launch, with the same result as one unpaged launch. The free
+    memory is stood in for by a small figure (a real oversubscription is scripts/paged_bench.py's part 2)."""
+    shapes = [(320, 400)] * 6 + [SMALL]
+    params, twin = make(shapes, "cuda"), make(shapes, "cuda")
+    grads = grads_for(params, 3)
+    opt, plain = bnbf_nn.PagedAdamW8bit(params), bnbf_nn.AdamW8bit(twin)
+    per = bnbf.state_nbytes(bnbf.init_state(params[0].detach(), bnbf.OptimSpec(rule="adamw")))
+    opt._paged_free = {params[0].device.index: 5 * per}  # the lowest figure seen is kept: 2 states a slice
+    forced = []
+    real = bnbf.paged.prefetch
+    monkeypatch.setattr(
+        bnbf.paged, "prefetch", lambda r, stream=None, force=False: forced.append(force) or real(r, stream, force)
+    )
+    run(opt, params, grads[:1])  # the first step makes the states, then the plan
+    forced.clear()
+    run(opt, params, grads[1:])
+    run(plain, twin, grads)
+    torch.cuda.synchronize()
+    (slices,) = opt._plans[id(opt.param_groups[0])].slices
+    assert [len(sub.idx) for sub, _ in slices] == [2, 2, 3], "slices of at most half the free memory (+ SMALL)"
+    assert forced == [True] * 6, "one forced prefetch per slice and step, and no whole-state prefetch"
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal_report(p.detach(), q.detach(), f"param {i}")
+        for a, b in zip(state_tensors(opt, p), state_tensors(plain, q)):
+            assert_equal_report(a, b, f"param {i} state")
+
+
+@pytest.mark.gpu
 def test_paged_ademamix_carves_its_state_once():
     bnbf.paged._arena(torch.cuda.current_device()).seal()  # this optimizer's states start a chunk
     params = make([BIG], "cuda")
