@@ -14,6 +14,9 @@ from conftest import DEVICES, HAS_CUDA, assert_untouched, snapshot
 
 import bnbf
 
+# argument checks, errors and plumbing, not kernel numerics: the interpreter pass skips them (conftest)
+pytestmark = pytest.mark.surface
+
 UPDATES = [bnbf.update, bnbf.update_]
 GRAD_STRUCTURE = r"(?s)grad structure .* does not match param structure"
 STATE_STRUCTURE = r"(?s)state structure .* does not match param structure"

@@ -22,6 +22,8 @@ from conftest import assert_untouched, snapshot
 
 import bnbf
 
+# argument checks, errors and plumbing, not kernel numerics: the interpreter pass skips them (conftest)
+pytestmark = pytest.mark.surface
 P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
 HP = {"lr": 1e-2, "weight_decay": 0.0}
 SPEC = bnbf.OptimSpec(rule="adamw", min_8bit_size=8)
@@ -160,6 +162,7 @@ def record(self, args, *a, **k):
     return real(self, args, *a, **k)
 subprocess.Popen.__init__ = record
 import torch, bnbf, bnbf_nn
+
 p = {"w": torch.randn(300), "b": torch.randn(3)}
 s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", min_8bit_size=256))
 for step in (1, 2):

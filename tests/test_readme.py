@@ -9,6 +9,7 @@ import sys
 import types
 from pathlib import Path
 
+import pytest
 import torch
 from torch._dynamo.utils import counters
 
@@ -22,6 +23,7 @@ def _section_blocks(heading: str) -> list[str]:
     return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
+@pytest.mark.surface  # the README's code runs, on the reference path here and the kernels on the GPU
 def test_torch_func_section_runs(capsys):
     blocks = _section_blocks("## torch.func, torch.compile, CUDA graphs")
     assert len(blocks) == 4

@@ -35,6 +35,9 @@ import bnbf
 import bnbf_nn
 from bnbf._dispatch import interpreting
 
+# argument checks, errors and plumbing, not kernel numerics: the interpreter pass skips them (conftest)
+pytestmark = pytest.mark.surface
+
 # torch's harness imports expecttest (our test extra installs it; the GPU machine's image lacks it)
 pytest.importorskip("expecttest", reason="torch's optimizer test harness needs expecttest (pip install expecttest)")
 with warnings.catch_warnings():  # the harness module adds warning filters of its own when imported
