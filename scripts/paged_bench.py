@@ -6,7 +6,7 @@ Usage (from the repository root; bitsandbytes' rows need it importable, e.g. ``P
     python scripts/paged_bench.py --free-gib 2 --state-gib 3.5 --json out.json
     python scripts/paged_bench.py --smoke                  # tiny shapes, part 1 only, also on the CPU
 
-Part 1, no pressure (GPT-2 small shapes, fp32 and bf16 params): ``bnbf_nn.PagedAdamW8bit`` against
+Part 1, no pressure (GPT-2 small and the 1.07B set, fp32 and bf16 params): ``bnbf_nn.PagedAdamW8bit`` against
 ``bnbf_nn.AdamW8bit``, also with ``bnbf.paged.PREFETCH_HEADROOM`` raised so that every step prefetches, and
 bitsandbytes' ``PagedAdamW8bit`` against its ``AdamW8bit``. Reports the median step (CUDA events after a
 synchronize, so host time counts), its ratio to the unpaged step, the median host time of a step, the
@@ -144,7 +144,7 @@ def part1_row(args, device, rows, dname: str, shapes: list, name: str, factory: 
     old = bnbf.paged.PREFETCH_HEADROOM
     try:
         free0 = level(device)
-        leaves = leaves_for(shapes, bs.DTYPES[dname], device)
+        leaves = leaves_for(shapes, bs.DTYPES[dname.split()[-1]], device)
         opt = factory(leaves)
         if headroom is not None:
             bnbf.paged.PREFETCH_HEADROOM = headroom
@@ -162,13 +162,19 @@ def part1_row(args, device, rows, dname: str, shapes: list, name: str, factory: 
 
 
 def part1(args: argparse.Namespace, device: torch.device, rows: list[dict]) -> None:
-    shapes = bs.SMOKE_SETS["gpt2_124M"]() if args.smoke else bs.gpt2_shapes()
+    for set_name in args.sets.split(","):
+        shapes = (bs.SMOKE_SETS if args.smoke else bs.SETS)[set_name]()
+        part1_set(args, device, rows, set_name, shapes)
+
+
+def part1_set(args: argparse.Namespace, device: torch.device, rows: list[dict], set_name: str, shapes: list) -> None:
     bnb = bnb_optim()
-    for dname in args.dtypes.split(","):
+    for dtype_name in args.dtypes.split(","):
+        dname = f"{set_name} {dtype_name}"
         # a paged warm-up first: the driver keeps a few MiB for Unified Memory after a process's first
         # managed allocation (tests/test_paged.py), which would show as memory the first paged row kept
         if device.type == "cuda":
-            warm = leaves_for(shapes[:3], bs.DTYPES[dname], device)
+            warm = leaves_for(shapes[:3], bs.DTYPES[dname.split()[-1]], device)
             bnbf_nn.PagedAdamW8bit(warm, **HP).step()
             del warm
         base = part1_row(args, device, rows, dname, shapes, "bnbf_nn AdamW8bit", lambda ps: bnbf_nn.AdamW8bit(ps, **HP))
@@ -324,6 +330,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--parts", default="1,2", help="which parts: 1 (no pressure), 2 (oversubscribed)")
     ap.add_argument("--dtypes", default="fp32,bf16", help="part 1's param dtypes")
+    ap.add_argument("--sets", default="gpt2_124M,big_1B", help="part 1's sets (benchmarks/bench_step.py)")
     ap.add_argument("--warmup", type=int, default=5, help="part 1's warm-up steps")
     ap.add_argument("--steps", type=int, default=50, help="part 1's timed steps")
     ap.add_argument("--state-gib", type=float, default=3.5, help="part 2: the 8-bit state's size")
