@@ -6,9 +6,11 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
   them), or a callable ``(path, param) -> OptimSpec``;
 - :func:`update` / :func:`update_` step a tree of mixed rules, formats, bit widths and block sizes with
   hyperparameters given as one mapping, ``{rule_name: mapping}``, a callable ``(path, param) -> mapping`` or a
-  pytree of mappings. Leaves are partitioned by (rule, hyperparameters) and the core is called once per part:
-  one kernel launch per (device, param dtype, state layout, hyperparameters), results bit for bit those of
-  separate calls;
+  pytree of mappings. Leaves are partitioned by rule, and within a rule by hyperparameters: on the Triton path
+  the leaves of one rule share one kernel launch per (device, param dtype, state layout) whatever their
+  hyperparameters (each tensor reads its own row of scalars, see :meth:`bnbf.plan.Plan`), on the reference
+  path (and under tracing, torch.func transforms or capture) the core is called once per (rule,
+  hyperparameters); results bit for bit those of separate calls either way;
 - any hyperparameter may be a callable of the step (a schedule), evaluated once per call
   (:func:`resolve_hparams`);
 - :func:`updates` returns the rule's update in float32 and :func:`apply_updates` / :func:`apply_updates_` add
@@ -36,9 +38,21 @@ from torch import Tensor
 from torch.utils import _pytree as pytree
 
 import bnbf
-from bnbf._host_checks import _check_grad
+from bnbf import ops
+from bnbf._dispatch import use_triton
+from bnbf._host_checks import (
+    _check_grad,
+    _check_present,
+    _check_step,
+    _groups,
+    _prepare,
+    differentiated,
+    hparam_tensors,
+)
+from bnbf.kernels.launcher import _to_device
+from bnbf.plan import _cached, _scalars, set_rows
 from bnbf.rules import RULES, get_rule
-from bnbf.state import OptimSpec, is_state
+from bnbf.state import OptimSpec, is_state, present_mask
 
 __all__ = [
     "apply_updates",
@@ -217,14 +231,20 @@ def _per_leaf_hparams(
     functional_call names; ``keypaths()``: their pytree key paths (only the tree form needs them)."""
     if callable(hparams) and not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams):
         out = []
+        seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping returned for many leaves is read once
         for name, p in zip(names, params):
             h = hparams(name, p)
+            hit = seen.get(id(h))
+            if hit is not None and hit[0] is h:
+                out.append(hit[1])
+                continue
             if not (type(h) is dict and not any(type(v) is dict for v in h.values())) and not _is_hparams_leaf(h):
                 raise TypeError(
                     f"the hparams callable returned {type(h).__name__} for {name!r}; expected a mapping, "
                     f"a rule's hparams dataclass or None"
                 )
-            out.append(r.mapping(h))
+            seen[id(h)] = (h, r.mapping(h))  # h held: its id stays its own for the call
+            out.append(seen[id(h)][1])
         return out
     if _by_rule(hparams):
         missing = sorted(set(rules) - set(hparams))
@@ -444,8 +464,10 @@ def update(
             :func:`clip_grad_norm` does (a separate pass over the grads, before the step).
 
     Returns:
-        ``(new_params, new_state)`` in the input structures. Leaves are stepped by one core call per
-        (rule, hyperparameters): bit for bit what separate :func:`bnbf.update` calls on those leaves return.
+        ``(new_params, new_state)`` in the input structures: bit for bit what separate :func:`bnbf.update`
+        calls on the leaves of each (rule, hyperparameters) return. On the Triton path a rule's leaves share
+        one launch per (device, dtype, state layout) whatever their hyperparameters (a row of scalars per
+        tensor); elsewhere each (rule, hyperparameters) takes a core call of its own.
 
     Example:
         >>> params = {"w": torch.ones(64, 64), "b": torch.ones(64)}
@@ -465,7 +487,13 @@ def update(
     _check_options(parts, max_unorm)
     new_p: list = [None] * len(parts.params)
     new_s: list = [None] * len(parts.params)
-    for h, idx in parts.groups:
+    separate = []
+    for sets, idx in _rule_units(parts):
+        if len(sets) > 1 and _mergeable(parts, sets, idx, max_unorm):
+            _merged_update(parts, sets, idx, step, opts, new_p, new_s)
+        else:
+            separate.extend(sets)
+    for h, idx in separate:
         out_p, out_s = bnbf.update(
             _sub(parts, parts.params, idx),
             _sub(parts, parts.grads, idx),
@@ -495,7 +523,9 @@ def update_(
     """The step of :func:`update`, written into ``params`` and ``state`` in place; returns them.
 
     Every input is checked before any group is stepped, so a call that raises leaves every param and state as
-    it was. Each group steps through :func:`bnbf.update_` (and its cache of plans).
+    it was. On the Triton path each rule's leaves step through one plan of :func:`bnbf.update_`'s cache, one
+    launch per (device, dtype, state layout) whatever their hyperparameters; elsewhere each (rule,
+    hyperparameters) group steps through :func:`bnbf.update_`.
 
     Example:
         >>> params = {"w": torch.ones(64, 64), "emb": torch.ones(100, 8)}
@@ -512,8 +542,10 @@ def update_(
         return bnbf.update_(params, grads, state, hparams, step, **opts)
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
+    if _planned_update_(parts, step, opts):
+        return params, state
     if len(parts.groups) > 1:
-        _check_before_writing(parts)
+        _check_before_writing(parts, step)
     for h, idx in parts.groups:
         bnbf.update_(
             _sub(parts, parts.params, idx),
@@ -524,6 +556,154 @@ def update_(
             **opts,
         )
     return params, state
+
+
+# ---- per-leaf hyperparameters in one launch -----------------------------------------------------------------
+
+
+def _rule_units(parts: _Parts) -> list[tuple[list, list[int]]]:
+    """The (rule, hyperparameters) groups of a call gathered by rule: per rule its groups and all its leaves in
+    leaf order (one plan, one launch per (device, dtype, layout), whatever the hyperparameters)."""
+    by: dict[str, list] = {}
+    for h, idx in parts.groups:
+        by.setdefault(type(parts.states[idx[0]]).layout.rule, []).append((h, idx))
+    out = []
+    for sets in by.values():
+        idx = sets[0][1] if len(sets) == 1 else sorted(itertools.chain.from_iterable(i for _, i in sets))
+        out.append((sets, idx))
+    return out
+
+
+_PLAIN_TENSORS = frozenset({Tensor, torch.nn.Parameter})
+
+
+def _mergeable(parts: _Parts, sets: list, idx: list[int], max_unorm: Any) -> bool:
+    """Whether the leaves ``idx`` of one rule can take one launch per group with a row of scalars per tensor:
+    plain tensors on the Triton path, eager (not traced, not under a torch.func transform, not captured) and
+    no derivative asked through a hyperparameter. Elsewhere each set takes its own core call (the reference
+    path has no launches to save; the others have their own routes and errors)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    ps = [parts.params[i] for i in idx]
+    gs = [parts.grads[i] for i in idx]
+    if not (set(map(type, ps)) <= _PLAIN_TENSORS and set(map(type, gs)) <= _PLAIN_TENSORS):
+        return False
+    if not set(map(type, itertools.chain.from_iterable(parts.states[i] for i in idx))) <= _PLAIN_TENSORS:
+        return False
+    one_per_device = {p.device: p for p in ps}  # the path is the device's: one param of each answers
+    if not all(map(use_triton, one_per_device.values())):
+        return False
+    if any(d.type == "cuda" for d in one_per_device) and torch.cuda.is_current_stream_capturing():
+        return False
+    tensors = [t for h, _ in sets for _, t in hparam_tensors(h, None, max_unorm)]
+    return not (tensors and differentiated(tensors))
+
+
+def _set_of(sets: list, idx: list[int]) -> tuple[int, ...]:
+    """Per leaf of ``idx`` (in its order) the index of its hyperparameter set."""
+    where = {}
+    for k, (_, members) in enumerate(sets):
+        for i in members:
+            where[i] = k
+    return tuple(where[i] for i in idx)
+
+
+def _planned_update_(parts: _Parts, step: Any, opts: dict) -> bool:
+    """The in-place step of a call through one cached plan per rule (:func:`bnbf.plan._cached`, as
+    :func:`bnbf.update_` keeps them): each rule's leaves in one launch per (device, dtype, layout) whatever
+    their hyperparameters (:meth:`bnbf.plan.Plan._prepare_sets`). Every rule's step is checked before the
+    first is run; the plans confirm their own leaves, and the memory between rules is checked once per set of
+    plans (:func:`_check_disjoint`, kept while the same plans serve). False, with nothing written, where a rule's
+    leaves have no plan (the reference path, non-contiguous params, subclasses...), under tracing, a
+    torch.func transform or a CUDA graph capture, or with hyperparameters a derivative is asked through: the
+    caller then makes one core call per (rule, hyperparameters)."""
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    units = _rule_units(parts)
+    plans = []
+    for sets, idx in units:
+        tensors = [t for h, _ in sets for _, t in hparam_tensors(h, None, opts["max_unorm"])]
+        if tensors and differentiated(tensors):
+            return False
+        ps = [parts.params[i] for i in idx]
+        ss = [parts.states[i] for i in idx]
+        spec = ("dict", tuple(parts.names[i] for i in idx))
+        found = _cached(None, ps, ss, spec, spec)
+        if found is None or not found._direct:
+            return False
+        plans.append(found)
+    if any(p._cuda for p in plans) and torch.cuda.is_current_stream_capturing():
+        return False
+    if len(plans) > 1:
+        _check_plans_disjoint(parts, plans)
+    runs = [
+        plan._prepare_sets(
+            [parts.params[i] for i in idx],
+            [parts.states[i] for i in idx],
+            _sub(parts, parts.params, idx),  # names the leaves in a grad's error
+            _sub(parts, parts.grads, idx),
+            [h for h, _ in sets],
+            _set_of(sets, idx),
+            step,
+            **opts,
+        )
+        for plan, (sets, idx) in zip(plans, units)
+    ]
+    for run in runs:
+        run()
+    return True
+
+
+# sets of plans whose leaves were found not to share memory between plans: weak references to the plans (a plan
+# serves while its leaves keep their memory and shapes; a plan whose tensor is freed is dropped)
+_DISJOINT: collections.OrderedDict = collections.OrderedDict()
+
+
+def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
+    key = tuple(map(id, plans))
+    refs = _DISJOINT.get(key)
+    if refs is not None and all(r() is p and p.alive for r, p in zip(refs, plans)):
+        return
+    _check_disjoint(parts)
+    with _CHECKED_LOCK:
+        _DISJOINT[key] = [weakref.ref(p) for p in plans]
+        while len(_DISJOINT) > _CHECKED_SIZE:
+            _DISJOINT.popitem(last=False)
+
+
+def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: dict, new_p: list, new_s: list) -> None:
+    """The pure step of one rule's leaves with their several hyperparameter sets: each set checked as its own
+    core call checks it, then one launch per (device, dtype, layout) with a row of scalars per tensor."""
+    max_unorm = opts["max_unorm"]
+    calls = [
+        _prepare(
+            _sub(parts, parts.params, m), _sub(parts, parts.grads, m), _sub(parts, parts.states, m), h, step, max_unorm
+        )
+        for h, m in sets
+    ]
+    rule = calls[0].rule
+    clip = False
+    values = []
+    for c in calls:
+        v, clip = _scalars(rule, c.hparams, c.step, opts["skip_zeros"], max_unorm, opts["maximize"])
+        values.append(v)
+    set_of = _set_of(sets, idx)
+    ps = [parts.params[i] for i in idx]
+    ss = [parts.states[i] for i in idx]
+    by_device = set_rows(values, {p.device for p in ps})
+    with torch.no_grad():
+        for (device, _, layout), members in _groups(ps, ss):
+            index = torch.tensor([set_of[j] for j in members], dtype=torch.int64)
+            rows = by_device[device]  # picked on the host and uploaded, or picked on the device (no host sync)
+            rows = _to_device(rows[index], device) if rows.device != device else rows[_to_device(index, device)]
+            gp = [ps[j].detach().contiguous() for j in members]
+            gg = [parts.grads[idx[j]].detach().contiguous() for j in members]
+            gs = [t for j in members for t in ss[j]]
+            out_p, out_s = ops.step(gp, gg, gs, rows, layout, opts["skip_zeros"], clip)
+            per = len(layout.field_names())
+            for k, j in enumerate(members):
+                new_p[idx[j]] = out_p[k]
+                new_s[idx[j]] = type(ss[j])._make(out_s[k * per : (k + 1) * per])
 
 
 def _check_options(parts: _Parts, max_unorm: Any) -> None:
@@ -562,7 +742,7 @@ _CHECKED_SIZE = 16
 _CHECKED_LOCK = threading.Lock()
 
 
-def _check_before_writing(parts: _Parts) -> None:
+def _check_before_writing(parts: _Parts, step: Any) -> None:
     """Everything that could make a later group's core call raise after an earlier group was stepped, checked
     before the first: each group's params and states through the core's own checks (``bnbf.plan`` checks them
     as ``update_`` does), the grads' fit, and no memory shared between groups (the core checks within a call).
@@ -572,6 +752,13 @@ def _check_before_writing(parts: _Parts) -> None:
     in the same groups, as the core's plans confirm theirs: about 0.3 us a tensor instead of a plan per group
     (GPT-2's 148 leaves, 540 tensors with 8-bit AdamW: 0.1 ms on the CI machine's CPU, grads' check included)."""
     _check_grads(parts)
+    _check_step(step)
+    for h, idx in parts.groups:  # the states keep the slots of their hyperparameters (which change per call)
+        states = [parts.states[i] for i in idx]
+        rule = get_rule(type(states[0]).layout.rule)
+        want = present_mask(rule, h)
+        if any(type(st).layout.present != want for st in states):
+            _check_present(rule, h, states)
     tensors = list(parts.params)
     for st in parts.states:
         tensors.extend(st)

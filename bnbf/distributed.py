@@ -11,7 +11,9 @@ State of a sharded param (``W`` shards along the mesh dim that holds ``Shard(0)`
 - 8-bit block scales (``*_absmax``): a DTensor of global shape ``[W, blocks of the largest shard]``,
   ``Shard(0)`` on the param's shard dim (row r: shard r's scales, zero-padded). Each shard is quantized in
   blocks that start at its own first element, so where a shard boundary falls inside a 256-element block
-  the two pieces keep one scale each (finer than unsharded, never coarser).
+  the two pieces keep one scale each (finer than unsharded, never coarser). The stochastic rounding draws
+  the dither of the unsharded tensor's blocks (each shard's first global block goes to the core,
+  :func:`_first_blocks`): shards of whole blocks step bit for bit as the unsharded tensor.
 
 :func:`state_dict` turns states into a mesh-independent form for ``torch.distributed.checkpoint``: codes as
 above and, per 8-bit slot, the scales of the global blocks of the unsharded tensor (replicated, ``numel /
@@ -42,6 +44,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
 from bnbf.quant import quantize_state_reference, state_map
+from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec, is_state
 
@@ -317,17 +320,32 @@ def check_step(params: Any, rule: Any, max_unorm: Any = 0.0) -> None:
     _norm_reduce(shards, rule, max_unorm)
 
 
+def _first_blocks(params: list, states: list, shards: list) -> dict | None:
+    """``{local param's data_ptr: global index of its first block}`` for the 8-bit shards that do not start at
+    element 0 (None if none): the core draws their stochastic rounding's dither for the unsharded tensor's
+    blocks they hold (:data:`bnbf.reference.FIRST_BLOCKS`), so shards of whole blocks step exactly as the
+    unsharded tensor. A shard starting inside a block takes the block it starts in (its blocks are its own,
+    not the unsharded tensor's, see the module docstring)."""
+    out = {}
+    for p, s, sh in zip(params, states, shards):
+        if sh is not None and sh.start and sh.count and is_state(s) and type(s).layout.quantized:
+            out[p.data_ptr()] = sh.start // type(s).layout.block_size
+    return out or None
+
+
 @contextlib.contextmanager
-def _reducing(reduce: Any):
-    """The core's norm sums all-reduced by ``reduce`` while the block runs (nothing where it is None)."""
-    if reduce is None:
-        yield
-        return
-    token = NORM_REDUCE.set(reduce)
+def _reducing(reduce: Any, first_blocks: dict | None = None):
+    """While the block runs: the core's norm sums all-reduced by ``reduce`` (nothing where it is None), and the
+    shards' first blocks given to the dither (:func:`_first_blocks`)."""
+    reduce_token = NORM_REDUCE.set(reduce) if reduce is not None else None
+    blocks_token = FIRST_BLOCKS.set(first_blocks) if first_blocks is not None else None
     try:
         yield
     finally:
-        NORM_REDUCE.reset(token)
+        if blocks_token is not None:
+            FIRST_BLOCKS.reset(blocks_token)
+        if reduce_token is not None:
+            NORM_REDUCE.reset(reduce_token)
 
 
 def _localize_one(i: int, p: DTensor, g: Any, s: Any) -> tuple:
@@ -391,7 +409,7 @@ def update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
     lp, lg, ls, shards = _localize(params, grads, states)
-    with _reducing(_norm_reduce(shards, _rule(states), max_unorm)):
+    with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
         bnbf.update_(lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
     return param, state
 
@@ -418,7 +436,7 @@ def update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
     lp, lg, ls, shards = _localize(params, grads, states)
-    with _reducing(_norm_reduce(shards, _rule(states), max_unorm)):
+    with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
         new_p, new_s = bnbf.update(
             lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
@@ -452,7 +470,14 @@ class Plan:
                 raise TypeError(f"state [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain state)")
         local_p = [p if sh is None else p._local_tensor for p, sh in zip(leaves, self._shards)]
         local_s = [s if sh is None else _local_state(s, sh) for s, sh in zip(states, self._shards)]
-        self._plan = bnbf.plan(local_p, local_s)
+        blocks = _first_blocks(local_p, local_s, self._shards) or {}
+        # (leaf, first block) of the shards that have one: found again by the local tensors' addresses each step
+        self._blocks = [(i, blocks[p.data_ptr()]) for i, p in enumerate(local_p) if p.data_ptr() in blocks]
+        with _reducing(None, self._first_blocks()):  # the tables carry the shards' first blocks
+            self._plan = bnbf.plan(local_p, local_s)
+
+    def _first_blocks(self) -> dict | None:
+        return {self._params[i]._local_tensor.data_ptr(): b for i, b in self._blocks} or None
 
     def step(
         self,
@@ -478,7 +503,7 @@ class Plan:
                 local.append(g)
                 continue
             local.append(_local_grad(i, p, g, sh))
-        with _reducing(_norm_reduce(self._shards, self.rule, max_unorm)):
+        with _reducing(_norm_reduce(self._shards, self.rule, max_unorm), self._first_blocks()):
             self._plan.step(local, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
 
 

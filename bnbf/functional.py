@@ -121,7 +121,8 @@ def update(
     The state tree may mix rules, bit widths, formats and block sizes (:func:`init_state` with a tree or a
     callable of specs), and ``hparams`` may be ``{rule_name: mapping}``, a callable ``(path, param) ->
     mapping``, a pytree of mappings, and any value a schedule (a callable of the step): such calls go through
-    :mod:`bnbf.compose`, one core call per (rule, hyperparameters), equal to separate calls bit for bit.
+    :mod:`bnbf.compose`: one launch per (rule, state layout) on the Triton path, each tensor with its own scalars;
+    elsewhere one core call per (rule, hyperparameters); equal to separate calls bit for bit.
 
     Returns:
         ``(new_param, new_state)`` in the input structures, all new tensors.

@@ -19,6 +19,7 @@ import itertools
 import operator
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -52,8 +53,9 @@ from bnbf._host_checks import (
     hparam_tensors,
     unaddressable,
 )
-from bnbf.kernels.launcher import build_group, launch_group
+from bnbf.kernels.launcher import _to_device, build_group, first_blocks_of, launch_group
 from bnbf.quant import DITHER_SEED_MOD
+from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import is_state, present_mask
@@ -161,6 +163,10 @@ class Plan:
         self._checked_h = None  # the last hparams whose state slots matched the states
         self._direct = _plannable(params)
         self.groups: list = []
+        # the dither's first block of each param (shards of larger tensors, bnbf.distributed), baked into the tables
+        self._first_blocks = first_blocks_of(params) if self._direct else None
+        self._set_index: dict = {}  # per-leaf hyperparameters: set assignment -> per group row indices
+        self._checked_sets = None  # the last (assignment, kept-slot masks) whose states were found to match
         self._cuda = False
         if not self._direct:
             return
@@ -319,17 +325,7 @@ class Plan:
                 maximize,
             )
             return
-        t = type(grad)
-        if t is dict:
-            grads, g_spec = list(grad.values()), ("dict", tuple(grad))
-        elif t is list or t is tuple:
-            grads, g_spec = grad, (t, len(grad))
-        elif t in _PLAIN_TYPES:
-            grads, g_spec = [grad], "leaf"
-        else:
-            grads, g_spec = None, None
-        if g_spec != self._spec or not self._grads_fit(grads, params):
-            grads = self._checked_grads(params, tree, grad)
+        grads = self._grads(params, states, tree, grad)
         rule = self.rule
         h = rule.make_hparams(hparams)
         if h is not self._checked_h:  # make_hparams hands back the same object for the same plain numbers
@@ -352,6 +348,102 @@ class Plan:
                 self._launch(grads, rows, skip_zeros, clip)
         else:
             self._launch(grads, rows, skip_zeros, clip)
+
+    def _grads(self, params: list, states: list, tree: Any, grad: Any) -> list:
+        """The grads as a list in leaf order, checked (the precise error for a bad one); also where the tables
+        must be built again because the dither's first blocks changed (a shard stepped outside or inside
+        bnbf.distributed's context)."""
+        if (self._first_blocks is not None or FIRST_BLOCKS.get() is not None) and first_blocks_of(
+            params
+        ) != self._first_blocks:
+            self._setup(params, states, self._spec)
+        t = type(grad)
+        if t is dict:
+            grads, g_spec = list(grad.values()), ("dict", tuple(grad))
+        elif t is list or t is tuple:
+            grads, g_spec = grad, (t, len(grad))
+        elif t in _PLAIN_TYPES:
+            grads, g_spec = [grad], "leaf"
+        else:
+            grads, g_spec = None, None
+        if g_spec != self._spec or not self._grads_fit(grads, params):
+            grads = self._checked_grads(params, tree, grad)
+        return grads
+
+    def _prepare_sets(
+        self,
+        params: list,
+        states: list,
+        tree: Any,
+        grad: Any,
+        sets: list,
+        set_of: tuple,
+        step: Any,
+        skip_zeros: Any,
+        max_unorm: Any,
+        maximize: Any,
+    ) -> Callable[[], None]:
+        """Check an in-place step of the planned leaves where they take different hyperparameters (per-leaf
+        weight decay, lr multipliers) and return what runs it: ``sets`` holds the rule's validated
+        hyperparameters (its dataclass) of each set, ``set_of[i]`` the set of leaf ``i``. Everything is checked
+        here, nothing is written until the returned function runs (bnbf.compose checks every rule of a call
+        before it steps the first). The launches are those of one set: each tensor reads its own row of scalars
+        (the kernel's HP_PER_TENSOR), made on the host and uploaded once per group where the hyperparameters are
+        numbers, on the device where some are 0-d tensors; bit for bit one call per set. One set takes
+        :meth:`step`'s scalars (kernel arguments). For params on the direct path (a plan from :func:`_cached`
+        or :func:`plan` that is ``_direct``), eager and not captured, with hyperparameters no derivative is
+        asked through (bnbf.compose checks)."""
+        grads = self._grads(params, states, tree, grad)
+        rule = self.rule
+        wants = tuple(present_mask(rule, h) for h in sets)
+        if (set_of, wants) != self._checked_sets:
+            for k, want in enumerate(wants):
+                mine = [s for s, j in zip(states, set_of) if j == k]
+                if any(type(s).layout.present != want for s in mine):
+                    _check_present(rule, sets[k], mine)
+            self._checked_sets = (set_of, wants)
+        _check_step(step)
+        clip = False
+        values = []
+        for h in sets:
+            v, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+            values.append(v)
+        launches = []
+        if len(values) == 1:  # one set: as a plain step (kernel arguments, or one row per device)
+            (v,) = values
+            if set(map(type, v)) <= _NUMBERS:
+                rows = dict.fromkeys(self._devices, tuple(map(float, v)))
+            else:
+                with torch.no_grad():
+                    rows = {d: scalar_row(v, d) for d in self._devices}
+            for pick, group in self.groups:
+                launches.append((group, grads if pick is None else pick(grads), rows[group.device]))
+        else:
+            index = self._set_index.get(set_of)
+            if index is None:  # per group: the set of each of its tensors, on the host and on its device
+                if len(self._set_index) >= 4:
+                    self._set_index.clear()
+                index = []
+                for pick, group in self.groups:
+                    mine = torch.tensor(set_of if pick is None else pick(set_of), dtype=torch.int64)
+                    index.append((mine, _to_device(mine, group.device)))
+                self._set_index[set_of] = index
+            by_device = set_rows(values, self._devices)
+            for (pick, group), (host_idx, dev_idx) in zip(self.groups, index):
+                rows = by_device[group.device]
+                rows = _to_device(rows[host_idx], group.device) if rows.device != group.device else rows[dev_idx]
+                launches.append((group, grads if pick is None else pick(grads), rows))
+
+        def run() -> None:
+            if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
+                with INTERPRETER_LOCK:
+                    for group, gs, rows in launches:
+                        launch_group(group, gs, rows, skip_zeros, clip)
+            else:
+                for group, gs, rows in launches:
+                    launch_group(group, gs, rows, skip_zeros, clip)
+
+        return run
 
     def _check_capture(self, grads: list, h: Any, step: Any) -> None:
         """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read
@@ -465,6 +557,18 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
         for v in values
     ]
     return torch.stack(parts)
+
+
+def set_rows(values: list, devices: Any) -> dict:
+    """Each set's scalars (``values[k]``: set k's, as :func:`_scalars` gives them) as one float32 matrix [sets, k]
+    per device: made on the host where all are numbers (float64 host values rounded once to float32, as a kernel
+    argument or :func:`bnbf.rules.base.as_scalar_row` rounds them; the caller picks and uploads the rows), else
+    on each device from :func:`scalar_row`'s rows (no host synchronisation)."""
+    if all(set(map(type, v)) <= _NUMBERS for v in values):
+        host = torch.tensor([tuple(map(float, v)) for v in values], dtype=torch.float32)
+        return dict.fromkeys(devices, host)
+    with torch.no_grad():
+        return {d: torch.stack([scalar_row(v, d) for v in values]) for d in devices}
 
 
 def _step_generic(

@@ -295,13 +295,18 @@ def _mix(h: Tensor) -> Tensor:
     return h ^ (h >> 15)
 
 
-def state_dither(numel: int, seed: int, block_size: int, device: torch.device | str = "cpu") -> Tensor:
+def state_dither(
+    numel: int, seed: int, block_size: int, device: torch.device | str = "cpu", first_block: int = 0
+) -> Tensor:
     """The offsets in (-1/2, 1/2) that the step adds to the code positions of an element's states before rounding
     (``seed``: the step mod 2**24), float32[numel], equal to the kernels' bit for bit: one hash per block,
-    added to each lane's multiple of LANE, as the kernels do."""
+    added to each lane's multiple of LANE, as the kernels do. ``first_block``: the global index of the
+    tensor's first block (a shard of a larger tensor draws the dither of the blocks it holds)."""
     nblocks = -(-numel // block_size)
     lane = torch.arange(block_size, dtype=torch.int64, device=device) * DITHER_LANE & _M32
-    block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK
+    block = torch.arange(nblocks, dtype=torch.int64, device=device) * DITHER_BLOCK + (
+        int(first_block) * DITHER_BLOCK & _M32
+    )
     block = _mix((block + (int(seed) * DITHER_STEP & _M32)) & _M32)
     # in int32 (wrapping, as uint32 in the kernels): the top 22 bits of the sum are k; (2k + 1) / 2**23 - 1/2
     # is exact in float32

@@ -8,11 +8,19 @@ values on the host), so ``bnbf.update(..., differentiable=True)`` runs it as it 
 
 from __future__ import annotations
 
+import contextvars
+
 import torch
 
+from bnbf import _cpu_codec
 from bnbf._dispatch import NORM_REDUCE
 from bnbf.quant import dequantize_state_reference, quantize_state_reference, state_dither
 from bnbf.rules import get_rule
+
+# Set by bnbf.distributed around a step of shards: {param's data_ptr: the global index of its first block}, so a
+# shard's stochastic rounding draws the dither of the unsharded tensor's blocks it holds (read here and by the
+# kernels' address table, bnbf.kernels.launcher.build_group). None: every tensor starts at block 0.
+FIRST_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("bnbf_first_blocks", default=None)
 
 
 def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False):
@@ -62,34 +70,50 @@ def _reduced(sums: list) -> list:
 
 
 def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False, clip=False) -> None:
+    """One step of a group of tensors (one device, dtype and state layout), written into ``p_out``/``s_out``
+    (the inputs themselves for an in-place step): dequantize, :func:`step_math`, requantize."""
     rule = get_rule(layout.rule)
     fmt, block_size = layout.format, layout.block_size
     quant = layout.quantized
     slots = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
+    signs = [rule.states[j].signed for j in slots]
     per = 2 * len(slots) if quant else len(slots)
     *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
     scalars = rule.scalar_names(*scalars)
+    seed = int(seed) if quant else 0
+    given = FIRST_BLOCKS.get() if quant else None  # shards: each tensor's first global block, for the dither
+    first = [given.get(p.data_ptr(), 0) for p in p_in] if given else [0] * len(p_in)
+    # 8-bit CPU states take the native codec where it was built: bnbf.quant's oracle, bit for bit, in one pass
+    native = quant and _cpu_codec.NATIVE is not None and p_in[0].device.type == "cpu"
     for i, (p, g) in enumerate(zip(p_in, grads)):
         p32 = p.float()
         g32 = g.float() * grad_sign
         fields = s_in[i * per : (i + 1) * per]
+        out = s_out[i * per : (i + 1) * per]
+        fast = native and all(t.is_contiguous() for t in (*fields, *out))  # (vmap's member views may not be)
         states: list = [None] * len(rule.states)
         for k, j in enumerate(slots):
-            signed = rule.states[j].signed
-            if quant:
-                states[j] = dequantize_state_reference(fields[2 * k], fields[2 * k + 1], fmt, signed, block_size)
+            if fast:
+                states[j] = _cpu_codec.dequantize(fields[2 * k], fields[2 * k + 1], fmt, signs[k], block_size)
+            elif quant:
+                states[j] = dequantize_state_reference(fields[2 * k], fields[2 * k + 1], fmt, signs[k], block_size)
             else:
                 states[j] = fields[k].float()
         # a non-finite gradient element leaves its param element alone and zeroes its states
         new_p, new_states, finite = step_math(rule, p32, g32, states, scalars, max_unorm, lr, skip_zeros, clip)
-        out = s_out[i * per : (i + 1) * per]
         p_out[i].copy_(new_p.to(p.dtype))
+        if fast:  # the codec zeroes the states of non-finite elements (keep) as it quantizes
+            keep = finite.reshape(-1)
+            for k, j in enumerate(slots):
+                x = new_states[j].float().reshape(-1)
+                _cpu_codec.quantize_(x, keep, out[2 * k], out[2 * k + 1], fmt, signs[k], block_size, seed, first[i])
+            continue
         # stochastic rounding, as the kernels: one offset per element, shared by its states
-        d = state_dither(p.numel(), int(seed), block_size, p.device) if quant else None
+        d = state_dither(p.numel(), seed, block_size, p.device, first[i]) if quant else None
         for k, j in enumerate(slots):
             s = torch.where(finite, new_states[j], torch.zeros_like(new_states[j]))
             if quant:
-                codes, absmax = quantize_state_reference(s, fmt, rule.states[j].signed, block_size, d)
+                codes, absmax = quantize_state_reference(s, fmt, signs[k], block_size, d)
                 out[2 * k].copy_(codes)
                 out[2 * k + 1].copy_(absmax)
             else:

@@ -9,6 +9,7 @@ shard (a 1 x 300 weight: rank 1 holds no row).
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import tempfile
@@ -100,6 +101,40 @@ def _local_slice(name: str, p, full: torch.Tensor) -> torch.Tensor:
     return full[offset[0] : offset[0] + shape[0]]
 
 
+def _first_blocks(params: dict, local_p: dict, local_s: dict):
+    """The core's dither for copies of the local shards as bnbf.distributed draws it for the shards: each 8-bit
+    shard's first global block (its start // 256, the block it starts in), keyed by the copy's address."""
+    import contextlib
+
+    from bnbf.reference import FIRST_BLOCKS
+
+    blocks = {}
+    for k, p in params.items():
+        start = _local_offset(p)
+        if start and type(local_s[k]).layout.quantized and local_p[k].numel():
+            blocks[local_p[k].data_ptr()] = start // type(local_s[k]).layout.block_size
+    if not blocks:
+        return contextlib.nullcontext()
+
+    @contextlib.contextmanager
+    def given():
+        token = FIRST_BLOCKS.set(blocks)
+        try:
+            yield
+        finally:
+            FIRST_BLOCKS.reset(token)
+
+    return given()
+
+
+def _local_offset(p) -> int:
+    """The flat index of this rank's first element of ``p`` (torch's own split, not bnbf's)."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    return offset[0] * (p.numel() // p.shape[0] if p.shape[0] else 0)
+
+
 # --- scenarios (run on every rank) ------------------------------------------------------------------
 
 
@@ -125,8 +160,10 @@ def scenario_adamw32_exact():
 
 def _resync8(rule: str, hparams: dict, torch_step):
     """8-bit state: each step equals a float reference (the rule from its paper, in plain torch) started
-    from the sharded run's own dequantized state, within the 8-bit re-synced tolerance; shards' whole
-    blocks starting at element 0 (rank 0) equal the unsharded bnbf run bit for bit."""
+    from the sharded run's own dequantized state, within the 8-bit re-synced tolerance. Where every shard
+    holds whole blocks, each rank's params, codes and block scales equal the unsharded bnbf run's bit for bit
+    (the dither drawn for the unsharded tensor's blocks: the shard's first block, issue 15); where a shard
+    starts inside a block, rank 0's whole blocks do."""
     import bnbf
     import bnbf.distributed as bd
 
@@ -147,7 +184,18 @@ def _resync8(rule: str, hparams: dict, torch_step):
     for k, p in run.params.items():
         local = p.to_local().reshape(-1)
         ref = _local_slice(k, p, run.ref_params[k]).reshape(-1)
-        if rank == 0 and p.numel() >= MIN8:  # rank 0's whole blocks: same blocks, same dither as unsharded
+        if _aligned(k):  # every rank: the unsharded blocks it holds, with their dither
+            assert torch.equal(local, ref), (k, rank)
+            sh = bd._shards(p)
+            first = sh.start // block
+            mine, whole = bd._local_state(run.state[k], sh), run.ref_state[k]
+            for name, got, want in zip(mine._fields, mine, whole):
+                if name.endswith("_absmax"):
+                    want = want[first : first + got.numel()]
+                else:
+                    want = _local_slice(k, p, want)
+                assert torch.equal(got, want), (k, name, rank)
+        elif rank == 0 and p.numel() >= MIN8:  # rank 0's whole blocks: same blocks, same dither as unsharded
             whole = local.numel() // block * block
             assert torch.equal(local[:whole], ref[:whole]), k
         elif p.numel() < MIN8:  # float32 state: elementwise, bit for bit on every rank
@@ -177,8 +225,9 @@ def scenario_lion8_resync():
 
 
 def scenario_plumbing_exact():
-    """Each rank's 8-bit step is the core's step of its local shard (state, codes, scales and param), also
-    for the shard that starts inside a block, for the pure ``update`` and for a held plan."""
+    """Each rank's 8-bit step is the core's step of its local shard (state, codes, scales and param) with the
+    shard's first global block for the dither, also for the shard that starts inside a block (the block it
+    starts in), for the pure ``update`` and for a held plan."""
     import bnbf
     import bnbf.distributed as bd
 
@@ -193,7 +242,8 @@ def scenario_plumbing_exact():
     }
     grads = run.grads()
     new_p, new_s = bd.update(run.params, grads, run.state, {"lr": LR}, 2)
-    bnbf.update_(local_p, {k: g.to_local() for k, g in grads.items()}, local_s, {"lr": LR}, 2)
+    with _first_blocks(run.params, local_p, local_s):
+        bnbf.update_(local_p, {k: g.to_local() for k, g in grads.items()}, local_s, {"lr": LR}, 2)
     bd.update_(run.params, grads, run.state, {"lr": LR}, 2)
     held.step(grads, {"lr": LR}, 2)
     for k, p in run.params.items():
@@ -311,7 +361,8 @@ def scenario_odd_sizes():
     local_s = bnbf.init_state(local_p, spec)
     for t in (1, 2):
         bd.update_(params, grads, state, {"lr": LR}, t)
-        bnbf.update_(local_p, {k: g.to_local() for k, g in grads.items()}, local_s, {"lr": LR}, t)
+        with _first_blocks(params, local_p, local_s):
+            bnbf.update_(local_p, {k: g.to_local() for k, g in grads.items()}, local_s, {"lr": LR}, t)
     for k, p in params.items():
         assert torch.equal(p.to_local(), local_p[k]), k
         assert p.to_local().dtype == full[k].dtype
@@ -466,7 +517,7 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
     import faulthandler
 
     # a crash in a spawned rank (a SIGSEGV) leaves its Python stack in the run's folder for _spawn to report
-    crash_log = open(os.path.join(out, f"crash{rank}.txt"), "w")
+    crash_log = open(os.path.join(out, f"crash{rank}.txt"), "w")  # noqa: SIM115 - open while the process runs
     faulthandler.enable(crash_log, all_threads=True)
     torch.set_num_threads(1)
     if device == "cuda":
@@ -481,6 +532,8 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
         rank=rank,
         world_size=WORLD,
         device_id=DEVICE if device == "cuda" else None,
+        # a rank that fails mid-scenario leaves its peer in a collective: an error after this, not a 30-minute hang
+        timeout=datetime.timedelta(seconds=180),
     )
     results = {}
     for name, fn in importlib.import_module(module).SCENARIOS.items():
@@ -512,7 +565,8 @@ def _spawn(device: str, module: str = __name__) -> list[dict]:
             for r in range(WORLD):
                 path = os.path.join(out, f"crash{r}.txt")
                 if os.path.exists(path):
-                    stacks.append(f"rank {r}:\n" + open(path).read()[-6000:])
+                    with open(path) as f:
+                        stacks.append(f"rank {r}:\n" + f.read()[-6000:])
             raise AssertionError(f"{e}\n" + "\n".join(stacks)) from e
         found = []
         for r in range(WORLD):

@@ -26,6 +26,7 @@ from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
 from bnbf.quant import dynamic_map
+from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
 from bnbf.state import Layout
 
@@ -143,12 +144,24 @@ class Group:
         return _tile_width(self.layout)
 
 
-def build_group(p_in, p_out, s_in, s_out, layout: Layout) -> Group:
+def first_blocks_of(params: list[Tensor]) -> list[int] | None:
+    """Each param's first global block for the dither (:data:`bnbf.reference.FIRST_BLOCKS`, set around a step
+    of shards by bnbf.distributed); None where every one is 0."""
+    given = FIRST_BLOCKS.get()
+    if not given:
+        return None
+    out = [given.get(p.data_ptr(), 0) for p in params]
+    return out if any(out) else None
+
+
+def build_group(p_in, p_out, s_in, s_out, layout: Layout, first_blocks: list[int] | None = None) -> Group:
     """Address table and task list for tensors sharing device, param dtype and state ``layout``.
 
     ``s_in``/``s_out`` hold, per tensor, the fields of its kept state slots (bit j of ``layout.present``:
     the rule's slot j is kept) in slot order, codes and absmax interleaved for 8-bit formats. In and out
-    may be the same tensors (in place).
+    may be the same tensors (in place). ``first_blocks``: per tensor the global index of its first block
+    (the dither's, see step_kernel's table); None takes them from :func:`first_blocks_of` (0 for all where
+    none is set).
     """
     quant = layout.quantized
     rule = get_rule(layout.rule)
@@ -178,7 +191,9 @@ def build_group(p_in, p_out, s_in, s_out, layout: Layout) -> Group:
             columns += [ptrs(s_in[k::per]), ptrs(s_out[k::per]), zeros, zeros]
     aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(columns)) % 16 == 0
     numels = list(map(Tensor.numel, p_in))
-    rows = list(zip(columns[0], columns[1], numels, *columns[2:]))
+    if first_blocks is None:
+        first_blocks = first_blocks_of(p_in) or zeros
+    rows = list(zip(columns[0], columns[1], numels, first_blocks, *columns[2:]))
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
     tasks, ranges = _tasks(tuple(numels), _tile_width(layout), ITERS[layout.format][p_in[0].dtype], device)
     return Group(layout, p_in[0].dtype, device, table, tasks, ranges, aligned, rule.norms is not None)
@@ -195,8 +210,9 @@ def launch_group(
     or with update clipping (``clip``: the last two scalars are max_unorm and lr).
 
     ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
-    floats (passed as kernel arguments) or a float32 tensor [k] on the device; ``skip_zeros``:
-    elements whose gradient is exactly 0 keep their param and states.
+    floats (passed as kernel arguments), a float32 tensor [k] on the device, or a float32 tensor [tensors, k]
+    on the device, one row per tensor of the group in its order (per-leaf hyperparameters in one launch);
+    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states.
     """
     if NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed):
         pass  # the same grad addresses as the last step: its table serves
@@ -208,9 +224,9 @@ def launch_group(
     aligned = group.aligned and group.grads_aligned
     grad_table = group.grad_table
     if isinstance(hp, tuple):
-        from_ptr, n_hp, floats, hp_row = False, len(hp), hp + _NO_FLOATS[len(hp) :], group.table
+        from_ptr, per_tensor, n_hp, floats, hp_row = False, False, len(hp), hp + _NO_FLOATS[len(hp) :], group.table
     else:
-        from_ptr, n_hp, floats, hp_row = True, hp.shape[0], _NO_FLOATS, hp
+        from_ptr, per_tensor, n_hp, floats, hp_row = True, hp.dim() == 2, hp.shape[-1], _NO_FLOATS, hp
     layout, fmt = group.layout, group.fmt
     code_ptr = _code_tables(group.device) if layout.quantized else group.table  # unused without 8-bit states
     iters = ITERS[fmt][group.dtype]
@@ -218,6 +234,12 @@ def launch_group(
     n_tiles = grid * iters
 
     def run(norm_ptr, mode):
+        # The norm pass never claims alignment: with it, loads vectorize and each thread holds other elements of
+        # a tile, so the tile's sums add in another order and a tensor's norm (then its step) would depend on
+        # where it sits (a vmapped member against the same member stepped alone). Its loads and sums are those
+        # of the unaligned kernel everywhere; the step after it, elementwise, keeps the vectorized loads.
+        aligned_loads = aligned and mode != 1
+
         def dispatch():
             rule = get_rule(layout.rule)
             norm_terms = rule.norms[0] if rule.norms is not None else None
@@ -232,7 +254,8 @@ def launch_group(
                     NUM_WARPS,
                     n_hp,
                     from_ptr,
-                    aligned,
+                    per_tensor,
+                    aligned_loads,
                     skip_zeros,
                     clip,
                 )
@@ -247,6 +270,7 @@ def launch_group(
                 n_tiles,
                 *floats,
                 HP_FROM_PTR=from_ptr,
+                HP_PER_TENSOR=per_tensor,
                 MATH=rule.math,
                 SLOTS=len(rule.states),
                 PRESENT=layout.present,
@@ -258,7 +282,7 @@ def launch_group(
                 ROWS=ROWS,
                 SOFT_BF16=interpreting(),
                 FORMAT=FORMATS[fmt],
-                ALIGNED=aligned,
+                ALIGNED=aligned_loads,
                 VEC=VEC[fmt],
                 ITERS=iters,
                 PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
@@ -281,7 +305,14 @@ def launch_group(
             *floats,
             *_CONSTEXPR_SLOTS,
         )
-        launch(group.compiled, group.device, (mode, aligned, skip_zeros, n_hp, from_ptr), (grid, 1, 1), args, dispatch)
+        launch(
+            group.compiled,
+            group.device,
+            (mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor),
+            (grid, 1, 1),
+            args,
+            dispatch,
+        )
 
     if not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer

@@ -29,9 +29,13 @@ from bnbf.kernels.codec import (
 DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
 DITHER_BLOCK: tl.constexpr = tl.constexpr(quant.DITHER_BLOCK)
 DITHER_STEP: tl.constexpr = tl.constexpr(quant.DITHER_STEP)
-# The address table: a row per tensor of HEAD fields (param in, param out, numel), then PER_SLOT fields for
-# each of the rule's state slots (state in, state out, absmax in, absmax out; zeros for a slot not kept)
-HEAD: tl.constexpr = tl.constexpr(3)
+# The address table, int64: a row per tensor of HEAD fields (param in, param out, numel, first block), then
+# PER_SLOT fields for each of the rule's state slots (state in, state out, absmax in, absmax out; zeros for a
+# slot not kept). "first block": the global index of the tensor's first quantization block, added to the block
+# index that the stochastic rounding's dither hashes (0 but for a shard of a larger tensor, bnbf.distributed).
+# The rule's scalars are not in it: kernel arguments, one float32 row for every tensor (HP_FROM_PTR), or with
+# HP_PER_TENSOR one row per tensor, row t of a [tensors, HP_STRIDE] float32 matrix for the table's row t.
+HEAD: tl.constexpr = tl.constexpr(4)
 PER_SLOT: tl.constexpr = tl.constexpr(4)
 
 FORMATS = {"fp32": 0, "dynamic": 1, "power": 2}  # the FORMAT constexpr of each state format
@@ -378,6 +382,7 @@ def _step_kernel(
     h16,
     h17,
     HP_FROM_PTR: tl.constexpr,
+    HP_PER_TENSOR: tl.constexpr,
     MATH: tl.constexpr,
     SLOTS: tl.constexpr,
     PRESENT: tl.constexpr,
@@ -410,6 +415,8 @@ def _step_kernel(
     # the rule's scalars: kernel arguments (floats given on the host: nothing to upload), or a float32 row
     # on the device (0-d tensor hyperparameters, traced calls)
     if HP_FROM_PTR:
+        if HP_PER_TENSOR:  # per-leaf hyperparameters: this tensor's own row
+            hp_ptr = hp_ptr + tensor * HP_STRIDE
         hp = ()
         for k in tl.static_range(HP_STRIDE):
             hp = hp + (_hp_at(hp_ptr, k),)
@@ -436,7 +443,9 @@ def _step_kernel(
         slot_ptrs = slot_ptrs + (_slot_ptrs(table, j, PRESENT, QUANT, ALIGNED),)
     ptrs = ptrs + (slot_ptrs,)
     part = norm_ptr + pid * ITERS
-    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP  # the step's share of the dither's block hashes
+    # the step's share of the dither's block hashes, and the tensor's first block's: (rows + first block) *
+    # DITHER_BLOCK + step * DITHER_STEP, all mod 2**32, as bnbf.quant.state_dither
+    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP + tl.load(table + 3).to(tl.uint32) * DITHER_BLOCK
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
