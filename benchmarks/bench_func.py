@@ -10,10 +10,12 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
 
 - ``eager``: ``bnbf.update_`` with Python-float hyperparameters (the baseline of the rows below);
 - ``compile``: the same call inside ``torch.compile(fullgraph=True)``, lr and step as 0-d tensors changing
-  every step; the row reports the graphs compiled during the timed steps (0 expected);
+  every step; the note gives the eager step on the same tensors (the bar: compiled as fast as eager), the
+  host time of a call, the device kernels one call runs, and the graphs compiled during the timed steps (0);
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
-- ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call, against a Python loop
-  of 8 ``bnbf.update`` calls;
+- ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call (bytes: 8 members' fewest;
+  the bar is 85% of a copy), with the host time of a call and the device kernels it runs (one step launch per
+  state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand;
 - ``paged``: ``bnbf_nn.PagedAdamW8bit`` against ``bnbf_nn.AdamW8bit`` (state fits on the GPU), and
@@ -29,6 +31,7 @@ prints a note instead of a figure.
 from __future__ import annotations
 
 import argparse
+import collections
 import functools
 import json
 import os
@@ -52,13 +55,35 @@ ROWS = ("eager", "compile", "graph", "vmap", "paged", "mixed")
 MEMBERS = 8
 
 
-def median_ms(device: torch.device, fn: Callable[[int], Any], warmup: int, steps: int, first: int = 1) -> float:
+def timed(device: torch.device, fn: Callable[[int], Any], warmup: int, steps: int, first: int = 1) -> tuple:
+    """(median ms of a step, median host ms of its call): on a GPU a host time near the step's says the step
+    waits on the host (Python, dispatch, guards), not on the device."""
     for i in range(first, first + warmup):
         fn(i)
     timer = bs.Timer(device)
     for i in range(first + warmup, first + warmup + steps):
         timer.time(functools.partial(fn, i))
-    return statistics.median(timer.results_ms())
+    ms = statistics.median(timer.results_ms())
+    return ms, statistics.median(timer.host_ms) if timer.host_ms else ms
+
+
+def median_ms(device: torch.device, fn: Callable[[int], Any], warmup: int, steps: int, first: int = 1) -> float:
+    return timed(device, fn, warmup, steps, first)[0]
+
+
+def kernels(device: torch.device, fn: Callable[[], Any]) -> str:
+    """The device kernels and copies one call runs (torch.profiler): their count and the most frequent names,
+    which show a step that clones or copies tensor by tensor."""
+    if device.type != "cuda":
+        return "kernels: n/a"
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = collections.Counter(e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    top = ", ".join(f"{n[:40]} x{c}" for n, c in names.most_common(3))
+    return f"{sum(names.values())} kernels ({top})"
 
 
 def fresh(shapes, dtype, device, seed=0):
@@ -96,12 +121,16 @@ def row_compile(ctx) -> dict:
     for i in range(1, 4):  # compiles here
         fn(i)
     before = sum(torch._dynamo.utils.counters["stats"].values())
-    ms = median_ms(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
+    ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
     after = sum(torch._dynamo.utils.counters["stats"].values())
+    ran = kernels(ctx.device, lambda: fn(4 + ctx.warmup + ctx.steps))
+    # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
+    eager = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"dynamo stats moved by {after - before} in the timed steps",
+        "note": f"eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call; {ran}; "
+        f"dynamo stats moved by {after - before} in the timed steps",
     }
 
 
@@ -143,7 +172,8 @@ def row_vmap(ctx) -> dict:
     def vmapped(i: int) -> None:
         holder["p"], holder["s"] = step(holder["p"], grads, holder["s"], i)
 
-    ms = median_ms(ctx.device, vmapped, ctx.warmup, ctx.steps)
+    ms, host = timed(ctx.device, vmapped, ctx.warmup, ctx.steps)
+    ran = kernels(ctx.device, lambda: vmapped(1 + ctx.warmup + ctx.steps))
     # the loop it replaces: one pure call per member
     members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
     member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
@@ -157,7 +187,8 @@ def row_vmap(ctx) -> dict:
     return {
         "ms": ms,
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
+        "note": f"{MEMBERS} members; host {host:.3f} ms a call; {ran}; "
+        f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
     }
 
 

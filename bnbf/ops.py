@@ -5,33 +5,46 @@ Triton multi-tensor kernel on GPU tensors (and on CPU tensors under ``TRITON_INT
 :mod:`bnbf.kernels.launcher`, and the pure-torch reference (:mod:`bnbf.reference`) otherwise. Their fake
 implementations let tracers see them without running a kernel. The states' layout (:class:`bnbf.state.Layout`)
 travels as one object; only the ops' schemas, which take no Python objects, spell out its fields.
+
+Calls that no plan serves (the pure step, compiled steps) take their launcher groups from a cache keyed by the
+tables' contents. Under ``torch.func.vmap`` the members of stacked tensors are stepped in one call, written into
+stacked outputs, with host work that does not grow with the member count (:mod:`bnbf.kernels.members`).
 """
 
 from __future__ import annotations
 
+import collections
+import functools
+
 import torch
 from torch import Tensor
 from torch._C import _functorch
+from torch._C._functorch import TransformType
+from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
-from bnbf.reference import reference_step
+from bnbf.reference import FIRST_BLOCKS, reference_step
 from bnbf.state import Layout
 
 
-def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) -> None:
+def _refuse_capture(device: torch.device) -> None:
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # (a capture initialises CUDA)
         why = (
             "it takes the generic path (the pure update, non-contiguous params, tensor subclasses), which copies "
             "its kernel tables from the host every step; capture bnbf.update_ of contiguous params, or a plan's step"
-            if p_in[0].device.type == "cuda"
-            else f"its {p_in[0].device.type} tensors are stepped on the host, which a replay of the graph would skip"
+            if device.type == "cuda"
+            else f"its {device.type} tensors are stepped on the host, which a replay of the graph would skip"
         )
         raise RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
+
+
+def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) -> None:
+    _refuse_capture(p_in[0].device)
     if use_triton(p_in[0]):
-        from bnbf.kernels.launcher import build_group, launch_group
+        from bnbf.kernels.launcher import launch_group
 
         with BUILD_LOCK:  # see bnbf._dispatch: the build under a lock, the launch outside it
-            group = build_group(p_in, p_out, s_in, s_out, layout)
+            group = _group(p_in, p_out, s_in, s_out, layout)
         if p_in[0].device.type == "cpu":  # Triton's interpreter: one launch at a time
             with INTERPRETER_LOCK:
                 launch_group(group, grads, hp, skip_zeros, clip)
@@ -39,6 +52,41 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
             launch_group(group, grads, hp, skip_zeros, clip)
     else:
         reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip)
+
+
+# Groups of the calls that no plan serves (the pure step, traced and compiled calls), by the exact contents of
+# their tables: a compiled step calls the op afresh each time, and a pure loop's outputs alternate between a few
+# allocations. A hit is right whatever tensors the addresses now belong to, and an entry holds no caller tensor.
+_GROUPS: collections.OrderedDict = collections.OrderedDict()
+_GROUP_CACHE_SIZE = 16
+
+
+def _group(p_in, p_out, s_in, s_out, layout: Layout):
+    """:func:`bnbf.kernels.launcher.build_group`, cached by the addresses, sizes, layout, dtype and device that
+    decide its table (the caller holds BUILD_LOCK)."""
+    from bnbf.kernels.launcher import build_group
+
+    if FIRST_BLOCKS.get():  # shards of a larger tensor: their first blocks are in the table too (bnbf.distributed)
+        return build_group(p_in, p_out, s_in, s_out, layout)
+    ptrs = Tensor.data_ptr
+    key = (
+        layout,
+        p_in[0].dtype,
+        p_in[0].device,
+        tuple(map(Tensor.numel, p_in)),
+        tuple(map(ptrs, p_in)),
+        None if p_out is p_in else tuple(map(ptrs, p_out)),  # in place: the same tensors
+        tuple(map(ptrs, s_in)),
+        None if s_out is s_in else tuple(map(ptrs, s_out)),
+    )
+    group = _GROUPS.get(key)
+    if group is not None:
+        _GROUPS.move_to_end(key)
+        return group
+    group = _GROUPS[key] = build_group(p_in, p_out, s_in, s_out, layout)
+    if len(_GROUPS) > _GROUP_CACHE_SIZE:
+        _GROUPS.popitem(last=False)
+    return group
 
 
 _PLAIN_TYPES = frozenset({Tensor, torch.nn.Parameter})
@@ -67,8 +115,12 @@ def step_(params, grads, states, hp, layout: Layout, skip_zeros: bool, clip: boo
 
 
 def step(params, grads, states, hp, layout: Layout, skip_zeros: bool, clip: bool):
-    """Out-of-place step; eager calls skip the op's dispatch as :func:`step_` does."""
+    """Out-of-place step; eager calls skip the op's dispatch as :func:`step_` does, and so do calls under
+    ``vmap`` whose tensors the batching rule would step stacked (:func:`_step_vmapped`)."""
     if not _direct(params, grads, states, hp):
+        out = _step_vmapped(params, grads, states, hp, layout, skip_zeros, clip)
+        if out is not None:
+            return out
         return _step_op(params, grads, states, hp, *layout, skip_zeros, clip)
     return _step_impl(params, grads, states, hp, layout, skip_zeros, clip)
 
@@ -105,6 +157,29 @@ def _(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zero
     return None
 
 
+def _register_version_bump() -> None:
+    """The in-place op's ADInplaceOrView kernel (what a compiled step runs): the params' and states' version
+    counters bumped one list at a time. torch.library's own kernel bumps them one Python call per tensor, half of
+    the op's dispatch with GPT-2's 740 tensors (0.18 -> 0.09 ms a call, CPU). Where this torch lacks the private
+    functions it needs, torch's kernel stays."""
+    bump = getattr(torch._C, "_increment_version", None)
+    below = getattr(torch._C, "_after_ADInplaceOrView_keyset", None)
+    lib = getattr(_step_op_, "_lib", None)
+    if bump is None or below is None or lib is None:
+        return
+    op = torch.ops.bnbf.step_.default
+
+    def version_bump(keyset, params, grads, states, *args):
+        bump(params)
+        bump(states)
+        return op.redispatch(keyset & below, params, grads, states, *args)
+
+    lib.impl("step_", version_bump, "ADInplaceOrView", with_keyset=True)
+
+
+_register_version_bump()
+
+
 @torch.library.custom_op("bnbf::step", mutates_args=())
 def _step_op(
     params: list[Tensor],
@@ -135,35 +210,143 @@ def _members(tensors: list, dims: list, size: int) -> list[list[Tensor]]:
     return out
 
 
+def _unwrapped(*groups: list) -> bool:
+    """Whether a batching rule's unwrapped inputs are plain tensors with storage: no outer torch.func transform
+    wraps them (nested ``vmap``, ``grad``), no tracing, no subclass."""
+    return not torch.compiler.is_compiling() and all(
+        set(map(type, ts)) <= _PLAIN_TYPES and not any(map(_functorch.is_functorch_wrapped_tensor, ts)) for ts in groups
+    )
+
+
+def _member_contiguous(t: Tensor) -> bool:
+    """Whether each ``t[b]`` is contiguous (dims of size 1 take any stride, as in ``is_contiguous``)."""
+    expected = 1
+    for n, stride in zip(reversed(t.shape[1:]), reversed(t.stride()[1:])):
+        if n != 1 and stride != expected:
+            return False
+        expected *= n
+    return True
+
+
+def _stacked(t: Tensor, d: int | None) -> tuple[Tensor, bool]:
+    """``(tensor, batched)`` of :mod:`bnbf.kernels.members`: the batch dim first, each member contiguous (one
+    copy of the whole tensor where they are not), or the unbatched tensor shared by every member."""
+    if d is None:
+        return (t if t.is_contiguous() else t.contiguous()), False
+    x = t if d == 0 else t.movedim(d, 0)
+    return (x if x.is_contiguous() or _member_contiguous(x) else x.contiguous()), True
+
+
+@functools.cache
+def _hp_per_tensor() -> bool:
+    """Whether the kernel takes a scalar row per tensor (HP_PER_TENSOR): per-member hyperparameters in one launch."""
+    from bnbf.kernels.step_kernel import _step_kernel
+
+    return "HP_PER_TENSOR" in _step_kernel.arg_names
+
+
+def _stackable(t: Tensor, h_dim: int | None) -> bool:
+    """Whether :func:`_step_stacked` takes a step on ``t``'s path with hyperparameters batched along ``h_dim``."""
+    return h_dim is None or not use_triton(t) or _hp_per_tensor()
+
+
+def _step_stacked(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size):
+    """The pure step of every member of stacked tensors, written into stacked outputs ``[size, ...]``: one launch
+    on the Triton path, whose host work does not grow with ``size`` (:mod:`bnbf.kernels.members`); ``hp`` is the
+    scalar row, or with ``h_dim`` one row per member along that dim. The tensors are plain (:func:`_unwrapped`):
+    torch.func's dispatch layer, which would add its cost to each of the ~10 small ops a tensor takes here, is
+    off."""
+    with torch._C._DisableFuncTorch():
+        args = (params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
+        return _stacked_step(*args)
+
+
+def _stacked_step(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size):
+    ps, gs, ss = (list(map(_stacked, ts, ds)) for ts, ds in ((params, p_dims), (grads, g_dims), (states, s_dims)))
+
+    def out(x):
+        t, batched = x
+        return torch.empty((size, *(t.shape[1:] if batched else t.shape)), dtype=t.dtype, device=t.device), True
+
+    new_p, new_s = list(map(out, ps)), list(map(out, ss))
+    if size == 0:  # an ensemble of no members: nothing to step
+        return [t for t, _ in new_p], [t for t, _ in new_s]
+    device = ps[0][0].device
+    rows = None if h_dim is None else hp.movedim(h_dim, 0)  # [size, scalars]
+    _refuse_capture(device)
+    if use_triton(ps[0][0]):
+        from bnbf.kernels.launcher import launch_group
+        from bnbf.kernels.members import stacked_grads, stacked_group
+
+        with BUILD_LOCK:
+            group = stacked_group(ps, new_p, ss, new_s, layout, size)
+            grad_list = stacked_grads(group, gs, size)
+        if rows is not None:  # a row per member: one per table row, member-major as the table
+            hp = rows.repeat_interleave(len(ps), 0).contiguous()
+        if device.type == "cpu":  # Triton's interpreter: one launch at a time
+            with INTERPRETER_LOCK:
+                launch_group(group, grad_list, hp, skip_zeros, clip)
+        else:
+            launch_group(group, grad_list, hp, skip_zeros, clip)
+    else:  # the reference steps tensor by tensor anyway: each member a view, written into the stacked outputs
+
+        def views(xs, members):
+            return [t[b] if batched else t for b in members for t, batched in xs]
+
+        for members, row in ((range(size), hp),) if rows is None else (((b,), rows[b]) for b in range(size)):
+            ins = views(ps, members), views(new_p, members), views(gs, members)
+            reference_step(*ins, views(ss, members), views(new_s, members), row, layout, skip_zeros, clip)
+    return [t for t, _ in new_p], [t for t, _ in new_s]
+
+
+def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
+    """:func:`_step_vmap`'s stacked step called directly, without the op's dispatch, under a ``vmap`` whose batched
+    tensors wrap plain ones: torch's route to a batching rule walks every tensor
+    through pytrees twice (unwrapping the inputs, wrapping the outputs), a third of a vmapped call's host time with
+    GPT-2's 740 tensors. Unwraps and wraps as that route does; returns None where it does not apply (another
+    transform innermost, tracing, tensors an outer transform wraps, nothing batched at this level)."""
+    if torch.compiler.is_compiling() or _functorch.maybe_current_level() is None:
+        return None
+    interpreter = retrieve_current_functorch_interpreter()
+    if interpreter.key() != TransformType.Vmap:
+        return None
+    level, size = interpreter.level(), interpreter.batch_size()
+    hp, h_dim = _functorch._unwrap_batched(hp, level)
+    unwrapped = []
+    for ts in (params, grads, states):
+        pairs = [_functorch._unwrap_batched(t, level) for t in ts]
+        unwrapped += [[t for t, _ in pairs], [d for _, d in pairs]]
+    ps, p_dims, gs, g_dims, ss, s_dims = unwrapped
+    batched = h_dim is not None or any(d is not None for dims in (p_dims, g_dims, s_dims) for d in dims)
+    if not batched or not _unwrapped(ps, gs, ss, [hp]) or not _stackable(ps[0], h_dim):
+        return None
+    new_p, new_s = _step_stacked(ps, p_dims, gs, g_dims, ss, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
+    return [_functorch._add_batch_dim(t, 0, level) for t in new_p], [
+        _functorch._add_batch_dim(t, 0, level) for t in new_s
+    ]
+
+
 @_step_op.register_vmap
 def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
     """``vmap`` over members (an ensemble's stacked params): every member of every tensor is a tensor of its own
-    in one call of the op, so each member is quantized on its own (its own blocks and absmax), exactly as a
-    loop over members, and the Triton path steps all of them in one launch, writing each member straight into
-    the batched outputs (no stacking copy). Per-member hyperparameters (a batched scalar row) take one call per
-    member."""
+    to the step, so each member is quantized on its own (its own blocks and absmax), exactly as a loop over
+    members. Plain stacked tensors take one call of the step writing into stacked outputs (one launch on the
+    Triton path, host work independent of the member count, per-member hyperparameters as a row per member);
+    inputs still wrapped by an outer transform take the op per member and a stack."""
     size = info.batch_size
     p_dims, g_dims, s_dims, h_dim = in_dims[:4]
-    ps, gs, ss = _members(params, p_dims, size), _members(grads, g_dims, size), _members(states, s_dims, size)
     n, m = len(params), len(states)
+    layout = Layout(rule, bits, block_size, fmt, present)
+    if _unwrapped(params, grads, states, [hp]) and _stackable(params[0], h_dim):
+        out = _step_stacked(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
+        return out, ([0] * n, [0] * m)
+    ps, gs, ss = _members(params, p_dims, size), _members(grads, g_dims, size), _members(states, s_dims, size)
     args = (rule, bits, block_size, fmt, present, skip_zeros, clip)
-    if h_dim is None:
+    if h_dim is None:  # inputs still wrapped (nested transforms)
         flat_p = [ps[i][b] for b in range(size) for i in range(n)]
         flat_g = [gs[i][b] for b in range(size) for i in range(n)]
         flat_s = [ss[k][b] for b in range(size) for k in range(m)]
-        if _direct(flat_p, flat_g, flat_s, hp):  # the step writes each member straight into the batched outputs
-            new_p = [
-                torch.empty((size, *ps[i][0].shape), dtype=ps[i][0].dtype, device=ps[i][0].device) for i in range(n)
-            ]
-            new_s = [
-                torch.empty((size, *ss[k][0].shape), dtype=ss[k][0].dtype, device=ss[k][0].device) for k in range(m)
-            ]
-            out_p = [new_p[i][b] for b in range(size) for i in range(n)]
-            out_s = [new_s[k][b] for b in range(size) for k in range(m)]
-            layout = Layout(rule, bits, block_size, fmt, present)
-            _run(flat_p, out_p, flat_g, flat_s, out_s, hp, layout, skip_zeros, clip)
-            return (new_p, new_s), ([0] * n, [0] * m)
-        out_p, out_s = _step_op(flat_p, flat_g, flat_s, hp, *args)  # inputs still wrapped (nested transforms)
+        out_p, out_s = _step_op(flat_p, flat_g, flat_s, hp, *args)
     else:
         rows = hp.movedim(h_dim, 0).unbind(0)
         out_p, out_s = [], []

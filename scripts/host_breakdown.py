@@ -2,6 +2,7 @@
 
     python scripts/host_breakdown.py [--profile]   # on a CUDA machine
     python scripts/host_breakdown.py --cpu         # anywhere: CPU tensors, the launch stubbed out
+    python scripts/host_breakdown.py [--cpu] --func  # the torch.func rows: vmap ensembles, the compiled step
 
 Prints, per parameter set, the median host microseconds (``--cpu``: the minimum) of: ``plan.step`` and
 ``bnbf.update_`` (whole call, and with the launch stubbed out: Python only), each with the same grads every
@@ -28,6 +29,7 @@ import torch
 from torch import Tensor
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 import bnbf.kernels.direct_launch as direct  # noqa: E402
 import bnbf.kernels.launcher as mt  # noqa: E402
@@ -178,12 +180,78 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     return out
 
 
+def _stub_launches():
+    """The kernel launch stubbed out everywhere it is reached from (plans, the op, the vmapped step)."""
+    saved = (P.launch_group, mt.launch_group)
+    P.launch_group = _grads_only
+    mt.launch_group = _grads_only
+    return saved
+
+
+def _vmap_us(shapes, members: int, dtype, hp, spec) -> tuple[float, float]:
+    params = {n: torch.randn(members, *s, device=DEVICE).to(dtype) for n, s in shapes}
+    grads = {n: torch.randn_like(v) for n, v in params.items()}
+    state = torch.func.vmap(lambda p: bnbf.init_state(p, spec))(params)
+    step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, hp, i), in_dims=(0, 0, 0, None))
+    floor = torch.func.vmap(lambda p, g, s: (p, s))
+    return host_us(lambda i: step(params, grads, state, i + 1), 30), host_us(lambda i: floor(params, grads, state), 30)
+
+
+def func_breakdown(dtype=torch.bfloat16) -> dict:
+    """The host time of the torch.func rows of benchmarks/bench_func.py (GPT-2 small's 148 tensors, 8-bit AdamW),
+    the launch stubbed out: ``vmap(bnbf.update)`` over stacked members (1, 8, 32: the host work should not grow
+    with them), torch.func.vmap's own floor (a vmapped function returning its inputs: flattening and wrapping the
+    same pytrees), and ``torch.compile(fullgraph=True)`` of ``bnbf.update_`` against the eager call, also with
+    the op's implementation a no-op (what is left: Dynamo's guards, the graph's calling code, the op's dispatch).
+    ``--cpu``: GPT-2's structure at small sizes (host time depends on the tensor count, not their sizes)."""
+    shapes = bs.SMOKE_SETS["gpt2_124M"]() if CPU else bs.SETS["gpt2_124M"]()
+    hp = {"lr": 1e-3, "weight_decay": 0.01}
+    spec = bnbf.OptimSpec(rule="adamw")
+    out = {}
+    saved = _stub_launches()
+    try:
+        for members in (1, 8, 32) if CPU else (1, 8):
+            vmapped, floor = _vmap_us(shapes, members, dtype, hp, spec)
+            out[f"python only: vmap update, {members} members"] = vmapped
+            out[f"vmap of a function returning its inputs, {members} members"] = floor
+        params = {n: torch.randn(*s, device=DEVICE).to(dtype) for n, s in shapes}
+        grads = {n: torch.randn_like(v) for n, v in params.items()}
+        state = bnbf.init_state(params, spec)
+
+        @torch.compile(fullgraph=True)
+        def compiled(params, grads, state, lr, i):
+            bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+        lr, t = torch.tensor(1e-3, device=DEVICE), torch.tensor(1, device=DEVICE)
+
+        def fn(i):
+            lr.fill_(1e-3 * 0.999**i)
+            t.fill_(i + 1)
+            compiled(params, grads, state, lr, t)
+
+        fn(0)  # compiles
+        out["python only: compiled update_"] = host_us(fn, 50)
+        out["python only: eager update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1), 50)
+        run = bnbf.ops._run
+        bnbf.ops._run = lambda *a: None
+        out["compiled update_, the op's implementation a no-op"] = host_us(fn, 50)
+        bnbf.ops._run = run
+    finally:
+        P.launch_group, mt.launch_group = saved
+    return out
+
+
 if __name__ == "__main__":
     if CPU:  # the direct path (address tables, per-step checks) for CPU tensors, without the interpreter
         P.use_triton = lambda t: True
         print("CPU (launch stubbed out):", torch.__version__, "| host checks:", "native" if NATIVE else "python")
     else:
         print(torch.cuda.get_device_name(), torch.__version__, "| host checks:", "native" if NATIVE else "python")
+    if "--func" in sys.argv:
+        P.use_triton = bnbf.ops.use_triton = lambda t: True  # the Triton path's host work, launch stubbed
+        for k, v in func_breakdown().items():
+            print(f"| {k} | {v / 1e3:.2f} ms |")
+        sys.exit(0)
     rows = {name: breakdown(name) for name in ("single_4096x4096", "gpt2_124M")}
     keys = list(next(iter(rows.values())))
     print(f"| host us ({'min' if CPU else 'median'}) | " + " | ".join(rows) + " |")

@@ -11,15 +11,19 @@ and under ``TRITON_INTERPRET=1`` (the custom ops then launch the Triton kernels 
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
-from conftest import DEVICES
+from conftest import DEVICES, triton_mode
 from torch._dynamo.testing import CompileCounter
 from torch._dynamo.utils import counters
 from torch.func import grad_and_value
 from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
+import bnbf.kernels.launcher as launcher
 
 
 def _loss(p, x):
@@ -178,3 +182,70 @@ def test_a_compiled_meta_gradient_through_differentiable_steps():
         assert want != 0
         torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
     assert cnt.frame_count == 1
+
+
+def test_the_in_place_op_bumps_the_versions_of_what_it_writes():
+    """The in-place op's version bump (its own ADInplaceOrView kernel, a list at a time): autograd's check of
+    tensors saved for backward and modified in place sees the params and states written, never the grads."""
+    params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    written, read = [*params.values(), *tree_leaves(state)], list(grads.values())
+    before, before_read = [t._version for t in written], [t._version for t in read]
+    step = torch.compile(lambda p, g, s, lr: bnbf.update_(p, g, s, {"lr": lr}, 1), fullgraph=True, backend="eager")
+    step(params, grads, state, torch.tensor(0.1))
+    assert all(t._version > v for t, v in zip(written, before))
+    assert [t._version for t in read] == before_read
+    w = torch.randn(9, requires_grad=True)
+    y = (w * params["b"]).sum()  # saves params["b"] for backward
+    step(params, grads, state, torch.tensor(0.1))  # the same graph
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        y.backward()
+
+
+@pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")
+def test_traced_steps_reuse_their_group_and_hold_no_tensor(monkeypatch):
+    """A traced in-place step calls the op afresh every time: its group (address table, task list, compiled
+    launchers) comes from a cache keyed by the table's contents, built once, holding none of the tensors."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    params = {"w": torch.randn(37, 9, device=device), "b": torch.randn(9, device=device)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    numbers = [(torch.tensor(0.1 / t, device=device), torch.tensor(t, device=device)) for t in (1, 2)]
+    twin_p, twin_s = tree_map(torch.clone, (params, state))
+    for lr, t in numbers:  # the eager steps (a plan), before build_group is watched
+        bnbf.update_(twin_p, grads, twin_s, {"lr": lr}, t)
+    built = []
+    build = launcher.build_group
+    monkeypatch.setattr(launcher, "build_group", lambda *a, **k: (built.append(len(a[0])), build(*a, **k))[1])
+    bnbf.ops._GROUPS.clear()
+    step = torch.compile(
+        lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr}, t), fullgraph=True, backend=CompileCounter()
+    )
+    for lr, t in numbers:
+        step(params, grads, state, lr, t)
+    assert built == [2]  # one group of two tensors, built at the first call
+    assert _equal((params, state), (twin_p, twin_s))
+    alive = weakref.ref(params["w"])
+    del params, state, step
+    gc.collect()
+    assert alive() is None and len(bnbf.ops._GROUPS) == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA code of the step")
+def test_inductor_runs_the_in_place_op_in_place():
+    """Inductor re-inplaces the functionalized in-place op: its code calls ``bnbf.step_`` on the inputs
+    themselves, with no copy of the params and states (a clone and a copy back per tensor would cost two
+    launches each and the bandwidth of the whole state)."""
+    from torch._inductor.utils import run_and_get_code
+
+    params = {"w": torch.randn(37, 9, device="cuda"), "b": torch.randn(9, device="cuda")}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    step = torch.compile(lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr}, t), fullgraph=True)
+    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
+    _, codes = run_and_get_code(step, params, grads, state, lr, t)
+    code = "\n".join(codes)
+    assert "torch.ops.bnbf.step_.default(" in code
+    assert "auto_functionalized" not in code and "clone" not in code and "copy_(" not in code

@@ -16,6 +16,8 @@ from torch.func import functional_call, grad_and_value, stack_module_state
 from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
+import bnbf.kernels.launcher as launcher
+import bnbf.kernels.members as members
 import bnbf.ops
 
 B = 3
@@ -92,17 +94,96 @@ def test_vmap_update_in_place_and_per_member_lr():
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_vmap_steps_all_members_in_one_call(monkeypatch, device):
+@pytest.mark.parametrize("per_member_lr", [False, True])
+def test_vmap_steps_all_members_in_one_call(monkeypatch, device, per_member_lr):
     """The batching rule: one call of the step for all members of all tensors of a group (one launch on the
-    Triton path), not a loop over members."""
+    Triton path, with a table row per member, per-member hyperparameters as a row per member), not a loop over
+    members (the reference, which steps tensor by tensor anyway, takes a call per member's row)."""
     calls = []
-    run = bnbf.ops._run
-    monkeypatch.setattr(bnbf.ops, "_run", lambda p_in, *a: (calls.append(len(p_in)), run(p_in, *a))[1])
+    ref = bnbf.ops.reference_step
+    monkeypatch.setattr(bnbf.ops, "reference_step", lambda p_in, *a: (calls.append(len(p_in)), ref(p_in, *a))[1])
+    launch = launcher.launch_group
+    monkeypatch.setattr(launcher, "launch_group", lambda g, *a: (calls.append(g.table.shape[0]), launch(g, *a))[1])
+    p, g = _stack(numels=(257, 300), device=device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    lrs = torch.tensor([0.1, 0.01, 0.001], device=device)
+    if per_member_lr:
+        got = torch.vmap(lambda q, r, u, lr: bnbf.update(q, r, u, {"lr": lr}, 1))(p, g, s, lrs)
+    else:
+        got = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))(p, g, s)
+    triton_path = INTERP or device == "cuda"
+    assert calls == ([2] * B if per_member_lr and not triton_path else [2 * B])
+    if per_member_lr:
+        for b in range(B):
+            want = bnbf.update(_member(p, b), _member(g, b), _member(s, b), {"lr": lrs[b]}, 1)
+            assert _same(_member(got, b), want)
+
+
+@pytest.mark.skipif(not INTERP and "cuda" not in DEVICES, reason="the Triton path's tables")
+def test_vmap_host_work_does_not_grow_with_members(monkeypatch):
+    """The Triton path builds the launcher's table for one member and for a second (the member strides), never
+    a view per member; a group is cached by the exact addresses its table holds."""
+    device = "cuda" if "cuda" in DEVICES else "cpu"
+    built = []
+    build = members.build_group
+    monkeypatch.setattr(members, "build_group", lambda p_in, *a: (built.append(len(p_in)), build(p_in, *a))[1])
+    members._GROUPS.clear()
     p, g = _stack(numels=(257, 300), device=device)
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
     s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
     torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))(p, g, s)
-    assert calls == [2 * B]
+    assert built == [2, 2]  # two tensors, whatever the number of members
+    layout = type(s["t257"]).layout
+    stacked = lambda ts: [(t, True) for t in ts]
+    ps, ss = stacked(p.values()), stacked(t for k in p for t in s[k])
+    first = members.stacked_group(ps, ps, ss, ss, layout, B)
+    assert members.stacked_group(ps, ps, ss, ss, layout, B) is first  # the same addresses: the cached group
+    other = stacked(t.clone() for t in p.values())
+    assert members.stacked_group(other, other, ss, ss, layout, B) is not first
+    assert members.stacked_group(ps, ps, ss, ss, layout, B - 1) is not first
+    assert len(built) == 2 + 2 * 3
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_vmap_members_along_another_dim_with_shared_grads(device):
+    """Params batched along their last dim (each member strided: one copy makes the members contiguous), grads
+    shared by every member (unbatched), odd sizes: the step equals the loop bit for bit."""
+    numels = (1, 257) if INTERP else (1, 255, 4097)
+    p, _ = _stack(numels=numels, device=device)
+    g = {k: v[0] * 3.0 for k, v in _stack(numels=numels, device=device, seed=1)[1].items()}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    p_last = {k: v.movedim(0, -1).contiguous() for k, v in p.items()}  # [..., B]
+    step = lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1)
+    got = torch.vmap(step, in_dims=(-1, None, 0))(p_last, g, s)
+    for b in range(B):
+        assert _same(_member(got, b), step(_member(p, b), g, _member(s, b)))
+
+
+def test_nested_vmap_takes_the_op_per_member():
+    """vmap of vmap (members of members): the inner tensors are still wrapped by the outer transform, so the
+    step goes through the op's batching rule member by member; the result is still the loop's."""
+    p, g = _stack(numels=(1, 257))
+    p2, g2 = tree_map(lambda t: torch.stack([t, -2 * t]), (p, g))  # [2, B, ...]
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s2 = torch.vmap(torch.vmap(lambda q: bnbf.init_state(q, spec)))(p2)
+    step = lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1)
+    got = torch.vmap(torch.vmap(step))(p2, g2, s2)
+    for a in range(2):
+        for b in range(B):
+            one = lambda t, a=a, b=b: t[a][b]
+            assert _same(tree_map(one, got), step(tree_map(one, p2), tree_map(one, g2), tree_map(one, s2)))
+
+
+def test_vmap_over_no_members():
+    """An ensemble of no members steps nothing and returns empty stacked results of the right shapes."""
+    p, g = {"a": torch.randn(0, 300)}, {"a": torch.randn(0, 300)}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    new_p, new_s = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))(p, g, s)
+    assert new_p["a"].shape == (0, 300)
+    assert [(t.shape, t.dtype) for t in new_s["a"]] == [(t.shape, t.dtype) for t in s["a"]]
 
 
 class _MLP(torch.nn.Module):
