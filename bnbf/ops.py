@@ -174,7 +174,10 @@ def _register_version_bump() -> None:
         bump(states)
         return op.redispatch(keyset & below, params, grads, states, *args)
 
-    lib.impl("step_", version_bump, "ADInplaceOrView", with_keyset=True)
+    try:
+        lib.impl("step_", version_bump, "ADInplaceOrView", with_keyset=True)
+    except RuntimeError:  # torch 2.11 refuses to override the kernel torch.library registered for it
+        pass
 
 
 _register_version_bump()
