@@ -41,6 +41,25 @@ def table(fmt: str, signed: bool) -> Tensor:
     return t
 
 
+def _check(t: Tensor, name: str, dtype: torch.dtype, numel: int) -> None:
+    # checked here, not only in C++: on the H200 host (torch 2.11) a C++ check whose message formats an integer
+    # crashed the process instead of raising
+    if t.device.type != "cpu":
+        raise RuntimeError(f"{name} must be a CPU tensor, got one on {t.device}")
+    if t.dtype != dtype:
+        raise RuntimeError(f"{name} must be {dtype}, got {t.dtype}")
+    if not t.is_contiguous():
+        raise RuntimeError(f"{name} must be contiguous")
+    if t.numel() != numel:
+        raise RuntimeError(f"{name} must have {numel} elements, got {t.numel()}")
+
+
+def _blocks(n: int, block_size: int) -> int:
+    if not (isinstance(block_size, int) and block_size > 0 and block_size & (block_size - 1) == 0):
+        raise RuntimeError(f"block_size must be a positive power of two, got {block_size}")
+    return -(-n // block_size)
+
+
 def dequantize(codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size: int) -> Tensor:
     """Float32 values of a CPU state's codes: :func:`bnbf.quant.dequantize_state_reference`, bit for bit.
 
@@ -56,6 +75,8 @@ def dequantize(codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size
         >>> codes, absmax = quantize_state_reference(torch.randn(300), "power", True, 256)
         >>> y = dequantize(codes, absmax, "power", True, 256)  # == dequantize_state_reference(...)
     """
+    _check(codes, "codes", torch.uint8, codes.numel())
+    _check(absmax, "absmax", torch.float32, _blocks(codes.numel(), block_size))
     return NATIVE.dequantize(codes, absmax, table(fmt, signed), block_size)
 
 
@@ -88,4 +109,10 @@ def quantize_(
     """
     if fmt not in STATE_FORMATS:
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
+    n = x.numel()
+    _check(x, "x", torch.float32, n)
+    if keep is not None:
+        _check(keep, "keep", torch.bool, n)
+    _check(codes, "codes", torch.uint8, n)
+    _check(absmax, "absmax", torch.float32, _blocks(n, block_size))
     NATIVE.quantize_(x, keep, codes, absmax, fmt == "power", signed, block_size, seed, first_block)

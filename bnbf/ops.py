@@ -14,6 +14,7 @@ stacked outputs, with host work that does not grow with the member count (:mod:`
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 
 import torch
@@ -174,10 +175,8 @@ def _register_version_bump() -> None:
         bump(states)
         return op.redispatch(keyset & below, params, grads, states, *args)
 
-    try:
+    with contextlib.suppress(RuntimeError):  # torch 2.11 refuses to override the kernel torch.library registered
         lib.impl("step_", version_bump, "ADInplaceOrView", with_keyset=True)
-    except RuntimeError:  # torch 2.11 refuses to override the kernel torch.library registered for it
-        pass
 
 
 _register_version_bump()

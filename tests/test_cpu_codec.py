@@ -199,11 +199,11 @@ def test_dequantize_keeps_the_codes_shape():
 def _bad_calls():
     x, codes, absmax = torch.rand(300), torch.zeros(300, dtype=torch.uint8), torch.zeros(2)
     return [
-        ((x.double(), None, codes, absmax, "power", True, 256, 1), "x must be Float"),
+        ((x.double(), None, codes, absmax, "power", True, 256, 1), "x must be torch.float32"),
         ((torch.rand(600)[::2], None, codes, absmax, "power", True, 256, 1), "x must be contiguous"),
         ((x, None, codes, torch.zeros(3), "power", True, 256, 1), "absmax must have 2 elements"),
-        ((x, None, codes.long(), absmax, "power", True, 256, 1), "codes must be Byte"),
-        ((x, torch.ones(300), codes, absmax, "power", True, 256, 1), "keep must be Bool"),
+        ((x, None, codes.long(), absmax, "power", True, 256, 1), "codes must be torch.uint8"),
+        ((x, torch.ones(300), codes, absmax, "power", True, 256, 1), "keep must be torch.bool"),
         ((x, None, codes, absmax, "power", True, 100, 1), "block_size must be a positive power of two"),
         ((x, None, codes, absmax, "float8", True, 256, 1), "unknown state format 'float8'"),
     ]
@@ -221,7 +221,7 @@ def test_bad_input_raises_and_writes_nothing(case):
 def test_dequantize_bad_input_raises():
     with pytest.raises(RuntimeError, match="absmax must have 2 elements"):
         _cpu_codec.dequantize(torch.zeros(300, dtype=torch.uint8), torch.zeros(1), "power", True, 256)
-    with pytest.raises(RuntimeError, match="codes must be Byte"):
+    with pytest.raises(RuntimeError, match="codes must be torch.uint8"):
         _cpu_codec.dequantize(torch.zeros(300), torch.zeros(2), "power", True, 256)
     with pytest.raises(ValueError, match="unknown state format"):
         _cpu_codec.dequantize(torch.zeros(300, dtype=torch.uint8), torch.zeros(2), "float8", True, 256)
@@ -282,3 +282,12 @@ def test_step_of_a_shard_draws_its_blocks_dither(monkeypatch):
     plain = _run("adamw", STEP_CASES[0][1], "power", torch.float32, True, monkeypatch, True)
     assert all(torch.equal(a, b) for a, b in zip(got[1]["w"], want[1]["w"]))
     assert not torch.equal(got[1]["w"].exp_avg, plain[1]["w"].exp_avg)
+
+
+def test_the_compiled_checks_raise_too():
+    """The C++ module's own checks (a backstop behind the wrapper's) raise, and leave the process alive."""
+    x, codes = torch.rand(300), torch.zeros(300, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="absmax has the wrong number of elements"):
+        _cpu_codec.NATIVE.quantize_(x, None, codes, torch.zeros(3), True, True, 256, 1, 0)
+    with pytest.raises(RuntimeError, match="block_size must be a positive power of two"):
+        _cpu_codec.NATIVE.dequantize(codes, torch.zeros(2), _cpu_codec.table("power", True), 100)

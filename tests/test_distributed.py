@@ -49,6 +49,15 @@ def _aligned(name: str) -> bool:
     return name in ("0.weight", "2.weight")
 
 
+def mesh():
+    """The workers' 1-D mesh, of DEVICE's type: without it fully_shard takes the CUDA mesh wherever CUDA is
+    there, and moved the gloo run's CPU model to cuda:0 on the GPU machine (a gloo collective on a CUDA
+    tensor then crashed the rank)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(DEVICE.type, (WORLD,))
+
+
 class _Run:
     """An FSDP2 model with bnbf state, and an unsharded copy stepped on the same averaged grads."""
 
@@ -60,7 +69,7 @@ class _Run:
 
         self.ref_model = _model().to(DEVICE)
         self.model = _model().to(DEVICE)
-        fully_shard(self.model)
+        fully_shard(self.model, mesh=mesh())
         self.params = dict(self.model.named_parameters())
         self.ref_params = {k: p.detach().clone() for k, p in self.ref_model.named_parameters()}
         self.spec, self.hparams = spec, hparams

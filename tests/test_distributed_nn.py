@@ -22,7 +22,7 @@ def _fsdp_model() -> torch.nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     model = td._model().to(td.DEVICE)
-    fully_shard(model)
+    fully_shard(model, mesh=td.mesh())
     return model
 
 

@@ -62,6 +62,8 @@ def clear_compiled() -> None:
     for fn in jit_functions().values():
         for cache in fn.device_caches.values():
             cache[0].clear()
+    # and the groups the pure step reuses by address: a hit launches its group's compiled kernel directly
+    bnbf.ops._GROUPS.clear()
 
 
 class LaunchRecorder:

@@ -316,12 +316,13 @@ void check_cpu_contiguous(const at::Tensor& t, const char* name, at::ScalarType 
   TORCH_CHECK(t.device().is_cpu(), name, " must be a CPU tensor, got one on ", t.device());
   TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
   TORCH_CHECK(t.is_contiguous(), name, " must be contiguous");
-  TORCH_CHECK(t.numel() == numel, name, " must have ", numel, " elements, got ", t.numel());
+  // no integers in the messages: formatting one crashed the process on a torch 2.11 host (the Python wrapper
+  // checks first and says the sizes)
+  TORCH_CHECK(t.numel() == numel, name, " has the wrong number of elements");
 }
 
 int64_t blocks_of(int64_t n, int64_t block_size) {
-  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0,
-              "block_size must be a positive power of two, got ", block_size);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "block_size must be a positive power of two");
   return (n + block_size - 1) / block_size;
 }
 
