@@ -383,6 +383,7 @@ def _step_kernel(
     h17,
     HP_FROM_PTR: tl.constexpr,
     HP_PER_TENSOR: tl.constexpr,
+    FIRST_BLOCK: tl.constexpr,
     MATH: tl.constexpr,
     SLOTS: tl.constexpr,
     PRESENT: tl.constexpr,
@@ -445,7 +446,9 @@ def _step_kernel(
     part = norm_ptr + pid * ITERS
     # the step's share of the dither's block hashes, and the tensor's first block's: (rows + first block) *
     # DITHER_BLOCK + step * DITHER_STEP, all mod 2**32, as bnbf.quant.state_dither
-    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP + tl.load(table + 3).to(tl.uint32) * DITHER_BLOCK
+    dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP
+    if FIRST_BLOCK:  # a shard's first block (the column is read only where some tensor's is not 0)
+        dith = dith + tl.load(table + 3).to(tl.uint32) * DITHER_BLOCK
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
