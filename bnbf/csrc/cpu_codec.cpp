@@ -232,20 +232,33 @@ BNBF_INLINE const uint8_t* block_mask(const uint8_t* __restrict keep, int64_t st
   return all ? nullptr : keep + start;
 }
 
+// What both formats do first for block r: its extent, its keep mask (null when all kept), its absmax (written),
+// the scale that normalizes it and its dither hash.
+struct BlockHead {
+  int64_t start, len;
+  const uint8_t* keep;
+  float scale;
+  uint32_t hash;
+};
+
+BNBF_INLINE BlockHead block_head(const float* x, const uint8_t* keep, float* absmax, int64_t n, int64_t block_size,
+                                 int64_t seed, int64_t first, int64_t r) {
+  const int64_t start = r * block_size;
+  const int64_t len = std::min(block_size, n - start);
+  const uint8_t* k = block_mask(keep, start, len);
+  const float a = k ? block_absmax<true>(x + start, k, len) : block_absmax<false>(x + start, k, len);
+  absmax[r] = a;
+  return {start, len, k, a > 0.0f ? 1.0f / a : 0.0f, block_hash(first + r, seed)};
+}
+
 // Blocks [b0, b1) of the dynamic format.
 template <bool SIGNED>
 BNBF_CLONES void quantize_dynamic(const float* x, const uint8_t* keep, uint8_t* codes, float* absmax, int64_t n,
                                   int64_t block_size, int64_t seed, int64_t first, int64_t b0, int64_t b1) {
   for (int64_t r = b0; r < b1; ++r) {
-    const int64_t start = r * block_size;
-    const int64_t len = std::min(block_size, n - start);
-    const uint8_t* k = block_mask(keep, start, len);
-    const float a = k ? block_absmax<true>(x + start, k, len) : block_absmax<false>(x + start, k, len);
-    absmax[r] = a;
-    const float scale = a > 0.0f ? 1.0f / a : 0.0f;
-    const uint32_t hash = block_hash(first + r, seed);
-    k ? block_dynamic_codes<true, SIGNED>(x + start, k, codes + start, len, scale, hash)
-      : block_dynamic_codes<false, SIGNED>(x + start, k, codes + start, len, scale, hash);
+    const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r);
+    h.keep ? block_dynamic_codes<true, SIGNED>(x + h.start, h.keep, codes + h.start, h.len, h.scale, h.hash)
+           : block_dynamic_codes<false, SIGNED>(x + h.start, h.keep, codes + h.start, h.len, h.scale, h.hash);
   }
 }
 
@@ -253,18 +266,13 @@ template <bool SIGNED>
 BNBF_CLONES void power_blocks(const float* x, const uint8_t* keep, uint8_t* codes, uint8_t* unsure, float* absmax,
                               int64_t n, int64_t block_size, int64_t seed, int64_t first, int64_t r,
                               std::vector<int64_t>& redo) {
-  const int64_t start = r * block_size;
-  const int64_t len = std::min(block_size, n - start);
-  const uint8_t* k = block_mask(keep, start, len);
-  const float a = k ? block_absmax<true>(x + start, k, len) : block_absmax<false>(x + start, k, len);
-  absmax[r] = a;
-  const float scale = a > 0.0f ? 1.0f / a : 0.0f;
-  const uint32_t hash = block_hash(first + r, seed);
-  const uint8_t any = k ? block_power_codes<true, SIGNED>(x + start, k, codes + start, unsure, len, scale, hash)
-                        : block_power_codes<false, SIGNED>(x + start, k, codes + start, unsure, len, scale, hash);
+  const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r);
+  const uint8_t any =
+      h.keep ? block_power_codes<true, SIGNED>(x + h.start, h.keep, codes + h.start, unsure, h.len, h.scale, h.hash)
+             : block_power_codes<false, SIGNED>(x + h.start, h.keep, codes + h.start, unsure, h.len, h.scale, h.hash);
   if (any) {
-    for (int64_t i = 0; i < len; ++i) {
-      if (unsure[i]) redo.push_back(start + i);
+    for (int64_t i = 0; i < h.len; ++i) {
+      if (unsure[i]) redo.push_back(h.start + i);
     }
   }
 }
