@@ -60,24 +60,32 @@ def _blocks(n: int, block_size: int) -> int:
     return -(-n // block_size)
 
 
-def dequantize(codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size: int) -> Tensor:
+def dequantize(
+    codes: Tensor, absmax: Tensor, fmt: str, signed: bool, block_size: int, out: Tensor | None = None
+) -> Tensor:
     """Float32 values of a CPU state's codes: :func:`bnbf.quant.dequantize_state_reference`, bit for bit.
 
     Args:
         codes: uint8, contiguous, on the CPU; absmax: float32, one per block of ``block_size`` codes.
         fmt, signed, block_size: the state's format (``"power"`` or ``"dynamic"``), map and block size.
+        out: float32, contiguous, of ``codes``' numel, to write into (the caller's scratch), or None for a new
+            tensor.
 
     Returns:
-        float32 tensor of ``codes``' shape.
+        float32 tensor of ``codes``' shape (a view of ``out`` where given).
 
     Example:
         >>> from bnbf.quant import dequantize_state_reference, quantize_state_reference
         >>> codes, absmax = quantize_state_reference(torch.randn(300), "power", True, 256)
         >>> y = dequantize(codes, absmax, "power", True, 256)  # == dequantize_state_reference(...)
     """
+    if fmt not in STATE_FORMATS:
+        raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
     _check(codes, "codes", torch.uint8, codes.numel())
     _check(absmax, "absmax", torch.float32, _blocks(codes.numel(), block_size))
-    return NATIVE.dequantize(codes, absmax, table(fmt, signed), block_size)
+    if out is not None:
+        _check(out, "out", torch.float32, codes.numel())
+    return NATIVE.dequantize(codes, absmax, table(fmt, signed), block_size, out)
 
 
 def quantize_(

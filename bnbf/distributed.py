@@ -46,7 +46,8 @@ from bnbf._dispatch import NORM_REDUCE, is_dtensor
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
-from bnbf.state import OptimSpec, is_state
+from bnbf.state import OptimSpec, _row, _rows_of, is_state
+from bnbf.state import relaid as _relaid_plain
 
 __all__ = [
     "Plan",
@@ -56,6 +57,8 @@ __all__ = [
     "is_dtensor",
     "load_state_dict_",
     "plan",
+    "relaid",
+    "stacked",
     "state_dict",
     "update",
     "update_",
@@ -238,6 +241,91 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
         if shards[i] is not None:
             out[i] = _wrap_state(out[i], shards[i], p.shape, p.stride())
     return pytree.tree_unflatten(out, treespec)
+
+
+def relaid(state: Any, stacks: tuple | None) -> Any:
+    """:func:`bnbf.state.relaid` (unpaged: paged state of DTensor params is refused) for the state of a DTensor param: a copy whose local fields of each
+    stack are rows of one tensor (the scales' rows ``[1, padded]``, as :func:`init_state` pads them), wrapped
+    as before, so that :func:`stacked` can show a stack as one DTensor (bnbf_nn's bitsandbytes ``state1`` of
+    AdEMAMix). A plain state goes to :func:`bnbf.state.relaid`.
+
+    Args:
+        state: a state from :func:`init_state`.
+        stacks: tuples of the rule's slot indices, e.g. ``((0, 1), (2,))``.
+
+    Returns:
+        The new state (same values, new storage).
+
+    Example (on each rank)::
+
+        s = bnbf.distributed.relaid(bnbf.distributed.init_state(p, spec), ((0, 1), (2,)))
+    """
+    like = _param_like(state)
+    if not isinstance(like, DTensor):
+        return _relaid_plain(state, stacks)
+    sh = _shards(like)
+    layout = type(state).layout
+    rule = get_rule(layout.rule)
+    kept = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
+    groups = [[j for j in g if j in kept] for g in (stacks or [(j,) for j in range(len(rule.states))])]
+    groups = [g for g in groups if g]
+    if sorted(j for g in groups for j in g) != kept:
+        raise ValueError(f"stacks {stacks} must hold each of the {rule.name} state slots once")
+    old = dict(zip(state._fields, state))
+    shape = tuple(like._local_tensor.shape)
+    fields = {}
+    with torch.no_grad():
+        for g in groups:
+            names = [rule.states[j].name for j in g]
+            kinds = [(names, shape, torch.uint8 if layout.quantized else torch.float32)]
+            if layout.quantized:  # the scales' local [1, padded] rows, as init_state makes them
+                pad = tuple(old[names[0] + "_absmax"]._local_tensor.shape)
+                kinds.append(([n + "_absmax" for n in names], pad, torch.float32))
+            for ns, sz, dt in kinds:
+                size, dtype = _rows_of(len(g), sz, dt)
+                buf = torch.empty(size, dtype=dtype, device=like.device)
+                for i, n in enumerate(ns):
+                    fields[n] = _row(buf, i, sz, len(g))
+                    fields[n].copy_(old[n]._local_tensor)
+    out = []
+    for n in state._fields:
+        t = fields[n]
+        if layout.quantized and n.endswith("_absmax"):
+            out.append(DTensor.from_local(t, sh.mesh, _scale_placements(sh), run_check=False))
+        else:
+            out.append(DTensor.from_local(t, sh.mesh, sh.placements, run_check=False, shape=like.shape, stride=like.stride()))
+    return type(state)(*out)
+
+
+def stacked(rows: Tensor, field: DTensor) -> DTensor:
+    """A stack of DTensor state fields as one DTensor: ``rows`` (``[k, *local shape]``, a view whose row i is
+    the local tensor of field i, see :func:`relaid`) with global shape ``(k, *field.shape)``; each ``Shard(d)``
+    of the fields becomes ``Shard(d + 1)``. Writing it writes the fields.
+
+    Args:
+        rows: the local rows, stacked (a view of the fields' storage).
+        field: one of the stacked fields (its mesh, placements and global shape).
+
+    Returns:
+        The DTensor.
+
+    Example (bnbf_nn's ``state1`` of AdEMAMix under FSDP2)::
+
+        state1 = bnbf.distributed.stacked(rows, state.exp_avg)
+    """
+    placements = [Shard(pl.dim + 1) if isinstance(pl, Shard) else pl for pl in field.placements]
+    shape = torch.Size((rows.shape[0], *field.shape))
+    return DTensor.from_local(
+        rows, field.device_mesh, placements, run_check=False, shape=shape, stride=_contiguous_stride(shape)
+    )
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    out, n = [], 1
+    for d in reversed(shape):
+        out.append(n)
+        n *= max(d, 1)
+    return tuple(reversed(out))
 
 
 def _localize(params: list, grads: list, states: list) -> tuple[list, list, list, list]:

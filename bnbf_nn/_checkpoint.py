@@ -83,7 +83,7 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, 
         if not kept:
             continue
         names = [rule.states[j].name for j in kept]
-        join = (lambda ts: ts[0]) if len(slots) == 1 else torch.stack
+        join = (lambda ts: ts[0]) if len(slots) == 1 else _stack
         out[f"state{k}"] = join([getattr(state, n) for n in names])
         if layout.quantized:
             out[f"qmap{k}"] = qmap(layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
@@ -91,6 +91,14 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, 
     if max_unorm and not layout.quantized:  # bitsandbytes' 32-bit steps expect this scratch buffer
         out["unorm_vec"] = torch.zeros(1, device=out["state1"].device)
     return out
+
+
+def _stack(ts: list[Tensor]) -> Tensor:
+    """``torch.stack`` of a stack's fields; DTensors by their local tensors, the fields' ``Shard(d)`` becoming
+    ``Shard(d + 1)`` (what loading reads back by rows)."""
+    if not is_dtensor(ts[0]):
+        return torch.stack(ts)
+    return distributed_module().stacked(torch.stack([t.to_local() for t in ts]), ts[0])
 
 
 def views(state: Any, stacks: tuple | None) -> dict[str, Tensor]:
@@ -116,6 +124,12 @@ def _rows(state: Any, names: list[str], stack: bool) -> Tensor:
     ts = [getattr(state, n) for n in names]
     if not stack:
         return ts[0]
+    if is_dtensor(ts[0]):  # the local rows, shown as one DTensor (bnbf.distributed.relaid lays them out)
+        return distributed_module().stacked(_local_rows([t._local_tensor for t in ts], names), ts[0])
+    return _local_rows(ts, names)
+
+
+def _local_rows(ts: list[Tensor], names: list[str]) -> Tensor:
     t0 = ts[0]
     gap = (ts[1].data_ptr() - t0.data_ptr()) // t0.element_size() if len(ts) > 1 else t0.numel()
     rows = t0.as_strided((len(ts), *t0.shape), (gap, *t0.stride()), t0.storage_offset())
@@ -125,15 +139,22 @@ def _rows(state: Any, names: list[str], stack: bool) -> Tensor:
     return rows
 
 
-def distributed_module(stacks: tuple | None, name: str) -> Any:
+def _row_of(t: Tensor, i: int) -> Tensor:
+    """Row ``i`` of a stacked checkpoint tensor (a DTensor's by its local rows: ``Shard(d + 1)`` becomes
+    ``Shard(d)``)."""
+    if not is_dtensor(t):
+        return t[i]
+    from torch.distributed.tensor import DTensor, Shard
+
+    placements = [Shard(pl.dim - 1) if isinstance(pl, Shard) else pl for pl in t.placements]
+    if any(isinstance(pl, Shard) and pl.dim < 0 for pl in placements):
+        raise ValueError(f"a stacked state sharded along its stack dim ({t.placements}) cannot be loaded")
+    return DTensor.from_local(t.to_local()[i], t.device_mesh, placements, run_check=False, shape=t.shape[1:])
+
+
+def distributed_module() -> Any:
     """:mod:`bnbf.distributed`, for the state of a DTensor param (imported on first use: it imports
-    torch.distributed.tensor); ``NotImplementedError`` for a family with stacked state (``stacks``, AdEMAMix's),
-    which has no sharded layout. ``name`` names the optimizer in the message."""
-    if stacks:
-        raise NotImplementedError(
-            f"{name} on DTensor params (FSDP2) is not supported: its stacked bitsandbytes state "
-            f"(state1 holding {len(stacks[0])} slots) has no sharded layout yet"
-        )
+    torch.distributed.tensor)."""
     import bnbf.distributed
 
     return bnbf.distributed
@@ -143,9 +164,12 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
     """A new bnbf state for ``param`` through :func:`bnbf.init_state`, with the family's bitsandbytes stacks
     (AdEMAMix's first moments) as rows of one tensor, so that :func:`views` can show them (a copy, at
     creation only). A DTensor param (FSDP2) gets the state of its local shard as DTensors
-    (:func:`bnbf.distributed.init_state`)."""
+    (:func:`bnbf.distributed.init_state`), its stacks as rows of one local tensor
+    (:func:`bnbf.distributed.relaid`)."""
     if is_dtensor(param):
-        return distributed_module(family.bnb_slots, family.name).init_state(param.detach(), spec, hparams)
+        dist = distributed_module()
+        state = dist.init_state(param.detach(), spec, hparams)
+        return dist.relaid(state, family.bnb_slots) if family.bnb_slots else state
     if not family.bnb_slots:
         return bnbf.init_state(param.detach(), spec, hparams)
     # made unpaged, then relaid into paged memory once: a paged first copy would stay in its managed chunk
@@ -266,14 +290,17 @@ def unpack(
     if is_dtensor(param):
         # the checkpoint holds the portable form (see portable): codes of the global shape, scales of the
         # unsharded blocks; bnbf.distributed takes this shard's rows and re-expresses split blocks
-        dist = distributed_module(stacks, rule.name)
+        dist = distributed_module()
         state = dist.init_state(param.detach(), spec, hparams)
+        state = dist.relaid(state, stacks) if stacks else state
         saved = {}
         for key, kept in expected.items():
-            for n in (rule.states[j].name for j in kept):
-                saved[n] = tensors[key]
+            stack = len(slots[int(key[5:]) - 1]) > 1
+            for i, n in enumerate(rule.states[j].name for j in kept):
+                saved[n] = _row_of(tensors[key], i) if stack else tensors[key]
                 if got_bits == 8:
-                    saved[n + "_absmax"] = tensors["absmax" + key[5:]]
+                    a = tensors["absmax" + key[5:]]
+                    saved[n + "_absmax"] = _row_of(a, i) if stack else a
         return dist.load_state_dict_(state, saved)
     if stacks:  # unpaged first, as new_state
         state = relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)

@@ -650,11 +650,10 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_dist(self, group: dict, plan: _Buckets) -> None:
         """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
-        AdEMAMix's stacked state, whole-tensor norms of params on several process groups)."""
+        whole-tensor norms of params on several process groups)."""
         name = type(self).__name__
         if self.is_paged:
             raise NotImplementedError(f"{name}: paged state (is_paged=True) of DTensor params (FSDP2) is not supported")
-        _checkpoint.distributed_module(self.family.bnb_slots, name)  # raises for a stacked state (AdEMAMix)
         mus = {group["max_unorm"]} | {c["max_unorm"] for c in plan.configs.values() if "max_unorm" in c}
         for mu in mus:
             _distributed().check_step(group["params"], self._rule, mu)

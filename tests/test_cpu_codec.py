@@ -140,6 +140,30 @@ def test_quantize_at_the_boundaries(fmt, signed):
 
 
 @pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_decade_from_the_exponent(signed):
+    """The codec finds the dynamic map's decade from the float's exponent and one compare: values at and 1-2 ulps
+    around every float32 decade edge and every power of two from 2**-40 to 1 (the binade boundaries the exponent
+    splits at), normed directly (absmax 1) and through scales that put the edge on the product's last bit."""
+    edges = torch.tensor([10.0 ** (i - 7) for i in range(1, 7)], dtype=torch.float32)
+    twos = torch.tensor([2.0**-k for k in range(41)], dtype=torch.float32)
+    base = torch.cat([edges, twos])
+    steps = torch.tensor([-2, -1, 0, 1, 2], dtype=torch.int32)
+    near = (base.view(torch.int32)[:, None] + steps[None, :]).reshape(-1).view(torch.float32)
+    near = torch.cat([near[(near > 0) & (near <= 1)], torch.tensor([0.0, 1e-45, 1e-40, 1.17549435e-38])])
+    if signed:
+        near = torch.cat([near, -near[::2]])
+    rows = []
+    for absmax in (1.0, 3.0, 0.7, 1e-30, 2.5e30):  # the block's absmax, first, scales the rest
+        rows.append(torch.cat([torch.tensor([absmax]), (near * absmax).clamp(-absmax, absmax)]))
+    assert all(r.numel() <= 512 for r in rows)
+    x = torch.cat([torch.nn.functional.pad(r, (0, 512 - r.numel())) for r in rows]).float()
+    for seed in (0, 3, 2**24 - 1):
+        assert_same_bits(
+            native(x, None, "dynamic", signed, 512, seed), oracle(x, None, "dynamic", signed, 512, seed), f"{seed}"
+        )
+
+
+@pytest.mark.parametrize("signed", [True, False])
 def test_power_codes_take_torchs_roots(signed):
     """The oracle's roots are torch.sqrt's, which with MKL are not all correctly rounded. Values whose code
     differs between torch's root and the correctly rounded one (searched next to each lane's rounding boundary)

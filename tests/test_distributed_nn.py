@@ -47,7 +47,7 @@ def _deq(opt, model) -> dict:
     for k, p in model.named_parameters():
         rec = opt.state.get(p, {})
         if "state" not in rec:
-            out[k] = {n: torch.zeros(p.shape, device=td.DEVICE) for n in ("exp_avg", "exp_avg_sq")}
+            out[k] = {n: torch.zeros(p.shape, device=td.DEVICE) for n in ("exp_avg", "exp_avg_slow", "exp_avg_sq")}
         else:
             out[k] = {n: t.full_tensor() for n, t in bd.dequantize_state(rec["state"]).items()}
     return out
@@ -123,6 +123,92 @@ def scenario_nn_lion8bit():
     _train8(bnbf_nn.Lion8bit, {"weight_decay": 0.01, "betas": (0.9, 0.99)}, td._lion_step)
 
 
+def _ademamix_step(p, g, s, t, lr=LR, wd=0.01, b1=0.9, b2=0.999, b3=0.9999, alpha=5.0, eps=1e-8):
+    """AdEMAMix's step as the paper writes it (no schedulers), from the dequantized state ``s``."""
+    m1 = b1 * s["exp_avg"] + (1 - b1) * g
+    m2 = b3 * s["exp_avg_slow"] + (1 - b3) * g
+    nu = b2 * s["exp_avg_sq"] + (1 - b2) * g * g
+    p = p - lr * ((m1 / (1 - b1**t) + alpha * m2) / ((nu / (1 - b2**t)).sqrt() + eps) + wd * p)
+    return p, (m1, m2, nu)
+
+
+def scenario_nn_ademamix8bit():
+    """AdEMAMix8bit under FSDP2, its two first moments stacked in state1 as bitsandbytes stacks them: the
+    paper's step within the 8-bit tolerance, shards of whole blocks bit-equal on every rank to the unsharded
+    bnbf_nn run, ``state1``/``absmax1`` live DTensor stacks of the local state; its state_dict saved through
+    DCP on 2 ranks loads on 1 process (unsharded AdEMAMix8bit: the same state) and on 2 ranks (training goes
+    on exactly as it went on, where shards hold whole blocks)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import bnbf
+    import bnbf_nn
+
+    hp = {"weight_decay": 0.01}
+    _train8(bnbf_nn.AdEMAMix8bit, hp, _ademamix_step)
+    model, ref_model = _fsdp_model(), td._model().to(td.DEVICE)
+    opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    ref = bnbf_nn.AdEMAMix8bit(ref_model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        for k, r in ref_model.named_parameters():
+            r.grad = dict(model.named_parameters())[k].grad.full_tensor()
+        opt.step()
+        ref.step()
+    refs = dict(ref_model.named_parameters())
+    for k, p in model.named_parameters():
+        if td._aligned(k):  # whole blocks on every rank: params and codes bit for bit
+            assert torch.equal(p.detach().to_local(), td._local_slice(k, p, refs[k].detach())), k
+            mine = opt.state[p]["state"]
+            whole = ref.state[refs[k]]["state"]
+            assert torch.equal(mine.exp_avg_slow.to_local(), td._local_slice(k, p, whole.exp_avg_slow)), k
+        rec = opt.state[p]
+        if p.numel() < MIN8:
+            continue
+        st, a1 = rec["state1"], rec["absmax1"]
+        assert st.shape == (2, *p.shape) and a1.shape[0] == 2, (k, st.shape, a1.shape)
+        assert st.to_local()[1].is_set_to(rec["state"].exp_avg_slow.to_local()), k
+        assert a1.to_local()[1].data_ptr() == rec["state"].exp_avg_slow_absmax.to_local().data_ptr(), k
+    path = os.environ["BNBF_TEST_CKPT"] + "_ademamix"
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    saved_deq = _deq(opt, model)
+    _backward(model, td.STEPS + 1)
+    grads = {k: p.grad.detach().clone() for k, p in model.named_parameters()}
+    opt.step()
+    final = _full(model)
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == 0:  # one process, unsharded: the saved state
+        plain = td._model().to(td.DEVICE)
+        popt = bnbf_nn.AdEMAMix8bit(plain.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+        msd1, osd1 = get_state_dict(plain, popt)
+        dcp.load({"model": msd1, "optim": osd1}, checkpoint_id=path, no_dist=True)
+        set_state_dict(plain, popt, model_state_dict=msd1, optim_state_dict=osd1)
+        for k, p in plain.named_parameters():
+            rec = popt.state[p]
+            assert rec["step"] == td.STEPS and rec["state1"].shape == (2, *p.shape), k
+            for n, v in bnbf.dequantize_state(rec["state"]).items():
+                if td._aligned(k) or p.numel() < MIN8:
+                    assert torch.equal(v, saved_deq[k][n]), (k, n)
+                else:
+                    absmax = getattr(rec["state"], n + "_absmax")
+                    assert _code_step_close(v, saved_deq[k][n], absmax, n != "exp_avg_sq"), (k, n)
+    torch.distributed.barrier()
+    model = _fsdp_model()  # two ranks again: the step after the save goes as it went
+    opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    for k, p in model.named_parameters():
+        p.grad = grads[k]
+    opt.step()
+    for k, p in _full(model).items():
+        if td._aligned(k) or p.numel() < MIN8:
+            assert torch.equal(p, final[k]), k
+        else:  # the split block's codes were re-expressed in the larger scale once
+            assert (p - final[k]).abs().mean() < STATE8[(torch.float32, 8)].mean_abs, k
+
+
 def scenario_nn_adamw32bit_torch():
     """32-bit state: FSDP2 training with AdamW32bit equals torch.optim.AdamW on the unsharded model fed the
     averaged grads (compared as changes from the initial params)."""
@@ -168,14 +254,13 @@ def scenario_nn_lamb():
 
 
 def scenario_nn_refused():
-    """What has no sharded implementation (paged state, AdEMAMix's stacked state) raises at step, before
-    anything is written."""
+    """What has no sharded implementation (paged state) raises at step, before anything is written."""
     import bnbf_nn
 
     model = _fsdp_model()
     _backward(model, 1)
     before = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
-    for cls, match in ((bnbf_nn.PagedAdamW8bit, "paged state"), (bnbf_nn.AdEMAMix8bit, "stacked")):
+    for cls, match in ((bnbf_nn.PagedAdamW8bit, "paged state"), (bnbf_nn.PagedAdEMAMix8bit, "paged state")):
         opt = cls(model.parameters(), lr=LR, min_8bit_size=MIN8)
         with pytest.raises(NotImplementedError, match=match):
             opt.step()
