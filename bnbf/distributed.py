@@ -244,10 +244,10 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
 
 
 def relaid(state: Any, stacks: tuple | None) -> Any:
-    """:func:`bnbf.state.relaid` (unpaged: paged state of DTensor params is refused) for the state of a DTensor param: a copy whose local fields of each
-    stack are rows of one tensor (the scales' rows ``[1, padded]``, as :func:`init_state` pads them), wrapped
-    as before, so that :func:`stacked` can show a stack as one DTensor (bnbf_nn's bitsandbytes ``state1`` of
-    AdEMAMix). A plain state goes to :func:`bnbf.state.relaid`.
+    """:func:`bnbf.state.relaid` for the state of a DTensor param (unpaged: paged state of DTensor params is
+    refused): a copy whose local fields of each stack are rows of one tensor (the scales' rows ``[1, padded]``,
+    as :func:`init_state` pads them), wrapped as before, so that :func:`stacked` can show a stack as one
+    DTensor (bnbf_nn's bitsandbytes ``state1`` of AdEMAMix). A plain state goes to :func:`bnbf.state.relaid`.
 
     Args:
         state: a state from :func:`init_state`.
@@ -293,7 +293,9 @@ def relaid(state: Any, stacks: tuple | None) -> Any:
         if layout.quantized and n.endswith("_absmax"):
             out.append(DTensor.from_local(t, sh.mesh, _scale_placements(sh), run_check=False))
         else:
-            out.append(DTensor.from_local(t, sh.mesh, sh.placements, run_check=False, shape=like.shape, stride=like.stride()))
+            out.append(
+                DTensor.from_local(t, sh.mesh, sh.placements, run_check=False, shape=like.shape, stride=like.stride())
+            )
     return type(state)(*out)
 
 

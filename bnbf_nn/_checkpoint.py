@@ -131,7 +131,8 @@ def _rows(state: Any, names: list[str], stack: bool) -> Tensor:
 
 def _local_rows(ts: list[Tensor], names: list[str]) -> Tensor:
     t0 = ts[0]
-    gap = (ts[1].data_ptr() - t0.data_ptr()) // t0.element_size() if len(ts) > 1 else t0.numel()
+    # by storage offsets: an empty field's data_ptr() is 0 (an empty shard's, say)
+    gap = ts[1].storage_offset() - t0.storage_offset() if len(ts) > 1 else t0.numel()
     rows = t0.as_strided((len(ts), *t0.shape), (gap, *t0.stride()), t0.storage_offset())
     for i, t in enumerate(ts):
         if t.untyped_storage().data_ptr() != t0.untyped_storage().data_ptr() or not rows[i].is_set_to(t):
@@ -146,10 +147,12 @@ def _row_of(t: Tensor, i: int) -> Tensor:
         return t[i]
     from torch.distributed.tensor import DTensor, Shard
 
-    placements = [Shard(pl.dim - 1) if isinstance(pl, Shard) else pl for pl in t.placements]
-    if any(isinstance(pl, Shard) and pl.dim < 0 for pl in placements):
+    if any(isinstance(pl, Shard) and pl.dim % t.ndim == 0 for pl in t.placements):
         raise ValueError(f"a stacked state sharded along its stack dim ({t.placements}) cannot be loaded")
-    return DTensor.from_local(t.to_local()[i], t.device_mesh, placements, run_check=False, shape=t.shape[1:])
+    placements = [Shard(pl.dim % t.ndim - 1) if isinstance(pl, Shard) else pl for pl in t.placements]
+    return DTensor.from_local(
+        t.to_local()[i], t.device_mesh, placements, run_check=False, shape=t.shape[1:], stride=t.stride()[1:]
+    )
 
 
 def distributed_module() -> Any:

@@ -193,7 +193,19 @@ def scenario_nn_ademamix8bit():
                 else:
                     absmax = getattr(rec["state"], n + "_absmax")
                     assert _code_step_close(v, saved_deq[k][n], absmax, n != "exp_avg_sq"), (k, n)
+        msd1, osd1 = get_state_dict(plain, popt)  # unsharded, loaded on 2 ranks below
+        dcp.save({"model": msd1, "optim": osd1}, checkpoint_id=path + "_one", no_dist=True)
     torch.distributed.barrier()
+    model = _fsdp_model()  # the unsharded checkpoint on 2 ranks: the saved state again
+    opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path + "_one")
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    deq = _deq(opt, model)
+    for k, p in model.named_parameters():
+        assert opt.state[p]["step"] == td.STEPS, k
+        if td._aligned(k) or p.numel() < MIN8:  # split blocks: (1) checks one code step, as nn_dcp (3) does
+            assert all(torch.equal(v, saved_deq[k][n]) for n, v in deq[k].items()), k
     model = _fsdp_model()  # two ranks again: the step after the save goes as it went
     opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
     msd, osd = get_state_dict(model, opt)
