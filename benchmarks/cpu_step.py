@@ -12,7 +12,10 @@ step time (``--clock wall``: ``time.perf_counter``; ``cpu``: the process's CPU t
 and the 8-bit / 32-bit ratio of each. 8-bit states take the native CPU codec where it was built (``--codec torch``:
 bnbf.quant's pure-torch oracle instead, the same bits). CPU tensors take the reference path only without
 ``TRITON_INTERPRET`` (the interpreter runs the Triton kernels instead), so the script refuses to run with it set.
-Threads: torch's default unless ``--threads`` (printed with the table).
+Threads: torch's default unless ``--threads`` (printed with the table). With glibc's default malloc settings
+every step page-faults its freed temporaries back in (~15K faults a step on gpt2_4M with 32-bit state), up to half
+of the step and most of its noise; ``MALLOC_MMAP_THRESHOLD_=1073741824 MALLOC_TRIM_THRESHOLD_=1073741824`` in the
+environment keeps them mapped, for steadier figures of the step's own work.
 """
 
 from __future__ import annotations

@@ -251,6 +251,27 @@ def test_dequantize_bad_input_raises():
         _cpu_codec.dequantize(torch.zeros(300, dtype=torch.uint8), torch.zeros(2), "float8", True, 256)
 
 
+def test_dequantize_into_out():
+    """With ``out`` (reference_step's per-call scratch) the values are written there, the oracle's bits, and a
+    wrong ``out`` raises before anything is written."""
+    gen = torch.Generator().manual_seed(4)
+    codes = torch.randint(0, 256, (3, 100), generator=gen, dtype=torch.uint8)
+    absmax = torch.rand(2, generator=gen)
+    out = torch.full((300,), 7.0)
+    got = _cpu_codec.dequantize(codes, absmax, "dynamic", False, 256, out)
+    want = dequantize_state_reference(codes, absmax, "dynamic", False, 256)
+    assert got.shape == (3, 100) and got.data_ptr() == out.data_ptr()
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    for bad, message in [
+        (torch.full((301,), 7.0), "out must have 300 elements"),
+        (torch.full((300,), 7.0, dtype=torch.float64), "out must be torch.float32"),
+        (torch.full((600,), 7.0)[::2], "out must be contiguous"),
+    ]:
+        with pytest.raises(RuntimeError, match=message):
+            _cpu_codec.dequantize(codes, absmax, "dynamic", False, 256, bad)
+        assert bool((bad == 7.0).all())
+
+
 # ---- whole steps: the native codec and the oracle give the same bits -------------------------------------------
 
 STEP_CASES = [("adamw", {"lr": 1e-2, "weight_decay": 0.1}), ("ademamix", {"lr": 1e-2, "alpha": 5.0})]
