@@ -46,7 +46,7 @@ from bnbf._dispatch import NORM_REDUCE, is_dtensor
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
-from bnbf.state import OptimSpec, _row, _rows_of, is_state
+from bnbf.state import OptimSpec, _row, _rows_of, is_state, stack_groups
 from bnbf.state import relaid as _relaid_plain
 
 __all__ = [
@@ -266,11 +266,7 @@ def relaid(state: Any, stacks: tuple | None) -> Any:
     sh = _shards(like)
     layout = type(state).layout
     rule = get_rule(layout.rule)
-    kept = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
-    groups = [[j for j in g if j in kept] for g in (stacks or [(j,) for j in range(len(rule.states))])]
-    groups = [g for g in groups if g]
-    if sorted(j for g in groups for j in g) != kept:
-        raise ValueError(f"stacks {stacks} must hold each of the {rule.name} state slots once")
+    groups = stack_groups(layout, stacks)
     old = dict(zip(state._fields, state))
     shape = tuple(like._local_tensor.shape)
     fields = {}

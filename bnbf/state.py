@@ -229,15 +229,23 @@ def relaid(state: Any, stacks: tuple | None = None, paged_: bool = False) -> Any
     return type(state)(**fields)
 
 
-def _allocate(layout: Layout, shape: tuple, device: torch.device, stacks: tuple | None, paged_: bool) -> dict:
-    """Uninitialised fields of a state of ``layout`` for a param of ``shape``: each stack's fields rows of
-    one tensor, all of it one managed allocation when paged (CUDA, large enough)."""
+def stack_groups(layout: Layout, stacks: tuple | None) -> list[list[int]]:
+    """The kept state slots of ``layout`` grouped as ``stacks`` lays them out (each group's fields rows of one
+    tensor; a slot of its own where ``stacks`` is None); ``ValueError`` unless every kept slot is in one group."""
     rule = get_rule(layout.rule)
     kept = [j for j in range(len(rule.states)) if (layout.present >> j) & 1]
     groups = [[j for j in g if j in kept] for g in (stacks or [(j,) for j in range(len(rule.states))])]
     groups = [g for g in groups if g]
     if sorted(j for g in groups for j in g) != kept:
         raise ValueError(f"stacks {stacks} must hold each of the {rule.name} state slots once")
+    return groups
+
+
+def _allocate(layout: Layout, shape: tuple, device: torch.device, stacks: tuple | None, paged_: bool) -> dict:
+    """Uninitialised fields of a state of ``layout`` for a param of ``shape``: each stack's fields rows of
+    one tensor, all of it one managed allocation when paged (CUDA, large enough)."""
+    rule = get_rule(layout.rule)
+    groups = stack_groups(layout, stacks)
     numel = int(torch.Size(shape).numel())
     nblocks = -(-numel // max(layout.block_size, 1))
     code_dtype = torch.uint8 if layout.quantized else torch.float32

@@ -26,6 +26,18 @@ def _fsdp_model() -> torch.nn.Module:
     return model
 
 
+def _assert_resumed(model: torch.nn.Module, final: dict) -> None:
+    """After a checkpoint round trip and the same steps: the params equal the uninterrupted run's where
+    shards hold whole blocks (and 32-bit ones), within the 8-bit tolerance where a split block's codes were
+    re-expressed in the larger scale once."""
+    for k, p in _full(model).items():
+        if td._aligned(k) or p.numel() < MIN8:
+            assert torch.equal(p, final[k]), k
+        else:
+            diff = (p - final[k]).abs()
+            assert diff.mean() < STATE8[(torch.float32, 8)].mean_abs, (k, diff.mean())
+
+
 def _backward(model: torch.nn.Module, step: int) -> None:
     """This rank's batch through ``model``: FSDP2 leaves the ranks' average grad, DDP all-reduces it."""
     rank = torch.distributed.get_rank()
@@ -214,11 +226,7 @@ def scenario_nn_ademamix8bit():
     for k, p in model.named_parameters():
         p.grad = grads[k]
     opt.step()
-    for k, p in _full(model).items():
-        if td._aligned(k) or p.numel() < MIN8:
-            assert torch.equal(p, final[k]), k
-        else:  # the split block's codes were re-expressed in the larger scale once
-            assert (p - final[k]).abs().mean() < STATE8[(torch.float32, 8)].mean_abs, k
+    _assert_resumed(model, final)
 
 
 def scenario_nn_adamw32bit_torch():
@@ -339,12 +347,7 @@ def scenario_nn_dcp():
         for k, p in model.named_parameters():
             p.grad = grads[k]
         again.step()
-    for k, p in _full(model).items():
-        if td._aligned(k) or p.numel() < MIN8:
-            assert torch.equal(p, final[k]), k
-        else:  # the split block's codes were re-expressed in the larger scale once
-            diff = (p - final[k]).abs()
-            assert diff.mean() < STATE8[(torch.float32, 8)].mean_abs, (k, diff.mean())
+    _assert_resumed(model, final)
     kept_full = [{k: g.full_tensor() for k, g in gs.items()} for gs in kept]
     torch.distributed.barrier()
 
