@@ -587,16 +587,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             if plan.complete and every:
                 pairs = [(group, b) for b in plan.buckets]
             else:
-                has_grad = tuple(g is not None for g in grads)
-                if plan.has_grad != has_grad:
-                    plan = self._create_states(group, grads, plan)
-                    plan.has_grad = has_grad
-                    plan.partial = []
-                    for bucket in plan.buckets:
-                        keep = [k for k, i in enumerate(bucket.idx) if has_grad[i]]
-                        if keep:
-                            plan.partial.append((bucket, bucket.subset(keep)))
-                pairs = [(group, sub) for _, sub in plan.partial]
+                pairs = [(group, sub) for _, sub in self._partial(group, grads, plan).partial]
             for g, bucket in pairs:
                 if bucket.dist:
                     raise NotImplementedError(
@@ -710,9 +701,17 @@ class Optimizer8bit(torch.optim.Optimizer):
             for bucket in plan.buckets:
                 self._run(group, bucket, grads if bucket.whole else [grads[i] for i in bucket.idx], bucket.call)
             return
+        for bucket, sub in self._partial(group, grads, plan).partial:
+            # a plan rebuilt for new states has buckets the checks above did not see: same settings, checked
+            call = bucket.call if bucket.call is not None else self._settings(group, bucket)
+            self._run(group, sub, [grads[i] for i in sub.idx], call)
+            bucket.uniform = bucket.uniform and len(sub.idx) == len(bucket.idx)
+
+    def _partial(self, group: dict, grads: list, plan: _Buckets) -> _Buckets:
+        """The plan with ``partial`` for this step's grads: some params have no grad (frozen, or unused this
+        step), so each bucket steps its subset with grads; kept in the plan while the pattern repeats (a frozen
+        layer's every step). States are made first for params with a first grad (the plan may be rebuilt)."""
         has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
-        # some params have no grad (frozen, or unused this step): the buckets' subsets for this pattern,
-        # kept in the plan while the pattern repeats (a frozen layer's every step)
         if plan.has_grad != has_grad:
             plan = self._create_states(group, grads, plan)
             plan.has_grad = has_grad
@@ -721,11 +720,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 keep = [k for k, i in enumerate(bucket.idx) if has_grad[i]]
                 if keep:
                     plan.partial.append((bucket, bucket.subset(keep)))
-        for bucket, sub in plan.partial:
-            # a plan rebuilt for new states has buckets the checks above did not see: same settings, checked
-            call = bucket.call if bucket.call is not None else self._settings(group, bucket)
-            self._run(group, sub, [grads[i] for i in sub.idx], call)
-            bucket.uniform = bucket.uniform and len(sub.idx) == len(bucket.idx)
+        return plan
 
     def _run(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
         records = bucket.records
