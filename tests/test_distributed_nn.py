@@ -8,6 +8,7 @@ against a single-process reference stepped on the averaged grads.
 from __future__ import annotations
 
 import os
+from typing import Any
 
 import pytest
 import test_distributed as td
@@ -234,11 +235,20 @@ def scenario_nn_adamw32bit_torch():
     averaged grads (compared as changes from the initial params)."""
     import bnbf_nn
 
+    _matches_unsharded(
+        lambda ps: bnbf_nn.AdamW32bit(ps, lr=LR, weight_decay=0.01),
+        lambda ps: torch.optim.AdamW(ps, lr=LR, weight_decay=0.01),
+        td.STEPS,
+    )
+
+
+def _matches_unsharded(make: Any, make_ref: Any, steps: int) -> None:
+    """``steps`` steps of ``make``'s optimizer on an FSDP2 model equal ``make_ref``'s on the unsharded model fed
+    the averaged grads, with 32-bit state (compared as changes from the initial params)."""
     model, ref_model = _fsdp_model(), td._model().to(td.DEVICE)
     init = _full(model)
-    opt = bnbf_nn.AdamW32bit(model.parameters(), lr=LR, weight_decay=0.01)
-    ref = torch.optim.AdamW(ref_model.parameters(), lr=LR, weight_decay=0.01)
-    for t in range(1, td.STEPS + 1):
+    opt, ref = make(model.parameters()), make_ref(ref_model.parameters())
+    for t in range(1, steps + 1):
         _backward(model, t)
         grads = _full(model, grads=True)
         for k, p in ref_model.named_parameters():
@@ -256,21 +266,8 @@ def scenario_nn_lamb():
     norm sums) equals the unsharded run, with 32-bit state."""
     import bnbf_nn
 
-    model = _fsdp_model()
-    _backward(model, 1)
-    ref_model = td._model().to(td.DEVICE)
-    init = _full(model)
-    ours = bnbf_nn.LAMB32bit(model.parameters(), lr=LR)
-    ref = bnbf_nn.LAMB32bit(ref_model.parameters(), lr=LR)
-    grads = _full(model, grads=True)
-    for k, p in ref_model.named_parameters():
-        p.grad = grads[k]
-    ours.step()
-    ref.step()
-    tol = STATE32[(torch.float32, 32)]
-    for k, p in _full(model).items():
-        want = dict(ref_model.named_parameters())[k].detach()
-        torch.testing.assert_close(p - init[k], want - init[k], atol=tol.atol, rtol=tol.rtol)
+    make = lambda ps: bnbf_nn.LAMB32bit(ps, lr=LR)  # noqa: E731
+    _matches_unsharded(make, make, 1)
 
 
 def scenario_nn_refused():
