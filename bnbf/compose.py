@@ -16,7 +16,8 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 - :func:`updates` returns the rule's update in float32 and :func:`apply_updates` / :func:`apply_updates_` add
   it, for transforms that act after the rule;
 - :func:`clip_grad_norm` clips a pytree of gradients by their global norm as ``torch.nn.utils.clip_grad_norm_``,
-  on the device, without a host synchronisation.
+  on the device, without a host synchronisation; ``update(..., max_grad_norm=)`` clips inside the step instead
+  (the kernels scale each grad by the coefficient as they load it: no clipped copies, see :func:`_grad_clip`).
 
 ``path`` is a leaf's key path as ``torch.func.functional_call`` names it: ``"0.weight"`` for the key
 ``"0.weight"`` of a flat dict, ``"enc.w"`` for ``{"enc": {"w": ...}}``, ``"1"`` for the second item of a list.
@@ -25,6 +26,7 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
 import itertools
 import operator
@@ -51,7 +53,9 @@ from bnbf._host_checks import (
 )
 from bnbf.kernels.launcher import _to_device
 from bnbf.plan import _cached, _scalars, set_rows
+from bnbf.reference import GRAD_CLIP, GradClip
 from bnbf.rules import RULES, get_rule
+from bnbf.rules.base import check_nonneg
 from bnbf.state import OptimSpec, is_state, present_mask
 
 __all__ = [
@@ -188,14 +192,19 @@ def resolve_hparams(hparams: Any, step: Any) -> Any:
 
 def _is_hparams_leaf(x: Any) -> bool:
     """One leaf's hyperparameters: None, a dataclass instance, or a mapping with no mapping among its values."""
+    if type(x) is dict and all(type(v) in _LEAF_VALUES for v in x.values()):  # the usual dict of numbers
+        return True
     if x is None or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
         return True
     return isinstance(x, Mapping) and not any(isinstance(v, Mapping) for v in x.values())
 
 
+_LEAF_VALUES = frozenset({float, int, bool, tuple})  # value types that are no mapping
+
+
 def _by_rule(h: Any) -> bool:
     return (
-        isinstance(h, Mapping)
+        (type(h) is dict or isinstance(h, Mapping))
         and len(h) > 0
         and all(isinstance(k, str) and k in RULES for k in h)
         and all(_is_hparams_leaf(v) for v in h.values())
@@ -225,15 +234,25 @@ def is_shared_hparams(hparams: Any) -> bool:
 
 
 def _per_leaf_hparams(
-    hparams: Any, names: list[str], keypaths: Callable[[], list], params: list, rules: list[str], r: _Resolver
+    hparams: Any,
+    names: list[str],
+    keypaths: Callable[[], list],
+    params: list,
+    rules: list[str],
+    r: _Resolver,
+    raw: list | None = None,
 ) -> list:
     """Each leaf's hyperparameters (a mapping, a dataclass or None), schedules evaluated. ``names``: the leaves'
-    functional_call names; ``keypaths()``: their pytree key paths (only the tree form needs them)."""
+    functional_call names; ``keypaths()``: their pytree key paths (only the tree form needs them). ``raw``, if
+    given, receives each leaf's object before its schedules are evaluated, for the callable and by-rule forms
+    (what :class:`_Partition` recognises a call's partition by)."""
     if callable(hparams) and not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams):
         out = []
         seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping returned for many leaves is read once
         for name, p in zip(names, params):
             h = hparams(name, p)
+            if raw is not None:
+                raw.append(h)
             hit = seen.get(id(h))
             if hit is not None and hit[0] is h:
                 out.append(hit[1])
@@ -253,6 +272,8 @@ def _per_leaf_hparams(
                 f"hparams by rule has no entry for rule(s) {missing} of the states; it has {sorted(hparams)}"
             )
         resolved = {name: r.mapping(h) for name, h in hparams.items()}
+        if raw is not None:
+            raw.extend(map(hparams.__getitem__, rules))
         return [resolved[name] for name in rules]
     if _is_hparams_leaf(hparams):
         h = r.mapping(hparams)
@@ -365,6 +386,10 @@ class _Parts:
     grads: list
     states: list
     groups: list[tuple[Any, list[int]]]  # (validated hparams, leaf indices)
+    flat: bool = False  # params, grads and state are flat dicts of the same keys in one order
+    raw: list | None = None  # each leaf's hyperparameter object as given (callable and by-rule forms)
+    hps: list | None = None  # each leaf's hyperparameters, schedules evaluated
+    form: str = ""  # "callable" or "by_rule" where ``raw`` is known
 
 
 def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
@@ -408,7 +433,8 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
 def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Parts:
     rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
-    hps = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step))
+    raw: list = []
+    hps = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), raw)
     groups: dict[tuple, list[int]] = {}
     keys: dict[int, Any] = {}  # id(mapping) -> its key: a mapping shared by many leaves is keyed once
     for i, (rule, h) in enumerate(zip(rules, hps)):
@@ -418,7 +444,9 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
         groups.setdefault((rule, k), []).append(i)
     # every group's hyperparameters are validated before anything runs: a bad one raises with nothing written
     validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
-    return _Parts(rebuild, names, ps, gs, ss, validated)
+    flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
+    form = "" if len(raw) != len(ps) else "by_rule" if isinstance(hparams, Mapping) else "callable"
+    return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form)
 
 
 def _sub(parts: _Parts, leaves: list, idx: list[int]) -> dict:
@@ -460,8 +488,11 @@ def update(
             - a callable ``(path, param) -> mapping`` (e.g. no weight decay for biases and norms);
             - a pytree of mappings matching ``params`` or a prefix of it.
             Any value may be a schedule, a callable of the step evaluated once per call.
-        max_grad_norm: if given, the grads are first clipped to this global norm as
-            :func:`clip_grad_norm` does (a separate pass over the grads, before the step).
+        max_grad_norm: if given (a number >= 0 or a 0-d tensor), the grads are clipped to this global norm as
+            :func:`clip_grad_norm` (``torch.nn.utils.clip_grad_norm_``) clips them, inside the step: the total
+            norm is taken over every grad of the call (``torch._foreach_norm`` per (device, dtype), then the
+            norm of the norms: torch's bits), and the step scales each grad element by
+            ``min(1, max_norm / (total + 1e-6))`` as it loads it, in float32 (see :func:`_grad_clip`).
 
     Returns:
         ``(new_params, new_state)`` in the input structures: bit for bit what separate :func:`bnbf.update`
@@ -479,7 +510,14 @@ def update(
         (0.89, 0.9)
     """
     if max_grad_norm is not None:
-        grads, _ = clip_grad_norm(grads, max_grad_norm)
+        clip, grads = _grad_clip(grads, max_grad_norm)
+        if clip is not None:
+            with _clipping(clip):
+                return _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+    return _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+
+
+def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if is_shared_hparams(hparams) and _one_rule_tree(state):
         return bnbf.update(params, grads, state, hparams, step, **opts)
@@ -536,10 +574,19 @@ def update_(
         0.9900000095367432
     """
     if max_grad_norm is not None:
-        grads, _ = clip_grad_norm(grads, max_grad_norm)
+        clip, grads = _grad_clip(grads, max_grad_norm)
+        if clip is not None:
+            with _clipping(clip):
+                return _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+    return _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+
+
+def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if is_shared_hparams(hparams) and _one_rule_tree(state):
         return bnbf.update_(params, grads, state, hparams, step, **opts)
+    if _known_update_(params, grads, state, hparams, step, opts):
+        return params, state
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
     if _planned_update_(parts, step, opts):
@@ -649,6 +696,158 @@ def _planned_update_(parts: _Parts, step: Any, opts: dict) -> bool:
         )
         for plan, (sets, idx) in zip(plans, units)
     ]
+    for run in runs:
+        run()
+    _remember(parts, units, plans, opts)
+    return True
+
+
+# ---- the in-place call's partition, kept between calls ------------------------------------------------------
+
+
+@dataclasses.dataclass(eq=False)
+class _Unit:
+    """One rule's leaves of a kept partition: what :meth:`bnbf.plan.Plan._prepare_sets` takes, as indices."""
+
+    pick: Callable[[list], tuple]  # the unit's leaves from the call's list of leaves
+    names: tuple[str, ...]
+    spec: tuple  # the plan's structure key
+    sets: list  # each hyperparameter set's validated dataclass (plain numbers)
+    set_of: tuple[int, ...]
+    plan: weakref.ref
+
+
+@dataclasses.dataclass(eq=False)
+class _Partition:
+    """How an in-place call on flat dicts split into rules, hyperparameter sets and plans, kept so that the next
+    call with the same leaves and the same hyperparameter objects and values skips the split (:func:`_split`:
+    a walk of every leaf) and goes straight to the plans. Holds no tensor: names, ids, plain numbers and weak
+    references to the plans (which hold only weak references to the leaves)."""
+
+    keys: tuple[str, ...]
+    form: str  # "callable" or "by_rule"
+    rules: tuple[str, ...]  # the by-rule form: the leaves' rules, each once
+    raw_ids: tuple[int, ...]  # id of each leaf's hyperparameter object as given (by-rule: of each rule's)
+    firsts: tuple[int, ...]  # the callable form: the first leaf of each distinct object
+    content: tuple  # the items of each distinct object's mapping (by-rule: each rule's), schedules evaluated
+    refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
+    units: list[_Unit]
+
+
+_PARTITIONS: collections.OrderedDict = collections.OrderedDict()
+
+
+def _plain_items(h: Any) -> tuple | None:
+    """A dict of plain numbers (and tuples of them) as its items, else None (tensors, schedules that return
+    tensors, dataclasses: not kept)."""
+    if type(h) is not dict:
+        return None
+    items = tuple(h.items())
+    for _, v in items:
+        if type(v) not in _PLAIN and not (type(v) is tuple and all(type(x) in _PLAIN for x in v)):
+            return None
+    return items
+
+
+def _pick(idx: list[int]) -> Callable[[list], tuple]:
+    get = operator.itemgetter(*idx)
+    return get if len(idx) > 1 else (lambda leaves: (get(leaves),))
+
+
+def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
+    """Keep the partition of a call that :func:`_planned_update_` stepped (flat dicts, the callable or by-rule
+    form with plain numbers, a Python number max_unorm)."""
+    if not parts.flat or parts.raw is None or isinstance(opts["max_unorm"], Tensor):
+        return
+    first: dict[int, int] = {}
+    if parts.form == "by_rule":
+        for i, st in enumerate(parts.states):
+            first.setdefault(type(st).layout.rule, i)
+        rules, firsts = tuple(first), ()
+        raw_ids = tuple(id(parts.raw[i]) for i in first.values())
+    else:
+        raw_ids = tuple(map(id, parts.raw))
+        for i, x in enumerate(raw_ids):
+            first.setdefault(x, i)
+        rules, firsts = (), tuple(first.values())
+    content = tuple(_plain_items(parts.hps[i]) for i in first.values())
+    if any(c is None for c in content):
+        return
+    refuses = next(
+        (r.name for h, idx in parts.groups if (r := get_rule(type(parts.states[idx[0]]).layout.rule)).norms), None
+    )
+    kept = []
+    for plan, (sets, idx) in zip(plans, units):
+        names = tuple(parts.names[i] for i in idx)
+        kept.append(
+            _Unit(_pick(idx), names, ("dict", names), [h for h, _ in sets], _set_of(sets, idx), weakref.ref(plan))
+        )
+    ps, ss = parts.params, parts.states
+    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, firsts, content, refuses, kept)
+    key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
+    with _CHECKED_LOCK:
+        _PARTITIONS[key] = entry
+        _PARTITIONS.move_to_end(key)
+        while len(_PARTITIONS) > _CHECKED_SIZE:
+            _PARTITIONS.popitem(last=False)
+
+
+def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> bool:
+    """The in-place step of a call whose partition is kept (:class:`_Partition`): the same leaves (by id,
+    then confirmed by each rule's plan, as :func:`bnbf.plan._cached` confirms them) in flat dicts of the same
+    keys, each leaf with the same hyperparameter object as then, holding the same values (schedules evaluated:
+    the partition depends on the values only). Every check of :func:`_planned_update_` that depends on this
+    call is made again (grads, step, states' slots by each plan's ``_prepare_sets``; max_unorm; capture).
+    False, with nothing written, on any difference: the caller then splits the call afresh."""
+    if type(params) is not dict or type(grads) is not dict or type(state) is not dict or not params:
+        return False
+    ps, ss = list(params.values()), list(state.values())
+    if len(ss) != len(ps):
+        return False
+    entry = _PARTITIONS.get((id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps)))
+    if entry is None or isinstance(opts["max_unorm"], Tensor):
+        return False
+    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+        return False
+    keys = entry.keys
+    if tuple(params) != keys or state.keys() != params.keys() or grads.keys() != params.keys():
+        return False
+    if entry.form == "callable":
+        if not callable(hparams) or isinstance(hparams, Mapping) or dataclasses.is_dataclass(hparams):
+            return False
+        raw = list(map(hparams, keys, ps))
+        if tuple(map(id, raw)) != entry.raw_ids:
+            return False
+        distinct = [raw[i] for i in entry.firsts]
+    else:
+        if not _by_rule(hparams):
+            return False
+        distinct = [hparams.get(rule) for rule in entry.rules]
+        if tuple(map(id, distinct)) != entry.raw_ids:
+            return False
+    r = _Resolver(step)
+    if tuple(_plain_items(r.mapping(h)) for h in distinct) != entry.content:
+        return False
+    max_unorm = opts["max_unorm"]
+    if entry.refuses_max_unorm is not None and max_unorm > 0:
+        raise ValueError(
+            f"max_unorm does not combine with {entry.refuses_max_unorm}, which scales its update by its own norms"
+        )
+    plans, picked = [], []
+    for u in entry.units:
+        ps_u, ss_u = list(u.pick(ps)), list(u.pick(ss))
+        found = _cached(None, ps_u, ss_u, u.spec, u.spec)
+        if found is None or found is not u.plan():
+            return False
+        plans.append(found)
+        picked.append((ps_u, ss_u))
+    if any(p._cuda for p in plans) and torch.cuda.is_current_stream_capturing():
+        return False
+    runs = []
+    for plan, u, (ps_u, ss_u) in zip(plans, entry.units, picked):
+        gs_u = dict(zip(u.names, map(grads.__getitem__, u.names)))
+        # the grads' dict also stands for the params' tree, which only names the leaves in a grad's error
+        runs.append(plan._prepare_sets(ps_u, ss_u, gs_u, gs_u, u.sets, u.set_of, step, **opts))
     for run in runs:
         run()
     return True
@@ -891,6 +1090,9 @@ def updates(
         ['-0.0001', '-0.0001', '-0.0001']
     """
     flat, treespec = pytree.tree_flatten_with_path(params)
+    clip, max_grad_norm = None, options.pop("max_grad_norm", None)
+    if max_grad_norm is not None:  # the norm of the grads as given (16-bit ones have 16-bit norms, as torch's)
+        clip, grads = _grad_clip(grads, max_grad_norm)
     g_leaves, g_spec = pytree.tree_flatten(grads)
     if g_spec != treespec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
@@ -905,9 +1107,10 @@ def updates(
             g32 = _as_float32([g.detach() for g in g_leaves])
     else:  # the core names the leaf that is not a tensor
         p32, g32 = ps, g_leaves
-    new, new_state = update(
-        pytree.tree_unflatten(p32, treespec), pytree.tree_unflatten(g32, treespec), state, hparams, step, **options
-    )
+    with _clipping(clip) if clip is not None else contextlib.nullcontext():
+        new, new_state = update(
+            pytree.tree_unflatten(p32, treespec), pytree.tree_unflatten(g32, treespec), state, hparams, step, **options
+        )
     with torch.no_grad():
         u = torch._foreach_sub(pytree.tree_leaves(new), p32)
     return pytree.tree_unflatten(u, treespec), new_state
@@ -976,6 +1179,11 @@ def apply_updates_(params: Any, updates: Any) -> Any:
 
 
 def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
+    """torch.nn.utils.clip_grad_norm_'s total norm (the same ops, so the same bits), and the grads' indices by
+    (device, dtype)."""
+    if len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:  # the usual tree: one group
+        by = {(gs[0].device, gs[0].dtype): range(len(gs))}
+        return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)), norm_type), by
     by: dict[tuple, list[int]] = {}
     for i, g in enumerate(gs):
         by.setdefault((g.device, g.dtype), []).append(i)
@@ -984,6 +1192,70 @@ def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
         norms.extend(torch._foreach_norm([gs[i] for i in idx], norm_type))
     first = gs[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type), by
+
+
+def _check_max_grad_norm(max_grad_norm: Any) -> None:
+    """A number >= 0 or a 1-element float tensor (read only on the CPU: no host synchronisation); NaN, inf and
+    float32 overflows refused (``Invalid max_grad_norm value: -1.0``; torch has no wording, it clips with any
+    value: a negative one flips the grads, NaN makes them NaN)."""
+    if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, Tensor)):
+        raise TypeError(f"max_grad_norm must be a number or a 0-d tensor, got {type(max_grad_norm).__name__}")
+    if isinstance(max_grad_norm, Tensor) and not max_grad_norm.is_floating_point():
+        raise TypeError(f"max_grad_norm must be a floating point tensor, got {max_grad_norm.dtype}")
+    check_nonneg(max_grad_norm, "max_grad_norm")
+
+
+def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
+    """Gradient clipping for one call of :func:`update` / :func:`update_` with ``max_grad_norm``.
+
+    Returns ``(clip, grads)``. Eager calls on plain tensors get a :class:`bnbf.reference.GradClip` holding the
+    total norm of the grads (0-d, on the device, no host synchronisation), set around the core calls by
+    :func:`_clipping`: the step scales each grad by the coefficient as it loads it, in the norm pass too (LAMB,
+    LARS, ``max_unorm``), and no clipped copy is written. The total norm is ``torch._foreach_norm`` per (device,
+    dtype) and the norm of those norms, as torch computes it, so the coefficient has torch's bits; for float32
+    grads the step sees the very products torch's clipped copies hold (tested bit for bit), for 16-bit grads
+    the unrounded float32 products (closer to exact arithmetic than a 16-bit clipped copy). Cost over the
+    unclipped step: one read of the grads (the norms) and two small ops (the norm of the norms); the kernel
+    computes the coefficient from the total, torch's arithmetic op by op. A 0-d tensor ``max_grad_norm`` takes
+    four more small ops (the coefficient by torch's ops, then read by the kernel).
+
+    Not folded into a rule's own norm pass: the coefficient is needed before that pass (LAMB's update norm
+    depends non-linearly on the clipped grad), and where a rule's norm is linear in the grad (LARS's per-tensor
+    ``||g||``) its float64 per-tile sums would give the total norm other bits than torch's, and only when every
+    leaf of the call took that pass; so clipping costs the norm read for every rule.
+
+    Traced calls, torch.func transforms and tensor subclasses (DTensor...) get ``clip`` None and the grads
+    clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip).
+    """
+    _check_max_grad_norm(max_grad_norm)
+    gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
+    if (
+        not gs
+        or not set(map(type, gs)) <= _PLAIN_TENSORS
+        or torch.compiler.is_compiling()
+        or torch._C._functorch.maybe_current_level() is not None
+    ):
+        return None, clip_grad_norm(grads, max_grad_norm)[0]
+    with torch.no_grad():
+        total, _ = _total_norm(gs, 2.0)
+        if isinstance(max_grad_norm, Tensor):
+            clip = GradClip(torch.clamp(max_grad_norm.reshape(()) / (total + 1e-6), max=1.0), None)
+        else:
+            clip = GradClip(total, float(max_grad_norm))
+    if any(g.requires_grad for g in gs):  # taken detached, as the clipped copies were
+        grads = pytree.tree_map(Tensor.detach, grads)
+    return clip, grads
+
+
+@contextlib.contextmanager
+def _clipping(clip: GradClip):
+    """``clip`` for the steps run inside (:data:`bnbf.reference.GRAD_CLIP`, read by the launcher and the
+    reference step)."""
+    token = GRAD_CLIP.set(clip)
+    try:
+        yield
+    finally:
+        GRAD_CLIP.reset(token)
 
 
 def _clip_args(grads: Any, max_norm: Any, norm_type: Any) -> tuple[list, Any, float]:

@@ -9,8 +9,10 @@ values on the host), so ``bnbf.update(..., differentiable=True)`` runs it as it 
 from __future__ import annotations
 
 import contextvars
+import dataclasses
 
 import torch
+from torch import Tensor
 
 from bnbf import _cpu_codec
 from bnbf._dispatch import NORM_REDUCE
@@ -21,6 +23,46 @@ from bnbf.rules import get_rule
 # shard's stochastic rounding draws the dither of the unsharded tensor's blocks it holds (read here and by the
 # kernels' address table, bnbf.kernels.launcher.build_group). None: every tensor starts at block 0.
 FIRST_BLOCKS: contextvars.ContextVar = contextvars.ContextVar("bnbf_first_blocks", default=None)
+
+
+@dataclasses.dataclass(eq=False)
+class GradClip:
+    """One call's gradient clipping by global norm (``bnbf.update(..., max_grad_norm=)``): the step scales each
+    grad by ``min(1, max_norm / (total + 1e-6))`` as it loads it, instead of reading a clipped copy.
+
+    ``value`` is the total norm of all the call's grads (``max_norm`` a number: the kernels compute the
+    coefficient from it, torch's arithmetic op by op, see ``step_kernel._clip_coef``) or, with ``max_norm``
+    None, the coefficient itself (computed by torch ops from a 0-d tensor max_norm). A 0-d tensor on the first
+    grad's device, in the norms' dtype; copied to each other device once."""
+
+    value: Tensor
+    max_norm: float | None
+    _on: dict = dataclasses.field(default_factory=dict)
+
+    def on(self, device: torch.device) -> Tensor:
+        """``value`` on ``device``."""
+        if self.value.device == device:
+            return self.value
+        t = self._on.get(device)
+        if t is None:
+            t = self._on[device] = self.value.to(device)
+        return t
+
+    def kernel_args(self, device: torch.device) -> tuple[int, Tensor, float]:
+        """The step kernel's (CLIP, clip_ptr, clip_max)."""
+        if self.max_norm is None:
+            return 2, self.on(device), 0.0
+        return 1, self.on(device), self.max_norm
+
+    def coef(self, device: torch.device) -> Tensor:
+        """The coefficient on ``device``: torch.nn.utils.clip_grad_norm_'s expression (``bnbf.clip_grad_norm``'s)."""
+        v = self.on(device)
+        return v if self.max_norm is None else torch.clamp(self.max_norm / (v + 1e-6), max=1.0)
+
+
+# Set by bnbf.compose around the core calls of a step with ``max_grad_norm`` (a GradClip); read by
+# reference_step and bnbf.kernels.launcher.launch_group. None: the grads as given.
+GRAD_CLIP: contextvars.ContextVar = contextvars.ContextVar("bnbf_grad_clip", default=None)
 
 
 def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False):
@@ -79,6 +121,9 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
     signs = [rule.states[j].signed for j in slots]
     per = 2 * len(slots) if quant else len(slots)
     *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
+    grad_clip = GRAD_CLIP.get()
+    if grad_clip is not None:  # the grads times the sign and the clipping coefficient: one float32 product each
+        grad_sign = grad_sign * grad_clip.coef(p_in[0].device).float()
     scalars = rule.scalar_names(*scalars)
     seed = int(seed) if quant else 0
     given = FIRST_BLOCKS.get() if quant else None  # shards: each tensor's first global block, for the dither

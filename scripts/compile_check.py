@@ -37,6 +37,8 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
         "norm_ptr": "*fp32",
         "n_tiles": "i32",
         **{f"h{i}": "fp32" for i in range(HP_MAX)},
+        "clip_ptr": "*i64",  # gradient clipping off (CLIP 0): unused
+        "clip_max": "fp32",
     }
     norm_terms = rule.norms[0] if rule.norms is not None else None
     const = dict(
@@ -62,6 +64,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
         NORM_MODE=mode,
         NORM_TERMS=norm_terms,
         SUM_SPLIT=mt.SUM_SPLIT,
+        CLIP=0,
     )
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=_step_kernel, signature=sig, constexprs=const)

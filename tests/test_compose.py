@@ -522,3 +522,81 @@ def test_forms_are_recognised():
     assert not compose.is_shared_hparams({"betas": (lambda s: 0.9, 0.99)})
     assert not compose.is_shared_hparams(lambda path, p: {})
     assert compose.resolve_hparams({"lr": 1e-3}, 1) == {"lr": 1e-3}
+
+
+# ---- 5. the in-place call's partition, kept between calls -----------------------------------------------------
+
+
+def _count_splits(monkeypatch) -> list:
+    splits = []
+    real_split = compose._split
+    monkeypatch.setattr(compose, "_split", lambda *a: splits.append(1) or real_split(*a))
+    return splits
+
+
+def test_partition_is_kept_and_redone_on_any_difference(device, monkeypatch):
+    """``update_`` on flat dicts with the callable or by-rule form: a call with the same leaves and the same
+    hyperparameter objects holding the same values reuses the last call's split (no walk of the leaves), bit for
+    bit the separate calls; a value changed in place, another object or a bad grad is seen."""
+    if not bnbf._dispatch.use_triton(torch.zeros(1, device=device)):
+        pytest.skip("the kept partition serves the plans' route (Triton path)")
+    params = {"w": torch.randn(20, 15).to(device), "b": torch.randn(257).to(device), "e": torch.randn(9, 7).to(device)}
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path == "e" else "adamw", min_8bit_size=1)
+    decay, no_decay, lion = {"lr": 1e-2, "weight_decay": 0.1}, {"lr": 1e-2, "weight_decay": 0.0}, {"lr": 1e-3}
+    hp = lambda path, p: lion if path == "e" else decay if p.ndim > 1 else no_decay
+    by_rule = {"adamw": decay, "lion": lion}
+    state = compose.init_state(params, spec)
+    splits = _count_splits(monkeypatch)
+
+    def check(step, want_splits, hparams):
+        grads = _grads(params)
+        of = (lambda k: hparams(k, params[k])) if callable(hparams) else (lambda k: hparams[spec(k, params[k]).rule])
+        want = _separate(params, grads, state, of, step)
+        splits.clear()
+        compose.update_(params, grads, state, hparams, step)
+        assert len(splits) == want_splits, f"step {step}: {len(splits)} splits, expected {want_splits}"
+        _eq_tree(params, want[0], f"step {step}: params")
+        _eq_tree(state, want[1], f"step {step}: states")
+
+    check(1, 1, hp)  # split, the partition kept
+    check(2, 0, hp)  # the kept partition
+    decay["lr"] = 5e-3  # a value changed in place: split again
+    check(3, 1, hp)
+    check(4, 0, lambda k, p: hp(k, p))  # another callable returning the same objects
+    check(5, 1, by_rule)  # another form
+    check(6, 0, by_rule)
+    check(7, 1, {"adamw": dict(decay), "lion": lion})  # another object (equal values)
+    grads = _grads(params)
+    grads["w"] = grads["w"].t()  # a bad grad on the kept path: the plan's error, nothing written
+    snap = snapshot(params, state)
+    with pytest.raises(ValueError, match=r"grad\['w'\] has shape"):
+        compose.update_(params, grads, state, by_rule, 8)
+    assert_untouched(snap)
+
+
+def test_kept_partition_refuses_what_the_split_refuses_and_holds_no_tensor(device, monkeypatch):
+    """max_unorm with a rule that has its own norms raises on the kept path as on the split; the kept partition
+    keeps no tensor alive. Launches stubbed: only the host's path is under test."""
+    import gc
+    import sys
+    import weakref
+
+    if not bnbf._dispatch.use_triton(torch.zeros(1, device=device)):
+        pytest.skip("the kept partition serves the plans' route (Triton path)")
+    monkeypatch.setattr(sys.modules["bnbf.plan"], "launch_group", lambda *a, **k: None)
+    params = {"w": torch.randn(20, 15).to(device), "l": torch.randn(257).to(device)}
+    spec = lambda path, p: bnbf.OptimSpec(rule="lamb" if path == "l" else "adamw")
+    state = compose.init_state(params, spec)
+    grads = _grads(params)
+    hp = {"adamw": {"lr": 1e-2}, "lamb": {"lr": 1e-3}}
+    splits = _count_splits(monkeypatch)
+    for step in (1, 2):
+        compose.update_(params, grads, state, hp, step)
+    assert len(splits) == 1
+    with pytest.raises(ValueError, match="max_unorm does not combine with lamb"):
+        compose.update_(params, grads, state, hp, 3, max_unorm=0.5)
+    assert len(splits) == 1  # refused on the kept path
+    refs = [weakref.ref(t) for t in (*params.values(), *grads.values(), *state["w"])]
+    del params, state, grads
+    gc.collect()
+    assert all(r() is None for r in refs)

@@ -26,7 +26,7 @@ from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
 from bnbf.quant import dynamic_map
-from bnbf.reference import FIRST_BLOCKS
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP
 from bnbf.rules import get_rule
 from bnbf.state import Layout
 
@@ -68,7 +68,8 @@ def _maxnreg(fmt: str, dtype: torch.dtype) -> dict:
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
-_N_RUNTIME_ARGS = 7 + HP_MAX  # table, tasks, grads, hp row, codes, norms, n_tiles, h0..h17; then constexprs
+# table, tasks, grads, hp row, codes, norms, n_tiles, h0..h17, clip_ptr, clip_max; then constexprs
+_N_RUNTIME_ARGS = 9 + HP_MAX
 _CONSTEXPR_SLOTS = (None,) * (len(_step_kernel.arg_names) - _N_RUNTIME_ARGS)  # ignored by the launcher
 _NO_FLOATS = (0.0,) * HP_MAX
 _SUMS_CHUNK = 1024
@@ -216,7 +217,9 @@ def launch_group(
     ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
     floats (passed as kernel arguments), a float32 tensor [k] on the device, or a float32 tensor [tensors, k]
     on the device, one row per tensor of the group in its order (per-leaf hyperparameters in one launch);
-    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states.
+    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states. Where
+    :data:`bnbf.reference.GRAD_CLIP` is set (``bnbf.update(..., max_grad_norm=)``), the kernel scales the
+    grads by the clipping coefficient as it loads them, in the norm pass and the step alike.
     """
     if NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed):
         pass  # the same grad addresses as the last step: its table serves
@@ -233,6 +236,12 @@ def launch_group(
         from_ptr, per_tensor, n_hp, floats, hp_row = True, hp.dim() == 2, hp.shape[-1], _NO_FLOATS, hp
     layout, fmt = group.layout, group.fmt
     code_ptr = _code_tables(group.device) if layout.quantized else group.table  # unused without 8-bit states
+    grad_clip = GRAD_CLIP.get()
+    if grad_clip is None:
+        clip_mode, clip_t, clip_max = 0, group.table, 0.0  # unused
+    else:
+        clip_mode, clip_t, clip_max = grad_clip.kernel_args(group.device)
+    clip_key = (clip_mode, clip_t.dtype) if clip_mode else 0
     iters = ITERS[fmt][group.dtype]
     grid = group.tasks.shape[0]
     n_tiles = grid * iters
@@ -263,6 +272,7 @@ def launch_group(
                     skip_zeros,
                     clip,
                     group.shifted,
+                    clip_key,
                 )
             )
             return _step_kernel[(grid,)](
@@ -274,6 +284,8 @@ def launch_group(
                 norm_ptr,
                 n_tiles,
                 *floats,
+                clip_t,
+                clip_max,
                 HP_FROM_PTR=from_ptr,
                 HP_PER_TENSOR=per_tensor,
                 FIRST_BLOCK=group.shifted,
@@ -296,6 +308,7 @@ def launch_group(
                 NORM_MODE=mode,
                 NORM_TERMS=norm_terms,
                 SUM_SPLIT=SUM_SPLIT,
+                CLIP=clip_mode,
                 num_warps=NUM_WARPS,
                 **_maxnreg(fmt, group.dtype),
             )
@@ -309,12 +322,14 @@ def launch_group(
             norm_ptr.data_ptr(),
             n_tiles,
             *floats,
+            clip_t.data_ptr(),
+            clip_max,
             *_CONSTEXPR_SLOTS,
         )
         launch(
             group.compiled,
             group.device,
-            (mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor, group.shifted),
+            (mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor, group.shifted, clip_key),
             (grid, 1, 1),
             args,
             dispatch,

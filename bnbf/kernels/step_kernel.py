@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra import libdevice
 
 from bnbf import quant
+from bnbf._dispatch import interpreting
 from bnbf.kernels.codec import (
     decode_power,
     dither,
@@ -24,6 +26,8 @@ from bnbf.kernels.codec import (
     power_root_scale,
     to_dtype,
 )
+
+_COMPILED = tl.constexpr(not interpreting())
 
 # stochastic rounding's dither (codec.dither; the constants and their meaning are in bnbf.quant)
 DITHER_LANE: tl.constexpr = tl.constexpr(quant.DITHER_LANE)
@@ -199,11 +203,46 @@ def _head(t, N: tl.constexpr):
 
 
 @triton.jit
+def _mul_rn(a, b):
+    """a * b rounded on its own: never contracted into an FMA with a later add (the clipped gradient must
+    have the bits of torch's clipped copy, whatever the rule does with it next)."""
+    if _COMPILED:
+        return libdevice.mul_rn(a, b)
+    else:
+        return a * b
+
+
+@triton.jit
+def _in(x, T: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """float32 ``x`` rounded to ``T`` (to nearest even) and back: torch's arithmetic in a 16-bit dtype."""
+    return to_dtype(x, T, SOFT_BF16).to(tl.float32)
+
+
+@triton.jit
+def _clip_coef(clip_ptr, clip_max, CLIP: tl.constexpr, SOFT_BF16: tl.constexpr):
+    """The gradient clipping coefficient (``CLIP`` 1 or 2, see :func:`_step_kernel`) as float32.
+
+    CLIP 1: from the total norm at ``clip_ptr`` (dtype T, the grads' norms' dtype) and ``max_norm``
+    (``clip_max``, float32) as torch.nn.utils.clip_grad_norm_ computes it, op by op in T: ``total + 1e-6``,
+    ``max_norm / that`` (Tensor.__rtruediv__: a correctly rounded reciprocal, then a multiply), ``clamp(max=1)``
+    (NaN stays NaN). CLIP 2: the coefficient itself, computed on the device by torch (a 0-d tensor max_norm)."""
+    T: tl.constexpr = clip_ptr.dtype.element_ty
+    v = tl.load(clip_ptr).to(tl.float32)
+    if CLIP == 1:
+        x = _in(v + 1e-6, T, SOFT_BF16)
+        x = _in(tl.math.div_rn(1.0, x), T, SOFT_BF16)
+        v = _in(x * clip_max, T, SOFT_BF16)
+        v = tl.where(v > 1.0, 1.0, v)
+    return v
+
+
+@triton.jit
 def _tile_step(
     raw,
     ptrs,
     hp,
     dith,
+    gscale,
     code_ptr,
     chunk,
     numel,
@@ -226,11 +265,16 @@ def _tile_step(
     NORM_MODE: tl.constexpr,
     NORM_TERMS: tl.constexpr,
     HP_STRIDE: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
-    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`)."""
+    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`); with ``CLIP`` the grads are
+    scaled by ``gscale``, the sign times the clipping coefficient."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = raw[0].to(tl.float32)
-    g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
+    if CLIP:  # one float32 product, as torch's clipped copy of a float32 grad (the sign is exact)
+        g = _mul_rn(raw[1].to(tl.float32), gscale)
+    else:
+        g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
     # the states as the rule's math takes them: one float32 value per slot, the scalar 0.0 for a slot not kept
     s = ()
     for j in tl.static_range(SLOTS):
@@ -297,6 +341,7 @@ def _tiles_in_turn(
     ptrs,
     hp,
     dith,
+    gscale,
     code_ptr,
     first,
     numel,
@@ -320,6 +365,7 @@ def _tiles_in_turn(
     NORM_MODE: tl.constexpr,
     NORM_TERMS: tl.constexpr,
     HP_STRIDE: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     """A program's tiles one after the other, each loaded then stepped (no prefetch)."""
     for it in tl.range(0, ITERS):
@@ -329,6 +375,7 @@ def _tiles_in_turn(
             ptrs,
             hp,
             dith,
+            gscale,
             code_ptr,
             first + it,
             numel,
@@ -351,6 +398,7 @@ def _tiles_in_turn(
             NORM_MODE,
             NORM_TERMS,
             HP_STRIDE,
+            CLIP,
         )
 
 
@@ -381,6 +429,8 @@ def _step_kernel(
     h15,
     h16,
     h17,
+    clip_ptr,
+    clip_max,
     HP_FROM_PTR: tl.constexpr,
     HP_PER_TENSOR: tl.constexpr,
     FIRST_BLOCK: tl.constexpr,
@@ -403,11 +453,15 @@ def _step_kernel(
     NORM_MODE: tl.constexpr,
     NORM_TERMS: tl.constexpr,
     SUM_SPLIT: tl.constexpr,
+    CLIP: tl.constexpr,
 ):
     """NORM_MODE 0: the step. 1: the norm pass, writing per-tile partial sums to norm_ptr[3, n_tiles].
     2: the step of a rule that needs per-tensor sums, from norm_ptr[tensor, 3, SUM_SPLIT] (see
     _tensor_sums_kernel). The rule has SLOTS state slots: bit j of PRESENT says slot j is kept, bit j of
-    SIGNED that it is quantized with the signed map."""
+    SIGNED that it is quantized with the signed map. CLIP 0: the grads as they are (``clip_ptr`` and
+    ``clip_max`` unused); 1: scaled by the global-norm clipping coefficient of the total norm at ``clip_ptr``
+    and ``clip_max``; 2: by the coefficient at ``clip_ptr`` (:func:`_clip_coef`), in the norm pass and the step
+    alike."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
@@ -449,6 +503,11 @@ def _step_kernel(
     dith = tl.cast(hp[HP_STRIDE - 3], tl.uint32) * DITHER_STEP
     if FIRST_BLOCK:  # a shard's first block (the column is read only where some tensor's is not 0)
         dith = dith + tl.load(table + 3).to(tl.uint32) * DITHER_BLOCK
+    # the grads' factor: the sign (-1 with maximize) times the clipping coefficient, once per program
+    if CLIP:
+        gscale = hp[HP_STRIDE - 4] * _clip_coef(clip_ptr, clip_max, CLIP, SOFT_BF16)
+    else:
+        gscale = 1.0
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
@@ -461,6 +520,7 @@ def _step_kernel(
                     ptrs,
                     hp,
                     dith,
+                    gscale,
                     code_ptr,
                     first + it,
                     numel,
@@ -483,6 +543,7 @@ def _step_kernel(
                     NORM_MODE,
                     NORM_TERMS,
                     HP_STRIDE,
+                    CLIP,
                 )
                 if it + 1 < ITERS:
                     raw = nxt
@@ -491,6 +552,7 @@ def _step_kernel(
                 ptrs,
                 hp,
                 dith,
+                gscale,
                 code_ptr,
                 first,
                 numel,
@@ -514,12 +576,14 @@ def _step_kernel(
                 NORM_MODE,
                 NORM_TERMS,
                 HP_STRIDE,
+                CLIP,
             )
     else:
         _tiles_in_turn(
             ptrs,
             hp,
             dith,
+            gscale,
             code_ptr,
             first,
             numel,
@@ -543,6 +607,7 @@ def _step_kernel(
             NORM_MODE,
             NORM_TERMS,
             HP_STRIDE,
+            CLIP,
         )
 
 
