@@ -77,7 +77,7 @@ def _check_present(rule: Any, h: Any, states: list) -> None:
     """The states keep exactly the slots these hyperparameters use (e.g. a momentum buffer)."""
     want = present_mask(rule, h)
     for s in states:
-        have = type(s).layout.present
+        have = s.layout.present
         if have != want:
             names = lambda mask: [slot.name for j, slot in enumerate(rule.states) if (mask >> j) & 1]
             raise ValueError(
@@ -465,7 +465,7 @@ def _groups(params: list, states: list):
     """Indices grouped by (device, dtype, layout): one kernel launch each."""
     groups: dict[tuple, list[int]] = {}
     for i, (p, s) in enumerate(zip(params, states)):
-        groups.setdefault((p.device, p.dtype, type(s).layout), []).append(i)
+        groups.setdefault((p.device, p.dtype, s.layout), []).append(i)
     return groups.items()
 
 
@@ -496,9 +496,9 @@ def _rule_of(param: Any, states: list) -> Any:
     """The rule module of the states, which must all be for one rule."""
     rule_name = type(states[0]).layout.rule
     for i, s in enumerate(states):
-        if type(s).layout.rule != rule_name:
+        if s.layout.rule != rule_name:
             raise MixedRulesError(
-                f"state{_names(param)[i]} is for rule {type(s).layout.rule!r} but other states are for {rule_name!r}"
+                f"state{_names(param)[i]} is for rule {s.layout.rule!r} but other states are for {rule_name!r}"
             )
     return get_rule(rule_name)
 
@@ -605,10 +605,10 @@ def _prepare_traced(
 
 
 def _fits_traced(p: Tensor, s: Any) -> bool:
-    for (shape, dtype), t in zip(type(s).layout.expected(p.shape).values(), s):
+    for (shape, dtype), t in zip(s.layout.expected(p.shape).values(), s):
         if tuple(t.shape) != shape or t.dtype != dtype or t.device != p.device or not t.is_contiguous():
             return False
-    return len(s) == len(type(s)._fields)
+    return len(s) == len(s._fields)
 
 
 def _hparams_traced(rule: Any, hparams: Any) -> Any:

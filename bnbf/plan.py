@@ -156,6 +156,7 @@ class Plan:
     def _setup(self, params: list, states: list, spec: Any) -> None:
         """Groups, address tables and the planned metadata of checked leaves."""
         self._spec = spec
+        self._keys = spec[1] if type(spec) is tuple and spec[0] == "dict" else None  # a flat dict's keys
         self._n = len(params)
         self.rule = get_rule(type(states[0]).layout.rule)
         presents = {type(s).layout.present for s in states}
@@ -185,6 +186,17 @@ class Plan:
         # one group of every tensor in order: the grads list as it is; else each group's grads picked in one
         # C-level call (a tuple, also for one index)
         self.groups = [(None, built[0][1])] if len(built) == 1 else [(_picker(idx), g) for idx, g in built]
+        # the grads' address table: per device one tensor with every group's rows, each group's from an even
+        # row (its view is 16-byte aligned, as a kernel argument must stay), written and uploaded only when the
+        # grads move (_grad_tables)
+        spans: dict = {}
+        for k, (_, group) in enumerate(self.groups):
+            rows, members = spans.setdefault(group.device, (0, []))
+            start = rows + rows % 2
+            members.append((k, start, group.table.shape[0]))
+            spans[group.device] = (start + group.table.shape[0], members)
+        self._grad_spans = [(device, rows, members) for device, (rows, members) in spans.items()]
+        self._grad_at = b""  # the addresses of the grads in the tables, in leaf order (native uint64)
         self._devices = {p.device for p in params}
         self._interpreted = any(d.type == "cpu" for d in self._devices)
         self._cuda = any(d.type == "cuda" for d in self._devices)  # a step may be captured in a CUDA graph
@@ -251,7 +263,7 @@ class Plan:
         plan: while none of its tensors was freed, an equal id is the same object; a state, a tuple, cannot be
         referenced weakly, but its fields can and their addresses are confirmed)."""
         if NATIVE is not None:
-            return self.alive and NATIVE.same_objects([*params, *states], self._objs)
+            return self.alive and NATIVE.same_objects(params, states, self._objs)
         return (
             self.alive
             and list(map(id, params)) == self._pids
@@ -325,7 +337,7 @@ class Plan:
                 maximize,
             )
             return
-        grads = self._grads(params, states, tree, grad)
+        grads, at = self._grads(params, states, tree, grad)
         rule = self.rule
         h = rule.make_hparams(hparams)
         if h is not self._checked_h:  # make_hparams hands back the same object for the same plain numbers
@@ -345,13 +357,14 @@ class Plan:
             rows = dict.fromkeys(self._devices, tuple(map(float, values)))
         if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
             with INTERPRETER_LOCK:
-                self._launch(grads, rows, skip_zeros, clip)
+                self._launch(grads, at, rows, skip_zeros, clip)
         else:
-            self._launch(grads, rows, skip_zeros, clip)
+            self._launch(grads, at, rows, skip_zeros, clip)
 
-    def _grads(self, params: list, states: list, tree: Any, grad: Any) -> list:
-        """The grads as a list in leaf order, checked (the precise error for a bad one); also where the tables
-        must be built again because the dither's first blocks changed (a shard stepped outside or inside
+    def _grads(self, params: list, states: list, tree: Any, grad: Any) -> tuple[list, Any]:
+        """The grads as a list in leaf order, checked (the precise error for a bad one), and whether they are
+        where the grad-address tables have them (:meth:`_grad_tables`' ``at``); also where the tables must be
+        built again because the dither's first blocks changed (a shard stepped outside or inside
         bnbf.distributed's context)."""
         if (self._first_blocks is not None or FIRST_BLOCKS.get() is not None) and first_blocks_of(
             params
@@ -359,16 +372,27 @@ class Plan:
             self._setup(params, states, self._spec)
         t = type(grad)
         if t is dict:
-            grads, g_spec = list(grad.values()), ("dict", tuple(grad))
+            # a dict with the planned keys: its values without building the key tuple (one compiled call)
+            grads = NATIVE.values_if_keys(grad, self._keys) if NATIVE is not None and self._keys else None
+            if grads is not None:
+                g_spec = self._spec
+            else:
+                grads, g_spec = list(grad.values()), ("dict", tuple(grad))
         elif t is list or t is tuple:
             grads, g_spec = grad, (t, len(grad))
         elif t in _PLAIN_TYPES:
             grads, g_spec = [grad], "leaf"
         else:
             grads, g_spec = None, None
-        if g_spec != self._spec or not self._grads_fit(grads, params):
-            grads = self._checked_grads(params, tree, grad)
-        return grads
+        if g_spec != self._spec:
+            at = False
+        elif NATIVE is not None:  # the grads' check and their addresses' comparison in one pass
+            at = NATIVE.grads_fit_at(params, grads, self._grad_at)
+        else:
+            at = None if self._grads_fit(grads, params) else False
+        if at is False:
+            return self._checked_grads(params, tree, grad), None
+        return grads, at
 
     def _prepare_sets(
         self,
@@ -393,7 +417,8 @@ class Plan:
         :meth:`step`'s scalars (kernel arguments). For params on the direct path (a plan from :func:`_cached`
         or :func:`plan` that is ``_direct``), eager and not captured, with hyperparameters no derivative is
         asked through (bnbf.compose checks)."""
-        grads = self._grads(params, states, tree, grad)
+        grads, at = self._grads(params, states, tree, grad)
+        checked_at = self._grad_at
         rule = self.rule
         wants = tuple(present_mask(rule, h) for h in sets)
         if (set_of, wants) != self._checked_sets:
@@ -435,13 +460,15 @@ class Plan:
                 launches.append((group, grads if pick is None else pick(grads), rows))
 
         def run() -> None:
+            # at: as the check found the grads, unless a step of this plan since changed the tables (then compared)
+            self._grad_tables(grads, [gs for _, gs, _ in launches], at if self._grad_at is checked_at else None)
             if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
                 with INTERPRETER_LOCK:
                     for group, gs, rows in launches:
-                        launch_group(group, gs, rows, skip_zeros, clip)
+                        launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
             else:
                 for group, gs, rows in launches:
-                    launch_group(group, gs, rows, skip_zeros, clip)
+                    launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
 
         return run
 
@@ -463,17 +490,61 @@ class Plan:
         for name, v in hparam_tensors(h):
             if v.device != device:
                 raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
-        for pick, group in self.groups:
-            picked = grads if pick is None else pick(grads)
-            if tuple(map(Tensor.data_ptr, picked)) != group.grad_ptrs:
-                raise not_capturable(
-                    "the grads are not where the last step before the capture had them (their address table "
-                    "would be copied from the host); warm up with the grad tensors the graph will use"
-                )
+        if self._grads_moved(grads):
+            raise not_capturable(
+                "the grads are not where the last step before the capture had them (their address table "
+                "would be copied from the host); warm up with the grad tensors the graph will use"
+            )
 
-    def _launch(self, grads: list, rows: dict, skip_zeros: bool, clip: bool) -> None:
+    def _launch(self, grads: list, at: Any, rows: dict, skip_zeros: bool, clip: bool) -> None:
+        if at is not True:
+            self._grad_tables(grads, [grads if pick is None else pick(grads) for pick, _ in self.groups], at)
         for pick, group in self.groups:
-            launch_group(group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip)
+            launch_group(
+                group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip, grads_placed=True
+            )
+
+    def _grads_moved(self, grads: list) -> bool:
+        """Whether the grads (in leaf order) are not where the grad-address tables have them."""
+        if NATIVE is not None:
+            return not NATIVE.ptrs_equal(grads, self._grad_at)
+        return array.array("Q", map(Tensor.data_ptr, grads)).tobytes() != self._grad_at
+
+    def _grad_tables(self, grads: list, by_group: list, at: Any) -> None:
+        """Each group's grad-address table for ``grads`` (in leaf order; ``by_group``: each group's, in group
+        order): kept while the grads stay where they were (the caching allocator usually gives a training
+        loop's grads the same blocks every step), else written in one pass and uploaded in one copy per
+        device. ``at``: True where the grads are known to be at the tables' addresses, their addresses packed
+        (leaf order) where they are known to have moved, None where not known. Sets what
+        :func:`bnbf.kernels.launcher.launch_group` reads (``grad_table``, ``grad_packed``, ``grad_ptrs``,
+        ``grads_aligned``), so that it finds its table current."""
+        if at is True:
+            return
+        ptrs = None  # the Python twin's: each grad's address, read once
+        if at is None:
+            ptrs = list(map(Tensor.data_ptr, grads))
+            at = array.array("Q", ptrs).tobytes()
+            if at == self._grad_at:
+                return
+        for device, rows, members in self._grad_spans:
+            # pinned: the copy is asynchronous, and torch keeps the block until the copy has read it
+            host = torch.empty(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
+            made = NATIVE.grad_table([by_group[k] for k, _, _ in members], host) if NATIVE is not None else None
+            if made is None:
+                ptrs = list(map(Tensor.data_ptr, grads)) if ptrs is None else ptrs
+                picks = [self.groups[k][0] for k, _, _ in members]
+                made = _grad_table([ptrs if pick is None else pick(ptrs) for pick in picks], host)
+            packed, aligned = made
+            table = host if device.type == "cpu" else host.to(device, non_blocking=True)
+            done = 0
+            for (k, start, n), ok in zip(members, aligned):
+                group = self.groups[k][1]
+                group.grad_table = table[start : start + n]
+                group.grad_packed = packed[8 * done : 8 * (done + n)]
+                group.grad_ptrs = tuple(array.array("Q", group.grad_packed))
+                group.grads_aligned = ok
+                done += n
+        self._grad_at = at
 
     def _checked_grads(self, params: list, tree: Any, grad: Any) -> list:
         """The slow path of the grads: raise the precise error for the first wrong grad, else return them
@@ -519,6 +590,20 @@ def _validate(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> 
 def _picker(idx: list[int]):
     get = operator.itemgetter(*idx)
     return get if len(idx) > 1 else (lambda items: (get(items),))
+
+
+def _grad_table(seqs: list, host: Tensor) -> tuple[bytes, tuple[bool, ...]]:
+    """The Python twin of the compiled ``grad_table``, given the addresses: each ``seqs[k]`` (data pointers, ints)
+    written into the int64 tensor ``host``, seq k from the first even row after seq k - 1's (zeros between);
+    returns the pointers without the padding (native uint64) and per seq whether all are 16-byte aligned."""
+    rows: list[int] = []
+    aligned = []
+    for ptrs in seqs:
+        rows += [0] * (len(rows) % 2)
+        rows += ptrs
+        aligned.append(functools.reduce(operator.or_, ptrs, 0) % 16 == 0)
+    host.copy_(torch.frombuffer(array.array("q", rows), dtype=torch.int64))
+    return array.array("Q", _CHAIN(seqs)).tobytes(), tuple(aligned)
 
 
 def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:

@@ -141,6 +141,14 @@ def _plain_step(opt: torch.optim.Optimizer) -> bool:
 
 
 _GRAD = operator.attrgetter("grad")
+_NUMBER = frozenset({float, int})
+_SCALAR = frozenset({float, int, bool, str, type(None)})
+_CONSTANT = _SCALAR | {tuple}
+
+
+def _immutable(v: Any) -> bool:
+    """A setting that cannot change while the group holds the same object: a number, or a tuple of numbers."""
+    return type(v) in _SCALAR or (type(v) is tuple and all(type(x) in _SCALAR for x in v))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -418,6 +426,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _set_rule(self, defaults: Mapping) -> None:
         self._rule = bnbf.RULES[self.family.rule]
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
+        # what a bucket's settings are made from, the lr last (see _settings)
+        self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
@@ -651,7 +661,20 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
-        as it is: the check costs nothing extra), and the step's keywords."""
+        as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
+        holds the very objects it was made from (numbers and tuples of them, which cannot change in place);
+        where only the lr is another number (a schedule), the last step's with the new lr validated."""
+        seen = tuple(map(group.__getitem__, self._seen_keys))
+        memo = bucket.memo
+        if memo is not None:
+            if all(map(operator.is_, seen, memo[0])):
+                return memo[1]
+            if type(seen[-1]) in _NUMBER and all(map(operator.is_, seen[:-1], memo[0][:-1])):
+                # the slots kept, the options and the modes are those of the last step: only the lr to check
+                call = (self._rule.make_hparams(self._hparams(group)), memo[1][1])
+                bucket.memo = (seen, call)
+                return call
+        bucket.memo = None
         if group["capturable"] or group["differentiable"]:
             return self._mode_settings(group, bucket)
         override = bucket.override
@@ -666,6 +689,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         )
         if present_mask(self._rule, h) != bucket.present:  # e.g. momentum switched on after states were made
             _check_present(self._rule, h, bucket.states)
+        if not override and set(map(type, seen)) <= _CONSTANT and all(map(_immutable, seen)):
+            bucket.memo = (seen, (h, kw))  # a tensor may change in place: such settings are checked every step
         return h, kw
 
     def _mode_settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
@@ -1032,6 +1057,7 @@ class _Bucket:
     whole: bool  # the bucket is the whole group, in order
     uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
     call: tuple | None = None  # this step's (validated hparams, the step's keywords), see _prepare_group
+    memo: tuple | None = None  # (the group's values, the settings made from them) where reusable, see _settings
     plan: bnbf.Plan | None = None  # made at the bucket's first step
 
     def __post_init__(self):

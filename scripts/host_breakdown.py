@@ -3,20 +3,25 @@
     python scripts/host_breakdown.py [--profile]   # on a CUDA machine
     python scripts/host_breakdown.py --cpu         # anywhere: CPU tensors, the launch stubbed out
     python scripts/host_breakdown.py [--cpu] --func  # the torch.func rows: vmap ensembles, the compiled step
+    --dtype bf16|fp16|fp32                         # the params' dtype (default bf16, as the issue's table)
 
-Prints, per parameter set, the median host microseconds (``--cpu``: the minimum) of: ``plan.step`` and
-``bnbf.update_`` (whole call, and with the launch stubbed out: Python only), each with the same grads every
-step and with new grad tensors every step (as a training loop's ``zero_grad(set_to_none=True)`` gives);
-``bnbf_nn.AdamW8bit``'s step; uploading the scalar row; the launch alone through the direct path and through
-Triton's dispatch; and for scale, one torch kernel launch and torch's fused AdamW step.
+Prints, per parameter set, the median host microseconds (``--cpu``: the minimum) of: ``plan.step``,
+``bnbf.update_`` and ``bnbf_nn.AdamW8bit``'s step (whole call, and with the launch stubbed out: Python only),
+each with the same grads every step and with new grad tensors every step (as a training loop's
+``zero_grad(set_to_none=True)`` gives); the grads' address table alone (written and uploaded when the grads
+move); uploading a scalar row (what a step with 0-d tensor hyperparameters does; Python numbers go as kernel
+arguments, no upload); the launches alone through the direct path and through Triton's dispatch; and for
+scale, one torch kernel launch and torch's fused AdamW step.
 
 ``--cpu`` runs the plans' direct path on CPU tensors (as on CUDA: the per-step checks, the scalars, the
-grads' address comparison of ``launch_group``) with the kernel launch itself stubbed out: the part of the
-host time that is bnbf's Python, on this machine's CPU.
+grads' address tables, the grads' address comparison of ``launch_group``) with the kernel launch itself
+stubbed out (and the table's copy to the device: there is none): the part of the host time that is bnbf's
+Python, on this machine's CPU.
 """
 
 from __future__ import annotations
 
+import array
 import cProfile
 import importlib
 import os
@@ -43,6 +48,8 @@ PROFILE = "--profile" in sys.argv
 CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
 FRESH = 8  # grad sets cycled through for "new grads": new tensor objects (at new addresses) every step
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+DTYPE = DTYPES[sys.argv[sys.argv.index("--dtype") + 1] if "--dtype" in sys.argv else "bf16"]
 
 
 def sync() -> None:
@@ -75,6 +82,10 @@ def _grads_only(group, grads, hp, skip_zeros=False, clip=False) -> bool:
     return tuple(map(Tensor.data_ptr, grads)) == group.grad_ptrs
 
 
+def packed(tensors: list) -> bytes:
+    return array.array("Q", map(Tensor.data_ptr, tensors)).tobytes()
+
+
 class Stubbed:
     """The kernel launch stubbed out (launch_group keeps only its grads' address comparison)."""
 
@@ -86,7 +97,7 @@ class Stubbed:
         P.launch_group = self.real
 
 
-def breakdown(set_name: str, dtype=torch.float32) -> dict:
+def breakdown(set_name: str, dtype=DTYPE) -> dict:
     shapes = SETS[set_name]()
     params = {n: (torch.randn(s, device=DEVICE) * 0.1).to(dtype) for n, s in shapes}
     grad_sets = [{k: (torch.randn_like(v) * 0.01) for k, v in params.items()} for _ in range(FRESH)]
@@ -100,6 +111,11 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
         out["plan.step"] = host_us(lambda i: opt.step(grads, hp, i + 1))
         out["update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1))
         out["plan.step, new grads"] = host_us(lambda i: opt.step(grad_sets[i % FRESH], hp, i + 1))
+        out["update_, new grads"] = host_us(lambda i: bnbf.update_(params, grad_sets[i % FRESH], state, hp, i + 1))
+    # the grads' address tables alone, for grads known to have moved (as the step's check of the grads tells)
+    lists = [list(d.values()) for d in grad_sets]
+    moved = [(gl, [gl if pick is None else pick(gl) for pick, _ in opt.groups], packed(gl)) for gl in lists]
+    out["grad tables, new grads (write + upload)"] = host_us(lambda i: opt._grad_tables(*moved[i % FRESH]))
     with Stubbed():
         out["python only: plan.step"] = host_us(lambda i: opt.step(grads, hp, i + 1))
         out["python only: plan.step, new grads"] = host_us(lambda i: opt.step(grad_sets[i % FRESH], hp, i + 1))
@@ -145,12 +161,15 @@ def breakdown(set_name: str, dtype=torch.float32) -> dict:
     launches = [(group, gl if pick is None else pick(gl)) for pick, group in opt.groups]
     row = as_scalar_row(values, dev)
 
-    def launch_all(i):
+    floats = tuple(map(float, values))  # what a step with Python-number hyperparameters passes
+
+    def launch_all(i, hp_arg=row):
         for group, gs in launches:
-            mt.launch_group(group, gs, row)
+            mt.launch_group(group, gs, hp_arg)
 
     out["launches"] = len(launches)
-    out["launch (direct)"] = host_us(launch_all)
+    out["launch (direct)"] = host_us(launch_all)  # the scalars read from a device row (HP_FROM_PTR)
+    out["launch (direct, scalars as arguments)"] = host_us(lambda i: launch_all(i, floats))
     saved = [dict(group.compiled) for group, _ in launches]
     direct.DIRECT_LAUNCH = False
     for group, _ in launches:
@@ -244,9 +263,14 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
 if __name__ == "__main__":
     if CPU:  # the direct path (address tables, per-step checks) for CPU tensors, without the interpreter
         P.use_triton = lambda t: True
-        print("CPU (launch stubbed out):", torch.__version__, "| host checks:", "native" if NATIVE else "python")
+        print(
+            "CPU (launch stubbed out):", torch.__version__, "| host checks:", "native" if NATIVE else "python", end=""
+        )
     else:
-        print(torch.cuda.get_device_name(), torch.__version__, "| host checks:", "native" if NATIVE else "python")
+        print(
+            torch.cuda.get_device_name(), torch.__version__, "| host checks:", "native" if NATIVE else "python", end=""
+        )
+    print(" | params:", DTYPE)
     if "--func" in sys.argv:
         P.use_triton = bnbf.ops.use_triton = lambda t: True  # the Triton path's host work, launch stubbed
         for k, v in func_breakdown().items():

@@ -1,8 +1,9 @@
 """The per-step host checks of an in-place step (bnbf/plan.py: ``Plan._grads_fit``, ``Plan._confirm`` and
-``Plan._same``), in both twins: plain Python, and the C++ extension built at install time
-(bnbf/csrc/host_checks.cpp; skipped where it was not built). Every input either twin sends down the slow path
-is refused with the precise error and nothing written (or, for non-contiguous and subclass grads, stepped as
-the generic path steps it); both twins answer alike; nothing is compiled or built at run time.
+``Plan._same``) and the grads' address tables (``Plan._grad_tables``), in both twins: plain Python, and the
+C++ extension built at install time (bnbf/csrc/host_checks.cpp; skipped where it was not built). Every input
+either twin sends down the slow path is refused with the precise error and nothing written (or, for
+non-contiguous and subclass grads, stepped as the generic path steps it); both twins answer alike; nothing is
+compiled or built at run time.
 
 The checks run on the direct path only (CUDA, or CPU under ``TRITON_INTERPRET=1``); the ``direct`` fixture
 takes that path on CPU in both modes with the launch recorded instead of run, so these tests are quick.
@@ -94,6 +95,16 @@ def test_grads(twin, direct, name, mutate, error):
     mutated = mutate(grads)
     fits = opt._grads_fit(list(mutated), opt.params) if isinstance(mutated, list | tuple) else False
     assert fits is (name in ("same", "tuple", "parameter grad"))
+    if twin == "native" and isinstance(mutated, list | tuple):  # the check with the grads' addresses: same answer
+
+        def packed(gs):
+            return b"".join(g.data_ptr().to_bytes(8, sys.byteorder) for g in gs)
+
+        got = P.NATIVE.grads_fit_at(opt.params, list(mutated), packed(grads))
+        moved = fits and packed(mutated) != packed(grads)
+        assert got == (packed(mutated) if moved else fits) and type(got) is (bytes if moved else bool)
+        if fits:  # somewhere else: their addresses
+            assert P.NATIVE.grads_fit_at(opt.params, list(mutated), b"") == packed(mutated)
     snap = snapshot(params, state, [g for g in grads if g.layout == torch.strided])
     if error is None:
         opt.step(mutate(grads), HP, 1)
@@ -198,3 +209,86 @@ def test_only_the_install_compiles():
         text = path.read_text()
         for needle in ("subprocess", "cpp_extension", "ExtensionFileLoader", "BNBF_NATIVE"):
             assert needle not in text, f"{path.relative_to(root)} mentions {needle}"
+
+
+def _tables_hold(opt, grads) -> bool:
+    """Each group's grad table holds its grads' addresses (and what launch_group compares them with), from a
+    16-byte aligned row."""
+    for pick, group in opt.groups:
+        picked = grads if pick is None else pick(grads)
+        ptrs = [g.data_ptr() for g in picked]
+        assert group.grad_table.data_ptr() % 16 == 0
+        assert group.grad_table.tolist() == ptrs == list(group.grad_ptrs)
+        assert group.grad_packed == b"".join(p.to_bytes(8, sys.byteorder) for p in ptrs)
+        assert group.grads_aligned is all(p % 16 == 0 for p in ptrs)
+    return True
+
+
+def test_grad_tables_are_written_once_per_place_of_the_grads(twin, direct):
+    """All groups' grad-address tables are written in one pass when the grads move (a training loop that
+    allocates new grads every step) and kept while they stay; their rows are the grads' addresses."""
+    params, state, grads = problem()
+    opt = bnbf.plan(params, state)
+    assert len(opt.groups) == 2, "8-bit and 32-bit states: two launch groups, one table"
+    opt.step(grads, HP, 1)
+    assert _tables_hold(opt, grads)
+    kept = [group.grad_table for _, group in opt.groups]
+    assert kept[0]._base is kept[1]._base is not None  # one table: one upload per device
+    opt.step(list(grads), HP, 2)  # the same tensors in a new list
+    assert all(group.grad_table is t for (_, group), t in zip(opt.groups, kept))
+    others = [g.clone() for g in grads]
+    for step, gs in enumerate([others, grads, others[:2] + grads[2:]], start=3):  # new places, then mixed
+        opt.step(gs, HP, step)
+        assert _tables_hold(opt, gs)
+
+
+def test_grad_table_twins_agree_and_refuse_what_they_cannot_write():
+    """The compiled grad_table writes what the Python twin writes (padding rows zero) and leaves ``out``
+    untouched, answering None, for anything it cannot write."""
+    if P.NATIVE is None:
+        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
+    seqs = [[torch.randn(3), torch.randn(2)[1:]], (torch.randn(5),), [torch.randn(1), torch.randn(2), torch.randn(4)]]
+    rows = 2 + 1 + 1 + 3  # each seq from an even row: row 3 pads
+    out, twin = torch.full((rows,), -1, dtype=torch.int64), torch.full((rows,), -1, dtype=torch.int64)
+    ptrs = [[t.data_ptr() for t in s] for s in seqs]
+    assert P.NATIVE.grad_table(seqs, out) == P._grad_table(ptrs, twin)
+    assert torch.equal(out, twin) and out[3].item() == 0
+    assert out[2].item() == seqs[1][0].data_ptr()
+    assert P._grad_table(ptrs, twin)[0] == b"".join(p.to_bytes(8, sys.byteorder) for s in ptrs for p in s)
+    bad = {
+        "too short": (seqs, torch.empty(rows - 1, dtype=torch.int64)),
+        "int32": (seqs, torch.empty(rows, dtype=torch.int32)),
+        "strided": (seqs, torch.empty(2 * rows, dtype=torch.int64)[::2]),
+        "not a tensor": ([[torch.randn(1), 3]], torch.empty(2, dtype=torch.int64)),
+        "a subclass": ([[torch.randn(1).as_subclass(Sub)]], torch.empty(1, dtype=torch.int64)),
+        "not a sequence": ([iter(seqs[0])], torch.empty(2, dtype=torch.int64)),
+    }
+    for name, (s, o) in bad.items():
+        before = o.clone()
+        assert P.NATIVE.grad_table(s, o) is None, name
+        assert torch.equal(o, before), name
+
+
+@pytest.mark.parametrize("keys", [["w", "b", "odd"], [0, 1, 2]], ids=["str", "int"])
+def test_dict_grads_are_taken_by_their_keys(twin, direct, keys):
+    """A plan of a dict takes a dict of grads with its keys in its order (equal keys that are other objects
+    too), and refuses other keys or another order with the structure error, nothing written."""
+    params = dict(zip(keys, [torch.randn(3, 4), torch.randn(1), torch.randn(257)]))
+    state = bnbf.init_state(params, SPEC)
+    opt = bnbf.plan(params, state)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    copied = {(k if isinstance(k, int) else "".join(list(k))): g for k, g in grads.items()}  # equal, new objects
+    opt.step(grads, HP, 1)
+    opt.step(copied, HP, 2)
+    stepped = sorted(id(g) for _, gs in direct for g in gs)
+    assert stepped == sorted(map(id, list(grads.values()) * 2))  # each grad once per step, none other
+    snap = snapshot(params, state)
+    for bad in (
+        dict(reversed(grads.items())),  # another order
+        {**grads, "extra": torch.randn(1)},
+        dict(list(grads.items())[:-1]),
+        {(k, 0): g for k, g in grads.items()},
+    ):
+        with pytest.raises(ValueError, match="grad structure"):
+            opt.step(bad, HP, 3)
+    assert_untouched(snap)

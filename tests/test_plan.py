@@ -12,7 +12,7 @@ import weakref
 
 import pytest
 import torch
-from conftest import assert_untouched, kernel_runs, snapshot
+from conftest import DEVICES, assert_untouched, kernel_runs, snapshot
 
 import bnbf
 import bnbf_nn
@@ -71,6 +71,25 @@ def test_plan_step_is_update_and_update_(spec, dtype):
         ref_p, ref_s = bnbf.update(ref_p, g, ref_s, hp, step)
     for a, b in ((params, ref_p), (state, ref_s), (in_p, ref_p), (in_s, ref_s)):
         _equal(a, b)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grads_at_new_places_step_as_the_pure_update(device):
+    """Grads that move between steps (new tensors every step, as ``zero_grad(set_to_none=True)`` leaves them),
+    come back to an earlier place, or stay: each step reads this step's grads (the grad-address table is
+    rewritten and uploaded only when they move)."""
+    params = {k: v.to(device) for k, v in _params().items()}
+    state = bnbf.init_state(params, SPEC8)
+    ref_p, ref_s = _clone(params), _clone(state)
+    opt = bnbf.plan(params, state)
+    sets = [{k: v.to(device) for k, v in _grads(params, k).items()} for k in range(2)]  # kept: distinct places
+    for step, k in enumerate([0, 1, 1, 0], 1):  # moved, stayed, back
+        opt.step(sets[k], HPS[0], step)
+        ref_p, ref_s = bnbf.update(ref_p, sets[k], ref_s, HPS[0], step)
+        _equal(params, ref_p)
+        _equal(state, ref_s)
+    tables = [group.grad_table for _, group in opt.groups]  # none on the reference path (generic steps)
+    assert all(t.device.type == torch.device(device).type and t._base is tables[0]._base for t in tables)  # one upload
 
 
 @pytest.mark.parametrize(

@@ -9,6 +9,8 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <vector>
+
 namespace {
 
 // The tensor of a plain torch.Tensor or nn.Parameter object, else nullptr: other subclasses may answer
@@ -31,30 +33,62 @@ bool nargs_is(Py_ssize_t nargs, Py_ssize_t want) {
 
 bool is_seq(PyObject* obj) { return PyList_Check(obj) || PyTuple_Check(obj); }
 
+// Whether each grad is a plain, dense, contiguous tensor with its param's shape, dtype and device (params: a
+// plan's checked params); with `want` (n_want native uint64), *moved tells whether the grads' addresses differ.
+bool grads_fit(PyObject* params, PyObject* grads, const uint64_t* want, Py_ssize_t n_want, bool* moved) {
+  if (!is_seq(params) || !is_seq(grads)) return false;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(params);
+  if (PySequence_Fast_GET_SIZE(grads) != n) return false;
+  PyObject** ps = PySequence_Fast_ITEMS(params);
+  PyObject** gs = PySequence_Fast_ITEMS(grads);
+  bool differs = n_want != n;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    const at::Tensor* p = plain_tensor(ps[i]);
+    const at::Tensor* g = plain_tensor(gs[i]);
+    if (p == nullptr || g == nullptr) return false;
+    if (g->layout() != c10::kStrided || g->scalar_type() != p->scalar_type() || g->device() != p->device() ||
+        g->sizes() != p->sizes() || !g->is_contiguous()) {
+      return false;
+    }
+    if (want != nullptr && !differs) differs = reinterpret_cast<uintptr_t>(g->const_data_ptr()) != want[i];
+  }
+  if (moved != nullptr) *moved = differs;
+  return true;
+}
+
 // grads_match(params, grads) -> bool: each grad a plain, dense, contiguous tensor with its param's shape,
 // dtype and device (params: a plan's checked params).
 PyObject* grads_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 2)) return nullptr;
-  PyObject *params = args[0], *grads = args[1];
-  if (!is_seq(params) || !is_seq(grads)) Py_RETURN_FALSE;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(params);
-  if (PySequence_Fast_GET_SIZE(grads) != n) Py_RETURN_FALSE;
-  PyObject** ps = PySequence_Fast_ITEMS(params);
-  PyObject** gs = PySequence_Fast_ITEMS(grads);
   try {
-    for (Py_ssize_t i = 0; i < n; ++i) {
-      const at::Tensor* p = plain_tensor(ps[i]);
-      const at::Tensor* g = plain_tensor(gs[i]);
-      if (p == nullptr || g == nullptr) Py_RETURN_FALSE;
-      if (g->layout() != c10::kStrided || g->scalar_type() != p->scalar_type() || g->device() != p->device() ||
-          g->sizes() != p->sizes() || !g->is_contiguous()) {
-        Py_RETURN_FALSE;
-      }
-    }
+    if (!grads_fit(args[0], args[1], nullptr, 0, nullptr)) Py_RETURN_FALSE;
   } catch (const std::exception&) {  // metadata that cannot be read here: the slow path will tell
     return no();
   }
   Py_RETURN_TRUE;
+}
+
+// grads_fit_at(params, grads, packed) -> False, True or bytes: False where grads_match(params, grads) says no;
+// else True where the grads' addresses are packed's (native uint64, in order), else their addresses packed so:
+// the grads' check and the test of their address table in one pass.
+PyObject* grads_fit_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 3)) return nullptr;
+  if (!PyBytes_Check(args[2])) Py_RETURN_FALSE;
+  const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(args[2]));
+  const Py_ssize_t n_want = PyBytes_GET_SIZE(args[2]) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  bool moved = true;
+  std::vector<uint64_t> ptrs;
+  try {
+    if (!grads_fit(args[0], args[1], want, n_want, &moved)) Py_RETURN_FALSE;
+    if (!moved) Py_RETURN_TRUE;
+    PyObject** gs = PySequence_Fast_ITEMS(args[1]);  // checked: plain tensors
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(args[1]); ++i) {
+      ptrs.push_back(reinterpret_cast<uintptr_t>(THPVariable_Unpack(gs[i]).const_data_ptr()));
+    }
+  } catch (const std::exception&) {
+    return no();
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(ptrs.data()), ptrs.size() * sizeof(uint64_t));
 }
 
 // meta_match(tensors, planned) -> bool: each tensor plain, contiguous, with the shape and dtype of its planned
@@ -119,23 +153,120 @@ PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
-// same_objects(objs, packed) -> bool: objs[i] is the object whose address and type address are packed[2i] and
-// packed[2i + 1] (native uint64): the very objects a cached plan was built for, while none of them was freed.
-PyObject* same_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+// grad_table(seqs, out) -> (packed, aligned) or None: the data pointers of seqs[k]'s tensors written into `out`
+// (a contiguous int64 CPU tensor, pinned for an upload), seq k from the first even row after seq k - 1's rows
+// (each seq's rows start 16-byte aligned, a view the kernel takes as its own table), zeros between; `packed`
+// the pointers without the padding (native uint64, in order), `aligned` per seq whether every pointer is
+// 16-byte aligned. None, `out` untouched, for anything else (the caller's
+// Python twin then answers, or names the problem).
+PyObject* grad_table(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 2)) return nullptr;
-  PyObject *objs = args[0], *packed = args[1];
-  if (!is_seq(objs) || !PyBytes_Check(packed)) Py_RETURN_FALSE;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(objs);
-  if (PyBytes_GET_SIZE(packed) != 2 * n * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
+  PyObject *seqs = args[0], *out_obj = args[1];
+  const at::Tensor* out = plain_tensor(out_obj);
+  if (!is_seq(seqs) || out == nullptr) Py_RETURN_NONE;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(seqs);
+  PyObject** ss = PySequence_Fast_ITEMS(seqs);
+  std::vector<uint64_t> ptrs;
+  std::vector<Py_ssize_t> ends;  // one past each seq's last pointer in ptrs
+  Py_ssize_t rows = 0;
+  try {
+    if (out->scalar_type() != c10::kLong || out->device().type() != c10::DeviceType::CPU || !out->is_contiguous()) {
+      Py_RETURN_NONE;
+    }
+    for (Py_ssize_t k = 0; k < n; ++k) {
+      if (!is_seq(ss[k])) Py_RETURN_NONE;
+      const Py_ssize_t m = PySequence_Fast_GET_SIZE(ss[k]);
+      PyObject** ts = PySequence_Fast_ITEMS(ss[k]);
+      rows += rows % 2;
+      for (Py_ssize_t i = 0; i < m; ++i) {
+        const at::Tensor* t = plain_tensor(ts[i]);
+        if (t == nullptr) Py_RETURN_NONE;
+        ptrs.push_back(reinterpret_cast<uintptr_t>(t->const_data_ptr()));
+      }
+      rows += m;
+      ends.push_back(static_cast<Py_ssize_t>(ptrs.size()));
+    }
+    if (out->numel() != rows) Py_RETURN_NONE;
+  } catch (const std::exception&) {  // e.g. a tensor without storage
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  auto* dst = static_cast<int64_t*>(out->data_ptr());
+  PyObject* aligned = PyTuple_New(n);
+  if (aligned == nullptr) return nullptr;
+  Py_ssize_t row = 0, start = 0;
+  for (Py_ssize_t k = 0; k < n; ++k) {
+    if (row % 2) dst[row++] = 0;
+    uint64_t any = 0;
+    for (Py_ssize_t i = start; i < ends[k]; ++i) {
+      dst[row++] = static_cast<int64_t>(ptrs[i]);
+      any |= ptrs[i];
+    }
+    start = ends[k];
+    PyObject* flag = any % 16 == 0 ? Py_True : Py_False;
+    Py_INCREF(flag);
+    PyTuple_SET_ITEM(aligned, k, flag);  // steals the reference
+  }
+  PyObject* packed =
+      PyBytes_FromStringAndSize(reinterpret_cast<const char*>(ptrs.data()), ptrs.size() * sizeof(uint64_t));
+  if (packed == nullptr) {
+    Py_DECREF(aligned);
+    return nullptr;
+  }
+  return Py_BuildValue("(NN)", packed, aligned);
+}
+
+// same_objects(objs, packed) or same_objects(objs, more, packed) -> bool: objs[i] (then more[i]) is the object
+// whose address and type address are packed[2i] and packed[2i + 1] (native uint64): the very objects a cached plan
+// was built for, while none of them was freed.
+PyObject* same_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (nargs != 2 && !nargs_is(nargs, 3)) return nullptr;
+  PyObject* packed = args[nargs - 1];
+  if (!PyBytes_Check(packed)) Py_RETURN_FALSE;
+  Py_ssize_t total = 0;
+  for (Py_ssize_t k = 0; k + 1 < nargs; ++k) {
+    if (!is_seq(args[k])) Py_RETURN_FALSE;
+    total += PySequence_Fast_GET_SIZE(args[k]);
+  }
+  if (PyBytes_GET_SIZE(packed) != 2 * total * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
   const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(packed));
-  PyObject** os = PySequence_Fast_ITEMS(objs);
-  for (Py_ssize_t i = 0; i < n; ++i) {
-    if (reinterpret_cast<uintptr_t>(os[i]) != want[2 * i] ||
-        reinterpret_cast<uintptr_t>(Py_TYPE(os[i])) != want[2 * i + 1]) {
-      Py_RETURN_FALSE;
+  for (Py_ssize_t k = 0; k + 1 < nargs; ++k) {
+    PyObject** os = PySequence_Fast_ITEMS(args[k]);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(args[k]); ++i, want += 2) {
+      if (reinterpret_cast<uintptr_t>(os[i]) != want[0] || reinterpret_cast<uintptr_t>(Py_TYPE(os[i])) != want[1]) {
+        Py_RETURN_FALSE;
+      }
     }
   }
   Py_RETURN_TRUE;
+}
+
+// values_if_keys(tree, keys) -> list or None: a new list of tree's values where tree is a dict (exactly) whose
+// keys are `keys` (a tuple) in order, else None (not such a dict, or keys other than strings that are not the
+// very objects of `keys`): a plan's dict of grads taken without building its key tuple.
+PyObject* values_if_keys(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 2)) return nullptr;
+  PyObject *tree = args[0], *keys = args[1];
+  if (!PyDict_CheckExact(tree) || !PyTuple_Check(keys) || PyDict_GET_SIZE(tree) != PyTuple_GET_SIZE(keys)) {
+    Py_RETURN_NONE;
+  }
+  PyObject* values = PyList_New(PyTuple_GET_SIZE(keys));
+  if (values == nullptr) return nullptr;
+  Py_ssize_t pos = 0, i = 0;
+  PyObject *key, *value;
+  while (PyDict_Next(tree, &pos, &key, &value)) {
+    PyObject* want = PyTuple_GET_ITEM(keys, i);
+    // the same key objects, usually; else equal strings (other keys: None, the caller compares them in Python,
+    // whose __eq__ could change the dict under this walk)
+    if (key != want &&
+        !(PyUnicode_CheckExact(key) && PyUnicode_CheckExact(want) && PyUnicode_Compare(key, want) == 0)) {
+      Py_DECREF(values);
+      Py_RETURN_NONE;
+    }
+    Py_INCREF(value);
+    PyList_SET_ITEM(values, i++, value);  // steals the reference
+  }
+  return values;
 }
 
 // grads_of(params) -> (grads, every): each param's .grad (None where it has none) as a new list, and whether
@@ -197,12 +328,18 @@ PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 PyMethodDef methods[] = {
     {"grads_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_match)), METH_FASTCALL,
      "grads_match(params, grads) -> bool"},
+    {"grads_fit_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_fit_at)), METH_FASTCALL,
+     "grads_fit_at(params, grads, packed) -> False, True or bytes"},
     {"meta_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(meta_match)), METH_FASTCALL,
      "meta_match(tensors, planned) -> bool"},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs[, nested]) -> bool"},
+    {"grad_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_table)), METH_FASTCALL,
+     "grad_table(seqs, out) -> (packed, aligned) or None"},
     {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL,
-     "same_objects(objs, packed) -> bool"},
+     "same_objects(objs[, more], packed) -> bool"},
+    {"values_if_keys", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(values_if_keys)), METH_FASTCALL,
+     "values_if_keys(tree, keys) -> list or None"},
     {"grads_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_of)), METH_FASTCALL,
      "grads_of(params) -> (grads, every)"},
     {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL,

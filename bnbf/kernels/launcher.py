@@ -209,7 +209,13 @@ def _tile_width(layout: Layout) -> int:
 
 
 def launch_group(
-    group: Group, grads: list[Tensor], hp: Tensor | tuple, skip_zeros: bool = False, clip: bool = False
+    group: Group,
+    grads: list[Tensor],
+    hp: Tensor | tuple,
+    skip_zeros: bool = False,
+    clip: bool = False,
+    *,
+    grads_placed: bool = False,
 ) -> None:
     """The step for one group: one launch, or three for rules that need per-tensor norms (LAMB, LARS)
     or with update clipping (``clip``: the last two scalars are max_unorm and lr).
@@ -221,7 +227,7 @@ def launch_group(
     :data:`bnbf.reference.GRAD_CLIP` is set (``bnbf.update(..., max_grad_norm=)``), the kernel scales the
     grads by the clipping coefficient as it loads them, in the norm pass and the step alike.
     """
-    if NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed):
+    if grads_placed or (NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed)):
         pass  # the same grad addresses as the last step: its table serves
     elif (ptrs := tuple(map(Tensor.data_ptr, grads))) != group.grad_ptrs:
         group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
