@@ -11,10 +11,14 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
 - ``eager``: ``bnbf.update_`` with Python-float hyperparameters (the baseline of the rows below);
 - ``compile``: the same call inside ``torch.compile(fullgraph=True)``, lr and step as 0-d tensors changing
   every step; the note gives the eager step on the same tensors (the bar: compiled as fast as eager), the
-  host time of a call, the device kernels one call runs, and the graphs compiled during the timed steps (0);
+  host time of a call and the part of it that is Dynamo's guard check, the step compiled with Inductor's
+  ``size_asserts=False`` (its check of every input's size and stride at each call, which Dynamo's guards
+  already make), the device kernels one call runs, and the graphs compiled during the timed steps (0);
+  ``scripts/compile_host.py`` breaks the host time down further;
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
 - ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call (bytes: 8 members' fewest;
-  the bar is 85% of a copy), with the host time of a call and the device kernels it runs (one step launch per
+  the bar is 85% of a copy), with the host time of a call, the part of it torch.func takes on its own (a vmap
+  of a function returning its inputs, the same trees) and the device kernels it runs (one step launch per
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand;
@@ -38,6 +42,7 @@ import os
 import platform
 import statistics
 import sys
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -99,38 +104,69 @@ def row_eager(ctx) -> dict:
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
 
 
+def _step(params, grads, state, lr, i):
+    bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+
+def _step_unchecked(params, grads, state, lr, i):  # _step's twin: Dynamo caches compiles by code object
+    bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+
+def _guard_ms(step, f_locals: dict) -> str:
+    """The median host time of the compiled frame's guard check alone (Dynamo's guard manager, a private API:
+    n/a where this torch lacks it)."""
+    try:
+        from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+        (entry,) = _debug_get_cache_entry_list(step.__code__)
+        check = entry.guard_manager.check
+        assert check(f_locals)
+    except Exception:  # noqa: BLE001 - a breakdown figure, not the row
+        return "n/a"
+    times = []
+    for _ in range(50):
+        t0 = time.perf_counter()
+        check(f_locals)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return f"{statistics.median(times):.3f} ms"
+
+
 def row_compile(ctx) -> dict:
     import torch._dynamo
 
     params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
-
-    @torch.compile(fullgraph=True)
-    def step(params, grads, state, lr, i):
-        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
-
     torch._dynamo.utils.counters.clear()
     lr = torch.tensor(1e-3, device=ctx.device)
     t = torch.tensor(1, device=ctx.device)
+    figures = {}
+    for asserts in (True, False):  # Inductor's default, then without its per-input size asserts
+        code = _step if asserts else _step_unchecked
+        step = torch.compile(code, fullgraph=True, options={"size_asserts": asserts})
 
-    def fn(i: int) -> None:  # lr and step as 0-d tensors, a new lr every step: one graph
-        lr.fill_(1e-3 * 0.999**i)
-        t.fill_(i)
-        step(params, grads, state, lr, t)
+        def fn(i: int, step=step) -> None:  # lr and step as 0-d tensors, a new lr every step: one graph
+            lr.fill_(1e-3 * 0.999**i)
+            t.fill_(i)
+            step(params, grads, state, lr, t)
 
-    for i in range(1, 4):  # compiles here
-        fn(i)
-    before = sum(torch._dynamo.utils.counters["stats"].values())
-    ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
-    after = sum(torch._dynamo.utils.counters["stats"].values())
+        for i in range(1, 4):  # compiles here
+            fn(i)
+        before = sum(torch._dynamo.utils.counters["stats"].values())
+        ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
+        after = sum(torch._dynamo.utils.counters["stats"].values())
+        figures[asserts] = (ms, host, after - before, fn, code)
+    ms, host, moved, fn, code = figures[True]
     ran = kernels(ctx.device, lambda: fn(4 + ctx.warmup + ctx.steps))
+    guards = _guard_ms(code, {"params": params, "grads": grads, "state": state, "lr": lr, "i": t})
+    bare_ms, bare_host, bare_moved = figures[False][:3]
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
     eager = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call; {ran}; "
-        f"dynamo stats moved by {after - before} in the timed steps",
+        "note": f"eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call, of which "
+        f"guards {guards}; with inductor size_asserts=False {bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; "
+        f"dynamo stats moved by {moved}, {bare_moved} in the timed steps",
     }
 
 
@@ -172,8 +208,15 @@ def row_vmap(ctx) -> dict:
     def vmapped(i: int) -> None:
         holder["p"], holder["s"] = step(holder["p"], grads, holder["s"], i)
 
-    ms, host = timed(ctx.device, vmapped, ctx.warmup, ctx.steps)
+    for i in range(1, 1 + ctx.warmup):
+        vmapped(i)
+    builds = _member_builds()
+    ms, host = timed(ctx.device, vmapped, 0, ctx.steps, first=1 + ctx.warmup)
+    builds = _member_builds() - builds
     ran = kernels(ctx.device, lambda: vmapped(1 + ctx.warmup + ctx.steps))
+    # torch.func's own share of the host time: the same vmap of a function that returns its inputs
+    ident = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))
+    _, ident_host = timed(ctx.device, lambda i: ident(params, grads, state, i), ctx.warmup, ctx.steps)
     # the loop it replaces: one pure call per member
     members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
     member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
@@ -187,9 +230,20 @@ def row_vmap(ctx) -> dict:
     return {
         "ms": ms,
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"{MEMBERS} members; host {host:.3f} ms a call; {ran}; "
+        "note": f"{MEMBERS} members; host {host:.3f} ms a call, of which torch.func's vmap of the same trees "
+        f"{ident_host:.3f} ms; address tables built in the {ctx.steps} timed calls: {builds}; {ran}; "
         f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
     }
+
+
+def _member_builds() -> int:
+    """The vmapped step's table builds so far (bnbf.kernels.members; 0 on the reference path): one per group a
+    call where the outputs' addresses do not repeat, none where the allocator hands back the same blocks."""
+    try:
+        from bnbf.kernels import members
+    except ImportError:  # no Triton
+        return 0
+    return members.BUILDS["group"]
 
 
 def _optim_ms(ctx, factory) -> float:

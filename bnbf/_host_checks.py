@@ -375,9 +375,9 @@ def differentiated(tensors: list) -> bool:
     """Whether any of ``tensors`` takes part in a derivative (see :func:`_tracked`); C-level checks first."""
     grad_mode = torch.is_grad_enabled()
     fwd = forward_ad._current_level >= 0
-    if _functorch.maybe_current_level() is None and not fwd and not (grad_mode and any(map(_REQUIRES_GRAD, tensors))):
-        return False
-    return any(_tracked(t, grad_mode, fwd) for t in tensors)
+    if fwd or (grad_mode and any(map(_REQUIRES_GRAD, tensors))):
+        return any(_tracked(t, grad_mode, fwd) for t in tensors)
+    return _functorch.maybe_current_level() is not None and any(map(_functorch.is_gradtrackingtensor, tensors))
 
 
 def check_not_differentiated(
@@ -567,24 +567,28 @@ def _prepare_traced(
     values (reading a number traced as an input would turn it into a guarded constant, one compile per value);
     only their names are checked.
     """
-    params, grads, states, p_spec = _structures(param, grad, state, traced=True)
-    for i in range(len(params)):
-        p, g, s = params[i], grads[i], states[i]
-        if not (
-            isinstance(p, Tensor)
-            and p.dtype in _PARAM_DTYPES
-            and p.layout == torch.strided
-            and isinstance(g, Tensor)
-            and g.layout == torch.strided
-            and g.shape == p.shape
-            and g.dtype == p.dtype
-            and g.device == p.device
-            and is_state(s)
-            and _fits_traced(p, s)
-        ):
-            _check_leaf(_names(param)[i], p, g, s)
+    compiling = torch.compiler.is_compiling()
+    params, grads, states, p_spec = _structures(param, grad, state, traced=compiling)
+    if not compiling:  # under a transform: the C-level checks of an eager call, which read only metadata
+        _check_leaves(param, params, states, grads)
+    else:
+        for i in range(len(params)):
+            p, g, s = params[i], grads[i], states[i]
+            if not (
+                isinstance(p, Tensor)
+                and p.dtype in _PARAM_DTYPES
+                and p.layout == torch.strided
+                and isinstance(g, Tensor)
+                and g.layout == torch.strided
+                and g.shape == p.shape
+                and g.dtype == p.dtype
+                and g.device == p.device
+                and is_state(s)
+                and _fits_traced(p, s)
+            ):
+                _check_leaf(_names(param)[i], p, g, s)
     rule = _rule_of(param, states)
-    if torch.compiler.is_compiling():
+    if compiling:
         grad_mode = torch.is_grad_enabled()
         for i in range(len(params)):
             t = grads[i]

@@ -7,15 +7,20 @@ implementations let tracers see them without running a kernel. The states' layou
 travels as one object; only the ops' schemas, which take no Python objects, spell out its fields.
 
 Calls that no plan serves (the pure step, compiled steps) take their launcher groups from a cache keyed by the
-tables' contents. Under ``torch.func.vmap`` the members of stacked tensors are stepped in one call, written into
-stacked outputs, with host work that does not grow with the member count (:mod:`bnbf.kernels.members`).
+tables' contents. A call of an op on plain CPU or CUDA tensors (what a compiled graph makes) runs the step from the
+op's Autograd kernel, without torch.library's two further trips through Python (:func:`_register_direct_kernels`).
+Under ``torch.func.vmap`` the members of stacked tensors are stepped in one call, written into stacked outputs,
+with host work that does not grow with the member count (:mod:`bnbf.kernels.members`).
 """
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import functools
+import itertools
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -24,6 +29,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
+from bnbf._host_checks import NATIVE
 from bnbf.reference import FIRST_BLOCKS, reference_step
 from bnbf.state import Layout
 
@@ -58,8 +64,36 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
 # Groups of the calls that no plan serves (the pure step, traced and compiled calls), by the exact contents of
 # their tables: a compiled step calls the op afresh each time, and a pure loop's outputs alternate between a few
 # allocations. A hit is right whatever tensors the addresses now belong to, and an entry holds no caller tensor.
+# Each entry is (group, probe); the probe lets a call be matched against an entry by the compiled host checks
+# (addresses compared in C++, no Python int per tensor): GPT-2's two groups 69 -> 37 us a step (CPU, launch stubbed).
 _GROUPS: collections.OrderedDict = collections.OrderedDict()
 _GROUP_CACHE_SIZE = 16
+
+
+class _Probe(NamedTuple):
+    """What decides a group's table besides its layout, dtype and device (``sig``): the numels of the params
+    and the packed addresses (native uint64) of every tensor; ``p_out``/``s_out`` None where in place."""
+
+    sig: tuple
+    numels: tuple
+    p_in: bytes
+    p_out: bytes | None
+    s_in: bytes
+    s_out: bytes | None
+
+    def matches(self, p_in, p_out, s_in, s_out) -> bool:
+        eq = NATIVE.ptrs_equal
+        return (
+            eq(p_in, self.p_in)
+            and eq(s_in, self.s_in)
+            and (self.p_out is None or eq(p_out, self.p_out))
+            and (self.s_out is None or eq(s_out, self.s_out))
+            and tuple(map(Tensor.numel, p_in)) == self.numels
+        )
+
+
+def _packed(ptrs: tuple | None) -> bytes | None:
+    return None if ptrs is None else array.array("Q", ptrs).tobytes()
 
 
 def _group(p_in, p_out, s_in, s_out, layout: Layout):
@@ -69,22 +103,27 @@ def _group(p_in, p_out, s_in, s_out, layout: Layout):
 
     if FIRST_BLOCKS.get():  # shards of a larger tensor: their first blocks are in the table too (bnbf.distributed)
         return build_group(p_in, p_out, s_in, s_out, layout)
+    sig = (layout, p_in[0].dtype, p_in[0].device, p_out is p_in, s_out is s_in)
+    if NATIVE is not None:
+        for key, (group, probe) in reversed(_GROUPS.items()):  # the most recent first
+            if probe.sig == sig and probe.matches(p_in, p_out, s_in, s_out):
+                _GROUPS.move_to_end(key)  # and out of the loop, whose iterator this invalidates
+                return group
     ptrs = Tensor.data_ptr
     key = (
-        layout,
-        p_in[0].dtype,
-        p_in[0].device,
+        sig,
         tuple(map(Tensor.numel, p_in)),
         tuple(map(ptrs, p_in)),
         None if p_out is p_in else tuple(map(ptrs, p_out)),  # in place: the same tensors
         tuple(map(ptrs, s_in)),
         None if s_out is s_in else tuple(map(ptrs, s_out)),
     )
-    group = _GROUPS.get(key)
-    if group is not None:
+    entry = _GROUPS.get(key)
+    if entry is not None:
         _GROUPS.move_to_end(key)
-        return group
-    group = _GROUPS[key] = build_group(p_in, p_out, s_in, s_out, layout)
+        return entry[0]
+    group = build_group(p_in, p_out, s_in, s_out, layout)
+    _GROUPS[key] = (group, _Probe(sig, key[1], *map(_packed, key[2:])))
     if len(_GROUPS) > _GROUP_CACHE_SIZE:
         _GROUPS.popitem(last=False)
     return group
@@ -204,6 +243,89 @@ def _(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zero
     return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]
 
 
+def traced_scalar_row(values, device: torch.device) -> Tensor:
+    """The step's scalars as one float32 row in a call traced by torch.compile, numbers traced as inputs
+    (SymInt/SymFloat) and tensors left unread on the host.
+
+    Built as one elementwise expression (a ``where`` per scalar over an index) rather than a stack: Inductor
+    lowers a stack of more than 8 scalars to one kernel per scalar (13 launches for AdamW on a GPU), and the
+    expression to a single kernel.
+
+    Args:
+        values: the scalars (Python numbers, SymInt/SymFloat, or 0-d tensors), as :func:`bnbf.plan._scalars`
+            gives them.
+        device: where the row goes.
+
+    Returns:
+        A float32 tensor ``[len(values)]``; numbers rounded from float64 once, as :func:`torch.stack` of
+        ``torch.scalar_tensor(v, dtype=torch.float64).to(torch.float32)`` rounds them.
+
+    Example:
+        >>> traced_scalar_row((0.5, torch.tensor(2.0)), torch.device("cpu"))
+        tensor([0.5000, 2.0000])
+    """
+    index = torch.arange(len(values), device=device)
+    row = torch.zeros(len(values), dtype=torch.float32, device=device)
+    for k, v in enumerate(values):
+        if isinstance(v, Tensor):
+            part = v.to(device=device, dtype=torch.float32).reshape(())
+        else:
+            part = torch.scalar_tensor(v, dtype=torch.float64, device=device).to(torch.float32)
+        row = torch.where(index == k, part, row)
+    return row
+
+
+def _register_direct_kernels() -> None:
+    """Both ops' Autograd kernels (what a compiled graph's call of an op reaches first): where nothing below
+    autograd but the CPU or CUDA backend remains (no fake, functional or subclass tensor, no dispatch mode) and
+    no derivative is asked for, the step runs from here, as the backend kernel would, with the in-place op's
+    version bumps. torch.library's route crosses from C++ to Python three times (autograd, version bump,
+    backend), each converting the ~700-tensor lists: 215 -> 96 us for GPT-2's two calls (CPU). Anything else
+    takes torch.library's kernel as before. Where this torch lacks the private functions used, that stays."""
+    try:
+        from torch._library.autograd import make_autograd_impl  # what torch.library registers
+    except ImportError:
+        return
+    below = getattr(torch._C, "_after_ADInplaceOrView_keyset", None)
+    any_grad = getattr(torch._C, "_any_requires_grad", None)
+    bump = getattr(torch._C, "_increment_version", None)
+    needed = (below, any_grad, bump, getattr(_step_op_, "_lib", None), getattr(_step_op, "_lib", None))
+    if any(x is None for x in needed):
+        return
+    backends = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
+    grad_enabled = torch.is_grad_enabled
+
+    def plain(keyset, *args) -> bool:
+        return (keyset & below).highestPriorityTypeId() in backends and not (grad_enabled() and any_grad(*args))
+
+    def register(op, name, direct):
+        fallback = make_autograd_impl(op._opoverload, op)
+
+        def autograd_kernel(keyset, *args):
+            if plain(keyset, *args):
+                return direct(*args)
+            return fallback(keyset, *args)
+
+        with contextlib.suppress(RuntimeError):  # a torch that refuses to override torch.library's kernel
+            op._lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+
+    def step_in_place(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+        bump(params)
+        bump(states)
+        layout = Layout(rule, bits, block_size, fmt, present)
+        _run(params, params, grads, states, states, hp, layout, skip_zeros, clip)
+
+    def step_pure(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+        layout = Layout(rule, bits, block_size, fmt, present)
+        return _step_impl(params, grads, states, hp, layout, skip_zeros, clip)
+
+    register(_step_op_, "step_", step_in_place)
+    register(_step_op, "step", step_pure)
+
+
+_register_direct_kernels()
+
+
 def _members(tensors: list, dims: list, size: int) -> list[list[Tensor]]:
     """Each tensor as ``size`` member tensors (views along its batch dim; the tensor itself where unbatched)."""
     out = []
@@ -239,6 +361,31 @@ def _stacked(t: Tensor, d: int | None) -> tuple[Tensor, bool]:
     return (x if x.is_contiguous() or _member_contiguous(x) else x.contiguous()), True
 
 
+def _stack(tensors: list, dims: list) -> tuple[list, tuple]:
+    """The unwrapped ``tensors`` with their batch dims ``dims`` as :mod:`bnbf.kernels.members` takes them,
+    ``(tensors, batched)`` (:func:`_stacked` each); the common case (every tensor batched along dim 0 and
+    contiguous) in C-level maps."""
+    if dims.count(0) == len(dims) and all(map(Tensor.is_contiguous, tensors)):
+        return tensors, (True,) * len(tensors)
+    pairs = list(map(_stacked, tensors, dims))
+    return [t for t, _ in pairs], tuple(b for _, b in pairs)
+
+
+def _outputs(x: tuple, size: int) -> list[Tensor]:
+    """New contiguous ``[size, ...]`` tensors for the outputs of stacked inputs ``x``: ``empty_like`` of a contiguous
+    stacked input costs a third of ``torch.empty`` with a shape (0.8 against 2.2 us a tensor, CPU), and less than
+    views of one buffer per dtype (GPT-2's 544 outputs: 0.46 against 0.97 ms with ``as_strided``, CPU)."""
+    ts, batched = x
+    if all(batched) and all(map(Tensor.is_contiguous, ts)):
+        return list(map(torch.empty_like, ts))
+    return [
+        torch.empty_like(t, memory_format=torch.contiguous_format)
+        if b
+        else torch.empty((size, *t.shape), dtype=t.dtype, device=t.device)
+        for t, b in zip(ts, batched)
+    ]
+
+
 @functools.cache
 def _hp_per_tensor() -> bool:
     """Whether the kernel takes a scalar row per tensor (HP_PER_TENSOR): per-member hyperparameters in one launch."""
@@ -255,36 +402,40 @@ def _stackable(t: Tensor, h_dim: int | None) -> bool:
 def _step_stacked(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size):
     """The pure step of every member of stacked tensors, written into stacked outputs ``[size, ...]``: one launch
     on the Triton path, whose host work does not grow with ``size`` (:mod:`bnbf.kernels.members`); ``hp`` is the
-    scalar row, or with ``h_dim`` one row per member along that dim. The tensors are plain (:func:`_unwrapped`):
-    torch.func's dispatch layer, which would add its cost to each of the ~10 small ops a tensor takes here, is
-    off."""
+    scalar row (or a row per tensor), with ``h_dim`` batched along that dim (a row, or rows, per member). The
+    tensors are plain (:func:`_unwrapped`): torch.func's dispatch layer, which would add its cost to each of the
+    small ops a tensor takes here, is off."""
     with torch._C._DisableFuncTorch():
         args = (params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
         return _stacked_step(*args)
 
 
+def _member_rows(hp: Tensor, h_dim: int | None, n: int, size: int) -> Tensor | None:
+    """The scalars as one row per table row (member-major, as :mod:`bnbf.kernels.members` orders the table), or
+    None where one row serves every tensor of every member."""
+    if h_dim is None:
+        return None if hp.dim() == 1 else hp.repeat(size, 1)  # a row per tensor: the same for every member
+    rows = hp.movedim(h_dim, 0)  # [size, scalars] or [size, tensors, scalars]
+    return (rows.repeat_interleave(n, 0) if rows.dim() == 2 else rows.flatten(0, 1)).contiguous()
+
+
 def _stacked_step(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layout, skip_zeros, clip, size):
-    ps, gs, ss = (list(map(_stacked, ts, ds)) for ts, ds in ((params, p_dims), (grads, g_dims), (states, s_dims)))
-
-    def out(x):
-        t, batched = x
-        return torch.empty((size, *(t.shape[1:] if batched else t.shape)), dtype=t.dtype, device=t.device), True
-
-    new_p, new_s = list(map(out, ps)), list(map(out, ss))
+    ps, gs, ss = _stack(params, p_dims), _stack(grads, g_dims), _stack(states, s_dims)
+    new_p, new_s = _outputs(ps, size), _outputs(ss, size)
     if size == 0:  # an ensemble of no members: nothing to step
-        return [t for t, _ in new_p], [t for t, _ in new_s]
-    device = ps[0][0].device
-    rows = None if h_dim is None else hp.movedim(h_dim, 0)  # [size, scalars]
+        return new_p, new_s
+    out_p, out_s = (new_p, (True,) * len(new_p)), (new_s, (True,) * len(new_s))
+    device = new_p[0].device
     _refuse_capture(device)
-    if use_triton(ps[0][0]):
+    if use_triton(new_p[0]):
         from bnbf.kernels.launcher import launch_group
         from bnbf.kernels.members import stacked_grads, stacked_group
 
         with BUILD_LOCK:
-            group = stacked_group(ps, new_p, ss, new_s, layout, size)
+            group = stacked_group(ps, out_p, ss, out_s, layout, size)
             grad_list = stacked_grads(group, gs, size)
-        if rows is not None:  # a row per member: one per table row, member-major as the table
-            hp = rows.repeat_interleave(len(ps), 0).contiguous()
+        rows = _member_rows(hp, h_dim, len(params), size)
+        hp = hp if rows is None else rows
         if device.type == "cpu":  # Triton's interpreter: one launch at a time
             with INTERPRETER_LOCK:
                 launch_group(group, grad_list, hp, skip_zeros, clip)
@@ -292,40 +443,54 @@ def _stacked_step(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layo
             launch_group(group, grad_list, hp, skip_zeros, clip)
     else:  # the reference steps tensor by tensor anyway: each member a view, written into the stacked outputs
 
-        def views(xs, members):
-            return [t[b] if batched else t for b in members for t, batched in xs]
+        def views(x, members):
+            return [t[b] if batched else t for b in members for t, batched in zip(*x)]
 
-        for members, row in ((range(size), hp),) if rows is None else (((b,), rows[b]) for b in range(size)):
-            ins = views(ps, members), views(new_p, members), views(gs, members)
-            reference_step(*ins, views(ss, members), views(new_s, members), row, layout, skip_zeros, clip)
-    return [t for t, _ in new_p], [t for t, _ in new_s]
+        if h_dim is None:
+            steps = ((range(size), hp),)
+        else:
+            steps = (((b,), row) for b, row in enumerate(hp.movedim(h_dim, 0).unbind(0)))
+        for members, row in steps:
+            ins = views(ps, members), views(out_p, members), views(gs, members)
+            reference_step(*ins, views(ss, members), views(out_s, members), row, layout, skip_zeros, clip)
+    return new_p, new_s
 
 
-def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
-    """:func:`_step_vmap`'s stacked step called directly, without the op's dispatch, under a ``vmap`` whose batched
-    tensors wrap plain ones: torch's route to a batching rule walks every tensor
-    through pytrees twice (unwrapping the inputs, wrapping the outputs), a third of a vmapped call's host time with
-    GPT-2's 740 tensors. Unwraps and wraps as that route does; returns None where it does not apply (another
-    transform innermost, tracing, tensors an outer transform wraps, nothing batched at this level)."""
+def _unwrap(tensors: list, level: int) -> tuple[list, list]:
+    """The plain tensors under ``vmap``'s wrappers at ``level``, and their batch dims (None: not batched)."""
+    pairs = list(map(_functorch._unwrap_batched, tensors, itertools.repeat(level)))
+    return [t for t, _ in pairs], [d for _, d in pairs]
+
+
+def vmap_level() -> tuple[int, int] | None:
+    """``(level, batch size)`` of the innermost transform where it is a ``vmap`` outside tracing, else None."""
     if torch.compiler.is_compiling() or _functorch.maybe_current_level() is None:
         return None
     interpreter = retrieve_current_functorch_interpreter()
     if interpreter.key() != TransformType.Vmap:
         return None
-    level, size = interpreter.level(), interpreter.batch_size()
+    return interpreter.level(), interpreter.batch_size()
+
+
+def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
+    """:func:`_step_vmap`'s stacked step called directly, without the op's dispatch, under a ``vmap`` whose batched
+    tensors wrap plain ones: torch's route to a batching rule walks every tensor through pytrees twice
+    (unwrapping the inputs, wrapping the outputs), a third of a vmapped call's host time with GPT-2's 740
+    tensors. Unwraps and wraps as that route does; returns None where it does not apply (another transform
+    innermost, tracing, tensors an outer transform wraps, nothing batched at this level)."""
+    found = vmap_level()
+    if found is None:
+        return None
+    level, size = found
     hp, h_dim = _functorch._unwrap_batched(hp, level)
-    unwrapped = []
-    for ts in (params, grads, states):
-        pairs = [_functorch._unwrap_batched(t, level) for t in ts]
-        unwrapped += [[t for t, _ in pairs], [d for _, d in pairs]]
-    ps, p_dims, gs, g_dims, ss, s_dims = unwrapped
-    batched = h_dim is not None or any(d is not None for dims in (p_dims, g_dims, s_dims) for d in dims)
+    (ps, p_dims), (gs, g_dims), (ss, s_dims) = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
+    n_unbatched = p_dims.count(None) + g_dims.count(None) + s_dims.count(None)
+    batched = h_dim is not None or n_unbatched < len(ps) + len(gs) + len(ss)
     if not batched or not _unwrapped(ps, gs, ss, [hp]) or not _stackable(ps[0], h_dim):
         return None
     new_p, new_s = _step_stacked(ps, p_dims, gs, g_dims, ss, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
-    return [_functorch._add_batch_dim(t, 0, level) for t in new_p], [
-        _functorch._add_batch_dim(t, 0, level) for t in new_s
-    ]
+    add, dims, levels = _functorch._add_batch_dim, itertools.repeat(0), itertools.repeat(level)
+    return list(map(add, new_p, dims, levels)), list(map(add, new_s, dims, levels))
 
 
 @_step_op.register_vmap
@@ -348,7 +513,8 @@ def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size,
         flat_p = [ps[i][b] for b in range(size) for i in range(n)]
         flat_g = [gs[i][b] for b in range(size) for i in range(n)]
         flat_s = [ss[k][b] for b in range(size) for k in range(m)]
-        out_p, out_s = _step_op(flat_p, flat_g, flat_s, hp, *args)
+        rows = hp if hp.dim() == 1 else hp.repeat(size, 1)  # a row per tensor: the same for every member
+        out_p, out_s = _step_op(flat_p, flat_g, flat_s, rows, *args)
     else:
         rows = hp.movedim(h_dim, 0).unbind(0)
         out_p, out_s = [], []

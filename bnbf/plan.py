@@ -635,13 +635,7 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
                 for v in values
             ]
         )
-    parts = [
-        v.to(device=device, dtype=torch.float32).reshape(())
-        if isinstance(v, Tensor)
-        else torch.scalar_tensor(v, dtype=torch.float64, device=device).to(torch.float32)
-        for v in values
-    ]
-    return torch.stack(parts)
+    return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
 
 
 def set_rows(values: list, devices: Any) -> dict:

@@ -249,3 +249,116 @@ def test_inductor_runs_the_in_place_op_in_place():
     code = "\n".join(codes)
     assert "torch.ops.bnbf.step_.default(" in code
     assert "auto_functionalized" not in code and "clone" not in code and "copy_(" not in code
+
+
+def test_traced_scalar_row_is_one_kernel():
+    """The traced step's scalar row is one Inductor kernel (a stack of more than 8 scalars lowers to a kernel per
+    scalar: 13 launches a step for AdamW on a GPU), with the values of the eager row (numbers rounded from
+    float64 once, tensors cast)."""
+    from torch._inductor import metrics
+
+    def values(lr, t):
+        return (lr / (1 - 0.9**t), 0.9, 0.999, 1e-8, lr * 0.01, 1 / 3, 1.0 - 0.999**t, 2.0, t % 7, -1.0, 0.0, lr, 1e-3)
+
+    row = torch.compile(lambda lr, t: bnbf.ops.traced_scalar_row(values(lr, t), lr.device), fullgraph=True)
+    lr, t = torch.tensor(3e-3), torch.tensor(5)
+    metrics.reset()
+    got = row(lr, t)
+    assert metrics.generated_kernel_count == 1
+    want = torch.stack(
+        [
+            v.to(torch.float32) if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64).float()
+            for v in values(lr, t)
+        ]
+    )
+    assert torch.equal(got, want), (got, want)
+
+
+def test_a_compiled_pure_step_is_one_inductor_kernel_and_the_op():
+    """Inductor's code for a compiled ``bnbf.update`` holds one kernel (the scalar row) beside the step's op, and
+    the step equals the eager one up to the rounding of the scalars Inductor computes."""
+    from torch._inductor import metrics
+
+    params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    step = torch.compile(
+        lambda p, g, s, lr, t: bnbf.update(p, g, s, {"lr": lr, "weight_decay": 0.01}, t), fullgraph=True
+    )
+    lr, t = torch.tensor(0.05), torch.tensor(3)
+    metrics.reset()
+    got = step(params, grads, state, lr, t)
+    assert metrics.generated_kernel_count == 1
+    want = bnbf.update(params, grads, state, {"lr": lr, "weight_decay": 0.01}, t)
+    torch.testing.assert_close(got[0], want[0], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA code of the step")
+def test_inductor_launches_one_kernel_beside_the_pure_step():
+    """On CUDA, Inductor's code for a compiled ``bnbf.update`` defines one Triton kernel (the scalar row), not one
+    per scalar (each a launch and its host time every step)."""
+    from torch._inductor.utils import run_and_get_code
+
+    params = {"w": torch.randn(37, 9, device="cuda"), "b": torch.randn(9, device="cuda")}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    step = torch.compile(lambda p, g, s, lr, t: bnbf.update(p, g, s, {"lr": lr}, t), fullgraph=True)
+    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
+    _, codes = run_and_get_code(step, params, grads, state, lr, t)
+    code = "\n".join(codes)
+    assert code.count("async_compile.triton(") == 1, code
+    assert "torch.ops.bnbf.step.default(" in code
+
+
+def test_the_ops_direct_route_keeps_torch_librarys_other_routes():
+    """The ops' Autograd kernels step plain tensors directly; a dispatch mode, a fake tensor or a derivative
+    asked for still takes torch.library's route: the mode sees the op, and a backward through the pure op
+    raises (never a silent zero gradient)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    layout = ("adamw", 32, 256, "fp32", 3)
+    values, clip = bnbf.functional._scalars(bnbf.RULES["adamw"], bnbf.hparams_for("adamw", lr=0.1), 1, False, 0, False)
+    row = bnbf.functional.scalar_row(values, torch.device("cpu"))
+    p, g = torch.randn(37), torch.randn(37)
+    s = [torch.zeros(37), torch.zeros(37)]
+    want_p, want_s = torch.ops.bnbf.step.default([p], [g], s, row, *layout, False, clip)
+
+    class Seen(TorchDispatchMode):
+        ops: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Seen() as mode:
+        got_p, got_s = torch.ops.bnbf.step.default([p], [g], s, row, *layout, False, clip)
+    assert "bnbf.step.default" in mode.ops
+    assert torch.equal(got_p[0], want_p[0]) and all(map(torch.equal, got_s, want_s))
+    wp = p.clone().requires_grad_()
+    out_p, _ = torch.ops.bnbf.step.default([wp], [g], s, row, *layout, False, clip)
+    assert out_p[0].requires_grad
+    with pytest.raises(RuntimeError, match="no autograd formula"):
+        out_p[0].sum().backward()
+
+
+@pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")
+def test_a_group_is_reused_only_for_the_same_addresses_and_sizes():
+    """The group cache of calls no plan serves answers by addresses compared in C++ and the params' sizes: the
+    same memory with another size (a view of fewer elements) or other outputs builds another table."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    layout = bnbf.state.Layout("adamw", 32, 256, "fp32", 3)
+    buf, states = torch.zeros(600, device=device), [torch.zeros(600, device=device) for _ in range(2)]
+
+    def group(n, p_out=None, s_out=None):
+        ps, ss = [buf[:n]], [s[:n] for s in states]
+        return bnbf.ops._group(ps, p_out or ps, ss, s_out or ss, layout)
+
+    bnbf.ops._GROUPS.clear()
+    first = group(300)
+    assert group(300) is first
+    smaller = group(200)  # the same addresses, fewer elements
+    assert smaller is not first and smaller.table.tolist() != first.table.tolist()
+    pure = group(300, [torch.empty(300, device=device)], [torch.empty(300, device=device) for _ in states])
+    assert pure is not first and len(bnbf.ops._GROUPS) == 3
+    assert group(300) is first

@@ -372,3 +372,45 @@ def test_the_docstring_examples_run():
 
     failed, tried = doctest.testmod(bnbf.differentiable, extraglobs={"torch": torch, "bnbf": bnbf})
     assert failed == 0 and tried > 0
+
+
+@_plain_only
+def test_max_grad_norm_with_differentiable():
+    """``max_grad_norm`` under ``differentiable=True`` clips (it was once ignored there): the float32 step
+    equals the fused clipped step up to the norm's summation order, and in float64 the derivative through the
+    clipping matches finite differences."""
+    from tolerances import SAME_MATH
+
+    def tuple_clone(tree):
+        return tree_map(lambda t: t.clone(), tree)
+
+    torch.manual_seed(0)
+    params = {"a": torch.randn(3, 5), "b": torch.randn(7)}
+    grads = {"a": torch.randn(3, 5) * 4, "b": torch.randn(7)}
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    hp = {"lr": 0.1, "weight_decay": 0.0}
+    # moments from a first step with other grads: Adam's first step alone does not see the grads' scale
+    _, state = bnbf.update(
+        params, {k: torch.randn_like(g) for k, g in grads.items()}, bnbf.init_state(params, spec), hp, 1
+    )
+    want, _ = bnbf.update(params, grads, state, hp, 2, max_grad_norm=0.5)
+    got, _ = bnbf.update(params, grads, state, hp, 2, max_grad_norm=0.5, differentiable=True)
+    unclipped, _ = bnbf.update(params, grads, state, hp, 2, differentiable=True)
+    inplace = {k: v.clone() for k, v in params.items()}
+    bnbf.update_(inplace, grads, tuple_clone(state), hp, 2, max_grad_norm=0.5, differentiable=True)
+    for k in params:
+        torch.testing.assert_close(got[k], want[k], atol=SAME_MATH.atol, rtol=SAME_MATH.rtol)
+        torch.testing.assert_close(inplace[k], want[k], atol=SAME_MATH.atol, rtol=SAME_MATH.rtol)
+    assert not torch.allclose(got["a"], unclipped["a"], atol=1e-3)  # the clipping took effect
+
+    p64 = {k: v.double() for k, v in params.items()}
+    g64 = {k: v.double() for k, v in grads.items()}
+    s1 = tree_map(lambda t: t.double(), state)  # float32 state built for the float32 params, in float64
+
+    def second_step(ga):  # moments from a first step, so the update is not only the grads' sign
+        out, _ = bnbf.update(p64, {"a": ga, "b": g64["b"]}, s1, hp, 2, max_grad_norm=0.5, differentiable=True)
+        return out["a"]
+
+    assert torch.autograd.gradcheck(second_step, (g64["a"].clone().requires_grad_(),))
+    with pytest.raises(ValueError, match="Invalid max_grad_norm value: -1.0"):
+        bnbf.update(params, grads, state, hp, 1, max_grad_norm=-1.0, differentiable=True)

@@ -12,13 +12,17 @@ from __future__ import annotations
 import pytest
 import torch
 from conftest import DEVICES, triton_mode
+from torch._C._functorch import is_batchedtensor
 from torch.func import functional_call, grad_and_value, stack_module_state
+from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
 import bnbf.kernels.launcher as launcher
 import bnbf.kernels.members as members
 import bnbf.ops
+import bnbf.rules
+from bnbf.plan import _scalars, scalar_row
 
 B = 3
 SCALES = torch.tensor([1e-3, 1.0, 50.0])  # members of very different magnitudes: one shared absmax would show
@@ -81,6 +85,18 @@ def test_vmap_update_equals_a_loop_over_members(rule, bits, dtype, device):
             assert _same((_member(p, b), _member(s, b)), loop[b])
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_vmap_update_of_a_rule_without_state(device):
+    """SGD without momentum keeps no state: the stacked step has params and grads alone, and equals the loop."""
+    p, g = _stack(numels=(1, 257), device=device)
+    spec = bnbf.OptimSpec(rule="sgd", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    assert not tree_leaves(s)
+    got = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.1}, 1))(p, g, s)
+    for b in range(B):
+        assert _same(_member(got, b), bnbf.update(_member(p, b), _member(g, b), _member(s, b), {"lr": 0.1}, 1))
+
+
 def test_vmap_update_in_place_and_per_member_lr():
     p, g = _stack()
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
@@ -120,29 +136,137 @@ def test_vmap_steps_all_members_in_one_call(monkeypatch, device, per_member_lr):
             assert _same(_member(got, b), want)
 
 
-@pytest.mark.skipif(not INTERP and "cuda" not in DEVICES, reason="the Triton path's tables")
+_TRITON_TABLES = pytest.mark.skipif(not INTERP and "cuda" not in DEVICES, reason="the Triton path's tables")
+
+
+@_TRITON_TABLES
 def test_vmap_host_work_does_not_grow_with_members(monkeypatch):
-    """The Triton path builds the launcher's table for one member and for a second (the member strides), never
-    a view per member; a group is cached by the exact addresses its table holds."""
+    """The Triton path builds the launcher's table for member 0 from the stacked tensors (a view per param, for
+    its size), and for members 0 and 1 once per structure (the member strides), never a view per member; a group
+    is cached by the exact addresses its table holds. The batched params and grads reach the step as they are
+    (no batched op per tensor in bnbf.update)."""
     device = "cuda" if "cuda" in DEVICES else "cpu"
-    built = []
+    built, views = [], []
     build = members.build_group
     monkeypatch.setattr(members, "build_group", lambda p_in, *a: (built.append(len(p_in)), build(p_in, *a))[1])
+    member = members._member
+    monkeypatch.setattr(members, "_member", lambda x, b: (views.append(len(x[0])), member(x, b))[1])
     members._GROUPS.clear()
+    members._STRUCTURES.clear()
     p, g = _stack(numels=(257, 300), device=device)
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
     s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
-    torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))(p, g, s)
-    assert built == [2, 2]  # two tensors, whatever the number of members
+    step = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))
+    out = step(p, g, s)
+    assert built == [2] * 3  # member 0 from the stacked tensors, then members 0 and 1 of the new structure
+    assert sum(views) == 2 + 2 * (2 + 2 + 8 + 8)  # the 2 params, then members 0 and 1 of params and 8 state fields
+    built.clear(), views.clear()
+    step(*out[:1], g, out[1])  # new addresses, the same structure: member 0's table alone
+    assert built == [2] and views == [2]
+    built.clear(), views.clear()
     layout = type(s["t257"]).layout
-    stacked = lambda ts: [(t, True) for t in ts]
-    ps, ss = stacked(p.values()), stacked(t for k in p for t in s[k])
+    stacked = lambda ts: (list(ts), (True,) * len(ts))
+    ps, ss = stacked(p.values()), stacked([t for k in p for t in s[k]])
     first = members.stacked_group(ps, ps, ss, ss, layout, B)
     assert members.stacked_group(ps, ps, ss, ss, layout, B) is first  # the same addresses: the cached group
-    other = stacked(t.clone() for t in p.values())
+    other = stacked([t.clone() for t in p.values()])
     assert members.stacked_group(other, other, ss, ss, layout, B) is not first
     assert members.stacked_group(ps, ps, ss, ss, layout, B - 1) is not first
-    assert len(built) == 2 + 2 * 3
+    assert built == [2] * 5  # three new address sets, one of them a new structure (another member count)
+
+
+@_TRITON_TABLES
+@pytest.mark.parametrize("size", [1, 2, 5])
+def test_stacked_group_table_is_the_launchers_table_of_every_member(size):
+    """The table made from member 0 and the member strides equals the launcher's own table of every member's
+    view, row for row (member-major): batched and shared tensors, members apart by more than their size, odd
+    sizes, absent state slots, in place and out of place."""
+    device = "cuda" if "cuda" in DEVICES else "cpu"
+    gen = torch.Generator().manual_seed(size)
+    spec = bnbf.OptimSpec(rule="sgd", min_8bit_size=0)  # momentum kept: one slot of codes and absmax
+    shapes = [(257,), (1,), (20, 15)]
+    batched = (True, False, True)
+    padded = torch.randn(size, 300, generator=gen).to(device)[:, :257]  # members 300 elements apart
+    params = [padded, torch.randn(1, generator=gen).to(device), torch.randn(size, 20, 15, generator=gen).to(device)]
+    states = [bnbf.init_state(torch.zeros(sh, device=device), spec, {"momentum": 0.9}) for sh in shapes]
+    layout = type(states[0]).layout
+    fields = [
+        torch.stack([f] * size) if b else f.clone() for st, b in zip(states, batched) for f in st
+    ]  # stacked states of each batched param, one member's state for the shared one
+    f_batched = tuple(b for st, b in zip(states, batched) for _ in st)
+    outs = [torch.empty((size, *sh), device=device) for sh in shapes]
+    s_outs = [
+        torch.empty(f.shape if b else (size, *f.shape), dtype=f.dtype, device=device) for f, b in zip(fields, f_batched)
+    ]
+    p_in, s_in = (params, batched), (fields, f_batched)
+    for p_out, s_out in (((outs, (True,) * 3), (s_outs, (True,) * len(s_outs))), (p_in, s_in)):
+        members._GROUPS.clear()
+        members._STRUCTURES.clear()
+        group = members.stacked_group(p_in, p_out, s_in, s_out, layout, size)
+        # the launcher's group of the loop over members: every member's view, member-major
+        each = [[t[b] if on else t for b in range(size) for t, on in zip(*x)] for x in (p_in, p_out, s_in, s_out)]
+        want = launcher.build_group(*each, layout)
+        assert torch.equal(group.table.cpu(), want.table.cpu())
+        assert torch.equal(group.tasks.cpu(), want.tasks.cpu()) and torch.equal(group.ranges.cpu(), want.ranges.cpu())
+
+
+class _BatchedOps(TorchFunctionMode):
+    """The torch functions called on a tensor that vmap has batched."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if any(isinstance(a, torch.Tensor) and is_batchedtensor(a) for a in tree_leaves((args, kwargs))):
+            self.names.append(getattr(func, "__name__", repr(func)))
+        return func(*args, **kwargs)
+
+
+def test_vmap_update_makes_no_batched_op_per_tensor():
+    """Under vmap, bnbf.update reads the batched tensors' metadata (the checks) and hands them to the step, which
+    unwraps them: no op on a batched tensor (detach, contiguous... each a trip through torch.func's dispatch)."""
+    p, g = _stack(numels=(1, 257))
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    seen = _BatchedOps()
+
+    def step(q, r, u):
+        with seen:
+            return bnbf.update(q, r, u, {"lr": 0.01}, 1)
+
+    got = torch.vmap(step)(p, g, s)
+    assert seen.names and set(seen.names) <= {"__get__", "is_contiguous"}  # metadata only
+    for b in range(B):
+        assert _same(_member(got, b), bnbf.update(_member(p, b), _member(g, b), _member(s, b), {"lr": 0.01}, 1))
+
+
+@_TRITON_TABLES
+def test_vmap_step_with_a_scalar_row_per_tensor():
+    """The op under vmap with a row of scalars per tensor (bnbf.compose's per-leaf hyperparameters, on the Triton
+    path): each member's tensors take their own tensor's row, as the op called on that member alone gives them."""
+    device = "cuda" if "cuda" in DEVICES else "cpu"
+    p, g = _stack(numels=(257, 300), device=device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    layout = type(s["t257"]).layout
+    rule = bnbf.rules.get_rule("adamw")
+    rows = torch.stack(
+        [
+            scalar_row(_scalars(rule, rule.make_hparams({"lr": lr}), 1, False, 0.0, False)[0], torch.device(device))
+            for lr in (0.1, 1e-3)
+        ]
+    )
+
+    def step(ps, gs, ss):
+        return bnbf.ops.step(ps, gs, ss, rows, layout, False, False)
+
+    fields = lambda tree: [t for k in p for t in tree[k]]
+    got = torch.vmap(step)(list(p.values()), list(g.values()), fields(s))
+    for b in range(B):
+        want = step(list(_member(p, b).values()), list(_member(g, b).values()), fields(_member(s, b)))
+        assert _same(_member(got, b), want)
 
 
 @pytest.mark.parametrize("device", DEVICES)

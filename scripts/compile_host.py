@@ -1,0 +1,155 @@
+"""Where the host time of a compiled in-place step goes: ``torch.compile(fullgraph=True)`` of ``bnbf.update_``
+on GPT-2 small's 148 tensors (8-bit AdamW, 396 state fields), against the eager call, the kernel launch
+stubbed out.
+
+    TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile]
+    python scripts/compile_host.py --cuda        # on a GPU: the same rows (medians), launch stubbed out
+
+On the CPU, ``TRITON_INTERPRET=1`` sends CPU tensors through the custom op's Triton route (address tables,
+cached groups) as CUDA tensors go; the launch is stubbed out, so what is timed is host work only. Rows, in
+microseconds (the minimum over calls on the CPU, a shared machine; medians on a GPU):
+
+- ``eager update_``: the cached plan's step (the bar);
+- ``compiled``: the whole compiled call;
+- ``guards``: the frame's guard check alone (Dynamo's guard manager over the inputs);
+- ``graph``: the compiled graph called directly (AOTAutograd's runtime wrapper, Inductor's code, the op);
+- ``graph, the op's step a no-op``: the same without ``bnbf.ops._run`` (what is left of the op is its
+  dispatch and version bumps);
+- ``frame``: compiled - guards - graph (Dynamo's frame: the transformed bytecode gathering the inputs);
+- ``compiled, no size asserts``: compiled with ``torch._inductor.config.size_asserts = False`` (Inductor
+  checks every input's size and stride at each call by default);
+- ``floor``: ``torch.compile`` of a no-op in-place custom op taking the same tensors (torch's own cost of a
+  graph over these inputs: what bnbf cannot remove).
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import os
+import pstats
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_step as bs  # noqa: E402
+import bnbf  # noqa: E402
+import bnbf.kernels.launcher as launcher  # noqa: E402
+from bnbf import ops  # noqa: E402
+
+P = sys.modules["bnbf.plan"]
+
+
+@torch.library.custom_op("bnbf_compile_host::touch_", mutates_args=("params", "states"))
+def touch_(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[torch.Tensor]) -> None:
+    """The floor's op: the step's tensors in, nothing done."""
+
+
+def stub_launches() -> None:
+    """No kernel runs: the plans' launch (eager) and the op's (compiled) return at once."""
+    nothing = lambda *a, **k: None
+    launcher.launch_group = nothing
+    P.launch_group = nothing
+
+
+def host_us(fn, n: int, cuda: bool) -> float:
+    times = []
+    for i in range(n):
+        t0 = time.perf_counter()
+        fn(i)
+        times.append(time.perf_counter() - t0)
+    if cuda:
+        torch.cuda.synchronize()
+    return (statistics.median(times) if cuda else min(times)) * 1e6
+
+
+def graph_of(fn, call) -> tuple:
+    """The compiled graph of ``fn`` (its frame's ``__compiled_fn``) and the arguments one call passes it."""
+    names = [k for k in fn.__globals__ if k.startswith("__compiled_fn")]
+    assert len(names) == 1, names
+    real, got = fn.__globals__[names[0]], {}
+
+    def spy(*a):
+        got["args"] = a
+        return real(*a)
+
+    fn.__globals__[names[0]] = spy
+    call(0)
+    fn.__globals__[names[0]] = real
+    return real, got["args"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cuda", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="cProfile of the compiled call")
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--dtype", default="bf16")
+    args = ap.parse_args()
+    device = "cuda" if args.cuda else "cpu"
+    if not args.cuda and os.environ.get("TRITON_INTERPRET") != "1":
+        sys.exit("run with TRITON_INTERPRET=1 on the CPU (the Triton route's host work)")
+    stub_launches()
+    params = {n: torch.zeros(s, dtype=bs.DTYPES[args.dtype], device=device) for n, s in bs.SETS["gpt2_124M"]()}
+    grads = {n: torch.zeros_like(v) for n, v in params.items()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    n_state = sum(len(s) for s in state.values())
+    print(f"{device}, torch {torch.__version__}, {len(params)} params, {n_state} state fields, {args.dtype}")
+    lr, t = torch.tensor(1e-3, device=device), torch.tensor(1, device=device)
+    rows = {}
+    hp = {"lr": 1e-3, "weight_decay": 0.01}
+    rows["eager update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1), args.calls, args.cuda)
+
+    def step(params, grads, state, lr, i):
+        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+    compiled = torch.compile(step, fullgraph=True)
+    call = lambda i: compiled(params, grads, state, lr, t)
+    call(0)  # compiles
+    rows["compiled"] = host_us(call, args.calls, args.cuda)
+    from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    (entry,) = _debug_get_cache_entry_list(step.__code__)
+    f_locals = {"params": params, "grads": grads, "state": state, "lr": lr, "i": t}
+    assert entry.guard_manager.check(f_locals)
+    rows["guards"] = host_us(lambda i: entry.guard_manager.check(f_locals), args.calls, args.cuda)
+    graph, graph_args = graph_of(step, call)
+    print(f"the graph takes {len(graph_args)} inputs")
+    rows["graph"] = host_us(lambda i: graph(*graph_args), args.calls, args.cuda)
+    run, ops._run = ops._run, lambda *a: None
+    rows["graph, the op's step a no-op"] = host_us(lambda i: graph(*graph_args), args.calls, args.cuda)
+    ops._run = run
+    rows["frame (compiled - guards - graph)"] = rows["compiled"] - rows["guards"] - rows["graph"]
+
+    def step2(params, grads, state, lr, i):  # another code object: a compile of its own
+        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+
+    unchecked = torch.compile(step2, fullgraph=True, options={"size_asserts": False})
+    unchecked(params, grads, state, lr, t)
+    rows["compiled, no size asserts"] = host_us(lambda i: unchecked(params, grads, state, lr, t), args.calls, args.cuda)
+
+    def floor(params, grads, state):
+        states = [f for s in state.values() for f in s]
+        touch_(list(params.values()), list(grads.values()), states)
+
+    floored = torch.compile(floor, fullgraph=True)
+    floored(params, grads, state)
+    rows["a no-op custom op (torch.library) over the same tensors, compiled"] = host_us(
+        lambda i: floored(params, grads, state), args.calls, args.cuda
+    )
+    for k, v in rows.items():
+        print(f"| {k} | {v:.0f} us |")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(50):
+            call(i)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+if __name__ == "__main__":
+    main()
