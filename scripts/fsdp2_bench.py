@@ -8,7 +8,8 @@ bytes measured in the same run. Prints one JSON line per optimizer (rank 0) with
     python scripts/fsdp2_bench.py --world 2 --device cpu --tiny  # the same on CPU with gloo, tiny model
     torchrun --nproc_per_node 2 scripts/fsdp2_bench.py         # or under torchrun
 
-bnbf's step is :func:`bnbf.distributed.update_` on the FSDP2 params (their local shards, one core call).
+bnbf's step: ``bnbf`` through a :func:`bnbf.distributed.plan` (checked once), ``bnbf_update_`` through
+:func:`bnbf.distributed.update_` (checked every call), ``bnbf_nn`` as ``bnbf_nn.AdamW8bit``.
 """
 
 from __future__ import annotations
@@ -100,20 +101,30 @@ class Optim:
             from torchao.optim import AdamW8bit
 
             self.opt = AdamW8bit(self.params.values(), lr=lr, weight_decay=0.01)
+        elif kind == "bnbf_nn":
+            import bnbf_nn
+
+            self.opt = bnbf_nn.AdamW8bit(self.params.values(), lr=lr, weight_decay=0.01)
         else:
             self.state = bd.init_state(self.params, bnbf.OptimSpec(rule="adamw"), self.hp)
+            # "bnbf": a plan checked once, as an optimizer holding its params keeps one; "bnbf_update_": the
+            # functional bd.update_, which checks every leaf each call
+            self.plan = bd.plan(self.params, self.state) if kind == "bnbf" else None
 
     def step(self) -> None:
         self.t += 1
-        if self.kind in ("torch", "torchao"):
+        if self.kind in ("torch", "torchao", "bnbf_nn"):
             self.opt.step()
         else:
             grads = {k: p.grad for k, p in self.params.items()}
-            bd.update_(self.params, grads, self.state, self.hp, self.t)
+            if self.plan is not None:
+                self.plan.step(grads, self.hp, self.t)
+            else:
+                bd.update_(self.params, grads, self.state, self.hp, self.t)
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds."""
-        if self.kind == "bnbf":
+        if self.kind in ("bnbf", "bnbf_update_"):
             return sum(t.to_local().numel() * t.element_size() for s in self.state.values() for t in s)
         total = 0
         for st in self.opt.state.values():
@@ -140,7 +151,7 @@ def run(rank: int, world: int, args) -> None:
     from torch.distributed.fsdp import fully_shard
 
     cfg = TINY if args.tiny else GPT2_SMALL
-    kinds = ["torch", "bnbf"] + (["torchao"] if args.torchao else [])
+    kinds = ["torch", "bnbf", "bnbf_update_", "bnbf_nn"] + (["torchao"] if args.torchao else [])
     for kind in kinds:
         torch.manual_seed(0)
         model = GPT(**cfg).to(device=device, dtype=torch.float32)
