@@ -532,9 +532,6 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
     if device == "cuda":
         DEVICE = torch.device("cuda", rank)
         torch.cuda.set_device(DEVICE)
-    elif device == "shared-cuda":  # both ranks on one GPU: nccl refuses that, gloo copies through the host
-        DEVICE = torch.device("cuda", 0)
-        torch.cuda.set_device(DEVICE)
     if conftest.triton_mode() and os.environ.get("BNBF_TEST_PLAIN_INTERPRETER", "0") in ("", "0"):
         conftest._patch_lang_once_per_launch()
     backend = "nccl" if device == "cuda" else "gloo"
@@ -543,7 +540,7 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
         init_method=f"file://{os.path.join(out, 'store')}",
         rank=rank,
         world_size=WORLD,
-        device_id=DEVICE if backend == "nccl" else None,
+        device_id=DEVICE if device == "cuda" else None,
         # a rank that fails mid-scenario leaves its peer in a collective: an error after this, not a 30-minute hang
         timeout=datetime.timedelta(seconds=180),
     )
@@ -604,24 +601,9 @@ def results_gpu():
     return _spawn("cuda")
 
 
-@pytest.fixture(scope="module")
-def results_shared_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    return _spawn("shared-cuda")
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(results, name):
     _report(results, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_scenario_one_gpu_two_ranks(results_shared_gpu, name):
-    """The same with both gloo ranks on one GPU: the compiled Triton kernels on CUDA shards where only one GPU
-    is there (the collectives go through the host; nothing here measures speed)."""
-    _report(results_shared_gpu, name)
 
 
 @pytest.mark.gpu

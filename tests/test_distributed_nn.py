@@ -437,23 +437,9 @@ def results_gpu():
     return td._spawn("cuda", __name__)
 
 
-@pytest.fixture(scope="module")
-def results_shared_gpu():
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
-    return td._spawn("shared-cuda", __name__)
-
-
 @pytest.mark.parametrize("name", list(SCENARIOS))
 def test_scenario(results, name):
     td._report(results, name)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", list(SCENARIOS))
-def test_scenario_one_gpu_two_ranks(results_shared_gpu, name):
-    """The same with both gloo ranks on one GPU (see tests/test_distributed.py)."""
-    td._report(results_shared_gpu, name)
 
 
 @pytest.mark.gpu
