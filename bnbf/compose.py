@@ -1213,7 +1213,9 @@ def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
     :func:`_clipping`: the step scales each grad by the coefficient as it loads it, in the norm pass too (LAMB,
     LARS, ``max_unorm``), and no clipped copy is written. The total norm is ``torch._foreach_norm`` per (device,
     dtype) and the norm of those norms, as torch computes it, so the coefficient has torch's bits; for float32
-    grads the step sees the very products torch's clipped copies hold (tested bit for bit), for 16-bit grads
+    grads the step sees the very products torch's clipped copies hold (the whole step tested bit for bit on the
+    reference path and the interpreter; compiled kernels contract the rule's multiply-adds into FMAs per kernel
+    variant, so there the results may differ from the clipped copies' by an ulp), for 16-bit grads
     the unrounded float32 products (closer to exact arithmetic than a 16-bit clipped copy). Cost over the
     unclipped step: one read of the grads (the norms) and two small ops (the norm of the norms); the kernel
     computes the coefficient from the total, torch's arithmetic op by op. A 0-d tensor ``max_grad_norm`` takes

@@ -74,7 +74,7 @@ def summary(times: list) -> float:
     return min(times) if CPU else statistics.median(times)
 
 
-def _grads_only(group, grads, hp, skip_zeros=False, clip=False) -> bool:
+def _grads_only(group, grads, hp, skip_zeros=False, clip=False, grads_placed=False) -> bool:
     """launch_group without the launch: the grads' address comparison it makes before every launch (the
     group is left as it is, so a real launch after this one uploads what it needs)."""
     if NATIVE is not None:

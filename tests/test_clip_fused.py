@@ -20,7 +20,16 @@ import math
 import pytest
 import torch
 from conftest import assert_untouched, kernel_runs, snapshot
-from tolerances import SAME_MATH, STATE32, assert_close_report, assert_equal_report
+from tolerances import (
+    CONTRACTION_ULPS,
+    KERNEL_VS_REFERENCE_CODES,
+    SAME_MATH,
+    STATE32,
+    assert_close_report,
+    assert_equal_report,
+    codes_differ,
+    half_ulp,
+)
 from torch.utils._pytree import tree_leaves
 
 import bnbf
@@ -57,8 +66,19 @@ def _clones(params, state):
 
 
 def _eq(got, want, what):
+    """The same bits on the reference path and under the interpreter. Compiled kernels (CUDA) contract the rule's
+    multiply-adds into FMAs as the compiler chooses for each variant, and the clipped step is another variant
+    than the unclipped one: there float tensors agree within CONTRACTION_ULPS float32 ulps of their largest
+    value and 8-bit codes within KERNEL_VS_REFERENCE_CODES (seen on the H200: 1 ulp)."""
     for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves(want), strict=True)):
-        assert_equal_report(a, b, f"{what} (leaf {i})")
+        if a.device.type != "cuda":
+            assert_equal_report(a, b, f"{what} (leaf {i})")
+        elif a.dtype == torch.uint8:
+            codes_differ(a, b, KERNEL_VS_REFERENCE_CODES, f"{what} (leaf {i})")
+        else:
+            scale = b.float().abs().max() if b.numel() else torch.tensor(0.0)
+            atol = CONTRACTION_ULPS * 2 * float(half_ulp(scale, torch.float32))
+            assert_close_report(a.float(), b.float(), atol=atol, rtol=0.0, what=f"{what} (leaf {i})")
 
 
 _SPEC = lambda rule, bits=8: bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=256)
