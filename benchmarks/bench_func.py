@@ -22,6 +22,9 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand;
+- ``clip``: ``bnbf.update_(..., max_grad_norm=1.0)`` (the clipping inside the step; bytes: the step's plus
+  one read of the grads for their norm), against the unclipped step and ``torch.nn.utils.clip_grad_norm_``
+  (foreach, in place) followed by the step;
 - ``paged``: ``bnbf_nn.PagedAdamW8bit`` against ``bnbf_nn.AdamW8bit`` (state fits on the GPU), and
   bitsandbytes' pair when importable (``PYTHONPATH=.peers/site``); also the device memory left after
   ``del optimizer``.
@@ -56,7 +59,7 @@ import bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
-ROWS = ("eager", "compile", "graph", "vmap", "paged", "mixed")
+ROWS = ("eager", "compile", "graph", "vmap", "paged", "mixed", "clip")
 MEMBERS = 8
 
 
@@ -309,6 +312,29 @@ def row_mixed(ctx) -> dict:
         "ms": ms,
         "bytes": bs.model_bytes(lion_shapes, ctx.dtype, "8bit", 1) + bs.model_bytes(adamw_shapes, ctx.dtype, "8bit"),
         "note": f"three update_ calls on the same partition: {three_ms:.3f} ms",
+    }
+
+
+def row_clip(ctx) -> dict:
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    ms = median_ms(
+        ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i, max_grad_norm=1.0), ctx.warmup, ctx.steps
+    )
+    plain_ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
+    gs = list(grads.values())
+
+    def clip_first(i: int) -> None:  # torch's clipping in place, then the step: what the fused option replaces
+        torch.nn.utils.clip_grad_norm_(gs, 1.0, foreach=True)
+        bnbf.update_(params, grads, state, HP, i)
+
+    torch_ms = median_ms(ctx.device, clip_first, ctx.warmup, ctx.steps)
+    grad_bytes = sum(g.numel() * g.element_size() for g in gs)
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit") + grad_bytes,  # the step plus one read of the grads
+        "note": f"update_(max_grad_norm=1.0); unclipped {plain_ms:.3f} ms; torch.nn.utils.clip_grad_norm_ "
+        f"(foreach, in place) then update_ {torch_ms:.3f} ms",
     }
 
 
