@@ -25,6 +25,7 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
@@ -43,6 +44,7 @@ import bnbf
 from bnbf import ops
 from bnbf._dispatch import use_triton
 from bnbf._host_checks import (
+    NATIVE,
     _check_grad,
     _check_present,
     _check_step,
@@ -728,6 +730,7 @@ class _Partition:
     form: str  # "callable" or "by_rule"
     rules: tuple[str, ...]  # the by-rule form: the leaves' rules, each once
     raw_ids: tuple[int, ...]  # id of each leaf's hyperparameter object as given (by-rule: of each rule's)
+    raw_packed: bytes  # the callable form: (id, id of type) of each leaf's object, native uint64 (one C-level pass)
     firsts: tuple[int, ...]  # the callable form: the first leaf of each distinct object
     content: tuple  # the items of each distinct object's mapping (by-rule: each rule's), schedules evaluated
     refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
@@ -783,7 +786,10 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
             _Unit(_pick(idx), names, ("dict", names), [h for h, _ in sets], _set_of(sets, idx), weakref.ref(plan))
         )
     ps, ss = parts.params, parts.states
-    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, firsts, content, refuses, kept)
+    packed = b""
+    if parts.form == "callable":
+        packed = array.array("Q", itertools.chain.from_iterable((id(h), id(type(h))) for h in parts.raw)).tobytes()
+    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
     with _CHECKED_LOCK:
         _PARTITIONS[key] = entry
@@ -801,22 +807,28 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     False, with nothing written, on any difference: the caller then splits the call afresh."""
     if type(params) is not dict or type(grads) is not dict or type(state) is not dict or not params:
         return False
-    ps, ss = list(params.values()), list(state.values())
-    if len(ss) != len(ps):
+    if len(state) != len(params):
         return False
-    entry = _PARTITIONS.get((id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps)))
+    pv, sv = params.values(), state.values()
+    entry = _PARTITIONS.get(
+        (id(next(iter(pv))), id(next(reversed(pv))), id(next(iter(sv))), id(next(reversed(sv))), len(pv))
+    )
     if entry is None or isinstance(opts["max_unorm"], Tensor):
         return False
     if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
         return False
     keys = entry.keys
-    if tuple(params) != keys or state.keys() != params.keys() or grads.keys() != params.keys():
+    ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
+    if ps is None or ss is None or gs is None:
         return False
     if entry.form == "callable":
         if not callable(hparams) or isinstance(hparams, Mapping) or dataclasses.is_dataclass(hparams):
             return False
         raw = list(map(hparams, keys, ps))
-        if tuple(map(id, raw)) != entry.raw_ids:
+        if NATIVE is not None:  # the same objects (their ids and types) in one C-level pass
+            if not NATIVE.same_objects(raw, entry.raw_packed):
+                return False
+        elif tuple(map(id, raw)) != entry.raw_ids:
             return False
         distinct = [raw[i] for i in entry.firsts]
     else:
@@ -826,7 +838,9 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
         if tuple(map(id, distinct)) != entry.raw_ids:
             return False
     r = _Resolver(step)
-    if tuple(_plain_items(r.mapping(h)) for h in distinct) != entry.content:
+    # a dict of plain numbers is its own resolved form: the schedules' scan only for the others
+    content = tuple(_plain_items(h) or _plain_items(r.mapping(h)) for h in distinct)
+    if content != entry.content:
         return False
     max_unorm = opts["max_unorm"]
     if entry.refuses_max_unorm is not None and max_unorm > 0:
@@ -845,12 +859,20 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
         return False
     runs = []
     for plan, u, (ps_u, ss_u) in zip(plans, entry.units, picked):
-        gs_u = dict(zip(u.names, map(grads.__getitem__, u.names)))
-        # the grads' dict also stands for the params' tree, which only names the leaves in a grad's error
-        runs.append(plan._prepare_sets(ps_u, ss_u, gs_u, gs_u, u.sets, u.set_of, step, **opts))
+        # the grads in the plan's leaf order (a dict of its keys is made only for a bad grad's error)
+        runs.append(plan._prepare_sets(ps_u, ss_u, None, list(u.pick(gs)), u.sets, u.set_of, step, **opts))
     for run in runs:
         run()
     return True
+
+
+def _values_of(tree: dict, keys: tuple) -> list | None:
+    """The values of ``tree``, a dict, in order where its keys are ``keys`` in that order, else None."""
+    if NATIVE is not None:
+        values = NATIVE.values_if_keys(tree, keys)  # None also where a key is an equal string, not the same object
+        if values is not None:
+            return values
+    return list(tree.values()) if tuple(tree) == keys else None
 
 
 # sets of plans whose leaves were found not to share memory between plans: weak references to the plans (a plan

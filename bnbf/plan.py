@@ -167,6 +167,9 @@ class Plan:
         # the dither's first block of each param (shards of larger tensors, bnbf.distributed), baked into the tables
         self._first_blocks = first_blocks_of(params) if self._direct else None
         self._set_index: dict = {}  # per-leaf hyperparameters: set assignment -> per group row indices
+        # per-leaf hyperparameters of plain numbers: set assignment -> [per device how its rows are laid out,
+        # the sets' float32 rows last made, the groups' rows made from them (ours only: no caller's tensor)]
+        self._set_layout: dict = {}
         self._checked_sets = None  # the last (assignment, kept-slot masks) whose states were found to match
         self._cuda = False
         if not self._direct:
@@ -361,17 +364,20 @@ class Plan:
         else:
             self._launch(grads, at, rows, skip_zeros, clip)
 
-    def _grads(self, params: list, states: list, tree: Any, grad: Any) -> tuple[list, Any]:
+    def _grads(self, params: list, states: list, tree: Any, grad: Any, listed: bool = False) -> tuple[list, Any]:
         """The grads as a list in leaf order, checked (the precise error for a bad one), and whether they are
         where the grad-address tables have them (:meth:`_grad_tables`' ``at``); also where the tables must be
         built again because the dither's first blocks changed (a shard stepped outside or inside
-        bnbf.distributed's context)."""
+        bnbf.distributed's context). ``listed``: ``grad`` is a list of a flat dict plan's grads in its keys' order
+        (bnbf.compose's, which took them from a dict of these keys; ``tree`` may then be None)."""
         if (self._first_blocks is not None or FIRST_BLOCKS.get() is not None) and first_blocks_of(
             params
         ) != self._first_blocks:
             self._setup(params, states, self._spec)
         t = type(grad)
-        if t is dict:
+        if listed:
+            grads, g_spec = grad, self._spec
+        elif t is dict:
             # a dict with the planned keys: its values without building the key tuple (one compiled call)
             grads = NATIVE.values_if_keys(grad, self._keys) if NATIVE is not None and self._keys else None
             if grads is not None:
@@ -391,6 +397,9 @@ class Plan:
         else:
             at = None if self._grads_fit(grads, params) else False
         if at is False:
+            if listed:  # the dict the grads came from, for the precise error
+                grad = dict(zip(self._keys, grad))
+                tree = grad if tree is None else tree
             return self._checked_grads(params, tree, grad), None
         return grads, at
 
@@ -412,12 +421,14 @@ class Plan:
         hyperparameters (its dataclass) of each set, ``set_of[i]`` the set of leaf ``i``. Everything is checked
         here, nothing is written until the returned function runs (bnbf.compose checks every rule of a call
         before it steps the first). The launches are those of one set: each tensor reads its own row of scalars
-        (the kernel's HP_PER_TENSOR), made on the host and uploaded once per group where the hyperparameters are
-        numbers, on the device where some are 0-d tensors; bit for bit one call per set. One set takes
-        :meth:`step`'s scalars (kernel arguments). For params on the direct path (a plan from :func:`_cached`
-        or :func:`plan` that is ``_direct``), eager and not captured, with hyperparameters no derivative is
-        asked through (bnbf.compose checks)."""
-        grads, at = self._grads(params, states, tree, grad)
+        (the kernel's HP_PER_TENSOR), made on the host and uploaded in one copy per device where the
+        hyperparameters are numbers (:meth:`_number_rows`), on the device where some are 0-d tensors; bit for
+        bit one call per set. One set takes :meth:`step`'s scalars (kernel arguments). For params on the direct
+        path (a plan from :func:`_cached` or :func:`plan` that is ``_direct``), eager and not captured, with
+        hyperparameters no derivative is asked through (bnbf.compose checks). ``grad`` may be a list in leaf
+        order where the plan is for a flat dict (``tree`` then None: the names are the plan's keys)."""
+        listed = type(grad) is list and self._keys is not None and len(grad) == self._n
+        grads, at = self._grads(params, states, tree, grad, listed)
         checked_at = self._grad_at
         rule = self.rule
         wants = tuple(present_mask(rule, h) for h in sets)
@@ -443,7 +454,10 @@ class Plan:
                     rows = {d: scalar_row(v, d) for d in self._devices}
             for pick, group in self.groups:
                 launches.append((group, grads if pick is None else pick(grads), rows[group.device]))
-        else:
+        elif all(set(map(type, v)) <= _NUMBERS for v in values):
+            for (pick, group), rows in zip(self.groups, self._number_rows(set_of, values)):
+                launches.append((group, grads if pick is None else pick(grads), rows))
+        else:  # some 0-d tensors: the rows made and picked on the device (no host synchronisation)
             index = self._set_index.get(set_of)
             if index is None:  # per group: the set of each of its tensors, on the host and on its device
                 if len(self._set_index) >= 4:
@@ -471,6 +485,45 @@ class Plan:
                     launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
 
         return run
+
+    def _number_rows(self, set_of: tuple, values: list) -> list:
+        """Each group's [tensors, k] float32 rows of scalars on its device, where every set's scalars are
+        numbers: the sets' rows packed once (float64 rounded once to float32, as a kernel argument is), every
+        group's rows of a device picked from them in one host op and uploaded in one copy, each group a view
+        from a 16-byte aligned row. The last result per assignment is kept with the exact float32 bits it was
+        made from (a changed value, -0.0 for 0.0 included, misses): a call with the same values (the same step
+        again) uploads nothing. Training steps change the bias corrections and the rounding's seed, so there
+        the cost is one pick and one copy per device."""
+        k = len(values[0])
+        packed = array.array("f", [float(x) for v in values for x in v]).tobytes()
+        layout = self._set_layout.get(set_of)
+        if layout is None:
+            if len(self._set_layout) >= 4:
+                self._set_layout.clear()
+            layout = self._set_layout[set_of] = [self._rows_layout(set_of, k), None, None]
+        elif layout[1] == packed:
+            return layout[2]
+        table = torch.frombuffer(bytearray(packed), dtype=torch.float32).view(len(values), k)
+        out: list = [None] * len(self.groups)
+        for device, index, views in layout[0]:
+            rows = _to_device(table.index_select(0, index), device)
+            for g, start, n in views:
+                out[g] = rows[start : start + n]
+        layout[1:] = packed, out
+        return out
+
+    def _rows_layout(self, set_of: tuple, k: int) -> list:
+        """For :meth:`_number_rows`: per device (device, the set of each row as a host index, each group's
+        (index, first row, rows)); a group starts at a 16-byte aligned row (padding rows repeat set 0)."""
+        by_device: dict = {}
+        for g, (pick, group) in enumerate(self.groups):
+            order, views = by_device.setdefault(group.device, ([], []))
+            while len(order) * k % 4:
+                order.append(0)
+            mine = set_of if pick is None else pick(set_of)
+            views.append((g, len(order), len(mine)))
+            order.extend(mine)
+        return [(d, torch.tensor(order, dtype=torch.int64), views) for d, (order, views) in by_device.items()]
 
     def _check_capture(self, grads: list, h: Any, step: Any) -> None:
         """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read

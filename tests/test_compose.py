@@ -600,3 +600,53 @@ def test_kept_partition_refuses_what_the_split_refuses_and_holds_no_tensor(devic
     del params, state, grads
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+def test_kept_scalar_rows_follow_every_value(device, monkeypatch):
+    """Per-leaf hyperparameter sets take a row of scalars per tensor, uploaded once per device for all of a
+    rule's groups (here 8-bit and 32-bit AdamW states: two groups) and kept by the plan with the float32 bits
+    they were made from: the same call again uploads nothing, and an lr changed in place (within one step or
+    with a new one) is seen at once; each call bit for bit the separate calls."""
+    import sys
+
+    torch.manual_seed(5)
+    shapes = {"w": (20, 15), "b": (257,), "one": (1,), "odd": (255,), "e": (9, 7)}
+    params = {k: torch.randn(s).to(device) for k, s in shapes.items()}
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path == "e" else "adamw", min_8bit_size=256)
+    decay, no_decay, lion = {"lr": 1e-2, "weight_decay": 0.1}, {"lr": 1e-2, "weight_decay": 0.0}, {"lr": 1e-3}
+    hp = lambda path, p: lion if path == "e" else decay if p.ndim > 1 or path == "odd" else no_decay
+    state = compose.init_state(params, spec)
+    plan_mod = sys.modules["bnbf.plan"]
+    uploads = []
+    real = plan_mod._to_device
+    monkeypatch.setattr(plan_mod, "_to_device", lambda t, d: uploads.append(tuple(t.shape)) or real(t, d))
+    triton = bnbf._dispatch.use_triton(params["w"])
+
+    def check(step, change, want_uploads):
+        change()
+        grads = _grads(params)
+        want = _separate(params, grads, state, lambda k: hp(k, params[k]), step)
+        uploads.clear()
+        compose.update_(params, grads, state, hp, step)
+        _eq_tree(params, want[0], f"step {step}: params")
+        _eq_tree(state, want[1], f"step {step}: states")
+        if triton:  # adamw's four leaves, each group from a 16-byte aligned row: one copy per device
+            assert len(uploads) == want_uploads, f"step {step}: {uploads}"
+            assert all(n >= 4 for n, _ in uploads)
+
+    check(1, lambda: None, 1)
+    check(1, lambda: None, 0)  # the same values again: the kept rows
+    check(1, lambda: decay.update(lr=5e-3), 1)  # a value changed in place within the step
+    check(2, lambda: None, 1)  # a new step: new bias corrections and seed
+    check(2, lambda: no_decay.update(lr=2e-2), 1)
+    check(3, lambda: lion.update(lr=2e-3), 1)  # lion's own set (kernel arguments) changed, adamw's rows new too
+    if not triton:
+        return
+    # the key is the float32 bits: -0.0 is not 0.0, and a row's value is never stale
+    plan = bnbf.plan({k: params[k] for k in ("w", "b")}, {k: state[k] for k in ("w", "b")})
+    v0, v1 = (0.5, 0.0, 1.0), (0.25, 0.0, 1.0)
+    first = plan._number_rows((0, 1), [v0, v1])
+    assert plan._number_rows((0, 1), [v0, v1]) is first
+    neg = plan._number_rows((0, 1), [v0, (0.25, -0.0, 1.0)])
+    assert neg is not first and torch.signbit(neg[0][1, 1]) and not torch.signbit(first[0][1, 1])
+    assert plan._number_rows((1, 0), [v0, v1])[0].tolist() == [list(v1), list(v0)]
