@@ -7,6 +7,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from torch.utils import _pytree as pytree
 from bnbf import ops
 from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import (
+    NATIVE,
     MixedRulesError,
     _check_param,
     _fast_leaves,
@@ -30,7 +32,15 @@ from bnbf._host_checks import (
 )
 from bnbf.differentiable import update as differentiable_update
 from bnbf.differentiable import update_ as differentiable_update_
-from bnbf.plan import _PLANS, _cached, _scalars, _step_generic, scalar_row  # noqa: F401 - _PLANS: tests read update_'s cache
+from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
+    _DEAD,
+    _PLANS,
+    _cached,
+    _drop_dead,
+    _scalars,
+    _step_generic,
+    scalar_row,
+)
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
 from bnbf.state import Layout, OptimSpec, is_state, new_state
@@ -217,10 +227,25 @@ def update_(
 ) -> tuple[Any, Any]:
     """The same step as :func:`update`, written into ``param`` and ``state`` in place.
 
-    Returns ``(param, state)`` (the same objects) for symmetry with :func:`update`. Repeated calls on the
-    same params and states step through one :class:`bnbf.plan.Plan`, kept in a small cache that holds no
-    tensor alive (a plan whose tensor is freed is dropped); a loop that owns its params and states can hold
-    the plan itself (:func:`bnbf.plan`) and skip the cache's lookup.
+    Args:
+        param, grad, state, hparams, step: as for :func:`update`; ``param`` and ``state`` are written.
+        skip_zeros, max_unorm, maximize, differentiable, max_grad_norm: as for :func:`update` (see below).
+
+    Returns:
+        ``(param, state)`` (the same objects) for symmetry with :func:`update`.
+
+    Repeated calls on the same params and states step through one :class:`bnbf.plan.Plan`, kept in a small
+    cache that holds no tensor alive (a plan whose tensor is freed is dropped); the same param and state
+    containers (dicts, lists) passed again find their plan directly, their contents confirmed on every call
+    (the keys, the very param and state objects, their memory): a container changed in place steps as a fresh
+    call. A loop that owns its params and states can hold the plan itself (:func:`bnbf.plan`).
+
+    Example:
+        >>> p = {"w": torch.ones(3)}
+        >>> s = init_state(p, OptimSpec(rule="adamw", state_bits=32))
+        >>> _ = update_(p, {"w": torch.ones(3)}, s, {"lr": 0.1, "weight_decay": 0.0}, step=1)
+        >>> p["w"]
+        tensor([0.9000, 0.9000, 0.9000])
 
     ``differentiable=True`` has torch.optim's meaning (:func:`bnbf.differentiable.update_`): the step of
     ``update(..., differentiable=True)`` written into the params and states with ``copy_``, which autograd
@@ -246,6 +271,11 @@ def update_(
     if max_grad_norm is not None or not _shared(hparams):
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
+    if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
+        hit = _last_plan(param, state)
+        if hit is not None:
+            hit[0]._step(hit[1], hit[2], param, grad, hparams, step, skip_zeros, max_unorm, maximize)
+            return param, state
     # flat dicts and lists without a type check of each leaf: a cached plan confirms its params and states
     # (the same objects, at their planned addresses), a new plan checks them, the step checks the grads
     params, spec = _fast_leaves(param)
@@ -264,7 +294,57 @@ def update_(
             return _compose().update_(param, grad, state, hparams, step, **opts)
     else:
         found._step(params, states, param, grad, hparams, step, skip_zeros, max_unorm, maximize)
+        if len(_LAST) >= _LAST_SIZE:
+            _LAST.clear()  # containers made anew each call (their ids are dead keys): start over
+        _LAST[id(param), id(state)] = weakref.ref(found)
     return param, state
+
+
+# update_'s last plan per (param container, state container), by their ids: a weak reference to the plan that
+# bnbf.plan's cache owns (the plan itself holds no tensor). An id is only where to look: every call confirms
+# the containers' contents against the plan (_last_plan), so a mutated or reused container is never trusted.
+_LAST: dict = {}
+_LAST_SIZE = 64
+
+
+def _last_plan(param: Any, state: Any) -> tuple | None:
+    """``(plan, params, states)`` where the plan of update_'s last call with these containers is theirs now: the
+    same keys in order (a flat dict) or length (a list or tuple), the very param and state objects (their ids
+    and types, in C), at their planned addresses, shapes and dtypes; else None (``update_``'s full lookup).
+    This skips building two leaf lists and key tuples and the cache's id key, the lookup's own cost."""
+    ref = _LAST.get((id(param), id(state)))
+    if ref is None:
+        return None
+    found = ref()
+    if found is None or not found.alive:
+        return None
+    t = type(param)
+    if t is dict:
+        keys = found._keys
+        if NATIVE is None or keys is None:
+            return None
+        params, states = NATIVE.values_if_keys(param, keys), NATIVE.values_if_keys(state, keys)
+        if params is None or states is None:
+            return None
+    elif t is list or t is tuple:
+        if type(state) is not t or found._spec != (t, len(param)) or len(state) != len(param):
+            return None
+        params, states = param, state
+    elif found._spec == "leaf":
+        params, states = [param], [state]
+    else:
+        return None
+    if _DEAD:
+        _drop_dead()
+    if not (found._same(params, states) and found._confirm(params, states)):
+        return None
+    # the most recently used in the cache that owns it (as update_'s full lookup leaves it), so that other
+    # plans made meanwhile evict idle plans first; one C call (KeyError: evicted by another thread just now)
+    try:  # noqa: SIM105 - contextlib.suppress costs a context manager per call
+        _PLANS.move_to_end((id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params)))
+    except KeyError:
+        pass
+    return found, params, states
 
 
 def dequantize_state(state: Any) -> Any:

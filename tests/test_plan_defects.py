@@ -329,3 +329,164 @@ def test_the_same_tensors_in_another_container_step_as_that_container(device):
         twin, twin_st = bnbf.update(twin, gs, twin_st, {"lr": 1e-3}, t)
         for k in ps:
             assert torch.equal(ps[k], twin[k]), (t, k)
+
+
+# ---- 6. update_ called again with the same containers ---------------------------------------------------
+# update_ remembers, per (param container, state container) id, the plan its last call stepped them with and
+# confirms the containers' contents against it on every call: a container changed in place, or a new one at a
+# freed one's address, steps as a fresh call would.
+
+
+def _copies(params, states, grads):
+    """``(params, grads, states)`` for the pure step on copies (the expected result)."""
+    if isinstance(params, dict):
+        states = {k: type(s)(*(t.clone() for t in s)) for k, s in states.items()}
+        return {k: v.clone() for k, v in params.items()}, grads, states
+    return [v.clone() for v in params], grads, [type(s)(*(t.clone() for t in s)) for s in states]
+
+
+def _assert_stepped_as(params, states, want_p, want_s):
+    pairs = zip(params.values(), want_p.values()) if isinstance(params, dict) else zip(params, want_p)
+    for a, b in pairs:
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    pairs = zip(states.values(), want_s.values()) if isinstance(states, dict) else zip(states, want_s)
+    for s, w in pairs:
+        for a, b in zip(s, w):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@plan_path
+def test_the_same_containers_again_skip_the_cache_lookup(monkeypatch):
+    params = {"w": torch.randn(300), "b": torch.randn(8)}
+    state = bnbf.init_state(params, SPEC8)
+    calls = []
+    real = F._cached
+    monkeypatch.setattr(F, "_cached", lambda *a: calls.append(1) or real(*a))
+    for step in range(1, 4):
+        bnbf.update_(params, {k: torch.randn(v.shape) for k, v in params.items()}, state, HP, step)
+    assert len(calls) == 1
+
+
+def _mutate(kind: str, params, states):
+    """Change the containers in place; returns the tensor taken out (which must stay as it is), or None."""
+    keys = list(params) if isinstance(params, dict) else list(range(len(params)))
+    k = keys[0]
+    if kind == "param replaced":  # same shape: the state still fits, the new tensor must be the one stepped
+        old, params[k] = params[k], torch.randn(params[k].shape)
+        return old
+    if kind == "state replaced":
+        states[k] = bnbf.init_state(params[k], SPEC8)
+        return None
+    if kind == "reordered":  # the same leaves, another key order
+        params[k], states[k] = params.pop(k), states.pop(k)
+        return None
+    if kind == "added":
+        new = torch.randn(260)
+        if isinstance(params, dict):
+            params["new"], states["new"] = new, bnbf.init_state(new, SPEC8)
+        else:
+            params.append(new)
+            states.append(bnbf.init_state(new, SPEC8))
+        return None
+    assert kind == "removed"
+    old = params.pop(keys[-1])
+    states.pop(keys[-1])
+    return old
+
+
+@pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
+@pytest.mark.parametrize("kind", ["param replaced", "state replaced", "reordered", "added", "removed"])
+def test_containers_changed_in_place_step_as_a_fresh_call(as_dict, kind):
+    if kind == "reordered" and not as_dict:
+        pytest.skip("a list has no keys to reorder")
+    gen = torch.Generator().manual_seed(3)
+    tensors = [torch.randn(300, generator=gen), torch.randn(8, generator=gen), torch.randn(257, generator=gen)]
+    params = dict(zip("abc", tensors)) if as_dict else tensors
+    states = bnbf.init_state(params, SPEC8)
+    like = (
+        (lambda ps: {k: torch.randn(v.shape, generator=gen) for k, v in ps.items()})
+        if as_dict
+        else (lambda ps: [torch.randn(v.shape, generator=gen) for v in ps])
+    )
+    for step in (1, 2):  # the second call takes the remembered plan on the Triton path
+        bnbf.update_(params, like(params), states, HP, step)
+    out = _mutate(kind, params, states)
+    kept = None if out is None else out.clone()
+    g = like(params)
+    want_p, want_s = bnbf.update(*_copies(params, states, g), HP, 3)
+    bnbf.update_(params, g, states, HP, 3)
+    _assert_stepped_as(params, states, want_p, want_s)
+    if out is not None:
+        assert torch.equal(out, kept)
+
+
+def test_a_new_container_at_a_freed_ones_address_is_checked():
+    """Ids are only where update_ looks: a new list at an old one's address (here: its entry made to point at
+    the old list's plan) has other tensors, which the plan's confirmation refuses; a fresh call steps them."""
+    a = [torch.randn(300)]
+    sa = bnbf.init_state(a, SPEC8)
+    for step in (1, 2):
+        bnbf.update_(a, [torch.randn(300)], sa, HP, step)
+    kept = a[0].clone()
+    b = [torch.randn(300)]
+    sb = bnbf.init_state(b, SPEC8)
+    if (id(a), id(sa)) in F._LAST:  # the Triton path: b's containers found a's plan
+        F._LAST[id(b), id(sb)] = F._LAST[id(a), id(sa)]
+    g = [torch.randn(300)]
+    want_p, want_s = bnbf.update(*_copies(b, sb, g), HP, 1)
+    bnbf.update_(b, g, sb, HP, 1)
+    _assert_stepped_as(b, sb, want_p, want_s)
+    assert torch.equal(a[0], kept)
+
+
+@pytest.mark.parametrize("container", ["leaf", "list", "dict"])
+def test_a_resize_or_a_bad_grad_is_refused_through_the_same_containers(container):
+    p = torch.randn(4, 96)
+    state = bnbf.init_state(p, SPEC8)
+    wrap = {"leaf": lambda x: x, "list": lambda x: [x], "dict": lambda x: {"w": x}}[container]
+    ps, ss = wrap(p), wrap(state)
+    for step in (1, 2):
+        bnbf.update_(ps, wrap(torch.randn(4, 96)), ss, HP, step)
+    snap = snapshot(p, state)
+    with pytest.raises(TypeError, match="has dtype torch.float16 but the param has dtype torch.float32"):
+        bnbf.update_(ps, wrap(torch.randn(4, 96, dtype=torch.float16)), ss, HP, 3)
+    assert_untouched(snap)
+    p.resize_(2, 96)
+    snap = snapshot(p, state)
+    with pytest.raises(ValueError, match=r"exp_avg does not fit the param"):
+        bnbf.update_(ps, wrap(torch.randn(2, 96)), ss, HP, 3)
+    assert_untouched(snap)
+
+
+@plan_path
+def test_the_last_call_memo_holds_its_plans_weakly():
+    params = {"w": torch.randn(300)}
+    state = bnbf.init_state(params, SPEC8)
+    for step in (1, 2):
+        bnbf.update_(params, {"w": torch.randn(300)}, state, HP, step)
+    plan = F._LAST[id(params), id(state)]()
+    assert plan is not None and plan.params[0] is params["w"]
+    gone = weakref.ref(plan)
+    del plan, params, state
+    gc.collect()
+    other = [torch.randn(8)]
+    bnbf.update_(other, [torch.randn(8)], bnbf.init_state(other, SPEC32), HP, 1)  # drops the dead plan
+    gc.collect()
+    assert gone() is None  # _LAST did not keep it (nor its device tables)
+
+
+@plan_path
+def test_a_plan_used_every_step_outlives_the_churn_of_others(monkeypatch):
+    """update_'s plans found by their containers stay the most recently used in the cache that owns them: more
+    other plans than the cache keeps, made between two steps, evict idle ones, not the one in use."""
+    monkeypatch.setattr(P, "launch_group", lambda *a, **k: None)  # only the caches are exercised
+    hot = [torch.randn(300)]
+    hot_state = bnbf.init_state(hot, SPEC32)
+    others = [[torch.randn(4 + i)] for i in range(P._PLAN_CACHE_SIZE + 4)]
+    other_states = [bnbf.init_state(o, SPEC32) for o in others]
+    bnbf.update_(hot, [torch.randn(300)], hot_state, HP, 1)
+    plan = F._LAST[id(hot), id(hot_state)]()
+    for i, (o, s) in enumerate(zip(others, other_states)):
+        bnbf.update_(o, [torch.ones(4 + i)], s, HP, 1)
+        bnbf.update_(hot, [torch.randn(300)], hot_state, HP, 2 + i)
+    assert plan in F._PLANS.values() and F._LAST[id(hot), id(hot_state)]() is plan
