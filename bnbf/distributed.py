@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import weakref
 from typing import Any
 
 import torch
@@ -39,10 +40,10 @@ from torch import Tensor
 from torch.distributed.tensor import DeviceMesh, DTensor, Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils import _pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
 
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
+from bnbf._host_checks import _flatten, _unflatten
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -94,9 +95,32 @@ class _Shards:
         return self.world > 1
 
 
+class _ById:
+    """A cache keyed by the identity of live objects, holding them weakly: a lookup is a dict get and one
+    weakref call (``WeakIdKeyDictionary`` builds a weakref per lookup, which cost more than the step's own
+    host work across a model's params). An entry goes when its key object is freed."""
+
+    def __init__(self):
+        self._d: dict = {}
+
+    def get(self, key: Any) -> Any:
+        hit = self._d.get(id(key))
+        return hit[1] if hit is not None and hit[0]() is key else None
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        k = id(key)
+        d = self._d
+
+        def gone(ref, k=k, d=d):  # drop the entry only if it is still this object's (ids are reused)
+            if (e := d.get(k)) is not None and e[0] is ref:
+                d.pop(k, None)
+
+        d[k] = (weakref.ref(key, gone), value)
+
+
 # DTensor param -> its _Shards (the split costs tens of microseconds to work out; a step needs it for every
 # param). Weak on the key; an entry is used only while the param keeps its mesh, placements and shape.
-_SHARDS: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_SHARDS = _ById()
 
 
 def _shards(p: DTensor, where: str = "") -> _Shards:
@@ -154,7 +178,7 @@ def _scale_placements(sh: _Shards) -> list:
 # DTensor state field (codes or first float32 state) -> the local state NamedTuple of plain tensors, so
 # repeated steps hand the core the same objects (its plan cache finds them by id). Weak on the key: an
 # entry goes with its state.
-_LOCAL: WeakIdKeyDictionary = WeakIdKeyDictionary()
+_LOCAL = _ById()
 
 
 def _local_state(s: Any, sh: _Shards) -> Any:
@@ -349,16 +373,20 @@ def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
     """The local tensor of a DTensor param's grad, in the param's placements."""
     if not isinstance(g, DTensor):
         raise TypeError(f"grad [{i}]: got mixed torch.Tensor and DTensor (a DTensor param needs a DTensor grad)")
-    if g.device_mesh != p.device_mesh:
+    mesh = g.device_mesh
+    if mesh is not sh.mesh and mesh != sh.mesh:  # `is` first: DeviceMesh's == compares its whole layout
         raise ValueError(f"grad [{i}] is on another device mesh than its param")
-    if tuple(g.placements) != sh.placements:
+    if g.placements != sh.placements:
         # e.g. a Partial grad: reduce it to the param's placements (a collective every rank makes)
-        g = g.redistribute(p.device_mesh, sh.placements)
-    return g.to_local()
+        g = g.redistribute(sh.mesh, sh.placements)
+    # the local tensor itself: to_local() is an autograd Function (tens of microseconds a leaf), and the
+    # step reads the grad outside autograd
+    return g._local_tensor
 
 
 def _check_state(i: int, p: DTensor, s: Any) -> None:
-    if any(not isinstance(t, DTensor) or t.device_mesh != p.device_mesh for t in s):
+    mesh = p.device_mesh
+    if any(not isinstance(t, DTensor) or (t.device_mesh is not mesh and t.device_mesh != mesh) for t in s):
         raise TypeError(f"state [{i}] of a DTensor param must hold DTensors on the param's mesh (from init_state)")
 
 
@@ -447,6 +475,13 @@ def _rule(states: list) -> Any:
 
 
 def _leaves(param: Any, grad: Any, state: Any) -> tuple[list, Any, list, list]:
+    # flat dicts and lists skip the pytree walk; any mismatch is looked at again by pytree, whose messages
+    # and leaf checks stay those of the generic trees
+    params, spec = _flatten(param)
+    grads, g_spec = _flatten(grad)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    if spec == g_spec == s_spec:
+        return params, spec, grads, states
     params, spec = pytree.tree_flatten(param)
     grads, g_spec = pytree.tree_flatten(grad)
     states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
@@ -533,15 +568,19 @@ def update(
             continue
         out_p.append(DTensor.from_local(np_, sh.mesh, sh.placements, run_check=False, shape=p.shape, stride=p.stride()))
         out_s.append(_wrap_state(ns, sh, p.shape, p.stride()))
-    return pytree.tree_unflatten(out_p, spec), pytree.tree_unflatten(out_s, spec)
+    return _unflatten(out_p, spec), _unflatten(out_s, spec)
 
 
 class Plan:
     """:class:`bnbf.Plan` of the local shards of DTensor params (see :func:`plan`)."""
 
     def __init__(self, params: Any, state: Any):
-        leaves, self._spec = pytree.tree_flatten(params)
-        states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
+        leaves, self._spec = _flatten(params)
+        states, s_spec = _flatten(state, is_leaf=is_state)
+        self._fast = s_spec == self._spec  # flat containers: step flattens the grads the same quick way
+        if not self._fast:
+            leaves, self._spec = pytree.tree_flatten(params)
+            states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
         if s_spec != self._spec:
             raise ValueError("state must have the structure of params (from init_state)")
         self._shards = [_shards(p, f" [{i}]") if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
@@ -576,7 +615,7 @@ class Plan:
         maximize: bool = False,
     ) -> None:
         """One in-place step: :func:`update_` of the planned params and states (arguments as there)."""
-        flat, g_spec = pytree.tree_flatten(grads)
+        flat, g_spec = _flatten(grads) if self._fast else pytree.tree_flatten(grads)
         if g_spec != self._spec:
             raise ValueError("grads must have the structure of the plan's params")
         local = []

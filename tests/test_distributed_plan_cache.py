@@ -1,0 +1,99 @@
+"""bnbf.distributed's per-object caches (the split of a DTensor param, the local views of its state) and the
+grad's local tensor, in this process: a fake process group of two ranks, nothing spawned."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available():
+    pytest.skip("torch.distributed is not available", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        pytest.skip("a process group is already initialized in this process")
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=2)
+    try:
+        yield init_device_mesh("cpu", (2,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_by_id_finds_only_the_same_object_and_keeps_nothing_alive():
+    from bnbf.distributed import _ById
+
+    cache = _ById()
+    a, b = torch.zeros(3), torch.zeros(3)
+    cache[a] = "a"
+    assert cache.get(a) == "a"
+    assert cache.get(b) is None  # equal values, another object
+    ref = weakref.ref(a)
+    del a
+    gc.collect()
+    assert ref() is None  # the cache held it weakly
+    assert not cache._d  # and its entry went with it
+
+
+def test_by_id_entry_of_a_reused_id_is_not_dropped_by_the_old_object():
+    from bnbf.distributed import _ById
+
+    cache = _ById()
+    a = torch.zeros(1)
+    cache[a] = 1
+    cache[a] = 2  # the old weakref's callback must not remove the new entry
+    assert cache.get(a) == 2
+    del a
+    gc.collect()
+    assert not cache._d
+
+
+def test_local_grad_is_the_local_tensor_and_checks_mesh(mesh):
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import bnbf.distributed as bd
+
+    p = distribute_tensor(torch.randn(10, 3), mesh, [Shard(0)])
+    g = distribute_tensor(torch.randn(10, 3), mesh, [Shard(0)])
+    sh = bd._shards(p)
+    assert bd._shards(p) is sh  # cached
+    assert (sh.starts, sh.counts) == ((0, 15), (15, 15))
+    local = bd._local_grad(0, p, g, sh)
+    assert local is g._local_tensor and torch.equal(local, g.to_local())
+    with pytest.raises(TypeError, match="DTensor param needs a DTensor grad"):
+        bd._local_grad(0, p, g.to_local(), sh)
+    rep = distribute_tensor(torch.randn(10, 3), mesh, [Replicate()])
+    assert bd._local_grad(0, p, rep, sh).shape == (5, 3)  # redistributed to the param's placements
+
+
+def test_plan_steps_like_update_on_flat_and_nested_trees(mesh):
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    torch.manual_seed(0)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    hp = {"lr": 1e-2, "weight_decay": 0.0}
+    for make in (lambda xs: dict(enumerate(xs)), list, lambda xs: {"a": xs[0], "b": {"c": xs[1]}}):
+        full = [torch.randn(512, 2), torch.randn(4, 64)]
+        grads = [torch.randn_like(t) for t in full]
+        ps = [make([distribute_tensor(t.clone(), mesh, [Shard(0)]) for t in full]) for _ in range(2)]
+        gs = make([distribute_tensor(g, mesh, [Shard(0)]) for g in grads])
+        states = [bd.init_state(p, spec, hp) for p in ps]
+        bd.update_(ps[0], gs, states[0], hp, 1)
+        bd.plan(ps[1], states[1]).step(gs, hp, 1)
+        for x, y in zip(torch.utils._pytree.tree_leaves(ps[0]), torch.utils._pytree.tree_leaves(ps[1])):
+            assert torch.equal(x._local_tensor, y._local_tensor)
+        # an AdamW step of lr 1e-2 moves every element by about lr (sign of the grad)
+        for x, t, g in zip(torch.utils._pytree.tree_leaves(ps[0]), full, grads):
+            step = t[: x._local_tensor.shape[0]] - x._local_tensor
+            torch.testing.assert_close(step, 1e-2 * torch.sign(g[: step.shape[0]]), atol=1e-4, rtol=0)
