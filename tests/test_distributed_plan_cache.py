@@ -74,8 +74,16 @@ def test_local_grad_is_the_local_tensor_and_checks_mesh(mesh):
     assert bd._local_grad(0, p, rep, sh).shape == (5, 3)  # redistributed to the param's placements
 
 
+def _rank0_shard(t: torch.Tensor, mesh):
+    """Rank 0's ``Shard(0)`` DTensor of ``t``, made from its local rows: the fake process group moves no data, so
+    ``distribute_tensor`` (which scatters on some torch versions) would leave rank 0 uninitialized memory."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    local = t.chunk(2)[0].clone()
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=t.shape, stride=t.stride())
+
+
 def test_plan_steps_like_update_on_flat_and_nested_trees(mesh):
-    from torch.distributed.tensor import Shard, distribute_tensor
 
     import bnbf
     import bnbf.distributed as bd
@@ -86,8 +94,8 @@ def test_plan_steps_like_update_on_flat_and_nested_trees(mesh):
     for make in (lambda xs: dict(enumerate(xs)), list, lambda xs: {"a": xs[0], "b": {"c": xs[1]}}):
         full = [torch.randn(512, 2), torch.randn(4, 64)]
         grads = [torch.randn_like(t) for t in full]
-        ps = [make([distribute_tensor(t.clone(), mesh, [Shard(0)]) for t in full]) for _ in range(2)]
-        gs = make([distribute_tensor(g, mesh, [Shard(0)]) for g in grads])
+        ps = [make([_rank0_shard(t, mesh) for t in full]) for _ in range(2)]
+        gs = make([_rank0_shard(g, mesh) for g in grads])
         states = [bd.init_state(p, spec, hp) for p in ps]
         bd.update_(ps[0], gs, states[0], hp, 1)
         bd.plan(ps[1], states[1]).step(gs, hp, 1)
