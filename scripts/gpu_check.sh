@@ -59,7 +59,7 @@ export BNBF_TEST_DEVICES=${BNBF_TEST_DEVICES:-cuda}
 # tests that need tens of GB of GPU memory (>2**31-element tensors) run alone: beside 14 workers that each
 # hold cached blocks they once ran out of memory
 timeout -s INT -k 10 "${BIG_BUDGET_S:-45}" \
-  $PY -m pytest tests -q -rfE -m big_memory -p no:cacheprovider "${timeout_arg[@]}" 2>&1 | tee "$OUT/tests.log"
+  $PY -m pytest tests -q -rfE -m "big_memory or alone" -p no:cacheprovider "${timeout_arg[@]}" 2>&1 | tee "$OUT/tests.log"
 big_rc=$?
 # the GPU machine has pytest-xdist and 16 cores: Triton compiles in parallel workers; CPU-device tests are
 # CI's job, so only the cuda parametrizations run here unless BNBF_TEST_DEVICES says otherwise
@@ -67,7 +67,7 @@ $PY -c "import xdist" 2>/dev/null && timeout_arg+=(-n "${TEST_WORKERS:-14}")
 # -x-style: stop after a few failures so a broken kernel cannot eat the call; SIGINT at the budget makes
 # pytest print its summary before it exits
 timeout -s INT -k 20 "${TEST_BUDGET_S:-300}" \
-  $PY -m pytest tests -q --maxfail=5 -rfE -m "(slow or not slow) and not big_memory" -p no:cacheprovider \
+  $PY -m pytest tests -q --maxfail=5 -rfE -m "(slow or not slow) and not big_memory and not alone" -p no:cacheprovider \
   "${timeout_arg[@]}" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log"
 test_rc=$?
 case $big_rc in 0|5) ;; *) [ "$test_rc" -eq 0 ] && test_rc=$big_rc ;; esac  # 5: none collected

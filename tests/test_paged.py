@@ -453,6 +453,7 @@ def _level() -> int:
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_managed_memory_returns_after_del_optimizer():
     """Unlike bitsandbytes' paged buffers, paged state is freed when the optimizer is dropped: the module's
     count of live managed bytes and the GPU's free memory both return exactly to their earlier levels. The
@@ -508,6 +509,7 @@ print(json.dumps({**out, "reserved": reserved, "held": held}))
 
 
 @pytest.mark.gpu
+@pytest.mark.alone
 def test_the_first_managed_allocation_of_a_process_costs_the_driver_a_few_mib():
     """Why bench_func's first paged row (bf16) saw the GPU's free memory 4 MiB under its earlier level after
     ``del optimizer``, and the next (fp32) did not: in a fresh process, one managed allocation of 4 KiB,
