@@ -323,9 +323,16 @@ def row_clip(ctx) -> dict:
     )
     plain_ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
     gs = list(grads.values())
+    # clip_grad_norm_ reads each parameter's .grad: leaves holding the grads (a list of the grads themselves
+    # would be a list of tensors without .grad, which it skips)
+    leaves = []
+    for p, g in zip(params.values(), gs):
+        leaf = torch.nn.Parameter(p, requires_grad=False)
+        leaf.grad = g
+        leaves.append(leaf)
 
     def clip_first(i: int) -> None:  # torch's clipping in place, then the step: what the fused option replaces
-        torch.nn.utils.clip_grad_norm_(gs, 1.0, foreach=True)
+        torch.nn.utils.clip_grad_norm_(leaves, 1.0, foreach=True)
         bnbf.update_(params, grads, state, HP, i)
 
     torch_ms = median_ms(ctx.device, clip_first, ctx.warmup, ctx.steps)
