@@ -511,12 +511,18 @@ def update(
         >>> round(new["w"][0, 0].item(), 6), round(new["b"][0].item(), 6)  # decay on w, none on b
         (0.89, 0.9)
     """
+    return _with_clipping(_update, max_grad_norm, params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+
+
+def _with_clipping(fn, max_grad_norm, params, grads, *rest):
+    """``fn(params, grads, *rest)`` (the pure or the in-place step), inside the clipping context of
+    ``max_grad_norm`` where the kernels apply it, else on clipped copies of the grads (:func:`_grad_clip`)."""
     if max_grad_norm is not None:
         clip, grads = _grad_clip(grads, max_grad_norm)
         if clip is not None:
             with _clipping(clip):
-                return _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
-    return _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+                return fn(params, grads, *rest)
+    return fn(params, grads, *rest)
 
 
 def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
@@ -575,12 +581,7 @@ def update_(
         >>> params["emb"][0, 0].item()
         0.9900000095367432
     """
-    if max_grad_norm is not None:
-        clip, grads = _grad_clip(grads, max_grad_norm)
-        if clip is not None:
-            with _clipping(clip):
-                return _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
-    return _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
+    return _with_clipping(_update_, max_grad_norm, params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
 
 
 def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):

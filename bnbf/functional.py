@@ -151,17 +151,10 @@ def update(
         tensor([0.9000, 0.9000, 0.9000])
     """
     if differentiable is not False:
-        if differentiable is not True:
-            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        _check_differentiable(differentiable)
+        grad = _clipped_differentiably(grad, max_grad_norm)
         return differentiable_update(
-            param,
-            _clipped_differentiably(grad, max_grad_norm),
-            state,
-            hparams,
-            step,
-            skip_zeros=skip_zeros,
-            max_unorm=max_unorm,
-            maximize=maximize,
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if max_grad_norm is not None or not _shared(hparams):
@@ -256,17 +249,10 @@ def update_(
     grad are taken detached, as torch.optim takes them.
     """
     if differentiable is not False:
-        if differentiable is not True:
-            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        _check_differentiable(differentiable)
+        grad = _clipped_differentiably(grad, max_grad_norm)
         return differentiable_update_(
-            param,
-            _clipped_differentiably(grad, max_grad_norm),
-            state,
-            hparams,
-            step,
-            skip_zeros=skip_zeros,
-            max_unorm=max_unorm,
-            maximize=maximize,
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
     if max_grad_norm is not None or not _shared(hparams):
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
@@ -370,6 +356,11 @@ def dequantize_state(state: Any) -> Any:
     if not leaves or not all(is_state(s) for s in leaves):
         raise TypeError("dequantize_state expects a bnbf state or a pytree of them")
     return pytree.tree_unflatten([dequantize_state(s) for s in leaves], spec)
+
+
+def _check_differentiable(differentiable: Any) -> None:
+    if differentiable is not True:
+        raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
 
 
 def _clipped_differentiably(grad: Any, max_grad_norm: Any) -> Any:

@@ -81,6 +81,20 @@ def test_tensor_hparams_compile_once(kind, device):
     assert _equal(got, _run(STEPS[kind], 8, "tensors", device=device))
 
 
+def _inductor_cuda_code(update) -> str:
+    """Inductor's generated code for ``update`` (``bnbf.update`` or ``bnbf.update_``) of a small CUDA tree, lr and
+    step as 0-d tensors."""
+    from torch._inductor.utils import run_and_get_code
+
+    params = {"w": torch.randn(37, 9, device="cuda"), "b": torch.randn(9, device="cuda")}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    step = torch.compile(lambda p, g, s, lr, t: update(p, g, s, {"lr": lr}, t), fullgraph=True)
+    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
+    _, codes = run_and_get_code(step, params, grads, state, lr, t)
+    return "\n".join(codes)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="inductor's CUDA graph of the step")
 @pytest.mark.parametrize("kind", list(STEPS))
@@ -238,15 +252,7 @@ def test_inductor_runs_the_in_place_op_in_place():
     """Inductor re-inplaces the functionalized in-place op: its code calls ``bnbf.step_`` on the inputs
     themselves, with no copy of the params and states (a clone and a copy back per tensor would cost two
     launches each and the bandwidth of the whole state)."""
-    from torch._inductor.utils import run_and_get_code
-
-    params = {"w": torch.randn(37, 9, device="cuda"), "b": torch.randn(9, device="cuda")}
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
-    step = torch.compile(lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr}, t), fullgraph=True)
-    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
-    _, codes = run_and_get_code(step, params, grads, state, lr, t)
-    code = "\n".join(codes)
+    code = _inductor_cuda_code(bnbf.update_)
     assert "torch.ops.bnbf.step_.default(" in code
     assert "auto_functionalized" not in code and "clone" not in code and "copy_(" not in code
 
@@ -298,15 +304,7 @@ def test_a_compiled_pure_step_is_one_inductor_kernel_and_the_op():
 def test_inductor_launches_one_kernel_beside_the_pure_step():
     """On CUDA, Inductor's code for a compiled ``bnbf.update`` defines one Triton kernel (the scalar row), not one
     per scalar (each a launch and its host time every step)."""
-    from torch._inductor.utils import run_and_get_code
-
-    params = {"w": torch.randn(37, 9, device="cuda"), "b": torch.randn(9, device="cuda")}
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
-    step = torch.compile(lambda p, g, s, lr, t: bnbf.update(p, g, s, {"lr": lr}, t), fullgraph=True)
-    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
-    _, codes = run_and_get_code(step, params, grads, state, lr, t)
-    code = "\n".join(codes)
+    code = _inductor_cuda_code(bnbf.update)
     assert code.count("async_compile.triton(") == 1, code
     assert "torch.ops.bnbf.step.default(" in code
 
