@@ -53,6 +53,7 @@ def _run(code: str, path: Path) -> dict:
     return runpy.run_path(str(path))
 
 
+@pytest.mark.surface
 def test_docs_examples_run(registry, capsys, tmp_path):
     blocks = _blocks()
     assert len(blocks) == 3

@@ -9,6 +9,8 @@ import weakref
 import pytest
 import torch
 
+pytestmark = pytest.mark.surface  # host-side caches: the reference pass covers them
+
 dist = pytest.importorskip("torch.distributed")
 if not dist.is_available():
     pytest.skip("torch.distributed is not available", allow_module_level=True)

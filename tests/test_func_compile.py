@@ -257,6 +257,7 @@ def test_inductor_runs_the_in_place_op_in_place():
     assert "auto_functionalized" not in code and "clone" not in code and "copy_(" not in code
 
 
+@pytest.mark.surface
 def test_traced_scalar_row_is_one_kernel():
     """The traced step's scalar row is one Inductor kernel (a stack of more than 8 scalars lowers to a kernel per
     scalar: 13 launches a step for AdamW on a GPU), with the values of the eager row (numbers rounded from

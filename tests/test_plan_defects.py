@@ -302,6 +302,7 @@ import bnbf
 """
 
 
+@pytest.mark.surface
 def test_import_without_numpy_prints_no_numpy_warning():
     # without TRITON_INTERPRET: Triton's interpreter itself needs numpy
     env = {k: v for k, v in os.environ.items() if k not in ("PYTHONWARNINGS", "TRITON_INTERPRET")}
@@ -355,6 +356,7 @@ def _assert_stepped_as(params, states, want_p, want_s):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 @plan_path
 def test_the_same_containers_again_skip_the_cache_lookup(monkeypatch):
     params = {"w": torch.randn(300), "b": torch.randn(8)}
@@ -394,6 +396,7 @@ def _mutate(kind: str, params, states):
     return old
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 @pytest.mark.parametrize("as_dict", [False, True], ids=["list", "dict"])
 @pytest.mark.parametrize("kind", ["param replaced", "state replaced", "reordered", "added", "removed"])
 def test_containers_changed_in_place_step_as_a_fresh_call(as_dict, kind):
@@ -420,6 +423,7 @@ def test_containers_changed_in_place_step_as_a_fresh_call(as_dict, kind):
         assert torch.equal(out, kept)
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 def test_a_new_container_at_a_freed_ones_address_is_checked():
     """Ids are only where update_ looks: a new list at an old one's address (here: its entry made to point at
     the old list's plan) has other tensors, which the plan's confirmation refuses; a fresh call steps them."""
@@ -439,6 +443,7 @@ def test_a_new_container_at_a_freed_ones_address_is_checked():
     assert torch.equal(a[0], kept)
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 @pytest.mark.parametrize("container", ["leaf", "list", "dict"])
 def test_a_resize_or_a_bad_grad_is_refused_through_the_same_containers(container):
     p = torch.randn(4, 96)
@@ -458,6 +463,7 @@ def test_a_resize_or_a_bad_grad_is_refused_through_the_same_containers(container
     assert_untouched(snap)
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 @plan_path
 def test_the_last_call_memo_holds_its_plans_weakly():
     params = {"w": torch.randn(300)}
@@ -475,6 +481,7 @@ def test_the_last_call_memo_holds_its_plans_weakly():
     assert gone() is None  # _LAST did not keep it (nor its device tables)
 
 
+@pytest.mark.surface  # the plan lookup on the host: the reference pass covers it
 @plan_path
 def test_a_plan_used_every_step_outlives_the_churn_of_others(monkeypatch):
     """update_'s plans found by their containers stay the most recently used in the cache that owns them: more
