@@ -27,6 +27,20 @@ def _fsdp_model() -> torch.nn.Module:
     return model
 
 
+def _loaded_from(path: str, make_opt) -> tuple:
+    """A fresh FSDP2 model and its optimizer (``make_opt(params)``) loaded from the DCP checkpoint at ``path``
+    through ``get_state_dict``/``set_state_dict``; also the optimizer state dict that was loaded."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _fsdp_model()
+    opt = make_opt(model.parameters())
+    msd, osd = get_state_dict(model, opt)
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    return model, opt, osd
+
+
 def _assert_resumed(model: torch.nn.Module, final: dict) -> None:
     """After a checkpoint round trip and the same steps: the params equal the uninterrupted run's where
     shards hold whole blocks (and 32-bit ones), within the 8-bit tolerance where a split block's codes were
@@ -209,21 +223,16 @@ def scenario_nn_ademamix8bit():
         msd1, osd1 = get_state_dict(plain, popt)  # unsharded, loaded on 2 ranks below
         dcp.save({"model": msd1, "optim": osd1}, checkpoint_id=path + "_one", no_dist=True)
     torch.distributed.barrier()
-    model = _fsdp_model()  # the unsharded checkpoint on 2 ranks: the saved state again
-    opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path + "_one")
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    # the unsharded checkpoint on 2 ranks: the saved state again
+    model, opt, _ = _loaded_from(path + "_one", lambda ps: bnbf_nn.AdEMAMix8bit(ps, lr=LR, min_8bit_size=MIN8, **hp))
     deq = _deq(opt, model)
     for k, p in model.named_parameters():
         assert opt.state[p]["step"] == td.STEPS, k
         if td._aligned(k) or p.numel() < MIN8:  # split blocks: (1) checks one code step, as nn_dcp (3) does
             assert all(torch.equal(v, saved_deq[k][n]) for n, v in deq[k].items()), k
-    model = _fsdp_model()  # two ranks again: the step after the save goes as it went
-    opt = bnbf_nn.AdEMAMix8bit(model.parameters(), lr=LR, min_8bit_size=MIN8, **hp)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    model, opt, _ = _loaded_from(
+        path, lambda ps: bnbf_nn.AdEMAMix8bit(ps, lr=LR, min_8bit_size=MIN8, **hp)
+    )  # two ranks again: the step after the save goes as it went
     for k, p in model.named_parameters():
         p.grad = grads[k]
     opt.step()
@@ -380,11 +389,7 @@ def scenario_nn_dcp():
 
     # (3) the unsharded checkpoint of (1) loaded on 2 ranks: the scales of the unsharded blocks, and the
     # sharded run's state within one code step of them; training continues within the 8-bit tolerance
-    model = _fsdp_model()
-    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
-    msd, osd = get_state_dict(model, opt)
-    dcp.load({"model": msd, "optim": osd}, checkpoint_id=path + "_one")
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    model, opt, osd = _loaded_from(path + "_one", lambda ps: bnbf_nn.AdamW8bit(ps, lr=LR, min_8bit_size=MIN8))
     deq = _deq(opt, model)
     for k, p in model.named_parameters():
         assert opt.state[p]["step"] == td.STEPS, k
