@@ -19,6 +19,9 @@ import pytest
 import torch
 from tolerances import STATE8, STATE32
 
+# one spawn serves the whole module: under pytest-xdist its tests stay on one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("spawn_distributed")
+
 WORLD = 2
 STEPS = 2
 LR = 1e-2

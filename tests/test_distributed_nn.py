@@ -15,6 +15,9 @@ import test_distributed as td
 import torch
 from tolerances import STATE8, STATE32
 
+# one spawn serves the whole module: under pytest-xdist its tests stay on one worker (--dist loadgroup)
+pytestmark = pytest.mark.xdist_group("spawn_distributed_nn")
+
 LR = td.LR
 MIN8 = td.MIN8
 
