@@ -21,7 +21,10 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   of a function returning its inputs, the same trees) and the device kernels it runs (one step launch per
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
-  ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand;
+  ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand; the note gives
+  each one's host time (a call has no synchronize: a host time near the step's says the step waits on the
+  host) and the mixed call with hyperparameters by rule (no per-tensor scalars); the host time alone, the
+  launch stubbed out: ``scripts/host_breakdown.py --mixed``;
 - ``clip``: ``bnbf.update_(..., max_grad_norm=1.0)`` (the clipping inside the step; bytes: the step's plus
   one read of the grads for their norm), against the unclipped step and ``torch.nn.utils.clip_grad_norm_``
   (foreach, in place) followed by the step;
@@ -293,7 +296,13 @@ def row_mixed(ctx) -> dict:
     lion = {"lr": 1e-4, "weight_decay": 0.1}
     hp = lambda path, p: lion if emb(path) else decay if p.ndim > 1 else no_decay
     state = bnbf.init_state(params, spec)
-    ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, hp, i), ctx.warmup, ctx.steps)
+    # the host time of a call (no synchronize in it): near the step's time, the step waits on the host
+    ms, host = timed(ctx.device, lambda i: bnbf.update_(params, grads, state, hp, i), ctx.warmup, ctx.steps)
+    # by rule: AdamW's leaves share one set (kernel arguments, no per-tensor rows of scalars)
+    by_rule = {"adamw": decay, "lion": lion}
+    rule_ms, rule_host = timed(
+        ctx.device, lambda i: bnbf.update_(params, grads, state, by_rule, i), ctx.warmup, ctx.steps
+    )
     parts = []
     for pick, h in ((lambda k, p: emb(k), lion), (lambda k, p: not emb(k) and p.ndim > 1, decay)):
         keys = [k for k, p in params.items() if pick(k, p)]
@@ -305,13 +314,15 @@ def row_mixed(ctx) -> dict:
         for p, g, s, h in parts:
             bnbf.update_(p, g, s, h, i)
 
-    three_ms = median_ms(ctx.device, three, ctx.warmup, ctx.steps)
+    three_ms, three_host = timed(ctx.device, three, ctx.warmup, ctx.steps)
     lion_shapes = [(k, sh) for k, sh in ctx.shapes if emb(k)]
     adamw_shapes = [(k, sh) for k, sh in ctx.shapes if not emb(k)]
     return {
         "ms": ms,
         "bytes": bs.model_bytes(lion_shapes, ctx.dtype, "8bit", 1) + bs.model_bytes(adamw_shapes, ctx.dtype, "8bit"),
-        "note": f"three update_ calls on the same partition: {three_ms:.3f} ms",
+        "note": f"host time of the call {host:.3f} ms; three update_ calls on the same partition: {three_ms:.3f} ms "
+        f"(host {three_host:.3f} ms); hparams by rule (no per-leaf decay, no per-tensor scalars) {rule_ms:.3f} ms "
+        f"(host {rule_host:.3f} ms)",
     }
 
 

@@ -30,6 +30,7 @@ import collections
 import contextlib
 import dataclasses
 import itertools
+import math
 import operator
 import threading
 import weakref
@@ -42,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf import ops
-from bnbf._dispatch import use_triton
+from bnbf._dispatch import NORM_REDUCE, use_triton
 from bnbf._host_checks import (
     NATIVE,
     _check_grad,
@@ -53,9 +54,8 @@ from bnbf._host_checks import (
     differentiated,
     hparam_tensors,
 )
-from bnbf.kernels.launcher import _to_device
-from bnbf.plan import _cached, _scalars, set_rows
-from bnbf.reference import GRAD_CLIP, GradClip
+from bnbf.plan import _cached, _confirmed, _scalars, group_rows, packed_rows, rows_layout, scalar_row
+from bnbf.reference import GRAD_CLIP, GradClip, clip_coefficient
 from bnbf.rules import RULES, get_rule
 from bnbf.rules.base import check_nonneg
 from bnbf.state import OptimSpec, is_state, present_mask
@@ -243,31 +243,18 @@ def _per_leaf_hparams(
     rules: list[str],
     r: _Resolver,
     raw: list | None = None,
-) -> list:
-    """Each leaf's hyperparameters (a mapping, a dataclass or None), schedules evaluated. ``names``: the leaves'
-    functional_call names; ``keypaths()``: their pytree key paths (only the tree form needs them). ``raw``, if
-    given, receives each leaf's object before its schedules are evaluated, for the callable and by-rule forms
-    (what :class:`_Partition` recognises a call's partition by)."""
+    flat: bool = False,
+) -> tuple[list, str]:
+    """Each leaf's hyperparameters (a mapping, a dataclass or None), schedules evaluated, and the form they were
+    given in: "callable", "by_rule", "tree" (a flat dict of mappings by param name, ``flat``: the params are a
+    flat dict whose keys are ``names``), or "" (one mapping for all, or any other tree). ``names``: the leaves'
+    functional_call names; ``keypaths()``: their pytree key paths (only the general tree form needs them).
+    ``raw``, if given, receives each leaf's object before its schedules are evaluated, for the callable, by-rule
+    and flat tree forms (what :class:`_Partition` recognises a call's partition by)."""
+    given = None  # each leaf's object, for the callable and flat tree forms
     if callable(hparams) and not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams):
-        out = []
-        seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping returned for many leaves is read once
-        for name, p in zip(names, params):
-            h = hparams(name, p)
-            if raw is not None:
-                raw.append(h)
-            hit = seen.get(id(h))
-            if hit is not None and hit[0] is h:
-                out.append(hit[1])
-                continue
-            if not (type(h) is dict and not any(type(v) is dict for v in h.values())) and not _is_hparams_leaf(h):
-                raise TypeError(
-                    f"the hparams callable returned {type(h).__name__} for {name!r}; expected a mapping, "
-                    f"a rule's hparams dataclass or None"
-                )
-            seen[id(h)] = (h, r.mapping(h))  # h held: its id stays its own for the call
-            out.append(seen[id(h)][1])
-        return out
-    if _by_rule(hparams):
+        given, form = list(map(hparams, names, params)), "callable"
+    elif _by_rule(hparams):
         missing = sorted(set(rules) - set(hparams))
         if missing:
             raise ValueError(
@@ -276,32 +263,62 @@ def _per_leaf_hparams(
         resolved = {name: r.mapping(h) for name, h in hparams.items()}
         if raw is not None:
             raw.extend(map(hparams.__getitem__, rules))
-        return [resolved[name] for name in rules]
-    if _is_hparams_leaf(hparams):
+        return [resolved[name] for name in rules], "by_rule"
+    elif _is_hparams_leaf(hparams):
         h = r.mapping(hparams)
-        return [h] * len(params)
-    return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")]
+        return [h] * len(params), ""
+    elif flat and type(hparams) is dict and len(hparams) == len(names):
+        # a dict of mappings by param name in the params' order: read as the callable form (no pytree walk)
+        given, form = _values_of(hparams, tuple(names)), "tree"
+    if given is None:
+        return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")], ""
+    out = []
+    seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping given for many leaves is read once
+    for name, h in zip(names, given):
+        hit = seen.get(id(h))
+        if hit is not None and hit[0] is h:
+            out.append(hit[1])
+            continue
+        if not (type(h) is dict and not any(type(v) is dict for v in h.values())) and not _is_hparams_leaf(h):
+            if form == "tree":  # a prefix tree or a bad leaf: the general walk and its errors
+                return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")], ""
+            raise TypeError(
+                f"the hparams callable returned {type(h).__name__} for {name!r}; expected a mapping, "
+                f"a rule's hparams dataclass or None"
+            )
+        seen[id(h)] = (h, r.mapping(h))  # h held: its id stays its own for the call
+        out.append(seen[id(h)][1])
+    if raw is not None:
+        raw.extend(given)
+    return out, form
 
 
 _PLAIN = (float, int, bool)
+_PLAIN_TYPES = frozenset(_PLAIN)
+
+
+def _number_key(v: Any) -> Any:
+    """A plain number as a key that tells apart what ``==`` does not: ``-0.0`` and ``0.0`` (the sign reaches the
+    step: SGD's ``g + wd * p`` keeps a ``-0.0`` grad's sign with ``wd = -0.0`` only), ``True``, ``1`` and ``1.0``."""
+    if type(v) is float:
+        return (float, v.hex())  # exact: the sign of a zero included
+    return (type(v), v)
 
 
 def _group_key(h: Any) -> Any:
-    """:func:`_hkey`, faster for the usual dict of plain numbers: its items (equal numbers give equal scalars)."""
-    if type(h) is dict:
-        items = tuple(h.items())
-        for _, v in items:
-            if type(v) not in _PLAIN and not (type(v) is tuple and all(type(x) in _PLAIN for x in v)):
-                return _hkey(h)
-        return items
-    return _hkey(h)
+    """:func:`_hkey`, faster for the usual dict of plain numbers (:func:`_plain_items`)."""
+    items = _plain_items(h)
+    return items if items is not None else _hkey(h)
 
 
 def _hkey(v: Any) -> Any:
-    """A hashable key equal for hyperparameters that are the same values: numbers by type and value, tensors by
-    identity (comparing tensors would read them, a host synchronisation on a GPU)."""
+    """A hashable key equal for hyperparameters that are the same values: numbers by type and exact value
+    (:func:`_number_key`), tensors by identity (comparing tensors would read them, a host synchronisation on a
+    GPU)."""
     if isinstance(v, Tensor):
         return ("tensor", id(v))
+    if type(v) in _PLAIN:
+        return _number_key(v)
     if type(v) in (tuple, list):
         return (type(v), tuple(map(_hkey, v)))
     if isinstance(v, Mapping):
@@ -358,7 +375,7 @@ def init_state(params: Any, spec: Any, hparams: Any = None) -> Any:
             if not isinstance(s, OptimSpec):
                 raise TypeError(f"spec for {path_name(k)!r} must be an OptimSpec, got {type(s).__name__}")
     names = _leaf_names(keypaths)
-    hps = _per_leaf_hparams(
+    hps, _ = _per_leaf_hparams(
         hparams, [path_name(k) for k in keypaths], lambda: keypaths, leaves, [s.rule for s in specs], _Resolver(1)
     )
     groups: dict[tuple, list[int]] = {}
@@ -389,9 +406,9 @@ class _Parts:
     states: list
     groups: list[tuple[Any, list[int]]]  # (validated hparams, leaf indices)
     flat: bool = False  # params, grads and state are flat dicts of the same keys in one order
-    raw: list | None = None  # each leaf's hyperparameter object as given (callable and by-rule forms)
+    raw: list | None = None  # each leaf's hyperparameter object as given (callable, by-rule and flat tree forms)
     hps: list | None = None  # each leaf's hyperparameters, schedules evaluated
-    form: str = ""  # "callable" or "by_rule" where ``raw`` is known
+    form: str = ""  # "callable", "by_rule" or "tree" where ``raw`` is known
 
 
 def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
@@ -436,7 +453,7 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
     rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
     raw: list = []
-    hps = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), raw)
+    hps, form = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), raw, names is paths)
     groups: dict[tuple, list[int]] = {}
     keys: dict[int, Any] = {}  # id(mapping) -> its key: a mapping shared by many leaves is keyed once
     for i, (rule, h) in enumerate(zip(rules, hps)):
@@ -447,7 +464,6 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
     # every group's hyperparameters are validated before anything runs: a bad one raises with nothing written
     validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
     flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
-    form = "" if len(raw) != len(ps) else "by_rule" if isinstance(hparams, Mapping) else "callable"
     return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form)
 
 
@@ -493,7 +509,8 @@ def update(
         max_grad_norm: if given (a number >= 0 or a 0-d tensor), the grads are clipped to this global norm as
             :func:`clip_grad_norm` (``torch.nn.utils.clip_grad_norm_``) clips them, inside the step: the total
             norm is taken over every grad of the call (``torch._foreach_norm`` per (device, dtype), then the
-            norm of the norms: torch's bits), and the step scales each grad element by
+            norm of the norms: torch's bits; or, where every leaf's rule takes a norm pass that gives it, LARS,
+            from that pass: see :func:`_grad_clip`), and the step scales each grad element by
             ``min(1, max_norm / (total + 1e-6))`` as it loads it, in float32 (see :func:`_grad_clip`).
 
     Returns:
@@ -514,15 +531,15 @@ def update(
     return _with_clipping(_update, max_grad_norm, params, grads, state, hparams, step, skip_zeros, max_unorm, maximize)
 
 
-def _with_clipping(fn, max_grad_norm, params, grads, *rest):
-    """``fn(params, grads, *rest)`` (the pure or the in-place step), inside the clipping context of
+def _with_clipping(fn, max_grad_norm, params, grads, state, *rest):
+    """``fn(params, grads, state, *rest)`` (the pure or the in-place step), inside the clipping context of
     ``max_grad_norm`` where the kernels apply it, else on clipped copies of the grads (:func:`_grad_clip`)."""
     if max_grad_norm is not None:
-        clip, grads = _grad_clip(grads, max_grad_norm)
+        clip, grads = _grad_clip(grads, max_grad_norm, state)
         if clip is not None:
             with _clipping(clip):
-                return fn(params, grads, *rest)
-    return fn(params, grads, *rest)
+                return fn(params, grads, state, *rest)
+    return fn(params, grads, state, *rest)
 
 
 def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
@@ -586,10 +603,12 @@ def update_(
 
 def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
-    if is_shared_hparams(hparams) and _one_rule_tree(state):
-        return bnbf.update_(params, grads, state, hparams, step, **opts)
+    # a kept partition first: the call bnbf.update_ hands over has been found not shared (a kept partition is
+    # only of the callable, by-rule and flat tree forms, so a shared mapping never matches one)
     if _known_update_(params, grads, state, hparams, step, opts):
         return params, state
+    if is_shared_hparams(hparams) and _one_rule_tree(state):
+        return bnbf.update_(params, grads, state, hparams, step, **opts)
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
     if _planned_update_(parts, step, opts):
@@ -712,7 +731,7 @@ def _planned_update_(parts: _Parts, step: Any, opts: dict) -> bool:
 class _Unit:
     """One rule's leaves of a kept partition: what :meth:`bnbf.plan.Plan._prepare_sets` takes, as indices."""
 
-    pick: Callable[[list], tuple]  # the unit's leaves from the call's list of leaves
+    pick: Callable[[list], list]  # the unit's leaves from the call's list of leaves
     names: tuple[str, ...]
     spec: tuple  # the plan's structure key
     sets: list  # each hyperparameter set's validated dataclass (plain numbers)
@@ -728,11 +747,11 @@ class _Partition:
     references to the plans (which hold only weak references to the leaves)."""
 
     keys: tuple[str, ...]
-    form: str  # "callable" or "by_rule"
+    form: str  # "callable", "by_rule" or "tree" (a flat dict of mappings by param name)
     rules: tuple[str, ...]  # the by-rule form: the leaves' rules, each once
     raw_ids: tuple[int, ...]  # id of each leaf's hyperparameter object as given (by-rule: of each rule's)
-    raw_packed: bytes  # the callable form: (id, id of type) of each leaf's object, native uint64 (one C-level pass)
-    firsts: tuple[int, ...]  # the callable form: the first leaf of each distinct object
+    raw_packed: bytes  # callable and tree: (id, id of type) of each leaf's object, native uint64 (one C-level pass)
+    firsts: tuple[int, ...]  # callable and tree: the first leaf of each distinct object
     content: tuple  # the items of each distinct object's mapping (by-rule: each rule's), schedules evaluated
     refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
     units: list[_Unit]
@@ -742,25 +761,39 @@ _PARTITIONS: collections.OrderedDict = collections.OrderedDict()
 
 
 def _plain_items(h: Any) -> tuple | None:
-    """A dict of plain numbers (and tuples of them) as its items, else None (tensors, schedules that return
-    tensors, dataclasses: not kept)."""
+    """A dict of plain numbers (and tuples of them) as its items with exact values (:func:`_number_key`: ``-0.0``
+    is not ``0.0``, nor ``True`` ``1``), else None (tensors, schedules that return tensors, dataclasses: not
+    kept)."""
     if type(h) is not dict:
         return None
-    items = tuple(h.items())
-    for _, v in items:
-        if type(v) not in _PLAIN and not (type(v) is tuple and all(type(x) in _PLAIN for x in v)):
+    values = h.values()
+    types = tuple(map(type, values))
+    if set(types) <= _PLAIN_TYPES:  # the usual dict: equal items of equal types differ only in a zero's sign
+        return (tuple(h.items()), types, tuple(map(math.copysign, itertools.repeat(1.0), values)))
+    out = []
+    for k, v in h.items():
+        t = type(v)
+        if t in _PLAIN:
+            out.append((k, _number_key(v)))
+        elif t is tuple and all(type(x) in _PLAIN for x in v):
+            out.append((k, tuple(map(_number_key, v))))
+        else:
             return None
-    return items
+    return tuple(out)
 
 
-def _pick(idx: list[int]) -> Callable[[list], tuple]:
+def _pick(idx: list[int]) -> Callable[[list], list]:
+    """The leaves ``idx`` of a list, as a list: a slice where they follow each other (a rule's leaves usually
+    do: the embeddings, or all but them)."""
+    if idx[-1] - idx[0] == len(idx) - 1:
+        return operator.itemgetter(slice(idx[0], idx[-1] + 1))
     get = operator.itemgetter(*idx)
-    return get if len(idx) > 1 else (lambda leaves: (get(leaves),))
+    return (lambda leaves: list(get(leaves))) if len(idx) > 1 else (lambda leaves: [get(leaves)])
 
 
 def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
-    """Keep the partition of a call that :func:`_planned_update_` stepped (flat dicts, the callable or by-rule
-    form with plain numbers, a Python number max_unorm)."""
+    """Keep the partition of a call that :func:`_planned_update_` stepped (flat dicts, the callable, by-rule or
+    flat tree form with plain numbers, a Python number max_unorm)."""
     if not parts.flat or parts.raw is None or isinstance(opts["max_unorm"], Tensor):
         return
     first: dict[int, int] = {}
@@ -788,7 +821,7 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
         )
     ps, ss = parts.params, parts.states
     packed = b""
-    if parts.form == "callable":
+    if parts.form != "by_rule":
         packed = array.array("Q", itertools.chain.from_iterable((id(h), id(type(h))) for h in parts.raw)).tobytes()
     entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
@@ -822,10 +855,15 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
     if ps is None or ss is None or gs is None:
         return False
-    if entry.form == "callable":
-        if not callable(hparams) or isinstance(hparams, Mapping) or dataclasses.is_dataclass(hparams):
+    if entry.form != "by_rule":
+        if entry.form == "tree":  # the leaves' mappings in the params' order
+            raw = _values_of(hparams, keys) if type(hparams) is dict else None
+            if raw is None:
+                return False
+        elif not callable(hparams) or isinstance(hparams, Mapping) or dataclasses.is_dataclass(hparams):
             return False
-        raw = list(map(hparams, keys, ps))
+        else:
+            raw = list(map(hparams, keys, ps))
         if NATIVE is not None:  # the same objects (their ids and types) in one C-level pass
             if not NATIVE.same_objects(raw, entry.raw_packed):
                 return False
@@ -850,9 +888,9 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
         )
     plans, picked = [], []
     for u in entry.units:
-        ps_u, ss_u = list(u.pick(ps)), list(u.pick(ss))
-        found = _cached(None, ps_u, ss_u, u.spec, u.spec)
-        if found is None or found is not u.plan():
+        ps_u, ss_u = u.pick(ps), u.pick(ss)
+        found = u.plan()
+        if found is None or not _confirmed(found, ps_u, ss_u):  # as _cached confirms the plan it finds
             return False
         plans.append(found)
         picked.append((ps_u, ss_u))
@@ -861,7 +899,7 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     runs = []
     for plan, u, (ps_u, ss_u) in zip(plans, entry.units, picked):
         # the grads in the plan's leaf order (a dict of its keys is made only for a bad grad's error)
-        runs.append(plan._prepare_sets(ps_u, ss_u, None, list(u.pick(gs)), u.sets, u.set_of, step, **opts))
+        runs.append(plan._prepare_sets(ps_u, ss_u, None, u.pick(gs), u.sets, u.set_of, step, **opts))
     for run in runs:
         run()
     return True
@@ -895,7 +933,8 @@ def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
 
 def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: dict, new_p: list, new_s: list) -> None:
     """The pure step of one rule's leaves with their several hyperparameter sets: each set checked as its own
-    core call checks it, then one launch per (device, dtype, layout) with a row of scalars per tensor."""
+    core call checks it, then one launch per (device, dtype, layout) with a row of scalars per tensor (a launch
+    whose tensors all take one set: that set's row, as its own call)."""
     max_unorm = opts["max_unorm"]
     calls = [
         _prepare(
@@ -912,12 +951,15 @@ def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: d
     set_of = _set_of(sets, idx)
     ps = [parts.params[i] for i in idx]
     ss = [parts.states[i] for i in idx]
-    by_device = set_rows(values, {p.device for p in ps})
+    groups = _groups(ps, ss)
+    # the in-place path's rows (Plan._set_rows), laid out afresh: the pure step keeps no plan; a group of one set
+    # takes the row of a pure call of that set
+    at = rows_layout(
+        [(device, tuple(set_of[j] for j in members)) for (device, _, _), members in groups], len(values[0])
+    )
     with torch.no_grad():
-        for (device, _, layout), members in _groups(ps, ss):
-            index = torch.tensor([set_of[j] for j in members], dtype=torch.int64)
-            rows = by_device[device]  # picked on the host and uploaded, or picked on the device (no host sync)
-            rows = _to_device(rows[index], device) if rows.device != device else rows[_to_device(index, device)]
+        by_group = group_rows(at, values, packed_rows(values), scalar_row)
+        for ((_, _, layout), members), rows in zip(groups, by_group):
             gp = [ps[j].detach().contiguous() for j in members]
             gg = [parts.grads[idx[j]].detach().contiguous() for j in members]
             gs = [t for j in members for t in ss[j]]
@@ -1115,7 +1157,7 @@ def updates(
     flat, treespec = pytree.tree_flatten_with_path(params)
     clip, max_grad_norm = None, options.pop("max_grad_norm", None)
     if max_grad_norm is not None:  # the norm of the grads as given (16-bit ones have 16-bit norms, as torch's)
-        clip, grads = _grad_clip(grads, max_grad_norm)
+        clip, grads = _grad_clip(grads, max_grad_norm, state)
     g_leaves, g_spec = pytree.tree_flatten(grads)
     if g_spec != treespec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
@@ -1228,26 +1270,32 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
     check_nonneg(max_grad_norm, "max_grad_norm")
 
 
-def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
+def _grad_clip(grads: Any, max_grad_norm: Any, state: Any = None) -> tuple[GradClip | None, Any]:
     """Gradient clipping for one call of :func:`update` / :func:`update_` with ``max_grad_norm``.
 
-    Returns ``(clip, grads)``. Eager calls on plain tensors get a :class:`bnbf.reference.GradClip` holding the
-    total norm of the grads (0-d, on the device, no host synchronisation), set around the core calls by
-    :func:`_clipping`: the step scales each grad by the coefficient as it loads it, in the norm pass too (LAMB,
-    LARS, ``max_unorm``), and no clipped copy is written. The total norm is ``torch._foreach_norm`` per (device,
-    dtype) and the norm of those norms, as torch computes it, so the coefficient has torch's bits; for float32
-    grads the step sees the very products torch's clipped copies hold (the whole step tested bit for bit on the
-    reference path and the interpreter; compiled kernels contract the rule's multiply-adds into FMAs per kernel
-    variant, so there the results may differ from the clipped copies' by an ulp), for 16-bit grads
-    the unrounded float32 products (closer to exact arithmetic than a 16-bit clipped copy). Cost over the
-    unclipped step: one read of the grads (the norms) and two small ops (the norm of the norms); the kernel
-    computes the coefficient from the total, torch's arithmetic op by op. A 0-d tensor ``max_grad_norm`` takes
-    four more small ops (the coefficient by torch's ops, then read by the kernel).
+    Returns ``(clip, grads)``. Eager calls on plain tensors get a :class:`bnbf.reference.GradClip`, set around
+    the core calls by :func:`_clipping`: the step scales each grad by the coefficient as it loads it, and no
+    clipped copy is written. Two ways to the total norm:
 
-    Not folded into a rule's own norm pass: the coefficient is needed before that pass (LAMB's update norm
-    depends non-linearly on the clipped grad), and where a rule's norm is linear in the grad (LARS's per-tensor
-    ``||g||``) its float64 per-tile sums would give the total norm other bits than torch's, and only when every
-    leaf of the call took that pass; so clipping costs the norm read for every rule.
+    - Folded into the rules' norm passes where every leaf's rule takes one that can give it
+      (``Rule.norm_grad_powers``: LARS, whose ``||g||`` is linear in the grads): each norm pass also sums every
+      grad's squares (non-finite ones included, so that an inf or NaN grad gives torch's coefficient, 0 or NaN),
+      the steps wait until every group's pass has run, and the total, the coefficient and the rule's norms of
+      the clipped grads (``coef**2 * ||g||²``) come from those sums in a few small ops on the device
+      (:meth:`GradClip.finish`). No read of the grads of its own. The total adds the same squares in another
+      order than ``torch._foreach_norm`` (float32 per tile of 256, float64 beyond): its bits may differ from
+      torch's by a few float32 ulps (tests/tolerances.py, ``FOLDED_CLIP_COEF_RTOL``).
+    - Otherwise (LAMB, whose update norm depends non-linearly on the clipped grad, so it needs the coefficient
+      before its norm pass; every rule without a norm pass; mixed calls), ``torch._foreach_norm`` per (device,
+      dtype) and the norm of those norms, as torch computes it, so the coefficient has torch's bits; the step
+      scales the grads in the norm pass too (LAMB, ``max_unorm``). For float32 grads the step sees the very
+      products torch's clipped copies hold (the whole step tested bit for bit on the reference path and the
+      interpreter; compiled kernels contract the rule's multiply-adds into FMAs per kernel variant, so there
+      the results may differ from the clipped copies' by an ulp), for 16-bit grads the unrounded float32
+      products (closer to exact arithmetic than a 16-bit clipped copy). Cost over the unclipped step: one read
+      of the grads (the norms) and two small ops (the norm of the norms); the kernel computes the coefficient
+      from the total, torch's arithmetic op by op. A 0-d tensor ``max_grad_norm`` takes four more small ops
+      (the coefficient by torch's ops, then read by the kernel).
 
     Traced calls, torch.func transforms and tensor subclasses (DTensor...) get ``clip`` None and the grads
     clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip).
@@ -1261,24 +1309,44 @@ def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
         or torch._C._functorch.maybe_current_level() is not None
     ):
         return None, clip_grad_norm(grads, max_grad_norm)[0]
+    limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
     with torch.no_grad():
-        total, _ = _total_norm(gs, 2.0)
-        if isinstance(max_grad_norm, Tensor):
-            clip = GradClip(torch.clamp(max_grad_norm.reshape(()) / (total + 1e-6), max=1.0), None)
+        if _folds(gs, state):
+            dtype = gs[0].dtype  # the total norm's: the stack of torch's per-dtype norms promotes
+            for d in set(map(_DTYPE, gs)):
+                dtype = torch.promote_types(dtype, d)
+            clip = GradClip.folded(limit, dtype, gs[0].device)
+        elif isinstance(max_grad_norm, Tensor):
+            clip = GradClip(clip_coefficient(_total_norm(gs, 2.0)[0], limit), None)
         else:
-            clip = GradClip(total, float(max_grad_norm))
+            clip = GradClip(_total_norm(gs, 2.0)[0], float(max_grad_norm))
     if any(g.requires_grad for g in gs):  # taken detached, as the clipped copies were
         grads = pytree.tree_map(Tensor.detach, grads)
     return clip, grads
 
 
+def _folds(gs: list[Tensor], state: Any) -> bool:
+    """Whether the clip of a call can come from its rules' norm passes: every leaf's state is for a rule with
+    ``norm_grad_powers`` (all of them: torch clips over every grad), one state per grad, and no distributed
+    reduction of the norms (``bnbf.distributed``'s shards need their own total)."""
+    if state is None or NORM_REDUCE.get() is not None:
+        return False
+    leaves = list(state.values()) if type(state) is dict else pytree.tree_leaves(state, is_leaf=is_state)
+    if len(leaves) != len(gs) or not all(map(is_state, leaves)):
+        return False  # the core names what is wrong
+    rules = {type(s).layout.rule for s in leaves}
+    return all(r in RULES and RULES[r].norm_grad_powers is not None for r in rules)
+
+
 @contextlib.contextmanager
 def _clipping(clip: GradClip):
     """``clip`` for the steps run inside (:data:`bnbf.reference.GRAD_CLIP`, read by the launcher and the
-    reference step)."""
+    reference step); a folded clip then computes its coefficient and runs the steps its norm passes deferred
+    (nothing is written where the steps raised)."""
     token = GRAD_CLIP.set(clip)
     try:
         yield
+        clip.finish()
     finally:
         GRAD_CLIP.reset(token)
 

@@ -7,6 +7,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -126,7 +127,8 @@ def update(
             0-d tensor hyperparameters (:mod:`bnbf.differentiable`). Needs 32-bit state; accepts float64
             params and states. Without it, asking for such a derivative raises (never a silent zero).
         max_grad_norm: if given, the grads are first clipped to this global norm, as
-            ``torch.nn.utils.clip_grad_norm_`` clips them (:func:`bnbf.clip_grad_norm`; a pass over the grads).
+            ``torch.nn.utils.clip_grad_norm_`` clips them (:func:`bnbf.clip_grad_norm`; a pass over the grads,
+            except for all-LARS calls, whose norm pass gives the total).
 
     The state tree may mix rules, bit widths, formats and block sizes (:func:`init_state` with a tree or a
     callable of specs), and ``hparams`` may be ``{rule_name: mapping}``, a callable ``(path, param) ->
@@ -393,12 +395,14 @@ def _shared(hparams: Any) -> bool:
     return _compose().is_shared_hparams(hparams)
 
 
+@functools.cache  # an import statement per call costs ~1 us of the mixed step's host time
 def _compose():
     from bnbf import compose  # compose builds on this module
 
     return compose
 
 
+@functools.cache
 def _distributed():
     from bnbf import distributed  # distributed builds on this module
 

@@ -166,11 +166,12 @@ class Plan:
         self.groups: list = []
         # the dither's first block of each param (shards of larger tensors, bnbf.distributed), baked into the tables
         self._first_blocks = first_blocks_of(params) if self._direct else None
-        self._set_index: dict = {}  # per-leaf hyperparameters: set assignment -> per group row indices
-        # per-leaf hyperparameters of plain numbers: set assignment -> [per device how its rows are laid out,
-        # the sets' float32 rows last made, the groups' rows made from them (ours only: no caller's tensor)]
+        # per-leaf hyperparameters: set assignment -> [how its rows are laid out (rows_layout), and where they are
+        # numbers: the sets' float32 rows last made and the groups' rows made from them (ours: no caller's tensor)]
         self._set_layout: dict = {}
-        self._checked_sets = None  # the last (assignment, kept-slot masks) whose states were found to match
+        self._last_layout = None  # (set assignment, its entry of _set_layout) of the last multi-set step
+        # the last (assignment, kept-slot masks, the sets weakly) whose states were found to match
+        self._checked_sets = None
         self._cuda = False
         if not self._direct:
             return
@@ -422,8 +423,10 @@ class Plan:
         here, nothing is written until the returned function runs (bnbf.compose checks every rule of a call
         before it steps the first). The launches are those of one set: each tensor reads its own row of scalars
         (the kernel's HP_PER_TENSOR), made on the host and uploaded in one copy per device where the
-        hyperparameters are numbers (:meth:`_number_rows`), on the device where some are 0-d tensors; bit for
-        bit one call per set. One set takes :meth:`step`'s scalars (kernel arguments). For params on the direct
+        hyperparameters are numbers (:meth:`_set_rows`), on the device where some are 0-d tensors; bit for
+        bit one call per set. One set, and each launch group whose tensors all take one set, takes
+        :meth:`step`'s scalars (kernel arguments). The rows are made when the returned function runs (after
+        every check, so that a rule's launches start while the next rule's rows are made). For params on the direct
         path (a plan from :func:`_cached` or :func:`plan` that is ``_direct``), eager and not captured, with
         hyperparameters no derivative is asked through (bnbf.compose checks). ``grad`` may be a list in leaf
         order where the plan is for a flat dict (``tree`` then None: the names are the plan's keys)."""
@@ -431,51 +434,44 @@ class Plan:
         grads, at = self._grads(params, states, tree, grad, listed)
         checked_at = self._grad_at
         rule = self.rule
-        wants = tuple(present_mask(rule, h) for h in sets)
-        if (set_of, wants) != self._checked_sets:
-            for k, want in enumerate(wants):
-                mine = [s for s, j in zip(states, set_of) if j == k]
-                if any(type(s).layout.present != want for s in mine):
-                    _check_present(rule, sets[k], mine)
-            self._checked_sets = (set_of, wants)
+        last = self._checked_sets
+        # the very set objects (frozen dataclasses) of the last check, held weakly: their slots are known to match
+        if (
+            last is None
+            or last[0] is not set_of
+            or len(last[2]) != len(sets)
+            or any(r() is not h for r, h in zip(last[2], sets))
+        ):
+            wants = tuple(present_mask(rule, h) for h in sets)
+            if last is None or (set_of, wants) != last[:2]:
+                for k, want in enumerate(wants):
+                    mine = [s for s, j in zip(states, set_of) if j == k]
+                    if any(type(s).layout.present != want for s in mine):
+                        _check_present(rule, sets[k], mine)
+            try:
+                refs = tuple(map(weakref.ref, sets))
+            except TypeError:  # a rule's own hparams class with __slots__: checked every step
+                refs = ()
+            self._checked_sets = (set_of, wants, refs)
         _check_step(step)
         clip = False
         values = []
         for h in sets:
             v, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
             values.append(v)
-        launches = []
-        if len(values) == 1:  # one set: as a plain step (kernel arguments, or one row per device)
-            (v,) = values
-            if set(map(type, v)) <= _NUMBERS:
-                rows = dict.fromkeys(self._devices, tuple(map(float, v)))
-            else:
-                with torch.no_grad():
-                    rows = {d: scalar_row(v, d) for d in self._devices}
-            for pick, group in self.groups:
-                launches.append((group, grads if pick is None else pick(grads), rows[group.device]))
-        elif all(set(map(type, v)) <= _NUMBERS for v in values):
-            for (pick, group), rows in zip(self.groups, self._number_rows(set_of, values)):
-                launches.append((group, grads if pick is None else pick(grads), rows))
-        else:  # some 0-d tensors: the rows made and picked on the device (no host synchronisation)
-            index = self._set_index.get(set_of)
-            if index is None:  # per group: the set of each of its tensors, on the host and on its device
-                if len(self._set_index) >= 4:
-                    self._set_index.clear()
-                index = []
-                for pick, group in self.groups:
-                    mine = torch.tensor(set_of if pick is None else pick(set_of), dtype=torch.int64)
-                    index.append((mine, _to_device(mine, group.device)))
-                self._set_index[set_of] = index
-            by_device = set_rows(values, self._devices)
-            for (pick, group), (host_idx, dev_idx) in zip(self.groups, index):
-                rows = by_device[group.device]
-                rows = _to_device(rows[host_idx], group.device) if rows.device != group.device else rows[dev_idx]
-                launches.append((group, grads if pick is None else pick(grads), rows))
+        by_group = [grads if pick is None else pick(grads) for pick, _ in self.groups]
 
         def run() -> None:
             # at: as the check found the grads, unless a step of this plan since changed the tables (then compared)
-            self._grad_tables(grads, [gs for _, gs, _ in launches], at if self._grad_at is checked_at else None)
+            self._grad_tables(grads, by_group, at if self._grad_at is checked_at else None)
+            # the scalars' rows made here, after every check of the call: a rule's launches then start while the
+            # next rule's rows are made (bnbf.compose runs the rules one after another)
+            if len(values) == 1:  # one set: as a plain step (kernel arguments, or one row per device)
+                made = {d: _one_set(values[0], d) for d in self._devices}
+                rows = [made[group.device] for _, group in self.groups]
+            else:
+                rows = self._set_rows(set_of, values)
+            launches = [(group, gs, r) for (_, group), gs, r in zip(self.groups, by_group, rows)]
             if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
                 with INTERPRETER_LOCK:
                     for group, gs, rows in launches:
@@ -486,44 +482,31 @@ class Plan:
 
         return run
 
-    def _number_rows(self, set_of: tuple, values: list) -> list:
-        """Each group's [tensors, k] float32 rows of scalars on its device, where every set's scalars are
-        numbers: the sets' rows packed once (float64 rounded once to float32, as a kernel argument is), every
-        group's rows of a device picked from them in one host op and uploaded in one copy, each group a view
-        from a 16-byte aligned row. The last result per assignment is kept with the exact float32 bits it was
-        made from (a changed value, -0.0 for 0.0 included, misses): a call with the same values (the same step
-        again) uploads nothing. Training steps change the bias corrections and the rounding's seed, so there
-        the cost is one pick and one copy per device."""
-        k = len(values[0])
-        packed = array.array("f", [float(x) for v in values for x in v]).tobytes()
-        layout = self._set_layout.get(set_of)
-        if layout is None:
-            if len(self._set_layout) >= 4:
-                self._set_layout.clear()
-            layout = self._set_layout[set_of] = [self._rows_layout(set_of, k), None, None]
-        elif layout[1] == packed:
-            return layout[2]
-        table = torch.frombuffer(bytearray(packed), dtype=torch.float32).view(len(values), k)
-        out: list = [None] * len(self.groups)
-        for device, index, views in layout[0]:
-            rows = _to_device(table.index_select(0, index), device)
-            for g, start, n in views:
-                out[g] = rows[start : start + n]
-        layout[1:] = packed, out
-        return out
-
-    def _rows_layout(self, set_of: tuple, k: int) -> list:
-        """For :meth:`_number_rows`: per device (device, the set of each row as a host index, each group's
-        (index, first row, rows)); a group starts at a 16-byte aligned row (padding rows repeat set 0)."""
-        by_device: dict = {}
-        for g, (pick, group) in enumerate(self.groups):
-            order, views = by_device.setdefault(group.device, ([], []))
-            while len(order) * k % 4:
-                order.append(0)
-            mine = set_of if pick is None else pick(set_of)
-            views.append((g, len(order), len(mine)))
-            order.extend(mine)
-        return [(d, torch.tensor(order, dtype=torch.int64), views) for d, (order, views) in by_device.items()]
+    def _set_rows(self, set_of: tuple, values: list) -> list:
+        """Each group's [tensors, k] float32 rows of scalars on its device (:func:`group_rows`), the layout kept
+        per assignment. Where every set's scalars are numbers the last result is kept with the exact float32
+        bits it was made from (a changed value, -0.0 for 0.0 included, misses): a call with the same values (the
+        same step again) uploads nothing. Training steps change the bias corrections and the rounding's seed,
+        so there the cost is one pick and one copy per device."""
+        last = self._last_layout
+        if last is not None and last[0] is set_of:  # bnbf.compose's kept partition passes the very tuple
+            kept = last[1]
+        else:
+            kept = self._set_layout.get(set_of)
+            if kept is None:
+                if len(self._set_layout) >= 4:
+                    self._set_layout.clear()
+                sets = [(group.device, set_of if pick is None else pick(set_of)) for pick, group in self.groups]
+                kept = self._set_layout[set_of] = [rows_layout(sets, len(values[0])), None, None]
+            self._last_layout = (set_of, kept)
+        if not kept[0][0]:  # every group of one set: its scalars as that set's call takes them, nothing to keep
+            return group_rows(kept[0], values, None, _one_set)
+        packed = packed_rows(values)
+        if packed is None:  # some 0-d tensors: made and picked on the device, not kept
+            return group_rows(kept[0], values, None, _one_set)
+        if kept[1] != packed:
+            kept[1:] = packed, group_rows(kept[0], values, packed, _one_set)
+        return kept[2]
 
     def _check_capture(self, grads: list, h: Any, step: Any) -> None:
         """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read
@@ -691,16 +674,81 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
     return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
 
 
-def set_rows(values: list, devices: Any) -> dict:
-    """Each set's scalars (``values[k]``: set k's, as :func:`_scalars` gives them) as one float32 matrix [sets, k]
-    per device: made on the host where all are numbers (float64 host values rounded once to float32, as a kernel
-    argument or :func:`bnbf.rules.base.as_scalar_row` rounds them; the caller picks and uploads the rows), else
-    on each device from :func:`scalar_row`'s rows (no host synchronisation)."""
-    if all(set(map(type, v)) <= _NUMBERS for v in values):
-        host = torch.tensor([tuple(map(float, v)) for v in values], dtype=torch.float32)
-        return dict.fromkeys(devices, host)
+def _one_set(values: tuple, device: torch.device) -> Any:
+    """The scalars of an in-place launch whose tensors all take one set, as :meth:`Plan.step` passes them: Python
+    numbers as kernel arguments, else one float32 row on the device (no host synchronisation)."""
+    if set(map(type, values)) <= _NUMBERS:
+        return tuple(map(float, values))
     with torch.no_grad():
-        return {d: torch.stack([scalar_row(v, d) for v in values]) for d in devices}
+        return scalar_row(values, device)
+
+
+def packed_rows(values: list) -> bytes | None:
+    """Each set's scalars (``values[k]``: set k's, as :func:`_scalars` gives them) as float32 rows, native bytes
+    (float64 host values rounded once to float32, as a kernel argument or :func:`scalar_row` rounds them);
+    None where some are 0-d tensors."""
+    if not set(map(type, _CHAIN(values))) <= _NUMBERS:
+        return None
+    return array.array("f", _CHAIN(values)).tobytes()
+
+
+def rows_layout(sets: list, k: int) -> tuple[list, list]:
+    """How :func:`group_rows` gives launch groups of tensors with different hyperparameter sets their scalars:
+    ``sets[g]`` is group g's (device, the set of each of its tensors). Returns (per device (device, the set of
+    each row as a host int64 index, each group's (g, first row, rows), the index on the device once needed), and
+    (g, set, device) of each group whose tensors all take one set: that group takes the set's scalars as a call
+    of that set alone would, no rows; e.g. the 1-d leaves without weight decay, whose small states are 32-bit,
+    beside the 8-bit matrices with it). Each group of rows starts at a 16-byte aligned row (padding rows repeat
+    set 0), as a kernel argument must."""
+    by_device: dict = {}
+    singles = []
+    for g, (device, mine) in enumerate(sets):
+        if len(set(mine)) == 1:
+            singles.append((g, mine[0], device))
+            continue
+        order, views = by_device.setdefault(device, ([], []))
+        while len(order) * k % 4:
+            order.append(0)
+        views.append((g, len(order), len(mine)))
+        order.extend(mine)
+    entries = [[d, torch.tensor(order, dtype=torch.int64), views, None] for d, (order, views) in by_device.items()]
+    return entries, singles
+
+
+def _picked(table: Tensor, index: Tensor, device: torch.device) -> Tensor:
+    """Rows ``index`` of the host matrix ``table``, on ``device`` (one copy; on CUDA picked straight into pinned
+    memory: one host copy fewer than ``pin_memory()`` of the picked rows)."""
+    if device.type != "cuda":
+        return _to_device(table.index_select(0, index), device)
+    host = torch.empty(table.shape[1] * len(index), dtype=torch.float32, pin_memory=True)
+    return torch.index_select(table, 0, index, out=host.view(len(index), -1)).to(device, non_blocking=True)
+
+
+def group_rows(layout: tuple, values: list, packed: bytes | None, one: Callable) -> list:
+    """Each group's scalars as :func:`rows_layout` lays them out: for a group of several sets, [tensors, k]
+    float32 rows on its device, row t for the group's tensor t (the kernel's HP_PER_TENSOR); ``packed``
+    (:func:`packed_rows`): every device's rows picked on the host from the sets' rows and uploaded in one copy
+    per device; None (0-d tensors among the values): the sets' rows stacked on each device (:func:`scalar_row`)
+    and picked there, no host synchronisation. A group of one set takes ``one(values[set], device)``, what a
+    call of that set takes. Bit for bit the scalars of one call per set."""
+    entries, singles = layout
+    out: list = [None] * (sum(len(entry[2]) for entry in entries) + len(singles))
+    for g, s, device in singles:
+        out[g] = one(values[s], device)
+    if packed is not None and entries:
+        table = torch.frombuffer(bytearray(packed), dtype=torch.float32).view(len(values), -1)
+    for entry in entries:
+        device, index, views, _ = entry
+        if packed is not None:
+            rows = _picked(table, index, device)
+        else:
+            if entry[3] is None:
+                entry[3] = _to_device(index, device)
+            with torch.no_grad():
+                rows = torch.stack([scalar_row(v, device) for v in values])[entry[3]]
+        for g, start, n in views:
+            out[g] = rows[start : start + n]
+    return out
 
 
 def _step_generic(
@@ -769,6 +817,19 @@ def _drop_dead() -> None:
                 del _PLANS[key]
 
 
+def _confirmed(plan: Plan, params: list, states: list) -> bool:
+    """Whether ``plan``, made by :func:`_cached` and kept (weakly) by a caller that thus skips the lookup, is for
+    these very ``params`` and ``states`` at their planned memory, shapes and dtypes: what :func:`_cached` confirms
+    of the plan it finds (the plan then moves to the cache's end, as a found one does)."""
+    if not (plan._same(params, states) and plan._confirm(params, states)):
+        return False
+    key = plan._key
+    with _PLANS_LOCK:
+        if _PLANS.get(key) is plan:
+            _PLANS.move_to_end(key)
+    return True
+
+
 def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Plan | None:
     """:func:`bnbf.update_`'s plan for these params and states: found by a few ids, confirmed to be for
     these very objects (ids, while none of its tensors was freed) with their planned memory and shapes,
@@ -794,6 +855,7 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     made = Plan._weak(tree, params, states, spec)
     if made is None:
         return None
+    made._key = key
     died = functools.partial(_died, weakref.ref(made), key)
     made._refs = [weakref.ref(t, died) for t in itertools.chain(params, _CHAIN(states))]
     with _PLANS_LOCK:

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import contextvars
 import dataclasses
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -33,11 +35,49 @@ class GradClip:
     ``value`` is the total norm of all the call's grads (``max_norm`` a number: the kernels compute the
     coefficient from it, torch's arithmetic op by op, see ``step_kernel._clip_coef``) or, with ``max_norm``
     None, the coefficient itself (computed by torch ops from a 0-d tensor max_norm). A 0-d tensor on the first
-    grad's device, in the norms' dtype; copied to each other device once."""
+    grad's device, in the norms' dtype; copied to each other device once.
 
-    value: Tensor
+    Folded into the norm passes (:meth:`folded`: every leaf's rule has ``norm_grad_powers``, e.g. LARS):
+    ``value`` is None while ``folding``; each group's norm pass (the launcher's, or :func:`reference_step`'s)
+    sums every grad's squares too, hands its tensors' sums to :meth:`fold` with its step, deferred, and
+    :meth:`finish` (called by ``bnbf.compose`` when the call's groups have all run) computes the total and the
+    coefficient on the device, then runs the steps, which read the coefficient as for a 0-d tensor max_norm."""
+
+    value: Tensor | None
     max_norm: float | None
     _on: dict = dataclasses.field(default_factory=dict)
+    folding: bool = False
+    fold_max: Any = None  # max_norm as given, a number or a 0-d tensor (folded)
+    dtype: torch.dtype | None = None  # the total norm's dtype: the grads' (torch's); folded
+    device: torch.device | None = None  # the total norm's device: the first grad's (torch's); folded
+    total: Tensor | None = None  # the total norm, once a folded clip has finished
+    _sq: list = dataclasses.field(default_factory=list)
+    _steps: list = dataclasses.field(default_factory=list)
+
+    @classmethod
+    def folded(cls, max_norm: Any, dtype: torch.dtype, device: torch.device) -> GradClip:
+        """Clipping taken from the rules' norm passes (see the class docstring)."""
+        return cls(None, None, folding=True, fold_max=max_norm, dtype=dtype, device=device)
+
+    def fold(self, sq: Tensor, step: Callable[[], None]) -> None:
+        """A group's norm pass has run: ``sq`` its tensors' sums of g² over every element (float64, one per
+        tensor in the group's order), ``step`` its step, run by :meth:`finish`."""
+        self._sq.append(sq)
+        self._steps.append(step)
+
+    def finish(self) -> None:
+        """A folded clip: the total norm and the coefficient from the groups' sums, then the deferred steps (in
+        the order their norm passes ran). Nothing for a clip that is not folded, or has finished."""
+        if not self.folding:
+            return
+        if not self._sq:  # every group of the call was to hand its sums in: none did (a path that ignores the clip)
+            raise RuntimeError("bnbf: a gradient clip folded into the norm passes saw no norm pass")
+        self.total = fold_total([sq.to(self.device) for sq in self._sq], self.dtype)
+        self.value = clip_coefficient(self.total, self.fold_max)
+        self.folding = False
+        steps, self._sq, self._steps = self._steps, [], []
+        for step in steps:
+            step()
 
     def on(self, device: torch.device) -> Tensor:
         """``value`` on ``device``."""
@@ -57,7 +97,35 @@ class GradClip:
     def coef(self, device: torch.device) -> Tensor:
         """The coefficient on ``device``: torch.nn.utils.clip_grad_norm_'s expression (``bnbf.clip_grad_norm``'s)."""
         v = self.on(device)
-        return v if self.max_norm is None else torch.clamp(self.max_norm / (v + 1e-6), max=1.0)
+        return v if self.max_norm is None else clip_coefficient(v, self.max_norm)
+
+
+def fold_total(sq: list[Tensor], dtype: torch.dtype) -> Tensor:
+    """The total norm of a folded clip from the norm passes' per-tensor sums of g² (float64 [tensors] each, one
+    device): added in float64 in the order given, the root, rounded to the grads' dtype (torch's total is in
+    it). The launcher and the reference step hand in sums of the same squares: the same arithmetic after them."""
+    return torch.cat(sq).sum().sqrt().to(dtype)
+
+
+def clip_coefficient(total: Tensor, max_norm: Any) -> Tensor:
+    """``torch.nn.utils.clip_grad_norm_``'s coefficient ``min(1, max_norm / (total + 1e-6))``, its ops in its
+    order (NaN stays NaN; an infinite total gives 0)."""
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+
+def clipped_sums(sums: Tensor, powers: tuple[int, int], coef: Tensor) -> Tensor:
+    """A folded clip's norm sums of the clipped grads from those of the grads (``sums`` float64 [tensors, 3]):
+    column k times ``coef ** powers[k]`` in float64 (coef² is exact: the coefficient has at most 24 significant
+    bits), the third column (the total's) as it is. Rule-independent: the powers are the rule's declaration."""
+    c = coef.double()
+    return sums * torch.stack([c ** powers[0], c ** powers[1], torch.ones_like(c)])
+
+
+def fold_powers(rule) -> tuple[int, int]:
+    """``rule.norm_grad_powers``; a folded clip reaching a rule without them is a bug of the code that folded it."""
+    if rule.norm_grad_powers is None:
+        raise RuntimeError(f"bnbf: gradient clipping was folded into a norm pass that rule {rule.name!r} lacks")
+    return rule.norm_grad_powers
 
 
 # Set by bnbf.compose around the core calls of a step with ``max_grad_norm`` (a GradClip); read by
@@ -65,7 +133,21 @@ class GradClip:
 GRAD_CLIP: contextvars.ContextVar = contextvars.ContextVar("bnbf_grad_clip", default=None)
 
 
-def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False):
+def norm_sums(rule, p, g, states, scalars, counted, fold=0) -> list:
+    """The per-tensor sums of the rule's norm terms over the ``counted`` elements (float32, 0-d). With ``fold``
+    (the kernels' tile width) the third, which a rule with ``norm_grad_powers`` leaves unused, is a folded
+    clip's sum of g² over every element, non-finite ones included, added as the kernels' norm pass adds it:
+    float32 within each tile of ``fold`` elements, float64 across the tiles (a float64 0-d)."""
+    terms = rule.norms[1](p, g, states, scalars)
+    sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
+    if fold:
+        sq = (g * g).reshape(-1)
+        sq = torch.cat([sq, sq.new_zeros(-sq.numel() % fold)])  # the last tile's padding adds 0, as the kernel's
+        sums[2] = sq.view(-1, fold).sum(1).double().sum()
+    return sums
+
+
+def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False, sums=None):
     """One tensor's step on dequantized values: ``(new_p, new_states, finite)``.
 
     Args:
@@ -74,16 +156,18 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
         states: one tensor per rule slot (``None`` for a slot the state does not keep).
         scalars: the rule's scalars NamedTuple (0-d tensors or numbers).
         max_unorm, lr: the clipping pair, read only with ``clip``.
+        sums: the rule's norm sums where they were taken before (a folded gradient clip's, of the clipped
+            grads); None: taken here.
 
     Returns:
         The new param (non-finite gradient elements keep their old value), the new states (not yet zeroed
         where the gradient is non-finite) and the mask of finite gradient elements.
     """
     finite = torch.isfinite(g)
-    counted = finite & (g != 0) if skip_zeros else finite
+    counted = _counted(finite, g, skip_zeros)
     if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
-        terms = rule.norms[1](p, g, states, scalars)
-        sums = _reduced([torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms])
+        if sums is None:
+            sums = _reduced(norm_sums(rule, p, g, states, scalars, counted))
         new_p, new_states = rule.reference(p, g, states, scalars, sums)
     else:
         new_p, new_states = rule.reference(p, g, states, scalars)
@@ -101,6 +185,11 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
     return torch.where(finite, new_p, p), new_states, finite
 
 
+def _counted(finite: Tensor, g: Tensor, skip_zeros: bool) -> Tensor:
+    """The elements a rule's norms are summed over: finite grads, and non-zero ones with ``skip_zeros``."""
+    return finite & (g != 0) if skip_zeros else finite
+
+
 def _reduced(sums: list) -> list:
     """Per-tensor sums, summed across the shards of a sharded tensor where bnbf.distributed asks for it."""
     reduce = NORM_REDUCE.get()
@@ -113,7 +202,29 @@ def _reduced(sums: list) -> list:
 
 def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False, clip=False) -> None:
     """One step of a group of tensors (one device, dtype and state layout), written into ``p_out``/``s_out``
-    (the inputs themselves for an in-place step): dequantize, :func:`step_math`, requantize."""
+    (the inputs themselves for an in-place step): dequantize, :func:`step_math`, requantize.
+
+    With a folded gradient clip (:meth:`GradClip.folded`) the norm pass runs now: the rule's sums of the grads as
+    given and their sums of g² over every element (:func:`norm_sums`), handed to the clip with the step, which
+    it runs with the coefficient and the sums scaled to the clipped grads (:func:`clipped_sums`), as the
+    launcher does."""
+    grad_clip = GRAD_CLIP.get()
+    if grad_clip is None or not grad_clip.folding:
+        _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip)
+        return
+    powers = fold_powers(get_rule(layout.rule))
+    sums = _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, None, collect=True)
+
+    def step() -> None:
+        clipped = clipped_sums(sums, powers, grad_clip.coef(p_in[0].device)).float()
+        _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip, sums=clipped)
+
+    grad_clip.fold(sums[:, 2], step)
+
+
+def _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip, collect=False, sums=None):
+    """:func:`reference_step`'s loop over the tensors; with ``collect`` only the norm sums of the grads as given,
+    returned as float64 [tensors, 3] (nothing written); with ``sums`` ([tensors, 3]) the step with those sums."""
     rule = get_rule(layout.rule)
     fmt, block_size = layout.format, layout.block_size
     quant = layout.quantized
@@ -121,7 +232,6 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
     signs = [rule.states[j].signed for j in slots]
     per = 2 * len(slots) if quant else len(slots)
     *scalars, grad_sign, seed, max_unorm, lr = hp.unbind()  # the rule's scalars, then the four the step adds
-    grad_clip = GRAD_CLIP.get()
     if grad_clip is not None:  # the grads times the sign and the clipping coefficient: one float32 product each
         grad_sign = grad_sign * grad_clip.coef(p_in[0].device).float()
     scalars = rule.scalar_names(*scalars)
@@ -139,6 +249,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
         if native and not records
         else None
     )
+    collected = []
     for i, (p, g) in enumerate(zip(p_in, grads)):
         p32 = p.float()
         g32 = g.float() * grad_sign
@@ -154,8 +265,15 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
                 states[j] = dequantize_state_reference(fields[2 * k], fields[2 * k + 1], fmt, signs[k], block_size)
             else:
                 states[j] = fields[k].float()
+        if collect:  # a folded clip's norm pass: the counted elements as step_math counts them
+            counted = _counted(torch.isfinite(g32), g32, skip_zeros)
+            tile = block_size if quant else 256  # the kernels' tile (bnbf.kernels.launcher._tile_width)
+            terms = norm_sums(rule, p32, g32, states, scalars, counted, fold=tile)
+            collected.append(torch.stack([x.double() for x in terms]))
+            continue
+        mine = None if sums is None else list(sums[i].unbind())
         # a non-finite gradient element leaves its param element alone and zeroes its states
-        new_p, new_states, finite = step_math(rule, p32, g32, states, scalars, max_unorm, lr, skip_zeros, clip)
+        new_p, new_states, finite = step_math(rule, p32, g32, states, scalars, max_unorm, lr, skip_zeros, clip, mine)
         p_out[i].copy_(new_p.to(p.dtype))
         if fast:  # the codec zeroes the states of non-finite elements (keep) as it quantizes
             keep = finite.reshape(-1)
@@ -173,3 +291,6 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
                 out[2 * k + 1].copy_(absmax)
             else:
                 out[k].copy_(s)
+    if collect:
+        return torch.stack(collected)
+    return None

@@ -1,12 +1,19 @@
 """Compile the step kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas), for every
-rule, state format and mode; prints the cubin size per variant.
+rule, state format and mode; prints the cubin size per variant. Rules whose norm pass can take gradient
+clipping's total norm (``norm_grad_powers``) also compile that pass (CLIP 3).
 
-    python scripts/compile_check.py [rule ...]
+    python scripts/compile_check.py [--clip N] [--dump DIR] [rule ...]
+
+``--clip N`` compiles every variant with CLIP N (0, the default: no gradient clipping; 1 or 2). ``--dump DIR``
+writes each variant's TTIR and PTX without source locations, so that two trees' files can be compared with
+``diff -r`` (a change to a kernel's other modes must leave CLIP 0's code as it was).
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 
 import torch
@@ -24,7 +31,7 @@ from bnbf.state import present_mask  # noqa: E402
 _TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
 
 
-def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
+def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False, clip=0):
     rule = bnbf.RULES[rule_name]
     present = present_mask(rule, rule.make_hparams({}))  # the default hyperparameters' slots
     n_hp = len(rule.scalars(rule.make_hparams({}), 1)) + 4  # the rule's scalars, then the four the step adds
@@ -37,7 +44,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
         "norm_ptr": "*fp32",
         "n_tiles": "i32",
         **{f"h{i}": "fp32" for i in range(HP_MAX)},
-        "clip_ptr": "*i64",  # gradient clipping off (CLIP 0): unused
+        "clip_ptr": "*fp32" if clip in (1, 2) else "*i64",  # unused by CLIP 0 and 3
         "clip_max": "fp32",
     }
     norm_terms = rule.norms[0] if rule.norms is not None else None
@@ -64,7 +71,7 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
         NORM_MODE=mode,
         NORM_TERMS=norm_terms,
         SUM_SPLIT=mt.SUM_SPLIT,
-        CLIP=0,
+        CLIP=clip,
     )
     sig.update({k: "constexpr" for k in const})
     src = ASTSource(fn=_step_kernel, signature=sig, constexprs=const)
@@ -72,20 +79,44 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False):
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def main(rules):
+def _without_locations(text: str, kind: str) -> str:
+    """TTIR or PTX without source locations (line numbers move with any edit of the file)."""
+    if kind == "ttir":
+        text = "\n".join(line for line in text.splitlines() if not line.startswith("#loc"))
+        return re.sub(r" ?loc\([^)]*\)", "", text)
+    text = text.split(".section\t.debug")[0]
+    skip = (".loc", ".file", "$L__tmp", "$L__func")
+    return re.sub(r"\$L__tmp\d+", "", "\n".join(x for x in text.splitlines() if not x.strip().startswith(skip)))
+
+
+def main(rules, clip=0, dump=None):
     for rule_name in rules:
-        modes = (1, 2) if bnbf.RULES[rule_name].norms is not None else (0,)
+        rule = bnbf.RULES[rule_name]
+        modes = [(1, clip), (2, clip)] if rule.norms is not None else [(0, clip)]
+        if rule.norm_grad_powers is not None and clip == 0:
+            modes.append((1, 3))  # the norm pass of gradient clipping folded into it
         for fmt in ("power", "dynamic", "fp32"):
             for dtype in (tl.float32, tl.bfloat16):
-                for mode in modes:
+                for mode, clip_mode in modes:
                     for from_ptr in (False, True):
-                        k = compile_variant(rule_name, fmt, dtype, mode, from_ptr)
+                        k = compile_variant(rule_name, fmt, dtype, mode, from_ptr, clip=clip_mode)
+                        name = f"{rule_name}_{fmt}_{dtype}_mode{mode}_ptr{int(from_ptr)}_clip{clip_mode}"
+                        if dump:
+                            os.makedirs(dump, exist_ok=True)
+                            for kind in ("ttir", "ptx"):
+                                with open(os.path.join(dump, f"{name}.{kind}"), "w") as f:
+                                    f.write(_without_locations(k.asm[kind], kind))
                         print(
-                            f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)}: "
-                            f"{len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared",
+                            f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)} "
+                            f"CLIP {clip_mode}: {len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared",
                             flush=True,
                         )
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:] or list(bnbf.RULES))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("rules", nargs="*", help="rule names (default: every registered rule)")
+    parser.add_argument("--clip", type=int, default=0, choices=(0, 1, 2), help="the CLIP mode of every variant")
+    parser.add_argument("--dump", help="write each variant's TTIR and PTX (no source locations) here")
+    args = parser.parse_args()
+    main(args.rules or list(bnbf.RULES), args.clip, args.dump)

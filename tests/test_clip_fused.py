@@ -22,12 +22,16 @@ import torch
 from conftest import assert_untouched, kernel_runs, snapshot
 from tolerances import (
     CONTRACTION_ULPS,
+    FOLDED_COEF_EXTRA_ULPS,
+    FOLDED_STEP_ROUNDINGS,
     KERNEL_VS_REFERENCE_CODES,
+    NOT_VACUOUS,
     SAME_MATH,
     STATE32,
     assert_close_report,
     assert_equal_report,
     codes_differ,
+    folded_total_ulps,
     half_ulp,
 )
 from torch.utils._pytree import tree_leaves
@@ -35,6 +39,7 @@ from torch.utils._pytree import tree_leaves
 import bnbf
 from bnbf import compose
 from bnbf._dispatch import interpreting
+from bnbf.reference import GradClip
 
 INTERP = interpreting()
 MAX = 0.5  # the grads below have a global norm of about 2-3: clipping is active
@@ -89,7 +94,12 @@ CASES = {
     "adamw8_max_unorm": ({k: _SPEC("adamw") for k in ("w", "one")}, {"lr": 1e-2}, {"max_unorm": 0.01}),
     "lion": ({k: _SPEC("lion") for k in ("w", "b", "one")}, {"lr": 1e-3, "weight_decay": 0.1}, {}),
     "lamb": ({k: _SPEC("lamb") for k in ("w", "one")}, {"lr": 1e-2, "weight_decay": 0.01}, {}),
-    "lars": ({k: _SPEC("lars") for k in ("w", "one")}, {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, {}),
+    # LARS beside another rule: the total by torch._foreach_norm (an all-LARS call folds it, tested below)
+    "lars_mixed": (
+        {"w": _SPEC("lars"), "one": _SPEC("lars"), "b": _SPEC("sgd")},
+        {"lars": {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.1}, "sgd": {"lr": 0.1, "momentum": 0.9}},
+        {},
+    ),
 }
 
 
@@ -112,7 +122,7 @@ def test_max_grad_norm_equals_clipping_first(device, case):
     assert_untouched(g_snap, "grad")  # clipped as they are loaded, not in place
     _eq((in_p, in_s), want, f"{case}: update_(max_grad_norm=) vs update(clip_grad_norm(grads))")
     # not vacuous: the unclipped step differs (the interpreter leaves this to the reference pass: the same inputs)
-    if not (INTERP and case in ("lamb", "lars", "adamw8_max_unorm")):
+    if not (INTERP and case in ("lamb", "lars_mixed", "adamw8_max_unorm")):
         plain = bnbf.update(params, grads, state, hp, 3, **opts)
         assert not torch.equal(plain[0]["w"], want[0]["w"]), "clipping did not change the step"
 
@@ -342,5 +352,257 @@ def test_clipped_step_does_not_synchronise():
         try:
             bnbf.update_(params, grads, state, hp, 2, max_grad_norm=limit)
             bnbf.update(params, grads, state, hp, 2, max_grad_norm=limit)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+
+
+# ------------------------------------------------------------------------------------------------
+# clipping folded into LARS's own norm pass: an all-LARS call takes the total norm from it
+
+
+U = 2.0**-24  # float32's unit roundoff
+LARS_HP = {"lr": 0.5, "momentum": 0.9, "weight_decay": 0.1, "trust_coefficient": 0.02}
+ODD = {"a": (1,), "b": (255,), "c": (257,), "d": (4097,)}  # 1 and 255 below min_8bit_size: 32-bit state
+
+
+def _lars_tree(device, bits=8, zero_state=True, keys=tuple(ODD)):
+    """Params and grads of the odd sizes, LARS states (8-bit where numel >= 256 with ``bits`` 8); from zero
+    states (the first step: the update is local·d, which the float64 reference below writes out)."""
+    params = {k: (torch.randn(ODD[k]) * 0.5).to(device) for k in keys}
+    grads = {k: (torch.randn(ODD[k]) * 0.1).to(device) for k in keys}
+    state = bnbf.init_state(params, _SPEC("lars", bits), LARS_HP)
+    if not zero_state:
+        state = {k: _random_state(s) for k, s in state.items()}
+    return params, grads, state
+
+
+def _record_folds(monkeypatch) -> list:
+    """The folded clips of the calls that follow, each after its total and coefficient are computed."""
+    seen = []
+    real = GradClip.finish
+
+    def finish(self):
+        folding = self.folding
+        real(self)
+        if folding:
+            seen.append(self)
+
+    monkeypatch.setattr(GradClip, "finish", finish)
+    return seen
+
+
+def _no_foreach_norm(monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch._foreach_norm was called: clipping was not folded into the norm pass")
+
+    monkeypatch.setattr(torch, "_foreach_norm", refuse)
+
+
+def _total64(grads) -> torch.Tensor:
+    return torch.sqrt(sum((g.double() ** 2).sum() for g in grads.values()))
+
+
+def _lars64(params, grads, max_norm, hp=LARS_HP):
+    """LARS's first step with clipped grads in float64, written from the paper (You et al., 2017) and
+    torch.nn.utils.clip_grad_norm_'s formula: g ← g·min(1, max_norm / (||G|| + 1e-6)) over all grads G;
+    d = g + wd·p, local = η‖p‖ / (‖g‖ + wd‖p‖ + ε) (1 where a norm is 0), the buffer local·d, p − lr·buffer."""
+    coef = torch.clamp(float(max_norm) / (_total64(grads) + 1e-6), max=1.0)
+    out = {}
+    for k, p in params.items():
+        p64, g64 = p.double(), grads[k].double() * coef
+        pn, gn = p64.norm(), g64.norm()
+        wd = hp["weight_decay"]
+        local = hp["trust_coefficient"] * pn / (gn + wd * pn + 1e-8) if pn > 0 and gn > 0 else torch.tensor(1.0)
+        out[k] = p64 - hp["lr"] * local * (g64 + wd * p64)
+    return out
+
+
+def _run_update(in_place, params, grads, state, hp, max_grad_norm, **opts):
+    if in_place:
+        p, s = _clones(params, state)
+        bnbf.update_(p, grads, s, hp, 1, max_grad_norm=max_grad_norm, **opts)
+        return p, s
+    return bnbf.update(params, grads, state, hp, 1, max_grad_norm=max_grad_norm, **opts)
+
+
+def _assert_fold_bounds(clip, total_torch, params, grads, got, want, what, hp=LARS_HP):
+    """The folded clip's total within the folded sum's bound of the float64 total (tolerances.py), its
+    coefficient within that plus torch's measured error of torch's coefficient, and each param within the
+    step's sensitivity to those errors of ``want`` (the step of the clipped copies). Returns, per leaf, the
+    bound on the difference of the update per unit of lr (local·d, the first step's momentum buffer)."""
+    total64 = _total64(grads)
+    assert float(total64) > 2 * MAX  # clipping is active
+    bound = folded_total_ulps(256) * U  # the widest tile of these groups: 256 elements
+    assert abs(float(clip.total.double()) / float(total64) - 1) <= bound, (what, float(clip.total), float(total64))
+    torch_err = abs(float(total_torch.double()) / float(total64) - 1)  # torch's bits: measured, not bounded
+    c_torch = torch.clamp(MAX / (total_torch + 1e-6), max=1.0).double()
+    r_coef = bound + torch_err + FOLDED_COEF_EXTRA_ULPS * U
+    assert abs(float(clip.value.double()) / float(c_torch) - 1) <= r_coef, (what, float(clip.value), float(c_torch))
+    # ||c·g|| enters local: the fold's c²·Σg² and the clipped copies' Σ(c·g)² each within the bound of exact
+    r = r_coef + 2 * bound
+    wd, lr, eta = hp["weight_decay"], hp["lr"], hp["trust_coefficient"]
+    slacks = {}
+    for k, p in params.items():
+        p0, g_c = p.double().cpu(), grads[k].double().cpu() * float(c_torch)
+        local = eta * p0.norm() / (g_c[torch.isfinite(g_c)].norm() + wd * p0.norm() + 1e-8)
+        a, b = g_c.abs(), wd * p0.abs()
+        slacks[k] = float(local) * (r * (2 * a + b) + FOLDED_STEP_ROUNDINGS * U * (a + b))  # tolerances.py
+        err = (got[k].double().cpu() - want[k].double().cpu()).abs()
+        bar = lr * slacks[k] + 2 * half_ulp(p0, torch.float32).double()
+        assert bool((err <= bar).all()), f"{what} {k}: {float((err - bar).max()):.3g} beyond the bound"
+    return slacks
+
+
+@pytest.mark.parametrize(
+    "bits, limit, in_place", [(8, "number", False), (8, "tensor", True), (32, "number", True), (32, "tensor", False)]
+)
+def test_folded_lars_against_torch_and_float64(device, bits, limit, in_place, monkeypatch):
+    """An all-LARS call (odd sizes, 8-bit and 32-bit leaves, two launch groups) clipped through the fold, with
+    no ``torch._foreach_norm``: its total within the folded sum's bound of the float64 total, its coefficient
+    within that plus torch's own measured error of torch's, the step within the coefficient's error of
+    clipping first (``clip_grad_norm``, torch's bits) and stepping, and within float32's tolerance of LARS with
+    clipping in float64."""
+    params, grads, state = _lars_tree(device, bits)
+    max_norm = MAX if limit == "number" else torch.tensor(MAX, device=device)
+    clipped, total_torch = compose.clip_grad_norm(grads, max_norm)
+    want, want_s = bnbf.update(params, clipped, state, LARS_HP, 1)
+    folds = _record_folds(monkeypatch)
+    _no_foreach_norm(monkeypatch)
+    snap = snapshot(grads)
+    got, got_s = _run_update(in_place, params, grads, state, LARS_HP, max_norm)
+    assert_untouched(snap, "grad")
+    (clip,) = folds
+    slacks = _assert_fold_bounds(clip, total_torch, params, grads, got, want, f"{bits}-bit {limit}")
+    p64 = _lars64(params, grads, MAX)
+    t = STATE32[(torch.float32, 32)]
+    for k, p in params.items():
+        change = p64[k].cpu() - p.double().cpu()
+        assert_close_report(got[k].double().cpu() - p.double().cpu(), change, t.atol, t.rtol, f"{k}: vs float64")
+        assert float(change.abs().max()) > NOT_VACUOUS * t.atol  # the step is far larger than the tolerance
+    for k in params:  # the new momentum buffers (local·d): within the bound above, 8-bit ones requantized
+        a, b = got_s[k].momentum_buffer, want_s[k].momentum_buffer
+        if a.dtype == torch.uint8:
+            codes_differ(a, b, KERNEL_VS_REFERENCE_CODES, f"{k}: momentum_buffer codes")
+        else:
+            bar = slacks[k]
+            err = (a.double().cpu() - b.double().cpu()).abs()
+            assert bool((err <= bar).all()), f"{k}: momentum_buffer {float((err - bar).max()):.3g} beyond the bound"
+
+
+def test_folded_lars_options(device, monkeypatch):
+    """skip_zeros (zero grad elements leave their param), maximize, and non-zero 8-bit states through the fold,
+    against clipping first, within the same bounds."""
+    params, grads, state = _lars_tree(device, 8, zero_state=False, keys=("a", "c"))
+    for g in grads.values():
+        g.view(-1)[::3] = 0.0
+    clipped, total_torch = compose.clip_grad_norm(grads, MAX)
+    for opts in ({"skip_zeros": True}, {"maximize": True}):
+        want, _ = bnbf.update(params, clipped, state, LARS_HP, 1, **opts)
+        folds = _record_folds(monkeypatch)
+        _no_foreach_norm(monkeypatch)
+        got, _ = bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=MAX, **opts)
+        monkeypatch.undo()
+        (clip,) = folds
+        _assert_fold_bounds(clip, total_torch, params, grads, got, want, str(opts))
+        if "skip_zeros" in opts:
+            for k, p in params.items():
+                zero = grads[k] == 0
+                assert torch.equal(got[k][zero], p[zero]), f"{k}: a zero grad element moved its param"
+
+
+@pytest.mark.parametrize("bad", (-math.inf, math.nan))
+def test_folded_nonfinite_grad_as_torch_clips(device, bad, monkeypatch):
+    """One inf or NaN grad element: the fold's total is inf or NaN as torch's is, so the coefficient is 0 or
+    NaN, and the step does what clipping first and stepping does (the element's param kept and its state
+    zeroed; with inf the other grads clipped to 0, with NaN every grad NaN): the same bits."""
+    params, grads, state = _lars_tree(device, 8, zero_state=False, keys=("a", "c"))
+    grads["c"][7] = bad
+    want = bnbf.update(params, compose.clip_grad_norm(grads, MAX)[0], state, LARS_HP, 1)
+    folds = _record_folds(monkeypatch)
+    _no_foreach_norm(monkeypatch)
+    got = bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=MAX)
+    (clip,) = folds
+    assert float(clip.value) == 0.0 if math.isinf(bad) else math.isnan(float(clip.value))
+    _eq(got, want, f"grad element {bad}")
+
+
+def test_fold_only_where_every_leaf_can(device, monkeypatch):
+    """torch._foreach_norm is not called for an all-LARS call (pure, in place, ``updates``, 0-d tensor limit), and
+    is for LAMB, AdamW and a tree of LARS beside AdamW (torch clips over every grad: one leaf without a foldable
+    norm pass keeps the separate norm), whose results stay bit for bit those of clipping first."""
+    calls = []
+    real = torch._foreach_norm
+    monkeypatch.setattr(torch, "_foreach_norm", lambda *a, **k: calls.append(1) or real(*a, **k))
+    params, grads, state = _lars_tree(device, 8)
+    small = {k: v for k, v in params.items() if k in ("a", "b")}
+    sg, ss = {k: grads[k] for k in small}, {k: state[k] for k in small}
+    bnbf.update(small, sg, ss, LARS_HP, 1, max_grad_norm=MAX)
+    bnbf.update_(_clones(small, ss)[0], sg, _clones(small, ss)[1], LARS_HP, 1, max_grad_norm=MAX)
+    compose.updates(small, sg, ss, LARS_HP, 1, max_grad_norm=torch.tensor(MAX))
+    assert not calls, "an all-LARS call read the grads for the total norm"
+    for rule in ("lamb", "adamw"):
+        st = bnbf.init_state(small, _SPEC(rule))
+        bnbf.update(small, sg, st, {"lr": 1e-2}, 1, max_grad_norm=MAX)
+        assert calls, f"{rule}: no torch._foreach_norm"
+        calls.clear()
+    mixed = compose.init_state(small, {"a": _SPEC("adamw"), "b": _SPEC("lars")}, {"b": LARS_HP, "a": {}})
+    hp = {"adamw": {"lr": 1e-2}, "lars": LARS_HP}
+    got = bnbf.update(small, sg, mixed, hp, 1, max_grad_norm=MAX)
+    assert calls, "LARS beside AdamW: no torch._foreach_norm"
+    _eq(got, bnbf.update(small, compose.clip_grad_norm(sg, MAX)[0], mixed, hp, 1), "LARS beside AdamW")
+
+
+def test_fold_arithmetic_reference_equals_interpreter(monkeypatch):
+    """The reference path and the kernels (under the interpreter) do the same arithmetic after the squares: with
+    grads whose squares add exactly in any order (multiples of 1/16 below 1: every partial sum fits float32), the
+    totals, the coefficients and the steps (32-bit state) have the same bits."""
+    if not kernel_runs("cpu"):
+        pytest.skip("compares the interpreter with the reference path: TRITON_INTERPRET=1")
+    import bnbf.ops
+
+    params = {k: torch.randint(-16, 17, s) / 16.0 for k, s in ODD.items()}
+    grads = {k: torch.randint(-15, 16, s) / 16.0 for k, s in ODD.items()}
+    state = bnbf.init_state(params, _SPEC("lars", 32), LARS_HP)
+    folds = _record_folds(monkeypatch)
+    kernel = bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=MAX)
+    monkeypatch.setattr(bnbf.ops, "use_triton", lambda t: False)
+    ref = bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=MAX)
+    k_clip, r_clip = folds
+    assert_equal_report(k_clip.total, r_clip.total, "total norm")
+    assert_equal_report(k_clip.value, r_clip.value, "coefficient")
+    assert float(k_clip.value) < 0.5
+    _eq(kernel, ref, "interpreter vs reference")
+
+
+def test_rule_fold_declaration_is_checked():
+    """``norm_grad_powers`` is validated at registration: only with norms, a pair of non-negative ints."""
+    import dataclasses
+
+    from bnbf.rules import RULES
+    from bnbf.rules.base import validate_rule
+
+    lars = RULES["lars"]
+    validate_rule(lars)
+    with pytest.raises(ValueError, match="norm_grad_powers needs norms"):
+        validate_rule(dataclasses.replace(RULES["sgd"], norm_grad_powers=(0, 2)))
+    for bad in ((0, 2, 2), (0, -2), (0, 2.0), [0, 2]):
+        with pytest.raises(TypeError, match="norm_grad_powers must be a pair"):
+            validate_rule(dataclasses.replace(lars, norm_grad_powers=bad))
+
+
+@pytest.mark.gpu
+def test_folded_step_does_not_synchronise(monkeypatch):
+    params = {"w": torch.randn(4096, device="cuda"), "b": torch.randn(7, device="cuda")}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="lars"), LARS_HP)
+    _no_foreach_norm(monkeypatch)
+    for limit in (1.0, torch.tensor(0.5, device="cuda")):
+        bnbf.update_(params, grads, state, LARS_HP, 1, max_grad_norm=limit)  # warm
+        bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=limit)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            bnbf.update_(params, grads, state, LARS_HP, 2, max_grad_norm=limit)
+            bnbf.update(params, grads, state, LARS_HP, 2, max_grad_norm=limit)
         finally:
             torch.cuda.set_sync_debug_mode("default")

@@ -550,7 +550,10 @@ def test_partition_is_kept_and_redone_on_any_difference(device, monkeypatch):
 
     def check(step, want_splits, hparams):
         grads = _grads(params)
-        of = (lambda k: hparams(k, params[k])) if callable(hparams) else (lambda k: hparams[spec(k, params[k]).rule])
+        if callable(hparams):
+            of = lambda k: hparams(k, params[k])
+        else:  # by param name or by rule
+            of = hparams.__getitem__ if set(hparams) == set(params) else lambda k: hparams[spec(k, params[k]).rule]
         want = _separate(params, grads, state, of, step)
         splits.clear()
         compose.update_(params, grads, state, hparams, step)
@@ -566,11 +569,18 @@ def test_partition_is_kept_and_redone_on_any_difference(device, monkeypatch):
     check(5, 1, by_rule)  # another form
     check(6, 0, by_rule)
     check(7, 1, {"adamw": dict(decay), "lion": lion})  # another object (equal values)
+    tree = {k: hp(k, p) for k, p in params.items()}  # by param name: kept as the callable form is
+    check(8, 1, tree)
+    check(9, 0, tree)
+    no_decay["weight_decay"] = -0.0  # equal to 0.0, but another value: split again
+    check(10, 1, tree)
+    check(11, 1, dict(reversed(tree.items())))  # another order: the general walk, not kept
+    check(12, 1, dict(reversed(tree.items())))
     grads = _grads(params)
     grads["w"] = grads["w"].t()  # a bad grad on the kept path: the plan's error, nothing written
     snap = snapshot(params, state)
     with pytest.raises(ValueError, match=r"grad\['w'\] has shape"):
-        compose.update_(params, grads, state, by_rule, 8)
+        compose.update_(params, grads, state, by_rule, 13)
     assert_untouched(snap)
 
 
@@ -618,8 +628,8 @@ def test_kept_scalar_rows_follow_every_value(device, monkeypatch):
     state = compose.init_state(params, spec)
     plan_mod = sys.modules["bnbf.plan"]
     uploads = []
-    real = plan_mod._to_device
-    monkeypatch.setattr(plan_mod, "_to_device", lambda t, d: uploads.append(tuple(t.shape)) or real(t, d))
+    real = plan_mod._picked
+    monkeypatch.setattr(plan_mod, "_picked", lambda t, i, d: uploads.append((len(i), t.shape[1])) or real(t, i, d))
     triton = bnbf._dispatch.use_triton(params["w"])
 
     def check(step, change, want_uploads):
@@ -645,8 +655,100 @@ def test_kept_scalar_rows_follow_every_value(device, monkeypatch):
     # the key is the float32 bits: -0.0 is not 0.0, and a row's value is never stale
     plan = bnbf.plan({k: params[k] for k in ("w", "b")}, {k: state[k] for k in ("w", "b")})
     v0, v1 = (0.5, 0.0, 1.0), (0.25, 0.0, 1.0)
-    first = plan._number_rows((0, 1), [v0, v1])
-    assert plan._number_rows((0, 1), [v0, v1]) is first
-    neg = plan._number_rows((0, 1), [v0, (0.25, -0.0, 1.0)])
+    first = plan._set_rows((0, 1), [v0, v1])
+    assert plan._set_rows((0, 1), [v0, v1]) is first
+    neg = plan._set_rows((0, 1), [v0, (0.25, -0.0, 1.0)])
     assert neg is not first and torch.signbit(neg[0][1, 1]) and not torch.signbit(first[0][1, 1])
-    assert plan._number_rows((1, 0), [v0, v1])[0].tolist() == [list(v1), list(v0)]
+    assert plan._set_rows((1, 0), [v0, v1])[0].tolist() == [list(v1), list(v0)]
+
+
+def test_sets_are_keyed_by_exact_values(device, monkeypatch):
+    """Hyperparameter values that ``==`` conflates are separate sets: weight decay 0.0 and -0.0 (SGD's
+    ``g + wd * p`` keeps a -0.0 grad's sign in the momentum buffer only with -0.0), nesterov True and 1. Each leaf
+    as its own call, bit for bit (the sign of every zero included), pure and in place; on the in-place path a
+    value changed in place from 0.0 to -0.0 is a new partition."""
+    params = {k: (0.5 + torch.rand(n)).to(device) for k, n in (("a", 257), ("b", 255), ("c", 1), ("d", 300))}
+    grads = {k: torch.where(torch.rand(p.shape, device=device) < 0.5, -0.0, 0.1) for k, p in params.items()}
+    base = {"lr": 0.1, "momentum": 0.9}
+    leaf_hp = {
+        "a": dict(base, weight_decay=0.0),
+        "b": dict(base, weight_decay=-0.0),
+        "c": dict(base, nesterov=True),
+        "d": dict(base, nesterov=1),
+    }
+    hp = lambda path, p: leaf_hp[path]
+    state = compose.init_state(params, bnbf.OptimSpec(rule="sgd", state_bits=32), hp)
+    assert len(compose._split(params, grads, state, hp, 1).groups) == 4
+    want_p, want_s = _separate(params, grads, state, leaf_hp.__getitem__, 1)
+    negative = grads["a"] == 0  # the -0.0 grads: the buffer's zeros are -0.0 with wd -0.0 only
+    assert not torch.signbit(want_s["a"].momentum_buffer[negative]).any()
+    assert torch.signbit(want_s["b"].momentum_buffer[grads["b"] == 0]).all()
+    got_p, got_s = compose.update(params, grads, state, hp, 1)
+    _eq_tree(got_p, want_p, "params")
+    _eq_tree(got_s, want_s, "states")
+    in_p = {k: p.clone() for k, p in params.items()}
+    in_s = {k: type(s)(*(t.clone() for t in s)) for k, s in state.items()}
+    compose.update_(in_p, grads, in_s, hp, 1)
+    _eq_tree(in_p, want_p, "in-place params")
+    _eq_tree(in_s, want_s, "in-place states")
+    # step 2 twice: the partition is kept, then a value changed in place to -0.0 is seen (a split again)
+    splits = _count_splits(monkeypatch)
+    for change, want_splits in ((lambda: None, 0), (lambda: leaf_hp["a"].update(weight_decay=-0.0), 1)):
+        change()
+        want = _separate(in_p, grads, in_s, leaf_hp.__getitem__, 2)
+        splits.clear()
+        compose.update_(in_p, grads, in_s, hp, 2)
+        _eq_tree(in_p, want[0], "in-place params, step 2")
+        _eq_tree(in_s, want[1], "in-place states, step 2")
+        if bnbf._dispatch.use_triton(in_p["a"]):  # the kept partition serves the plans' route only
+            assert len(splits) == want_splits
+
+
+def test_groups_of_one_set_take_the_sets_scalars(device, monkeypatch):
+    """bench_func's mixed partition in small: decay on the matrices (8-bit states), none on the 1-d leaves (32-bit
+    states: below min_8bit_size), Lion on the embedding. Each launch group's tensors then take one set, so each
+    launch takes that set's scalars as its own call would (kernel arguments in place, the set's row pure): no
+    rows of scalars are made; bit for bit the separate calls, pure and in place, over two steps."""
+    import sys
+
+    torch.manual_seed(7)
+    shapes = {"wte": (20, 64), "h.w": (32, 40), "h.b": (40,), "ln.w": (32,), "h2.w": (40, 32), "ln2.b": (32,)}
+    params = {k: torch.randn(s).to(device) for k, s in shapes.items()}
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path == "wte" else "adamw", min_8bit_size=1024)
+    decay, no_decay, lion = {"lr": 1e-2, "weight_decay": 0.1}, {"lr": 1e-2, "weight_decay": 0.0}, {"lr": 1e-3}
+    hp = lambda path, p: lion if path == "wte" else decay if p.ndim > 1 else no_decay
+    state = compose.init_state(params, spec)
+    plan_mod = sys.modules["bnbf.plan"]
+    picked = []
+    real = plan_mod._picked
+    monkeypatch.setattr(plan_mod, "_picked", lambda *a: picked.append(1) or real(*a))
+    from bnbf.kernels import launcher
+
+    seen = []  # per launch of the mixed calls: (in place, its scalars)
+    for mod, in_place in ((launcher, False), (plan_mod, True)):
+        real_launch = mod.launch_group
+
+        def counted(g, gs, hp, *a, _real=real_launch, _in_place=in_place, **k):
+            if recording:
+                seen.append((_in_place, hp))
+            return _real(g, gs, hp, *a, **k)
+
+        monkeypatch.setattr(mod, "launch_group", counted)
+    in_p = {k: p.clone() for k, p in params.items()}
+    in_s = {k: type(s)(*(t.clone() for t in s)) for k, s in state.items()}
+    leaf_hp = {k: hp(k, p) for k, p in params.items()}
+    for step in (1, 2):
+        grads = _grads(params)
+        recording = False
+        want = _separate(params, grads, state, leaf_hp.__getitem__, step)
+        recording = True
+        got = compose.update(params, grads, state, hp, step)
+        compose.update_(in_p, grads, in_s, hp, step)
+        for what, (p, s) in (("pure", got), ("in place", (in_p, in_s))):
+            _eq_tree(p, want[0], f"step {step}, {what}: params")
+            _eq_tree(s, want[1], f"step {step}, {what}: states")
+        params, state = want
+    assert not picked  # no group of several sets: no rows picked or uploaded
+    if bnbf._dispatch.use_triton(in_p["h.w"]):  # per step and call: lion's group, adamw's 8-bit and 32-bit groups
+        assert len(seen) == 12
+        assert all(type(hp) is tuple if in_place else hp.ndim == 1 for in_place, hp in seen), seen

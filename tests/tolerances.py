@@ -116,6 +116,32 @@ ONE_MINUS_ULPS = 4
 LOOSE_CLIP_ULPS = 1
 # The norm pass's per-tensor sums: one float32 ulp of the float64 sum.
 NORM_SUMS_RTOL = 2**-23
+
+
+# Gradient clipping folded into a rule's norm pass (LARS, tests/test_clip_fused.py). The total norm adds the
+# same float32 squares q = fl(g²) as torch._foreach_norm, in another order: float32 within each tile of W elements
+# (the norm pass's tile: the block size of 8-bit states, 256 for float32 states), float64 across tiles and tensors,
+# the root in float64, rounded once to float32. With u = 2^-24 and non-negative terms, a float32 sum of k terms
+# in any order is within (k - 1)·u of their exact sum (first order), so each tile's sum is within (W - 1)·u of
+# the exact sum of the g² of its elements, the squares' own rounding adding u: W·u in all. The float64 additions
+# of fewer than 2^20 tiles add less than 2^-32 (below u). The root halves the relative error, and its rounding
+# to float32 adds u: the folded total is within (W/2 + 1)·u of the float64 total of the same grads.
+def folded_total_ulps(tile: int) -> int:
+    return tile // 2 + 1
+
+
+# torch's total is given (its bits, measured against the float64 total in the test, not ours to bound); each
+# coefficient is then max_norm / (total + 1e-6), clamped: two float32 roundings in each path, four in all.
+FOLDED_COEF_EXTRA_ULPS = 4
+# A LARS step's update per unit of lr, local·d with d = c·g + wd·p and local = η‖p‖ / (c‖g‖ + wd‖p‖ + ε), moves
+# by at most r·local·(2|c·g| + wd|p|) per element when c, or c‖g‖, moves by a relative r (the derivative of
+# local·d by c, times c, is local·(c·g − d·c‖g‖/den), and c‖g‖ <= den); r adds the two coefficients' bound and
+# the two evaluations of ‖c·g‖ (the fold's c²·Σg², the clipped copies' Σ(c·g)²: each within the folded sum's
+# bound of exact). Each path then rounds what depends on c on its own: ‖c·g‖'s root, local's two additions and
+# its division (two roundings where it is a reciprocal and a product), c·g and d, local·d, lr·(local·d): at
+# most 9 roundings of u each per path, FOLDED_STEP_ROUNDINGS·u·local·(|c·g| + wd|p|) between the two; and the
+# new param p − lr·update, rounded by each to half an ulp of the param: one ulp between them.
+FOLDED_STEP_ROUNDINGS = 18
 # skip_zeros with 8-bit state: an unchanged value requantized with a new block absmax moves at most the map's
 # widest gap times absmax, times (1 + REL), plus ABS (float32 rounding).
 REQUANT_SLACK_REL = 1e-4

@@ -21,12 +21,12 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from bnbf._dispatch import NORM_REDUCE, interpreting
+from bnbf._dispatch import INTERPRETER_LOCK, NORM_REDUCE, interpreting
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
 from bnbf.quant import dynamic_map
-from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums, fold_powers
 from bnbf.rules import get_rule
 from bnbf.state import Layout
 
@@ -225,7 +225,10 @@ def launch_group(
     on the device, one row per tensor of the group in its order (per-leaf hyperparameters in one launch);
     ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states. Where
     :data:`bnbf.reference.GRAD_CLIP` is set (``bnbf.update(..., max_grad_norm=)``), the kernel scales the
-    grads by the clipping coefficient as it loads them, in the norm pass and the step alike.
+    grads by the clipping coefficient as it loads them, in the norm pass and the step alike. A folded clip
+    (:meth:`bnbf.reference.GradClip.folded`) runs the norm pass now, summing every grad's squares too (CLIP 3),
+    and hands the group's step to the clip, which runs it once every group's sums gave the coefficient: the
+    rule's sums scaled to the clipped grads (:func:`bnbf.reference.clipped_sums`), the grads by CLIP 2.
     """
     if grads_placed or (NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed)):
         pass  # the same grad addresses as the last step: its table serves
@@ -243,16 +246,18 @@ def launch_group(
     layout, fmt = group.layout, group.fmt
     code_ptr = _code_tables(group.device) if layout.quantized else group.table  # unused without 8-bit states
     grad_clip = GRAD_CLIP.get()
-    if grad_clip is None:
-        clip_mode, clip_t, clip_max = 0, group.table, 0.0  # unused
+    folding = grad_clip is not None and grad_clip.folding
+    if grad_clip is None or folding:
+        clip_args = (0, group.table, 0.0)  # unused
     else:
-        clip_mode, clip_t, clip_max = grad_clip.kernel_args(group.device)
-    clip_key = (clip_mode, clip_t.dtype) if clip_mode else 0
+        clip_args = grad_clip.kernel_args(group.device)
     iters = ITERS[fmt][group.dtype]
     grid = group.tasks.shape[0]
     n_tiles = grid * iters
 
-    def run(norm_ptr, mode):
+    def run(norm_ptr, mode, clip_args=clip_args):
+        clip_mode, clip_t, clip_max = clip_args
+        clip_key = (clip_mode, clip_t.dtype) if clip_mode else 0
         # A step with a norm pass never claims alignment: with it, loads vectorize and each thread holds other
         # elements of a tile, so the tile's sums add in another order and a tensor's norm (then its step) would
         # depend on where it sits (a vmapped member against the same member stepped alone). The step after the
@@ -341,18 +346,46 @@ def launch_group(
             dispatch,
         )
 
-    if not (group.norms or clip):
+    if folding:
+        powers = fold_powers(get_rule(layout.rule))
+    elif not (group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
         return
     if group.partials is None:  # scratch kept with the group: no allocation per step
         group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
         group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
+    if folding:
+        _fold(group, grads, n_tiles, powers, grad_clip, run)
+        return
     run(group.partials, 1)
     _launch_sums(group, n_tiles)
     reduce = NORM_REDUCE.get()
     if reduce is not None:  # sharded tensors: each shard's sums -> the whole tensor's (bnbf.distributed)
         reduce(group.sums)
     run(group.sums, 2)
+
+
+def _fold(group: Group, grads: list, n_tiles: int, powers: tuple, grad_clip, run) -> None:
+    """A folded clip's share of :func:`launch_group`: the norm pass (CLIP 3) and the per-tensor sums now; the
+    step once the clip has every group's sums (:meth:`bnbf.reference.GradClip.finish`)."""
+    run(group.partials, 1, (3, group.table, 0.0))
+    _launch_sums(group, n_tiles)
+    per = group.sums.sum(-1)  # float64 [tensors, 3], as the step adds the parts (the scratch is free again)
+    # the step holds the grads until it has launched: they may be copies that no one else holds
+    grad_clip.fold(per[:, 2], functools.partial(_folded_step, group, grads, per, powers, grad_clip, run))
+
+
+def _folded_step(group: Group, grads: list, per: Tensor, powers: tuple, grad_clip, run) -> None:
+    """The step of a folded clip: the rule's sums of the clipped grads, each tensor's in part 0 of its parts
+    (the step adds zeros to it), and the grads scaled by the coefficient (CLIP 2)."""
+    scaled = clipped_sums(per, powers, grad_clip.coef(group.device))
+    folded = torch.nn.functional.pad(scaled[..., None], (0, SUM_SPLIT - 1))
+    args = grad_clip.kernel_args(group.device)
+    if group.device.type == "cpu":  # Triton's interpreter: one launch at a time
+        with INTERPRETER_LOCK:
+            run(folded, 2, args)
+    else:
+        run(folded, 2, args)
 
 
 def _launch_sums(group: Group, n_tiles: int) -> None:

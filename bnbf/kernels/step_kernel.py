@@ -4,7 +4,9 @@ Each program takes ``ITERS`` tiles of ``ROWS`` quantization blocks of one tensor
 (tensor index, chunk index). It dequantizes the states, runs the rule's ``math`` in float32, writes the param
 in its own dtype and requantizes each state with the block's new absmax (stochastically rounded, see
 :mod:`bnbf.quant`). Rules that need per-tensor norms (and ``max_unorm``) run it twice: a norm pass writing
-per-tile partial sums, ``_tensor_sums_kernel`` adding them per tensor, then the step reading those sums.
+per-tile partial sums, ``_tensor_sums_kernel`` adding them per tensor, then the step reading those sums. With
+gradient clipping folded into the norm pass (``CLIP`` 3), that pass also sums every grad's squares, from which
+the total norm comes (:class:`bnbf.reference.GradClip`).
 
 Only Triton code lives here; :mod:`bnbf.kernels.launcher` builds the tables and picks the configuration.
 """
@@ -267,11 +269,11 @@ def _tile_step(
     HP_STRIDE: tl.constexpr,
     CLIP: tl.constexpr,
 ):
-    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`); with ``CLIP`` the grads are
-    scaled by ``gscale``, the sign times the clipping coefficient."""
+    """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`); with ``CLIP`` 1 or 2 the grads
+    are scaled by ``gscale``, the sign times the clipping coefficient."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
     p = raw[0].to(tl.float32)
-    if CLIP:  # one float32 product, as torch's clipped copy of a float32 grad (the sign is exact)
+    if CLIP == 1 or CLIP == 2:  # one float32 product, as torch's clipped copy of a float32 grad (the sign is exact)
         g = _mul_rn(raw[1].to(tl.float32), gscale)
     else:
         g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
@@ -297,7 +299,11 @@ def _tile_step(
             c = a * 0.0
         tl.store(part, tl.sum(tl.sum(tl.where(counted, a, 0.0), axis=1), axis=0))
         tl.store(part + n_tiles, tl.sum(tl.sum(tl.where(counted, b, 0.0), axis=1), axis=0))
-        tl.store(part + 2 * n_tiles, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
+        if CLIP == 3:  # clipping folded in: the rule's unused third sum is g² over every element, non-finite
+            # ones included (torch's total norm); padding lanes loaded 0
+            tl.store(part + 2 * n_tiles, tl.sum(tl.sum(g * g, axis=1), axis=0))
+        else:
+            tl.store(part + 2 * n_tiles, tl.sum(tl.sum(tl.where(counted, c, 0.0), axis=1), axis=0))
         return
     p_new, s_new = MATH(p, g, s, rule_hp, nrm)
     if NORM_MODE == 2 and NORM_TERMS is None:  # max_unorm: ||update|| <= max_unorm * ||p|| per tensor
@@ -461,7 +467,9 @@ def _step_kernel(
     SIGNED that it is quantized with the signed map. CLIP 0: the grads as they are (``clip_ptr`` and
     ``clip_max`` unused); 1: scaled by the global-norm clipping coefficient of the total norm at ``clip_ptr``
     and ``clip_max``; 2: by the coefficient at ``clip_ptr`` (:func:`_clip_coef`), in the norm pass and the step
-    alike."""
+    alike; 3 (norm pass only): clipping folded into the pass, which takes the grads as they are and sums g²
+    over every element in the third sum, which the rule leaves unused (``norm_grad_powers``): the total norm
+    comes from those sums, and the step after them takes CLIP 2."""
     pid = tl.program_id(0)
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
@@ -504,7 +512,7 @@ def _step_kernel(
     if FIRST_BLOCK:  # a shard's first block (the column is read only where some tensor's is not 0)
         dith = dith + tl.load(table + 3).to(tl.uint32) * DITHER_BLOCK
     # the grads' factor: the sign (-1 with maximize) times the clipping coefficient, once per program
-    if CLIP:
+    if CLIP == 1 or CLIP == 2:
         gscale = hp[HP_STRIDE - 4] * _clip_coef(clip_ptr, clip_max, CLIP, SOFT_BF16)
     else:
         gscale = 1.0

@@ -18,6 +18,11 @@ A rule is one file in ``bnbf/rules/`` that defines:
   elementwise terms whose per-tensor sums the math needs (LAMB: ||p||², ||adam step||²); the kernel then
   runs a norm pass first (one launch for all tensors), and the reference passes the sums to
   ``reference(p, g, states, scalars, sums)``;
+- optionally ``norm_grad_powers``: for a rule with ``norms`` whose first two terms scale as powers of the
+  grads' scale (LARS: ||p||² as c⁰, ||g||² as c²) and whose third term is unused, those two powers. Gradient
+  clipping (``update(..., max_grad_norm=)``) is then folded into the norm pass when every leaf of a call has
+  them: the pass sums every grad's squares in the third term, the total norm comes from those sums and the
+  first two sums are scaled by the coefficient's powers, so clipping costs no read of its own;
 - optionally ``export``: maps the dequantized slots to torch.optim's state where a rule stores a
   transformed quantity (centered RMSprop keeps the variance);
 - optionally ``present(hparams)``: which slots a state keeps (e.g. no momentum buffer when momentum is
@@ -31,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import itertools
 import math
 import re
 from collections.abc import Callable, Sequence
@@ -63,6 +69,9 @@ class Rule:
     initial: Callable[[Any], tuple[float, ...]] | None = None
     norms: tuple[Any, Callable] | None = None
     export: Callable[[dict], dict] | None = None  # stored slots -> torch.optim's state (dequantize_state)
+    # grads times c multiply norm term k's sum by c**norm_grad_powers[k] (k = 0, 1), and term 2 is unused: then
+    # gradient clipping takes its total norm from the norm pass (None: the terms are not so, e.g. LAMB's Adam step)
+    norm_grad_powers: tuple[int, int] | None = None
 
     @property
     def signed_mask(self) -> int:
@@ -84,7 +93,7 @@ class Rule:
         # a dict of plain numbers (the usual call, every step) validates once; never keyed by tensors,
         # whose equality would read their values
         if type(hparams) is dict and all(map(_is_plain, hparams.values())):
-            key = (self.name, *hparams.items())
+            key = (self.name, *hparams.items(), *_exact(hparams.values()))
             hit = _HPARAMS.get(key)
             if hit is None:
                 hit = self._make_hparams(hparams)
@@ -115,6 +124,20 @@ _HPARAMS: dict = {}  # (rule name, *items) -> validated hparams, for dicts of pl
 # bools too (amsgrad, nesterov, centered): a group's dict holds them every step. True keys like 1: a flag given
 # as 1 after True was cached is taken as True (torch takes any truthy flag), not refused as a non-bool
 _PLAIN = (float, int, bool)
+
+
+def _exact(values: Any) -> tuple:
+    """What ``==`` of two dicts' values misses: the types (``True`` is ``1``, ``1`` is ``1.0``) and the signs of
+    zeros (``-0.0`` is ``0.0``), which a rule may treat differently."""
+    types = tuple(map(type, values))
+    if tuple not in types:
+        return types, tuple(map(math.copysign, _ONES, values))
+    return types, tuple(
+        tuple(map(math.copysign, _ONES, v)) if type(v) is tuple else math.copysign(1.0, v) for v in values
+    )
+
+
+_ONES = itertools.repeat(1.0)
 
 
 def _is_plain(v: Any) -> bool:
@@ -291,6 +314,13 @@ def validate_rule(rule: Any) -> None:
             raise bad("norms[0] must be a @triton.jit function of (p, g, s, hp)")
         if not callable(rule.norms[1]) or not _arity(rule.norms[1], 4):
             raise bad("norms[1] must be callable with (p, g, states, scalars)")
+    powers = rule.norm_grad_powers
+    if powers is not None:
+        if rule.norms is None:
+            raise bad("norm_grad_powers needs norms (the terms it describes)", ValueError)
+        ok = isinstance(powers, tuple) and len(powers) == 2
+        if not (ok and all(type(k) is int and k >= 0 for k in powers)):
+            raise bad(f"norm_grad_powers must be a pair of non-negative ints (norm terms 0 and 1), got {powers!r}")
     for what, fn, n in (("scalars", rule.scalars, 2), ("reference", rule.reference, 5 if rule.norms else 4)):
         if not callable(fn) or not _arity(fn, n):
             raise bad(f"{what} must be callable with {n} positional arguments")

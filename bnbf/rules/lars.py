@@ -5,7 +5,9 @@
     buf   = local·d  (first step)   or   μ·buf + (1 − dampening)·local·d
     p     = p − lr · (local·d + μ·buf  (nesterov)   or   buf)
 
-η is ``trust_coefficient``. The norms come from a norm pass over all tensors before the step.
+η is ``trust_coefficient``. The norms come from a norm pass over all tensors before the step. ‖p‖² does not
+depend on the grads and ‖g‖² scales with their square, and the third term is free: gradient clipping takes the
+total norm from this pass (``norm_grad_powers``, see :mod:`bnbf.rules.base`).
 State: ``momentum_buffer`` (signed), only when momentum > 0.
 """
 
@@ -83,4 +85,5 @@ LARS = Rule(
     lars_reference,
     present=present,
     norms=(lars_norm_terms, lars_norm_terms_ref),
+    norm_grad_powers=(0, 2),
 )
