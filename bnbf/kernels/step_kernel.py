@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
-from triton.language.extra import libdevice
 
 from bnbf import quant
 from bnbf._dispatch import interpreting
@@ -207,9 +206,12 @@ def _head(t, N: tl.constexpr):
 @triton.jit
 def _mul_rn(a, b):
     """a * b rounded on its own: never contracted into an FMA with a later add (the clipped gradient must
-    have the bits of torch's clipped copy, whatever the rule does with it next)."""
+    have the bits of torch's clipped copy, whatever the rule does with it next). Inline PTX, not libdevice's
+    mul_rn, which Triton links flushing subnormals (``mul.rn.ftz``): torch's clipped copy keeps them."""
     if _COMPILED:
-        return libdevice.mul_rn(a, b)
+        return tl.inline_asm_elementwise(
+            "mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b], dtype=tl.float32, is_pure=True, pack=1
+        )
     else:
         return a * b
 
