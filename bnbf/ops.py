@@ -29,7 +29,7 @@ from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
 from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
-from bnbf._host_checks import NATIVE
+from bnbf._host_checks import NATIVE, _overlap
 from bnbf.reference import FIRST_BLOCKS, reference_step
 from bnbf.state import Layout
 
@@ -148,8 +148,11 @@ def _direct(params, grads, states, hp) -> bool:
 
 
 def step_(params, grads, states, hp, layout: Layout, skip_zeros: bool, clip: bool) -> None:
-    """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor)."""
+    """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor), and calls
+    under ``vmap`` step the stacked tensors in place (:func:`_step_vmapped_`)."""
     if not _direct(params, grads, states, hp):
+        if _step_vmapped_(params, grads, states, hp, layout, skip_zeros, clip):
+            return None
         return _step_op_(params, grads, states, hp, *layout, skip_zeros, clip)
     _run(params, params, grads, states, states, hp, layout, skip_zeros, clip)
 
@@ -441,25 +444,31 @@ def _stacked_step(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layo
                 launch_group(group, grad_list, hp, skip_zeros, clip)
         else:
             launch_group(group, grad_list, hp, skip_zeros, clip)
-    else:  # the reference steps tensor by tensor anyway: each member a view, written into the stacked outputs
-
-        def views(x, members):
-            return [t[b] if batched else t for b in members for t, batched in zip(*x)]
-
-        if h_dim is None:
-            steps = ((range(size), hp),)
-        else:
-            steps = (((b,), row) for b, row in enumerate(hp.movedim(h_dim, 0).unbind(0)))
-        for members, row in steps:
-            ins = views(ps, members), views(out_p, members), views(gs, members)
-            reference_step(*ins, views(ss, members), views(out_s, members), row, layout, skip_zeros, clip)
+    else:
+        _reference_members(ps, out_p, gs, ss, out_s, hp, h_dim, layout, skip_zeros, clip, size)
     return new_p, new_s
 
 
-def _unwrap(tensors: list, level: int) -> tuple[list, list]:
+def _reference_members(ps, out_p, gs, ss, out_s, hp, h_dim, layout, skip_zeros, clip, size) -> None:
+    """The reference step of stacked tensors; it steps tensor by tensor anyway: each member a view, written into
+    the stacked outputs (which may be the inputs)."""
+
+    def views(x, members):
+        return [t[b] if batched else t for b in members for t, batched in zip(*x)]
+
+    if h_dim is None:
+        steps = ((range(size), hp),)
+    else:
+        steps = (((b,), row) for b, row in enumerate(hp.movedim(h_dim, 0).unbind(0)))
+    for members, row in steps:
+        ins = views(ps, members), views(out_p, members), views(gs, members)
+        reference_step(*ins, views(ss, members), views(out_s, members), row, layout, skip_zeros, clip)
+
+
+def _unwrap(tensors: list, level: int) -> tuple[tuple, tuple]:
     """The plain tensors under ``vmap``'s wrappers at ``level``, and their batch dims (None: not batched)."""
-    pairs = list(map(_functorch._unwrap_batched, tensors, itertools.repeat(level)))
-    return [t for t, _ in pairs], [d for _, d in pairs]
+    pairs = zip(*map(_functorch._unwrap_batched, tensors, itertools.repeat(level)))  # two tuples, in C
+    return next(pairs, ()), next(pairs, ())
 
 
 def vmap_level() -> tuple[int, int] | None:
@@ -491,6 +500,110 @@ def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
     new_p, new_s = _step_stacked(ps, p_dims, gs, g_dims, ss, s_dims, hp, h_dim, layout, skip_zeros, clip, size)
     add, dims, levels = _functorch._add_batch_dim, itertools.repeat(0), itertools.repeat(level)
     return list(map(add, new_p, dims, levels)), list(map(add, new_s, dims, levels))
+
+
+def _in_place(tensors: list, dims: list) -> list | None:
+    """The unwrapped ``tensors`` with their batch dim first, where each is batched and its members contiguous (the
+    step can write into the caller's memory through them); else None."""
+    if dims.count(0) == len(dims) and all(map(Tensor.is_contiguous, tensors)):
+        return tensors
+    out = []
+    for t, d in zip(tensors, dims):
+        if d is None:
+            return None
+        x = t if d == 0 else t.movedim(d, 0)
+        if not (x.is_contiguous() or _member_contiguous(x)):
+            return None
+        out.append(x)
+    return out
+
+
+def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) -> bool:
+    """The in-place step under a ``vmap`` (``bnbf.update_`` of an ensemble): where every param and state is batched
+    at this level, each member contiguous, the stacked step writes into the caller's stacked tensors themselves
+    (one launch on the Triton path; no outputs, no batched op per tensor). Otherwise (members strided, inputs an
+    outer transform wraps) the pure step (vmap's route) is written back with ``copy_``, a batched op per tensor.
+    Refused before anything is written: a param or state that is not batched (it cannot take each member's value,
+    as torch's vmap refuses), params and states sharing memory (each is written on its own; checked on the stacked
+    tensors, once per set of addresses on the Triton path). False where no vmap is innermost, or nothing is
+    batched at its level (the op's dispatch then decides, as outside vmap)."""
+    found = vmap_level()
+    if found is None:
+        return False
+    level, size = found
+    hp_u, h_dim = _functorch._unwrap_batched(hp, level)
+    (ps, p_dims), (gs, g_dims), (ss, s_dims) = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
+    shared = [k for k, d in enumerate(itertools.chain(p_dims, s_dims)) if d is None]
+    if len(shared) == len(p_dims) + len(s_dims) and h_dim is None and g_dims.count(None) == len(g_dims):
+        return False  # nothing batched at this level: the op's dispatch, as outside vmap
+    if shared:  # before anything is written
+        k = shared[0]
+        what = f"param {k}" if k < len(params) else f"state field {k - len(params)}"
+        raise RuntimeError(
+            f"bnbf: the in-place step under vmap cannot write {what}: it is not batched (one tensor shared by every "
+            "member), so it cannot take each member's own step in place (torch's vmap refuses such in-place writes)"
+        )
+    plain = _unwrapped(ps, gs, ss, [hp_u])
+    if plain and _stackable(ps[0], h_dim):
+        with torch._C._DisableFuncTorch():
+            wp, ws = _in_place(ps, p_dims), _in_place(ss, s_dims)
+            if wp is not None and ws is not None:
+                if size:
+                    _stacked_step_(wp, gs, g_dims, ws, hp_u, h_dim, layout, skip_zeros, clip, size)
+                return True
+    if plain:
+        with torch._C._DisableFuncTorch():
+            _check_disjoint(ps, ss)
+    new_p, new_s = step(params, grads, states, hp, layout, skip_zeros, clip)
+    with torch.no_grad():
+        for old, new in zip(itertools.chain(params, states), itertools.chain(new_p, new_s)):
+            old.copy_(new)
+    return True
+
+
+_BUMP = getattr(torch._C, "_increment_version", None)
+
+
+def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros, clip, size) -> None:
+    """:func:`_stacked_step` written into the stacked ``params`` and ``states`` (batched, members contiguous)."""
+    ps, ss, gs = (params, (True,) * len(params)), (states, (True,) * len(states)), _stack(grads, g_dims)
+    device = params[0].device
+    _refuse_capture(device)
+    if use_triton(params[0]):
+        from bnbf.kernels.launcher import launch_group
+        from bnbf.kernels.members import stacked_grads, stacked_group
+
+        with BUILD_LOCK:
+            group = stacked_group(ps, ps, ss, ss, layout, size)
+            if not group.disjoint:  # once per set of addresses: a hit is the same memory
+                _check_disjoint(params, states)
+                group.disjoint = True
+            grad_list = stacked_grads(group, gs, size)
+        rows = _member_rows(hp, h_dim, len(params), size)
+        hp = hp if rows is None else rows
+        if _BUMP is not None:
+            _BUMP(params)
+            _BUMP(states)
+        if device.type == "cpu":  # Triton's interpreter: one launch at a time
+            with INTERPRETER_LOCK:
+                launch_group(group, grad_list, hp, skip_zeros, clip)
+        else:
+            launch_group(group, grad_list, hp, skip_zeros, clip)
+        return
+    _check_disjoint(params, states)
+    if _BUMP is not None:
+        _BUMP(params)
+        _BUMP(states)
+    _reference_members(ps, ps, gs, ss, ss, hp, h_dim, layout, skip_zeros, clip, size)
+
+
+def _check_disjoint(params: list, states: list) -> None:
+    """ValueError where two of the stacked params and states share memory (what update_ refuses outside vmap)."""
+    if _overlap([*params, *states], []) is not None:  # all as params: spans measured where not contiguous
+        raise ValueError(
+            "bnbf: params or states of this vmapped in-place step overlap in memory (views of one tensor?): each "
+            "param and state is written on its own, so they must not share memory"
+        )
 
 
 @_step_op.register_vmap

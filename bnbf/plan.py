@@ -756,11 +756,14 @@ def _step_generic(
 ) -> None:
     """The in-place step without a plan's tables: every check, then one op call per group (the reference
     path, non-contiguous params, subclasses, tracing)."""
-    if torch.compiler.is_compiling():  # traced: Dynamo-friendly checks, hyperparameters as graph values
+    # under vmap, ops.step_ steps the stacked tensors in place (bnbf.ops._step_vmapped_): no outputs, no copy back
+    # and no batched op per tensor (the detach/contiguous below would be one each)
+    vmapped = ops.vmap_level() is not None and not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling() or vmapped:  # Dynamo-friendly checks, hyperparameters as graph values
         call = _prepare_traced(param, grad, state, hparams, step, max_unorm, in_place=True)
     elif unaddressable(_flatten(param)[0], _flatten(grad)[0]):
-        # under vmap, or with subclasses such as FakeTensor: the pure step (vmap's batching rule, the op's fake
-        # implementation...), written back into the params and states
+        # with subclasses such as FakeTensor: the pure step (the op's fake implementation...), written back into
+        # the params and states
         from bnbf.functional import update
 
         _prepare_traced(param, grad, state, hparams, step, max_unorm, in_place=True)  # refuses torch.func.grad
@@ -780,10 +783,14 @@ def _step_generic(
     rows = {d: scalar_row(values, d) for d in {p.device for p in call.params}}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
+            ss = [t for i in idx for t in call.states[i]]
+            if vmapped:
+                ps = [call.params[i] for i in idx]
+                ops.step_(ps, [call.grads[i] for i in idx], ss, rows[device], layout, skip_zeros, clip)
+                continue
             ps = [call.params[i].detach() for i in idx]
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             gs = [call.grads[i].detach().contiguous() for i in idx]
-            ss = [t for i in idx for t in call.states[i]]
             ops.step_(work, gs, ss, rows[device], layout, skip_zeros, clip)
             for p, w in zip(ps, work):
                 if w is not p:

@@ -3,6 +3,7 @@
     python scripts/host_breakdown.py [--profile]   # on a CUDA machine
     python scripts/host_breakdown.py --cpu         # anywhere: CPU tensors, the launch stubbed out
     python scripts/host_breakdown.py [--cpu] --func  # the torch.func rows: vmap ensembles, the compiled step
+    python scripts/host_breakdown.py [--cpu] --mixed [--profile]  # bench_func's mixed row: one call vs three
     --dtype bf16|fp16|fp32                         # the params' dtype (default bf16, as the issue's table)
 
 Prints, per parameter set, the median host microseconds (``--cpu``: the minimum) of: ``plan.step``,
@@ -207,21 +208,49 @@ def _stub_launches():
     return saved
 
 
-def _vmap_us(shapes, members: int, dtype, hp, spec) -> tuple[float, float]:
+def _vmap_us(shapes, members: int, dtype, hp, spec) -> dict:
+    """Host us of ``vmap(bnbf.update)`` (its outputs fed back, as a training loop does: new addresses every call, as
+    CUDA's allocator gives them) and of ``vmap(bnbf.update_)``: the whole call, and the time inside the vmapped
+    function (bnbf's part; the rest is torch.func's wrapping and unwrapping); and of vmap of a function returning
+    its inputs (torch.func's own floor)."""
     params = {n: torch.randn(members, *s, device=DEVICE).to(dtype) for n, s in shapes}
     grads = {n: torch.randn_like(v) for n, v in params.items()}
     state = torch.func.vmap(lambda p: bnbf.init_state(p, spec))(params)
-    step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, hp, i), in_dims=(0, 0, 0, None))
-    floor = torch.func.vmap(lambda p, g, s: (p, s))
-    return host_us(lambda i: step(params, grads, state, i + 1), 30), host_us(lambda i: floor(params, grads, state), 30)
+    inside: list = []
+
+    def timed(fn):
+        def body(p, g, s, i):
+            t0 = time.perf_counter()
+            out = fn(p, g, s, hp, i)
+            inside.append(time.perf_counter() - t0)
+            return out
+
+        return torch.func.vmap(body, in_dims=(0, 0, 0, None))
+
+    step, step_ = timed(bnbf.update), timed(bnbf.update_)
+    floor = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))
+    held = [params, state]
+
+    def pure(i):
+        held[:] = step(held[0], grads, held[1], i + 1)
+
+    out = {}
+    for name, fn in (("update", pure), ("update_", lambda i: step_(params, grads, state, i + 1))):
+        inside.clear()
+        out[name] = host_us(fn, 60)
+        out[f"{name} inside"] = summary(inside) * 1e6
+    out["floor"] = host_us(lambda i: floor(params, grads, state, i), 60)
+    return out
 
 
 def func_breakdown(dtype=torch.bfloat16) -> dict:
     """The host time of the torch.func rows of benchmarks/bench_func.py (GPT-2 small's 148 tensors, 8-bit AdamW),
-    the launch stubbed out: ``vmap(bnbf.update)`` over stacked members (1, 8, 32: the host work should not grow
-    with them), torch.func.vmap's own floor (a vmapped function returning its inputs: flattening and wrapping the
-    same pytrees), and ``torch.compile(fullgraph=True)`` of ``bnbf.update_`` against the eager call, also with
-    the op's implementation a no-op (what is left: Dynamo's guards, the graph's calling code, the op's dispatch).
+    the launch stubbed out: ``vmap(bnbf.update)`` (outputs fed back: new addresses, new tables, every call) and
+    ``vmap(bnbf.update_)`` over stacked members (1, 2, 8, 32: the host work should not grow with them),
+    bnbf's part of each (the time inside the vmapped function), torch.func.vmap's own floor (a vmapped function
+    returning its inputs: flattening and wrapping the same pytrees), and ``torch.compile(fullgraph=True)`` of
+    ``bnbf.update_`` against the eager call, also with the op's implementation a no-op (what is left: Dynamo's
+    guards, the graph's calling code, the op's dispatch).
     ``--cpu``: GPT-2's structure at small sizes (host time depends on the tensor count, not their sizes)."""
     shapes = bs.SMOKE_SETS["gpt2_124M"]() if CPU else bs.SETS["gpt2_124M"]()
     hp = {"lr": 1e-3, "weight_decay": 0.01}
@@ -229,10 +258,12 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
     out = {}
     saved = _stub_launches()
     try:
-        for members in (1, 8, 32) if CPU else (1, 8):
-            vmapped, floor = _vmap_us(shapes, members, dtype, hp, spec)
-            out[f"python only: vmap update, {members} members"] = vmapped
-            out[f"vmap of a function returning its inputs, {members} members"] = floor
+        for members in (1, 2, 8, 32) if CPU else (1, 2, 8):
+            us = _vmap_us(shapes, members, dtype, hp, spec)
+            for name in ("update", "update_"):
+                out[f"python only: vmap {name}, {members} members"] = us[name]
+                out[f"  of which inside bnbf.{name} (bnbf's part), {members} members"] = us[f"{name} inside"]
+            out[f"vmap of a function returning its inputs (torch.func's own), {members} members"] = us["floor"]
         params = {n: torch.randn(*s, device=DEVICE).to(dtype) for n, s in shapes}
         grads = {n: torch.randn_like(v) for n, v in params.items()}
         state = bnbf.init_state(params, spec)
@@ -260,6 +291,53 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
     return out
 
 
+def mixed_breakdown(dtype=DTYPE) -> dict:
+    """The host time of benchmarks/bench_func.py's ``mixed`` row, the launch stubbed out: GPT-2 small's tree with
+    AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one ``bnbf.update_``
+    call with the hyperparameters as a callable (the row's), as a flat dict of mappings by param name, and by
+    rule (no per-leaf decay: AdamW's leaves then share one set, as two core calls on that partition would),
+    against three ``bnbf.update_`` calls on the same partition made by hand; and the callable alone (the API
+    must call it once per leaf). ``--cpu``: GPT-2's structure at small sizes (host time depends on the tensor
+    count, not their sizes). ``--profile``: cProfile of the mixed call with the callable."""
+    shapes = bs.SMOKE_SETS["gpt2_124M"]() if CPU else bs.SETS["gpt2_124M"]()
+    params = {n: (torch.randn(s, device=DEVICE) * 0.1).to(dtype) for n, s in shapes}
+    grads = {n: torch.randn_like(v) * 0.01 for n, v in params.items()}
+    emb = lambda path: path.endswith(("wte.weight", "wpe.weight"))
+    decay, no_decay = {"lr": 1e-3, "weight_decay": 0.1}, {"lr": 1e-3, "weight_decay": 0.0}
+    lion = {"lr": 1e-4, "weight_decay": 0.1}
+    hp = lambda path, p: lion if emb(path) else decay if p.ndim > 1 else no_decay
+    tree, by_rule = {k: hp(k, p) for k, p in params.items()}, {"adamw": decay, "lion": lion}
+    state = bnbf.init_state(params, lambda path, p: bnbf.OptimSpec(rule="lion" if emb(path) else "adamw"))
+    sub = lambda keys, h: ({k: params[k] for k in keys}, {k: grads[k] for k in keys}, {k: state[k] for k in keys}, h)
+    three = [sub([k for k, p in params.items() if hp(k, p) is h], h) for h in (lion, decay, no_decay)]
+    two = [sub([k for k in params if emb(k) == (h is lion)], h) for h in (lion, decay)]
+    calls = {
+        "mixed update_, hparams callable": lambda i: bnbf.update_(params, grads, state, hp, i + 1),
+        "three update_ calls (the same partition)": lambda i: [bnbf.update_(*c, i + 1) for c in three],
+        "the hparams callable alone": lambda i: [hp(k, p) for k, p in params.items()],
+        "mixed update_, hparams a dict by param name": lambda i: bnbf.update_(params, grads, state, tree, i + 1),
+        "mixed update_, hparams by rule": lambda i: bnbf.update_(params, grads, state, by_rule, i + 1),
+        "two update_ calls (the by-rule partition)": lambda i: [bnbf.update_(*c, i + 1) for c in two],
+    }
+    out = {}
+    if not CPU:  # launches included
+        out.update({f"{k} (launches included)": host_us(fn) for k, fn in calls.items() if "callable alone" not in k})
+    saved = _stub_launches()
+    try:
+        out.update({f"python only: {k}" if "alone" not in k else k: host_us(fn, 400) for k, fn in calls.items()})
+        if PROFILE:
+            pr = cProfile.Profile()
+            pr.enable()
+            for i in range(200):
+                calls["mixed update_, hparams callable"](i)
+            pr.disable()
+            print("== mixed update_, hparams callable: cProfile of 200 calls, the launch stubbed out")
+            pstats.Stats(pr).sort_stats("tottime").print_stats(15)
+    finally:
+        P.launch_group, mt.launch_group = saved
+    return out
+
+
 if __name__ == "__main__":
     if CPU:  # the direct path (address tables, per-step checks) for CPU tensors, without the interpreter
         P.use_triton = lambda t: True
@@ -271,6 +349,10 @@ if __name__ == "__main__":
             torch.cuda.get_device_name(), torch.__version__, "| host checks:", "native" if NATIVE else "python", end=""
         )
     print(" | params:", DTYPE)
+    if "--mixed" in sys.argv:
+        for k, v in mixed_breakdown().items():
+            print(f"| {k} | {v:.1f} us |")
+        sys.exit(0)
     if "--func" in sys.argv:
         P.use_triton = bnbf.ops.use_triton = lambda t: True  # the Triton path's host work, launch stubbed
         for k, v in func_breakdown().items():

@@ -139,31 +139,36 @@ def test_vmap_steps_all_members_in_one_call(monkeypatch, device, per_member_lr):
 _TRITON_TABLES = pytest.mark.skipif(not INTERP and "cuda" not in DEVICES, reason="the Triton path's tables")
 
 
+def _clear_member_caches():
+    members._GROUPS.clear()
+    members._STRUCTURES.clear()
+    members._PROBES.clear()
+
+
 @_TRITON_TABLES
 def test_vmap_host_work_does_not_grow_with_members(monkeypatch):
-    """The Triton path builds the launcher's table for member 0 from the stacked tensors (a view per param, for
-    its size), and for members 0 and 1 once per structure (the member strides), never a view per member; a group
-    is cached by the exact addresses its table holds. The batched params and grads reach the step as they are
-    (no batched op per tensor in bnbf.update)."""
+    """The Triton path runs the launcher's build_group once per structure (sizes, member strides), on stand-ins
+    at two places, and never per call: a call with new addresses gathers them and makes the table of every
+    member in tensor ops, with no view per member or per tensor; a group is cached by the exact addresses its
+    table holds. The batched params and grads reach the step as they are (no batched op per tensor in
+    bnbf.update)."""
     device = "cuda" if "cuda" in DEVICES else "cpu"
     built, views = [], []
     build = members.build_group
     monkeypatch.setattr(members, "build_group", lambda p_in, *a: (built.append(len(p_in)), build(p_in, *a))[1])
     member = members._member
     monkeypatch.setattr(members, "_member", lambda x, b: (views.append(len(x[0])), member(x, b))[1])
-    members._GROUPS.clear()
-    members._STRUCTURES.clear()
+    _clear_member_caches()
     p, g = _stack(numels=(257, 300), device=device)
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
     s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
     step = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))
     out = step(p, g, s)
-    assert built == [2] * 3  # member 0 from the stacked tensors, then members 0 and 1 of the new structure
-    assert sum(views) == 2 + 2 * (2 + 2 + 8 + 8)  # the 2 params, then members 0 and 1 of params and 8 state fields
-    built.clear(), views.clear()
-    step(*out[:1], g, out[1])  # new addresses, the same structure: member 0's table alone
-    assert built == [2] and views == [2]
-    built.clear(), views.clear()
+    assert built == [2, 2] and views == []  # the structure: the stand-ins at two places
+    builds = members.BUILDS["group"]
+    for _ in range(3):  # new addresses each call (the outputs fed back), the same structure: no build
+        out = step(out[0], g, out[1])
+    assert built == [2, 2] and views == [] and members.BUILDS["group"] == builds + 3
     layout = type(s["t257"]).layout
     stacked = lambda ts: (list(ts), (True,) * len(ts))
     ps, ss = stacked(p.values()), stacked([t for k in p for t in s[k]])
@@ -172,7 +177,7 @@ def test_vmap_host_work_does_not_grow_with_members(monkeypatch):
     other = stacked([t.clone() for t in p.values()])
     assert members.stacked_group(other, other, ss, ss, layout, B) is not first
     assert members.stacked_group(ps, ps, ss, ss, layout, B - 1) is not first
-    assert built == [2] * 5  # three new address sets, one of them a new structure (another member count)
+    assert built == [2] * 4  # one new structure (another member count)
 
 
 @_TRITON_TABLES
@@ -200,8 +205,7 @@ def test_stacked_group_table_is_the_launchers_table_of_every_member(size):
     ]
     p_in, s_in = (params, batched), (fields, f_batched)
     for p_out, s_out in (((outs, (True,) * 3), (s_outs, (True,) * len(s_outs))), (p_in, s_in)):
-        members._GROUPS.clear()
-        members._STRUCTURES.clear()
+        _clear_member_caches()
         group = members.stacked_group(p_in, p_out, s_in, s_out, layout, size)
         # the launcher's group of the loop over members: every member's view, member-major
         each = [[t[b] if on else t for b in range(size) for t, on in zip(*x)] for x in (p_in, p_out, s_in, s_out)]
@@ -308,6 +312,94 @@ def test_vmap_over_no_members():
     new_p, new_s = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 0.01}, 1))(p, g, s)
     assert new_p["a"].shape == (0, 300)
     assert [(t.shape, t.dtype) for t in new_s["a"]] == [(t.shape, t.dtype) for t in s["a"]]
+
+
+def _in_place_case(device, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(1,), (257,), (20, 15)]
+    p = [(torch.randn(B, *sh, generator=gen) * SCALES.view(B, *[1] * len(sh))).to(device, dtype) for sh in shapes]
+    g = [torch.randn(B, *sh, generator=gen).to(device, dtype) for sh in shapes]
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    states = [torch.vmap(lambda q: bnbf.init_state(q, spec))(x) for x in p]
+    fields = [t for st in states for t in st]
+    return p, g, fields, type(states[0]).layout
+
+
+def _row(lr, device):
+    rule = bnbf.rules.get_rule("adamw")
+    return scalar_row(_scalars(rule, rule.make_hparams({"lr": lr}), 1, False, 0.0, False)[0], torch.device(device))
+
+
+def _op_in_place(ps, gs, ss, hp, layout):
+    bnbf.ops.step_(ps, gs, ss, hp, layout, False, False)
+    return ps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("per_member_lr", [False, True])
+def test_vmap_in_place_op_writes_the_stacked_tensors(device, per_member_lr):
+    """The in-place op under vmap (update_ of an ensemble) steps the stacked params and states where they are, one
+    call for all members (no outputs, no copy back), bumping their versions; equal bit for bit to the pure op on
+    each member alone. Members that are not contiguous (batched along the last dim) take the pure step written
+    back: the same values."""
+    p, g, fields, layout = _in_place_case(device)
+    rows = torch.stack([_row(lr, device) for lr in (0.1, 0.01, 0.001)]) if per_member_lr else _row(0.01, device)
+    member_row = (lambda b: rows[b]) if per_member_lr else (lambda b: rows)
+    want = [
+        bnbf.ops.step([x[b] for x in p], [x[b] for x in g], [t[b] for t in fields], member_row(b), layout, False, False)
+        for b in range(B)
+    ]
+    ps, ss = [x.clone() for x in p], [t.clone() for t in fields]
+    ptrs, versions = [t.data_ptr() for t in ps + ss], [t._version for t in ps + ss]
+    torch.vmap(_op_in_place, in_dims=(0, 0, 0, 0 if per_member_lr else None, None))(ps, g, ss, rows, layout)
+    assert [t.data_ptr() for t in ps + ss] == ptrs
+    assert all(t._version > v for t, v in zip(ps + ss, versions))
+    for b in range(B):
+        assert _same(([x[b] for x in ps], [t[b] for t in ss]), want[b])
+    last = [x.movedim(0, -1).contiguous() for x in p]  # [..., B]: each member strided
+    ss = [t.clone() for t in fields]
+    in_dims = (-1, 0, 0, 0 if per_member_lr else None, None)
+    torch.vmap(_op_in_place, in_dims=in_dims)(last, g, ss, rows, layout)
+    for b in range(B):
+        assert _same(([x[..., b] for x in last], [t[b] for t in ss]), want[b])
+
+
+def test_vmap_in_place_op_refuses_before_writing():
+    """A param shared by every member (unbatched) cannot take each member's step in place, and params or states
+    sharing memory would be written over each other: both raise, and nothing is written."""
+    p, g, fields, layout = _in_place_case("cpu")
+    row = _row(0.01, "cpu")
+    ps, ss = [x.clone() for x in p], [t.clone() for t in fields]
+    before = [t.clone() for t in ps + ss]
+    with pytest.raises(RuntimeError, match="param 0: it is not batched"):
+        torch.vmap(_op_in_place, in_dims=(None, 0, 0, None, None))([x[0] for x in ps], g, ss, row, layout)
+    with pytest.raises(RuntimeError, match="state field 0: it is not batched"):
+        torch.vmap(_op_in_place, in_dims=(0, 0, None, None, None))(ps, g, [t[0] for t in ss], row, layout)
+    both = torch.randn(B, 2 * 257)
+    overlapping = [ps[0], both[:, :257], both[:, 200:457]]  # two params sharing 57 elements
+    grads = [g[0], g[1], g[1]]
+    states = ss[:4] + [t.clone() for t in ss[4:8]] + [t.clone() for t in ss[4:8]]  # states apart
+    with pytest.raises(ValueError, match="overlap in memory"):
+        torch.vmap(_op_in_place, in_dims=(0, 0, 0, None, None))(overlapping, grads, states, row, layout)
+    assert all(torch.equal(a, b) for a, b in zip(ps + ss, before))
+
+
+def test_member_addresses_native_and_python_agree():
+    """The stacked step's address gather: the compiled pass and its pure-Python twin give the same table, key and
+    alignment."""
+    from bnbf._host_checks import NATIVE
+
+    if NATIVE is None:
+        pytest.skip("the compiled host checks are not built")
+    p, _, fields, _ = _in_place_case("cpu")
+    odd = torch.zeros(9)[1:]  # 4-byte aligned, not 16
+    for lists in (((p, ()), (p, ()), (fields, ()), (fields, ())), (([odd, *p], ()), ((), ()), ((), ()), ((), ()))):
+        native = members._addresses(lists)
+        flat = [t for ts, _ in lists for t in ts]
+        python = members._addresses_python(flat, torch.zeros(len(flat) + 1, dtype=torch.int64))
+        assert torch.equal(native[0], python[0]) and native[1:] == python[1:]
+        assert native[0][:-1].tolist() == [t.data_ptr() for t in flat] and native[0][-1] == 0
+    assert native[2] is False
 
 
 class _MLP(torch.nn.Module):

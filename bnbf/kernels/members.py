@@ -3,11 +3,12 @@ stepped in one launch under ``torch.func.vmap`` (:func:`bnbf.ops._step_vmap`).
 
 Each member of each tensor is a tensor of its own to the kernel (its own row of the address table, so its own
 blocks, absmax and dither, exactly as in a loop over members), but the host never makes a view per member:
-member ``b`` of a stacked tensor sits at its base address plus ``b`` times its member stride, so the table of
-all members is the table of member 0 plus ``b`` times the table's step from member 0 to member 1, one tensor
-expression. Both come from the launcher's own :func:`~bnbf.kernels.launcher.build_group` (so the columns are
-the launcher's): the step once per structure (sizes, member strides, layout), member 0's table once per set of
-addresses, from the stacked tensors themselves (a view per param only, for its size).
+member ``b`` of a stacked tensor sits at its base address plus ``b`` times its member stride. Once per structure
+(sizes, member strides, layout) the launcher's own :func:`~bnbf.kernels.launcher.build_group` is run on stand-ins
+(views of a small host buffer, at two places) to learn, for each cell of its table, which tensor's address it
+holds, or that it is a constant (a size, an absent slot); so the columns stay the launcher's. A call then gathers
+every tensor's address in one pass (compiled where :data:`bnbf._host_checks.NATIVE` is built) and makes the table
+of all members in two tensor ops: no Python work per tensor or per member, none per table cell.
 
 Stacked tensors of one kind (params in, params out, states in...) are a pair ``(tensors, batched)``: a list of
 tensors ``[members, ...]`` with each member contiguous (batched: True), or one member's tensor shared by all
@@ -26,6 +27,7 @@ import operator
 import torch
 from torch import Tensor
 
+from bnbf._host_checks import NATIVE
 from bnbf.kernels.launcher import ITERS, Group, _tasks, _to_device, build_group, first_blocks_of
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.state import Layout
@@ -35,24 +37,40 @@ from bnbf.state import Layout
 class MemberGroup(Group):
     """A :class:`Group` of stacked tensors' members, with the stacked grads its grad table was made for."""
 
-    member_grads: tuple = ()  # (addresses, member strides) of the stacked grads
+    member_grads: tuple = ()  # (packed addresses, member strides) of the stacked grads
+    # the params' member strides, and b times them, int64 [members, params] (the grads' usual offsets)
+    param_strides: tuple = ()
+    param_offsets: Tensor | None = None
+    disjoint: bool = False  # its params and states were found not to share memory (an in-place step's check)
 
 
 @dataclasses.dataclass
 class _Structure:
     """What a group's table takes from sizes and member strides alone, the same for any addresses."""
 
-    step: Tensor | None  # int64 [tensors, columns] on the device: the table's change from member b to b + 1
+    key: tuple  # (layout, dtype, device, members, param numels, member strides of each list)
+    step: Tensor  # int64 [tensors, columns] on the device: the table's change from member b to b + 1
     tasks: Tensor
     ranges: Tensor
     strides_aligned: bool  # every member stride is a multiple of 16 bytes
     compiled: dict  # the direct launchers (bnbf.kernels.direct_launch), shared by its groups
+    # member 0's table is addresses[src] + the constants, with addresses every tensor's (p_in, p_out, s_in,
+    # s_out in order, then a 0 that constant cells read); src on the host; offsets: the constants plus b times
+    # the member strides, int64 [members, tensors, columns] on the device
+    src: Tensor
+    offsets: Tensor
+    group: Group  # the stand-ins' group: what a group takes from the structure (dtype, norms, block...)
+    param_offsets: Tensor  # b times each param's member stride, int64 [members, params] on the device
+    twins: tuple | None = None  # meta tensors of p_in and s_in, where every tensor is batched and contiguous
 
 
 # a pure step's outputs alternate between a few address sets (the caching allocator reuses blocks); a miss costs
-# one build_group of member 0 (its structure is kept)
+# one gather of the addresses and two tensor ops (its structure is kept)
 _GROUPS: collections.OrderedDict = collections.OrderedDict()
 _STRUCTURES: collections.OrderedDict = collections.OrderedDict()
+# structures by (layout, dtype, device, members, list lengths), found by their meta twins in one compiled
+# comparison per list (no numel or stride read in Python); the most recent per key
+_PROBES: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 8
 BUILDS: collections.Counter = collections.Counter()  # "group" and "structure" builds so far (benchmarks read it)
 _REPEAT_0 = itertools.repeat(0)
@@ -109,26 +127,152 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
         4
     """
     lists = (p_in, p_out, s_in, s_out)
+    if FIRST_BLOCKS.get():  # shards of larger tensors: their first blocks are in the table, not in the key
+        return _build_shards(lists, layout, size, _structure_of(lists, layout, size))
+    structure = _structure_of(lists, layout, size)
+    addresses, packed, aligned = _addresses(lists)
+    key = (structure.key, packed)
+    hit = _GROUPS.get(key)
+    if hit is not None:
+        _GROUPS.move_to_end(key)
+        return hit
+    BUILDS["group"] += 1
+    n, columns = structure.group.table.shape
+    device = structure.key[2]
+    # member 0's table on the host (a gather), every member's on the device: the host work is the same for any
+    # member count, and the upload one member's table
+    first = _to_device(addresses.index_select(0, structure.src).view(1, n, columns), device)
+    table = (first + structure.offsets).view(-1, columns)
+    base = structure.group
+    fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Group)}
+    fields.update(
+        device=device,
+        table=table,
+        tasks=structure.tasks,
+        ranges=structure.ranges,
+        aligned=aligned and structure.strides_aligned,
+        compiled=structure.compiled,
+        shifted=False,
+        grad_ptrs=(),
+        grad_packed=b"",
+        grad_table=None,
+        grads_aligned=False,
+        partials=None,
+        sums=None,
+    )
+    group = _GROUPS[key] = MemberGroup(**fields, param_strides=key[0][5][0], param_offsets=structure.param_offsets)
+    if len(_GROUPS) > _CACHE_SIZE:
+        _GROUPS.popitem(last=False)
+    return group
+
+
+def _addresses(lists: tuple) -> tuple[Tensor, bytes, bool]:
+    """Every tensor's address, p_in, p_out, s_in, s_out in order, then a 0 (int64, host); the same packed as native
+    uint64 (the groups' cache key); whether all are 16-byte aligned. One compiled pass where
+    :data:`~bnbf._host_checks.NATIVE` is built (its ``grad_table`` writes any tensors' addresses), else
+    the same in Python (its twin, which the tests compare)."""
+    flat = [*lists[0][0], *lists[1][0], *lists[2][0], *lists[3][0]]
+    out = torch.zeros(len(flat) + 1, dtype=torch.int64)
+    if NATIVE is not None:
+        got = NATIVE.grad_table((flat,), out[:-1])
+        if got is not None:
+            return out, got[0], got[1][0]
+    return _addresses_python(flat, out)
+
+
+def _addresses_python(flat: list, out: Tensor) -> tuple[Tensor, bytes, bool]:
+    ptrs = array.array("q", map(Tensor.data_ptr, flat))
+    out[:-1] = torch.frombuffer(ptrs, dtype=torch.int64) if ptrs else out[:0]
+    return out, ptrs.tobytes(), functools.reduce(operator.or_, ptrs, 0) % 16 == 0
+
+
+def _all_batched(lists: tuple) -> bool:
+    return all(False not in batched for _, batched in lists)
+
+
+def _structure_of(lists: tuple, layout: Layout, size: int) -> _Structure:
+    """The structure of these stacked tensors: found by their meta twins in compiled comparisons (every tensor
+    batched and contiguous: its shape and dtype decide its size and member stride), else by its key."""
+    p_in, p_out, s_in, s_out = lists
     t0 = p_in[0][0]
+    probe = (layout, t0.dtype, t0.device, size, len(p_in[0]), len(s_in[0]))
+    batched = _all_batched(lists)
+    if NATIVE is not None and batched:
+        found = _PROBES.get(probe)
+        if found is not None:
+            ps, ss = found.twins
+            match = NATIVE.meta_match
+            if (
+                match(p_in[0], ps)
+                and match(s_in[0], ss)
+                and (p_out is p_in or match(p_out[0], ps))
+                and (s_out is s_in or match(s_out[0], ss))
+            ):
+                return found
     strides = tuple(member_strides(x, size) for x in lists)
     numels = tuple(t.numel() // size if b else t.numel() for t, b in zip(*p_in))
-    shape_key = (layout, t0.dtype, t0.device, size, numels, strides)
-    build = functools.partial(_build, lists, layout, size, shape_key, strides, numels)
-    if FIRST_BLOCKS.get():  # shards of larger tensors: their first blocks are in the table, not in the key
-        return build()
-    key = (shape_key, tuple(tuple(map(Tensor.data_ptr, ts)) for ts, _ in lists))
-    return _cached(_GROUPS, key, build)
+    key = (layout, t0.dtype, t0.device, size, numels, strides)
+    structure = _cached(_STRUCTURES, key, lambda: _structure(lists, layout, size, key))
+    if NATIVE is not None and batched and structure.twins is None and _contiguous(lists):
+        structure.twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in x[0]] for x in lists[::2])
+    if structure.twins is not None:
+        _PROBES[probe] = structure
+        _PROBES.move_to_end(probe)
+        if len(_PROBES) > _CACHE_SIZE:
+            _PROBES.popitem(last=False)
+    return structure
 
 
-def _build(lists: tuple, layout: Layout, size: int, shape_key: tuple, strides: tuple, numels: tuple) -> MemberGroup:
-    # member 0's table: a stacked tensor's address is its member 0's, so only the params (whose sizes the table
-    # holds) are viewed; the launcher reads the other tensors' addresses alone
+def _contiguous(lists: tuple) -> bool:
+    return all(all(map(Tensor.is_contiguous, ts)) for ts, _ in lists)
+
+
+def _structure(lists: tuple, layout: Layout, size: int, key: tuple) -> _Structure:
+    """A structure's tables: the launcher's :func:`build_group` of stand-ins for the tensors (views of a host buffer,
+    element ``k`` for the ``k``-th tensor, the params with their sizes) at two buffers; a cell that moves with the
+    buffer holds tensor ``k``'s address, one that does not is a constant."""
+    BUILDS["structure"] += 1
+    _, dtype, device, _, numels, strides = key
+    counts = [len(x[0]) for x in lists]
+    total = sum(counts)
+    tables, bases = [], []
+    buffers = [torch.empty(total, dtype=dtype) for _ in range(2)]  # both alive: at different addresses
+    for buf in buffers:
+        views = [buf[k : k + 1] for k in range(total)]
+        stand = [[torch.as_strided(buf, (n,), (0,), k) for k, n in enumerate(numels)]]  # p_in: numel is read
+        start = counts[0]
+        for c in counts[1:]:
+            stand.append(views[start : start + c])
+            start += c
+        group = build_group(*stand, layout, [0] * len(numels))
+        tables.append(group.table)
+        bases.append(buf.data_ptr())
+    first, second = tables
+    moved = second - first
+    is_address = moved == bases[1] - bases[0]
+    index = (first - bases[0]).div(buffers[0].element_size(), rounding_mode="floor")
+    if not bool(((moved == 0) | is_address).all()) or not bool(((index >= 0) & (index < total))[is_address].all()):
+        raise RuntimeError("bnbf: the launcher's address table has a cell bnbf.kernels.members cannot place")
+    src = torch.where(is_address, index, total)
+    constants = torch.where(is_address, 0, first)
+    member_stride = torch.tensor([*itertools.chain.from_iterable(strides), 0], dtype=torch.int64)[src]
+    members = torch.arange(size, dtype=torch.int64).view(size, 1, 1)
+    offsets = _to_device((constants.unsqueeze(0) + members * member_stride.unsqueeze(0)).contiguous(), device)
+    tasks, ranges = _tasks(numels * size, group.block, ITERS[group.fmt][dtype], device)
+    aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(strides), 0) % 16 == 0
+    step = _to_device(member_stride, device)
+    param_offsets = _to_device(members.view(size, 1) * torch.tensor(strides[0], dtype=torch.int64), device)
+    return _Structure(key, step, tasks, ranges, aligned, {}, src.flatten(), offsets, group, param_offsets)
+
+
+def _build_shards(lists: tuple, layout: Layout, size: int, structure: _Structure) -> MemberGroup:
+    # shards (bnbf.distributed): member 0's table with its first blocks from the launcher itself (a view per
+    # param, for its address), every member's from it and the structure's step; not cached
     BUILDS["group"] += 1
     p_in, p_out, s_in, s_out = lists
     p0 = _member(p_in, 0)
     first_blocks = first_blocks_of(p0)  # every member a shard at the same offset (None: all 0)
     base = build_group(p0, p_out[0], s_in[0], s_out[0], layout, first_blocks)
-    structure = _cached(_STRUCTURES, shape_key, lambda: _structure(lists, layout, size, base, strides, numels))
     fields = {f.name: getattr(base, f.name) for f in dataclasses.fields(Group)}
     fields["compiled"] = structure.compiled
     if size > 1:
@@ -137,19 +281,6 @@ def _build(lists: tuple, layout: Layout, size: int, shape_key: tuple, strides: t
         fields.update(tasks=structure.tasks, ranges=structure.ranges)
         fields["aligned"] = base.aligned and structure.strides_aligned
     return MemberGroup(**fields)
-
-
-def _structure(lists: tuple, layout: Layout, size: int, base: Group, strides: tuple, numels: tuple) -> _Structure:
-    BUILDS["structure"] += 1
-    if size == 1:
-        return _Structure(None, base.tasks, base.ranges, True, {})
-    # the launcher's own tables for members 0 and 1: their difference is every column's member stride (0 for
-    # shared tensors, sizes, first blocks and absent slots), whatever the columns are
-    first = build_group(*(_member(x, 0) for x in lists), layout, [0] * len(numels)).table
-    step = build_group(*(_member(x, 1) for x in lists), layout, [0] * len(numels)).table - first
-    tasks, ranges = _tasks(numels * size, base.block, ITERS[base.fmt][base.dtype], base.device)
-    aligned = functools.reduce(operator.or_, itertools.chain.from_iterable(strides), 0) % 16 == 0
-    return _Structure(step, tasks, ranges, aligned, {})
 
 
 def stacked_grads(group: MemberGroup, grads: tuple, size: int) -> list[Tensor]:
@@ -170,15 +301,18 @@ def stacked_grads(group: MemberGroup, grads: tuple, size: int) -> list[Tensor]:
         4
     """
     ts = grads[0]
-    ptrs = tuple(map(Tensor.data_ptr, ts))
+    addresses, packed, aligned = _addresses((grads, ((), ()), ((), ()), ((), ())))
     strides = member_strides(grads, size)
-    if group.member_grads != (ptrs, strides):
-        base = torch.tensor(ptrs, dtype=torch.int64)
-        rows = base + torch.arange(size, dtype=torch.int64).view(size, 1) * torch.tensor(strides, dtype=torch.int64)
-        group.grad_table = _to_device(rows.flatten(), group.device)
-        group.grads_aligned = functools.reduce(operator.or_, ptrs + strides) % 16 == 0
-        group.member_grads = (ptrs, strides)
-    # the launcher's grad cache: these tensors are "the last grads", so it keeps the table set above
-    group.grad_ptrs = ptrs
-    group.grad_packed = array.array("Q", ptrs).tobytes()
+    if group.member_grads != (packed, strides):
+        if strides == group.param_strides:  # the grads laid out as the params (the usual case): on the device
+            rows = _to_device(addresses[:-1], group.device) + group.param_offsets
+        else:
+            rows = addresses[:-1] + torch.arange(size, dtype=torch.int64).view(size, 1) * torch.tensor(strides)
+            rows = _to_device(rows, group.device)
+        group.grad_table = rows.flatten()
+        group.grads_aligned = aligned and functools.reduce(operator.or_, strides, 0) % 16 == 0
+        group.member_grads = (packed, strides)
+        # the launcher's grad cache: these tensors are "the last grads", so it keeps the table set above
+        group.grad_ptrs = tuple(addresses[:-1].tolist())
+        group.grad_packed = packed
     return ts
