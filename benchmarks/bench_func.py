@@ -233,11 +233,15 @@ def row_vmap(ctx) -> dict:
             members[m], loop_state[m] = bnbf.update(members[m], member_grads[m], loop_state[m], HP, i)
 
     loop_ms = median_ms(ctx.device, loop, ctx.warmup, ctx.steps)
+    # the in-place twin: the stacked tensors stepped where they are (no outputs)
+    step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
+    in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
     return {
         "ms": ms,
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
         "note": f"{MEMBERS} members; host {host:.3f} ms a call, of which torch.func's vmap of the same trees "
         f"{ident_host:.3f} ms; address tables built in the {ctx.steps} timed calls: {builds}; {ran}; "
+        f"vmap(update_) {in_place_ms:.3f} ms (host {in_place_host:.3f}); "
         f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
     }
 
