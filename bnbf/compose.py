@@ -508,10 +508,10 @@ def update(
             Any value may be a schedule, a callable of the step evaluated once per call.
         max_grad_norm: if given (a number >= 0 or a 0-d tensor), the grads are clipped to this global norm as
             :func:`clip_grad_norm` (``torch.nn.utils.clip_grad_norm_``) clips them, inside the step: the total
-            norm is taken over every grad of the call (``torch._foreach_norm`` per (device, dtype), then the
-            norm of the norms: torch's bits; or, where every leaf's rule takes a norm pass that gives it, LARS,
-            from that pass: see :func:`_grad_clip`), and the step scales each grad element by
-            ``min(1, max_norm / (total + 1e-6))`` as it loads it, in float32 (see :func:`_grad_clip`).
+            norm is taken over every grad of the call from our own pass over them (one launch per group, or
+            LARS's norm pass; float32 per tile, float64 beyond: within a few float32 ulps of torch's total), and
+            the step scales each grad element by ``min(1, max_norm / (total + 1e-6))`` as it loads it, in
+            float32 (see :func:`_grad_clip`).
 
     Returns:
         ``(new_params, new_state)`` in the input structures: bit for bit what separate :func:`bnbf.update`
@@ -535,7 +535,7 @@ def _with_clipping(fn, max_grad_norm, params, grads, state, *rest):
     """``fn(params, grads, state, *rest)`` (the pure or the in-place step), inside the clipping context of
     ``max_grad_norm`` where the kernels apply it, else on clipped copies of the grads (:func:`_grad_clip`)."""
     if max_grad_norm is not None:
-        clip, grads = _grad_clip(grads, max_grad_norm, state)
+        clip, grads = _grad_clip(grads, max_grad_norm)
         if clip is not None:
             with _clipping(clip):
                 return fn(params, grads, state, *rest)
@@ -1157,7 +1157,7 @@ def updates(
     flat, treespec = pytree.tree_flatten_with_path(params)
     clip, max_grad_norm = None, options.pop("max_grad_norm", None)
     if max_grad_norm is not None:  # the norm of the grads as given (16-bit ones have 16-bit norms, as torch's)
-        clip, grads = _grad_clip(grads, max_grad_norm, state)
+        clip, grads = _grad_clip(grads, max_grad_norm)
     g_leaves, g_spec = pytree.tree_flatten(grads)
     if g_spec != treespec:
         raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
@@ -1270,32 +1270,31 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
     check_nonneg(max_grad_norm, "max_grad_norm")
 
 
-def _grad_clip(grads: Any, max_grad_norm: Any, state: Any = None) -> tuple[GradClip | None, Any]:
+def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
     """Gradient clipping for one call of :func:`update` / :func:`update_` with ``max_grad_norm``.
 
-    Returns ``(clip, grads)``. Eager calls on plain tensors get a :class:`bnbf.reference.GradClip`, set around
-    the core calls by :func:`_clipping`: the step scales each grad by the coefficient as it loads it, and no
-    clipped copy is written. Two ways to the total norm:
+    Returns ``(clip, grads)``. Eager calls on plain tensors get a folded :class:`bnbf.reference.GradClip`, set
+    around the core calls by :func:`_clipping`: the total norm comes from our own pass over the grads, and the
+    step scales each grad by the coefficient as it loads it (no clipped copy is written, no
+    ``torch._foreach_norm``):
 
-    - Folded into the rules' norm passes where every leaf's rule takes one that can give it
-      (``Rule.norm_grad_powers``: LARS, whose ``||g||`` is linear in the grads): each norm pass also sums every
-      grad's squares (non-finite ones included, so that an inf or NaN grad gives torch's coefficient, 0 or NaN),
-      the steps wait until every group's pass has run, and the total, the coefficient and the rule's norms of
-      the clipped grads (``coef**2 * ||g||²``) come from those sums in a few small ops on the device
-      (:meth:`GradClip.finish`). No read of the grads of its own. The total adds the same squares in another
-      order than ``torch._foreach_norm`` (float32 per tile of 256, float64 beyond): its bits may differ from
-      torch's by a few float32 ulps (tests/tolerances.py, ``FOLDED_CLIP_COEF_RTOL``).
-    - Otherwise (LAMB, whose update norm depends non-linearly on the clipped grad, so it needs the coefficient
-      before its norm pass; every rule without a norm pass; mixed calls), ``torch._foreach_norm`` per (device,
-      dtype) and the norm of those norms, as torch computes it, so the coefficient has torch's bits; the step
-      scales the grads in the norm pass too (LAMB, ``max_unorm``). For float32 grads the step sees the very
-      products torch's clipped copies hold (the whole step tested bit for bit on the reference path and the
-      interpreter; compiled kernels contract the rule's multiply-adds into FMAs per kernel variant, so there
-      the results may differ from the clipped copies' by an ulp), for 16-bit grads the unrounded float32
-      products (closer to exact arithmetic than a 16-bit clipped copy). Cost over the unclipped step: one read
-      of the grads (the norms) and two small ops (the norm of the norms); the kernel computes the coefficient
-      from the total, torch's arithmetic op by op. A 0-d tensor ``max_grad_norm`` takes four more small ops
-      (the coefficient by torch's ops, then read by the kernel).
+    - each launch group sums its grads' squares over every element (non-finite ones included, so that an inf or
+      NaN grad gives torch's total, inf or NaN, and torch's coefficient, 0 or NaN): float32 within each tile of
+      the step's tiles (256 elements, or the 8-bit state's block), float64 per tensor in a fixed order. A rule
+      whose norm pass can give them (``Rule.norm_grad_powers``: LARS, whose ``||g||`` is linear in the grads)
+      sums them in that pass (no read of its own; its norms of the clipped grads, ``coef**2 * ||g||²``, come
+      from its sums); any other rule in one grads-only launch per group (``_grad_squares_kernel``; the
+      reference path adds the same way, bnbf.reference.tile_squares);
+    - every group's launches (LAMB's and ``max_unorm``'s norm pass with the clipped grads, then the step) wait
+      until every group has its sums; :meth:`GradClip.finish` then computes the total (float64, rounded to the
+      grads' dtype as torch's is) and the coefficient with torch's ops (``min(1, max_norm / (total + 1e-6))``)
+      on the device, and runs them: the kernels multiply each grad by the coefficient in float32 (one
+      product, the bits of a float32 grad clipped by that coefficient with torch's multiply).
+
+    The total adds the same squares in another order than ``torch._foreach_norm``: its bits may differ from
+    torch's by a few float32 ulps (tests/tolerances.py, ``folded_total_ulps``), and so may the coefficient's.
+    Calls whose norms a distributed reduction sums across shards (``bnbf.distributed``) take torch's total
+    (``torch._foreach_norm`` per (device, dtype)) and the kernels the coefficient from it.
 
     Traced calls, torch.func transforms and tensor subclasses (DTensor...) get ``clip`` None and the grads
     clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip).
@@ -1311,31 +1310,30 @@ def _grad_clip(grads: Any, max_grad_norm: Any, state: Any = None) -> tuple[GradC
         return None, clip_grad_norm(grads, max_grad_norm)[0]
     limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
     with torch.no_grad():
-        if _folds(gs, state):
+        if _folds():
             dtype = gs[0].dtype  # the total norm's: the stack of torch's per-dtype norms promotes
-            for d in set(map(_DTYPE, gs)):
-                dtype = torch.promote_types(dtype, d)
+            dtypes = set(map(_DTYPE, gs))
+            if len(dtypes) > 1:
+                for d in dtypes:
+                    dtype = torch.promote_types(dtype, d)
             clip = GradClip.folded(limit, dtype, gs[0].device)
         elif isinstance(max_grad_norm, Tensor):
             clip = GradClip(clip_coefficient(_total_norm(gs, 2.0)[0], limit), None)
         else:
             clip = GradClip(_total_norm(gs, 2.0)[0], float(max_grad_norm))
-    if any(g.requires_grad for g in gs):  # taken detached, as the clipped copies were
+    if any(map(_REQUIRES_GRAD, gs)):  # taken detached, as the clipped copies were
         grads = pytree.tree_map(Tensor.detach, grads)
     return clip, grads
 
 
-def _folds(gs: list[Tensor], state: Any) -> bool:
-    """Whether the clip of a call can come from its rules' norm passes: every leaf's state is for a rule with
-    ``norm_grad_powers`` (all of them: torch clips over every grad), one state per grad, and no distributed
-    reduction of the norms (``bnbf.distributed``'s shards need their own total)."""
-    if state is None or NORM_REDUCE.get() is not None:
-        return False
-    leaves = list(state.values()) if type(state) is dict else pytree.tree_leaves(state, is_leaf=is_state)
-    if len(leaves) != len(gs) or not all(map(is_state, leaves)):
-        return False  # the core names what is wrong
-    rules = {type(s).layout.rule for s in leaves}
-    return all(r in RULES and RULES[r].norm_grad_powers is not None for r in rules)
+_REQUIRES_GRAD = operator.attrgetter("requires_grad")
+
+
+def _folds() -> bool:
+    """Whether the total norm of a call can come from its groups' own sums of g²: unless a distributed reduction
+    sums the norms (``bnbf.distributed``'s shards need their own total). Every grad of a call the core accepts
+    reaches a launch group or the reference step; a call it refuses raises before any group runs."""
+    return NORM_REDUCE.get() is None
 
 
 @contextlib.contextmanager

@@ -126,9 +126,10 @@ def update(
             ``torch.func`` give the true derivatives of the outputs with respect to params, grads, states and
             0-d tensor hyperparameters (:mod:`bnbf.differentiable`). Needs 32-bit state; accepts float64
             params and states. Without it, asking for such a derivative raises (never a silent zero).
-        max_grad_norm: if given, the grads are first clipped to this global norm, as
-            ``torch.nn.utils.clip_grad_norm_`` clips them (:func:`bnbf.clip_grad_norm`; a pass over the grads,
-            except for all-LARS calls, whose norm pass gives the total).
+        max_grad_norm: if given, the grads are clipped to this global norm, as
+            ``torch.nn.utils.clip_grad_norm_`` clips them, inside the step: the total norm from one pass of ours
+            over the grads (LARS: its own norm pass; within a few float32 ulps of torch's total), each grad
+            scaled by the coefficient as the kernels load it (see :func:`bnbf.compose.update`).
 
     The state tree may mix rules, bit widths, formats and block sizes (:func:`init_state` with a tree or a
     callable of specs), and ``hparams`` may be ``{rule_name: mapping}``, a callable ``(path, param) ->

@@ -32,16 +32,18 @@ class GradClip:
     """One call's gradient clipping by global norm (``bnbf.update(..., max_grad_norm=)``): the step scales each
     grad by ``min(1, max_norm / (total + 1e-6))`` as it loads it, instead of reading a clipped copy.
 
-    ``value`` is the total norm of all the call's grads (``max_norm`` a number: the kernels compute the
-    coefficient from it, torch's arithmetic op by op, see ``step_kernel._clip_coef``) or, with ``max_norm``
-    None, the coefficient itself (computed by torch ops from a 0-d tensor max_norm). A 0-d tensor on the first
-    grad's device, in the norms' dtype; copied to each other device once.
+    Given a total (``torch._foreach_norm``'s, where bnbf.distributed reduces the norms across shards): ``value``
+    is the total norm of all the call's grads (``max_norm`` a number: the kernels compute the coefficient from
+    it, torch's arithmetic op by op, see ``step_kernel._clip_coef``) or, with ``max_norm`` None, the coefficient
+    itself (computed by torch ops from a 0-d tensor max_norm). A 0-d tensor on the first grad's device, in the
+    norms' dtype; copied to each other device once.
 
-    Folded into the norm passes (:meth:`folded`: every leaf's rule has ``norm_grad_powers``, e.g. LARS):
-    ``value`` is None while ``folding``; each group's norm pass (the launcher's, or :func:`reference_step`'s)
-    sums every grad's squares too, hands its tensors' sums to :meth:`fold` with its step, deferred, and
-    :meth:`finish` (called by ``bnbf.compose`` when the call's groups have all run) computes the total and the
-    coefficient on the device, then runs the steps, which read the coefficient as for a 0-d tensor max_norm."""
+    Folded (:meth:`folded`, every other eager call on plain tensors): ``value`` is None while ``folding``; each
+    group sums its grads' squares (the launcher's, or :func:`reference_step`'s: a rule with ``norm_grad_powers``,
+    e.g. LARS, in its own norm pass, any other in a pass over the grads alone, float32 per tile, float64 across),
+    hands its tensors' sums to :meth:`fold` with its step, deferred, and :meth:`finish` (called by
+    ``bnbf.compose`` when the call's groups have all run) computes the total and the coefficient on the device,
+    then runs the steps, which read the coefficient as for a 0-d tensor max_norm."""
 
     value: Tensor | None
     max_norm: float | None
@@ -56,7 +58,7 @@ class GradClip:
 
     @classmethod
     def folded(cls, max_norm: Any, dtype: torch.dtype, device: torch.device) -> GradClip:
-        """Clipping taken from the rules' norm passes (see the class docstring)."""
+        """Clipping whose total comes from the groups' own sums of g² (see the class docstring)."""
         return cls(None, None, folding=True, fold_max=max_norm, dtype=dtype, device=device)
 
     def fold(self, sq: Tensor, step: Callable[[], None]) -> None:
@@ -71,8 +73,8 @@ class GradClip:
         if not self.folding:
             return
         if not self._sq:  # every group of the call was to hand its sums in: none did (a path that ignores the clip)
-            raise RuntimeError("bnbf: a gradient clip folded into the norm passes saw no norm pass")
-        self.total = fold_total([sq.to(self.device) for sq in self._sq], self.dtype)
+            raise RuntimeError("bnbf: a folded gradient clip received no group's sums of g² (a path ignored the clip)")
+        self.total = fold_total([sq if sq.device == self.device else sq.to(self.device) for sq in self._sq], self.dtype)
         self.value = clip_coefficient(self.total, self.fold_max)
         self.folding = False
         steps, self._sq, self._steps = self._steps, [], []
@@ -104,7 +106,7 @@ def fold_total(sq: list[Tensor], dtype: torch.dtype) -> Tensor:
     """The total norm of a folded clip from the norm passes' per-tensor sums of g² (float64 [tensors] each, one
     device): added in float64 in the order given, the root, rounded to the grads' dtype (torch's total is in
     it). The launcher and the reference step hand in sums of the same squares: the same arithmetic after them."""
-    return torch.cat(sq).sum().sqrt().to(dtype)
+    return (sq[0] if len(sq) == 1 else torch.cat(sq)).sum().sqrt().to(dtype)
 
 
 def clip_coefficient(total: Tensor, max_norm: Any) -> Tensor:
@@ -121,13 +123,6 @@ def clipped_sums(sums: Tensor, powers: tuple[int, int], coef: Tensor) -> Tensor:
     return sums * torch.stack([c ** powers[0], c ** powers[1], torch.ones_like(c)])
 
 
-def fold_powers(rule) -> tuple[int, int]:
-    """``rule.norm_grad_powers``; a folded clip reaching a rule without them is a bug of the code that folded it."""
-    if rule.norm_grad_powers is None:
-        raise RuntimeError(f"bnbf: gradient clipping was folded into a norm pass that rule {rule.name!r} lacks")
-    return rule.norm_grad_powers
-
-
 # Set by bnbf.compose around the core calls of a step with ``max_grad_norm`` (a GradClip); read by
 # reference_step and bnbf.kernels.launcher.launch_group. None: the grads as given.
 GRAD_CLIP: contextvars.ContextVar = contextvars.ContextVar("bnbf_grad_clip", default=None)
@@ -141,10 +136,17 @@ def norm_sums(rule, p, g, states, scalars, counted, fold=0) -> list:
     terms = rule.norms[1](p, g, states, scalars)
     sums = [torch.where(counted, t, torch.zeros_like(t)).sum() for t in terms]
     if fold:
-        sq = (g * g).reshape(-1)
-        sq = torch.cat([sq, sq.new_zeros(-sq.numel() % fold)])  # the last tile's padding adds 0, as the kernel's
-        sums[2] = sq.view(-1, fold).sum(1).double().sum()
+        sums[2] = tile_squares(g, fold)
     return sums
+
+
+def tile_squares(g: Tensor, tile: int) -> Tensor:
+    """The sum of ``g``'s squares over every element, non-finite ones included, as the kernels add it: float32
+    within each tile of ``tile`` elements, float64 across the tiles (a float64 0-d; 0 for no elements)."""
+    sq = g.float().reshape(-1)
+    sq = sq * sq
+    sq = torch.cat([sq, sq.new_zeros(-sq.numel() % tile)])  # the last tile's padding adds 0, as the kernel's
+    return sq.view(-1, tile).sum(1).double().sum()
 
 
 def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False, sums=None):
@@ -204,15 +206,24 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
     """One step of a group of tensors (one device, dtype and state layout), written into ``p_out``/``s_out``
     (the inputs themselves for an in-place step): dequantize, :func:`step_math`, requantize.
 
-    With a folded gradient clip (:meth:`GradClip.folded`) the norm pass runs now: the rule's sums of the grads as
-    given and their sums of g² over every element (:func:`norm_sums`), handed to the clip with the step, which
-    it runs with the coefficient and the sums scaled to the clipped grads (:func:`clipped_sums`), as the
-    launcher does."""
+    With a folded gradient clip (:meth:`GradClip.folded`) the grads' sums of g² are taken now and handed to the
+    clip with the step, which it runs with the coefficient, as the launcher does: a rule with
+    ``norm_grad_powers`` runs its norm pass now, the rule's sums of the grads as given and their sums of g² over
+    every element (:func:`norm_sums`), and its step takes the sums scaled to the clipped grads
+    (:func:`clipped_sums`); any other rule's sums of g² come from the grads alone (:func:`tile_squares`, the
+    kernels' tiles)."""
     grad_clip = GRAD_CLIP.get()
     if grad_clip is None or not grad_clip.folding:
         _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip)
         return
-    powers = fold_powers(get_rule(layout.rule))
+    powers = get_rule(layout.rule).norm_grad_powers
+    if powers is None:
+        tile = layout.block_size if layout.quantized else 256  # the kernels' tile (bnbf.kernels.launcher)
+        sq = torch.stack([tile_squares(g, tile) for g in grads])
+        grad_clip.fold(
+            sq, lambda: _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip)
+        )
+        return
     sums = _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, None, collect=True)
 
     def step() -> None:

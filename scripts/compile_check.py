@@ -1,6 +1,7 @@
 """Compile the step kernel for sm_90 on any machine (no GPU needed: Triton's bundled ptxas), for every
 rule, state format and mode; prints the cubin size per variant. Rules whose norm pass can take gradient
-clipping's total norm (``norm_grad_powers``) also compile that pass (CLIP 3).
+clipping's total norm (``norm_grad_powers``) also compile that pass (CLIP 3); gradient clipping's grads-only
+pass (``_grad_squares_kernel``) is compiled for each grad dtype and tile.
 
     python scripts/compile_check.py [--clip N] [--dump DIR] [rule ...]
 
@@ -25,10 +26,10 @@ from triton.compiler import ASTSource
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import bnbf  # noqa: E402
 import bnbf.kernels.launcher as mt  # noqa: E402
-from bnbf.kernels.step_kernel import FORMATS, HP_MAX, _step_kernel  # noqa: E402
+from bnbf.kernels.step_kernel import FORMATS, HP_MAX, _grad_squares_kernel, _step_kernel  # noqa: E402
 from bnbf.state import present_mask  # noqa: E402
 
-_TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16}
+_TORCH = {tl.float32: torch.float32, tl.bfloat16: torch.bfloat16, tl.float16: torch.float16}
 
 
 def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False, clip=0):
@@ -79,6 +80,24 @@ def compile_variant(rule_name, fmt, dtype, mode, from_ptr, skip_zeros=False, cli
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_squares(dtype, block, iters):
+    """Gradient clipping's grads-only pass for grads of ``dtype``, tiles of ``block`` elements, ``iters`` a
+    program (a 32-bit state group's address table: 4 head fields and 4 per slot of a 2-slot rule)."""
+    sig = {"table_ptr": "*i64", "task_ptr": "*i32", "grad_ptr": "*i64", "part_ptr": "*fp32", "n_tiles": "i32"}
+    const = dict(ROW=12, G_DTYPE=dtype, BLOCK=block, ITERS=iters)
+    sig.update({k: "constexpr" for k in const})
+    src = ASTSource(fn=_grad_squares_kernel, signature=sig, constexprs=const)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": mt.NUM_WARPS})
+
+
+def _dump(dump, name, k):
+    if dump:
+        os.makedirs(dump, exist_ok=True)
+        for kind in ("ttir", "ptx"):
+            with open(os.path.join(dump, f"{name}.{kind}"), "w") as f:
+                f.write(_without_locations(k.asm[kind], kind))
+
+
 def _without_locations(text: str, kind: str) -> str:
     """TTIR or PTX without source locations (line numbers move with any edit of the file)."""
     if kind == "ttir":
@@ -101,16 +120,18 @@ def main(rules, clip=0, dump=None):
                     for from_ptr in (False, True):
                         k = compile_variant(rule_name, fmt, dtype, mode, from_ptr, clip=clip_mode)
                         name = f"{rule_name}_{fmt}_{dtype}_mode{mode}_ptr{int(from_ptr)}_clip{clip_mode}"
-                        if dump:
-                            os.makedirs(dump, exist_ok=True)
-                            for kind in ("ttir", "ptx"):
-                                with open(os.path.join(dump, f"{name}.{kind}"), "w") as f:
-                                    f.write(_without_locations(k.asm[kind], kind))
+                        _dump(dump, name, k)
                         print(
                             f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)} "
                             f"CLIP {clip_mode}: {len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared",
                             flush=True,
                         )
+    for dtype in (tl.float32, tl.bfloat16, tl.float16):
+        for block in (256, 64):
+            iters = mt.ITERS["power"][_TORCH[dtype]]
+            k = compile_squares(dtype, block, iters)
+            _dump(dump, f"squares_{dtype}_block{block}_iters{iters}", k)
+            print(f"squares   {str(dtype):9s} block {block} iters {iters}: {len(k.asm['cubin'])} B cubin", flush=True)
 
 
 if __name__ == "__main__":

@@ -503,15 +503,23 @@ def test_checks_are_kept_weakly_and_redone_when_a_tensor_changes():
     assert ref() is None  # the kept checks hold no tensor
 
 
-def test_max_grad_norm_option(device):
+def test_max_grad_norm_option(device, monkeypatch):
+    """A mixed tree clipped inside the step: bit for bit the step on the grads times the call's coefficient
+    (its total is our pass's, not torch's: tests/test_clip_fused.py compares the two)."""
+    from bnbf.reference import GradClip
+
     params, specs, hp = _mixed(device)
     params = {k: p.float() for k, p in params.items()}
     grads = _grads(params)
     state = compose.init_state(params, specs, hp)
-    clipped, _ = compose.clip_grad_norm(grads, 0.05)
-    want = compose.update(params, clipped, state, hp, 1)
+    seen, real = [], GradClip.finish
+    monkeypatch.setattr(GradClip, "finish", lambda self: (self.folding and seen.append(self), real(self)))
     got = compose.update(params, grads, state, hp, 1, max_grad_norm=0.05)
-    _eq_tree(got, want, "max_grad_norm= vs clip then update")
+    monkeypatch.undo()
+    (clip,) = seen
+    assert clip.value < 1  # the limit clips
+    want = compose.update(params, {k: g * clip.value for k, g in grads.items()}, state, hp, 1)
+    _eq_tree(got, want, "max_grad_norm= vs the grads scaled by its coefficient, then update")
 
 
 @pytest.mark.skipif("cpu" not in DEVICES or INTERP, reason="host-side cost of the split, reference path")

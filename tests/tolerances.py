@@ -126,13 +126,25 @@ NORM_SUMS_RTOL = 2**-23
 # the exact sum of the g² of its elements, the squares' own rounding adding u: W·u in all. The float64 additions
 # of fewer than 2^20 tiles add less than 2^-32 (below u). The root halves the relative error, and its rounding
 # to float32 adds u: the folded total is within (W/2 + 1)·u of the float64 total of the same grads.
+# Since issue 13's H5 every eager clipped call takes its total this way (LARS in its norm pass, every other rule
+# in a grads-only pass over the same tiles).
 def folded_total_ulps(tile: int) -> int:
     return tile // 2 + 1
 
 
+def folded_total_rtol(tile: int, dtype: torch.dtype) -> float:
+    """The folded total's relative bound against the float64 total, for grads of ``dtype``: the tiles' and the
+    root's (W/2)·u as above, then one rounding into the total's dtype (torch's total is in the grads' dtype):
+    float32's u, or a 16-bit dtype's unit roundoff (eps / 2). For float32, ``folded_total_ulps(W)·u``."""
+    return (tile // 2) * 2.0**-24 + torch.finfo(dtype).eps / 2
+
+
 # torch's total is given (its bits, measured against the float64 total in the test, not ours to bound); each
-# coefficient is then max_norm / (total + 1e-6), clamped: two float32 roundings in each path, four in all.
-FOLDED_COEF_EXTRA_ULPS = 4
+# coefficient is then max_norm / (total + 1e-6), clamped, in the total's dtype: the addition rounds once, and
+# torch's Python-number max_norm / x is a reciprocal then a product (Tensor.__rtruediv__), two more (a 0-d
+# tensor max_norm divides once); the clamp is exact. Three roundings of the dtype's unit roundoff in each path,
+# six in all.
+FOLDED_COEF_EXTRA_ULPS = 6
 # A LARS step's update per unit of lr, local·d with d = c·g + wd·p and local = η‖p‖ / (c‖g‖ + wd‖p‖ + ε), moves
 # by at most r·local·(2|c·g| + wd|p|) per element when c, or c‖g‖, moves by a relative r (the derivative of
 # local·d by c, times c, is local·(c·g − d·c‖g‖/den), and c‖g‖ <= den); r adds the two coefficients' bound and

@@ -24,9 +24,16 @@ from torch import Tensor
 from bnbf._dispatch import INTERPRETER_LOCK, NORM_REDUCE, interpreting
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
-from bnbf.kernels.step_kernel import FORMATS, HP_MAX, PER_SLOT, _step_kernel, _tensor_sums_kernel
+from bnbf.kernels.step_kernel import (
+    FORMATS,
+    HP_MAX,
+    PER_SLOT,
+    _grad_squares_kernel,
+    _step_kernel,
+    _tensor_sums_kernel,
+)
 from bnbf.quant import dynamic_map
-from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums, fold_powers
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums
 from bnbf.rules import get_rule
 from bnbf.state import Layout
 
@@ -75,6 +82,7 @@ _NO_FLOATS = (0.0,) * HP_MAX
 _SUMS_CHUNK = 1024
 SUM_SPLIT = 32  # parts per tensor: one load per lane of the step's one-warp programs
 _SUMS_CONSTEXPRS = (None,) * (len(_tensor_sums_kernel.arg_names) - 4)  # after partials, ranges, sums, n_tiles
+_SQUARES_CONSTEXPRS = (None,) * (len(_grad_squares_kernel.arg_names) - 5)  # after table, tasks, grads, partials, n
 LAUNCH_KEYS: set = set()  # static (compile-relevant) keys launched so far; tests read it
 
 # ---- groups ----------------------------------------------------------------------------------------------
@@ -226,9 +234,12 @@ def launch_group(
     ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states. Where
     :data:`bnbf.reference.GRAD_CLIP` is set (``bnbf.update(..., max_grad_norm=)``), the kernel scales the
     grads by the clipping coefficient as it loads them, in the norm pass and the step alike. A folded clip
-    (:meth:`bnbf.reference.GradClip.folded`) runs the norm pass now, summing every grad's squares too (CLIP 3),
-    and hands the group's step to the clip, which runs it once every group's sums gave the coefficient: the
-    rule's sums scaled to the clipped grads (:func:`bnbf.reference.clipped_sums`), the grads by CLIP 2.
+    (:meth:`bnbf.reference.GradClip.folded`, every eager clipped call) takes the group's sums of g² now and hands
+    the group's launches to the clip, which runs them once every group's sums gave the coefficient (CLIP 2): a
+    rule with ``norm_grad_powers`` (LARS) runs its norm pass now, summing every grad's squares too (CLIP 3), and
+    its step takes the rule's sums scaled to the clipped grads (:func:`bnbf.reference.clipped_sums`); any other
+    rule reads its grads once in ``_grad_squares_kernel`` (:func:`_fold_squares`), then runs its launches as
+    without clipping, the grads scaled by the coefficient.
     """
     if grads_placed or (NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed)):
         pass  # the same grad addresses as the last step: its table serves
@@ -346,23 +357,85 @@ def launch_group(
             dispatch,
         )
 
-    if folding:
-        powers = fold_powers(get_rule(layout.rule))
-    elif not (group.norms or clip):
+    if not (folding or group.norms or clip):
         run(group.table, 0)  # no norms: any pointer
         return
     if group.partials is None:  # scratch kept with the group: no allocation per step
         group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
         group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
     if folding:
-        _fold(group, grads, n_tiles, powers, grad_clip, run)
+        powers = get_rule(layout.rule).norm_grad_powers
+        if powers is not None:
+            _fold(group, grads, n_tiles, powers, grad_clip, run)
+        else:
+            steps = functools.partial(_launches, group, grads, n_tiles, clip, run)
+            _fold_squares(group, grad_table, n_tiles, iters, grad_clip, steps)
         return
-    run(group.partials, 1)
+    _launches(group, grads, n_tiles, clip, run, clip_args)
+
+
+def _launches(group: Group, grads: list, n_tiles: int, clip: bool, run, clip_args) -> None:
+    """:func:`launch_group`'s launches with the clipping arguments ``clip_args`` (the kernel's CLIP, clip_ptr,
+    clip_max): the step, after the norm pass and its sums where the rule or ``clip`` needs norms. ``grads`` only
+    held (a deferred call's may be copies that no one else holds)."""
+    if not (group.norms or clip):
+        run(group.table, 0, clip_args)  # no norms: any pointer
+        return
+    run(group.partials, 1, clip_args)
     _launch_sums(group, n_tiles)
     reduce = NORM_REDUCE.get()
     if reduce is not None:  # sharded tensors: each shard's sums -> the whole tensor's (bnbf.distributed)
         reduce(group.sums)
-    run(group.sums, 2)
+    run(group.sums, 2, clip_args)
+
+
+def _fold_squares(group: Group, grad_table: Tensor, n_tiles: int, iters: int, grad_clip, steps) -> None:
+    """A folded clip's share of :func:`launch_group` for a rule whose norm pass cannot give the total (or that has
+    none): one launch reading the group's grads (``_grad_squares_kernel``, the step's tiles: each tile's float32
+    sum of g², every element) and the per-tensor float64 sums (``_tensor_sums_kernel``), handed to the clip with
+    ``steps(clip_args)``, the group's launches, run once the clip has its coefficient (CLIP 2)."""
+    grid = group.tasks.shape[0]
+    if grid:  # (a group of numel-0 tensors has no tiles: its sums are 0)
+        row = group.table.shape[1]
+        args = (
+            group.table.data_ptr(),
+            group.tasks.data_ptr(),
+            grad_table.data_ptr(),
+            group.partials.data_ptr(),
+            n_tiles,
+            *_SQUARES_CONSTEXPRS,
+        )
+        dtype, block = _TL_DTYPES[group.dtype], group.block
+
+        def dispatch():
+            LAUNCH_KEYS.add(("squares", group.dtype, block, iters, row))
+            return _grad_squares_kernel[(grid,)](
+                group.table,
+                group.tasks,
+                grad_table,
+                group.partials,
+                n_tiles,
+                ROW=row,
+                G_DTYPE=dtype,
+                BLOCK=block,
+                ITERS=iters,
+                num_warps=NUM_WARPS,
+            )
+
+        launch(group.compiled, group.device, "squares", (grid, 1, 1), args, dispatch)
+    _launch_sums(group, n_tiles)
+    sq = group.sums[:, 2].sum(-1)  # float64 [tensors], the parts in a fixed order (the scratch is free again)
+    grad_clip.fold(sq, functools.partial(_deferred, group.device, grad_clip, steps))
+
+
+def _deferred(device: torch.device, grad_clip, steps) -> None:
+    """A folded clip's deferred launches of a group, with the coefficient (CLIP 2)."""
+    args = grad_clip.kernel_args(device)
+    if device.type == "cpu":  # Triton's interpreter: one launch at a time
+        with INTERPRETER_LOCK:
+            steps(args)
+    else:
+        steps(args)
 
 
 def _fold(group: Group, grads: list, n_tiles: int, powers: tuple, grad_clip, run) -> None:

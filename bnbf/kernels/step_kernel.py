@@ -6,7 +6,8 @@ in its own dtype and requantizes each state with the block's new absmax (stochas
 :mod:`bnbf.quant`). Rules that need per-tensor norms (and ``max_unorm``) run it twice: a norm pass writing
 per-tile partial sums, ``_tensor_sums_kernel`` adding them per tensor, then the step reading those sums. With
 gradient clipping folded into the norm pass (``CLIP`` 3), that pass also sums every grad's squares, from which
-the total norm comes (:class:`bnbf.reference.GradClip`).
+the total norm comes (:class:`bnbf.reference.GradClip`); other rules' clipping reads the grads once in
+``_grad_squares_kernel`` (the same tiles and sums), and their launches then take the coefficient (``CLIP`` 2).
 
 Only Triton code lives here; :mod:`bnbf.kernels.launcher` builds the tables and picks the configuration.
 """
@@ -654,3 +655,34 @@ def _tensor_sums_kernel(partial_ptr, range_ptr, sum_ptr, n_tiles, CHUNK: tl.cons
     tl.store(out, tl.sum(acc0, 0))
     tl.store(out + SPLIT, tl.sum(acc1, 0))
     tl.store(out + 2 * SPLIT, tl.sum(acc2, 0))
+
+
+@triton.jit
+def _grad_squares_kernel(
+    table_ptr,
+    task_ptr,
+    grad_ptr,
+    part_ptr,
+    n_tiles,
+    ROW: tl.constexpr,
+    G_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ITERS: tl.constexpr,
+):
+    """Gradient clipping's read of the grads where the rule's norm pass cannot give the total norm: program
+    ``pid`` takes the tiles of the step's program ``pid`` (the group's tasks, address table of ``ROW`` int64
+    fields per tensor, grad table) and writes each tile's float32 sum of g² over every element, non-finite ones
+    included (padding lanes load 0), into row 2 of the [3, n_tiles] partials, rows 0 and 1 zeroed, for
+    _tensor_sums_kernel to add per tensor in float64. Offsets in int64 (tensors beyond 2**31 elements)."""
+    pid = tl.program_id(0)
+    tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
+    first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS
+    numel = tl.load(table_ptr + tensor * ROW + 2)
+    g_ptr = tl.load(grad_ptr + tensor).to(tl.pointer_type(G_DTYPE))
+    part = part_ptr + pid * ITERS
+    for it in tl.static_range(ITERS):
+        offs = (first + it) * BLOCK + tl.arange(0, BLOCK)
+        g = tl.load(g_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+        tl.store(part + it, 0.0)
+        tl.store(part + n_tiles + it, 0.0)
+        tl.store(part + 2 * n_tiles + it, tl.sum(g * g, 0))
