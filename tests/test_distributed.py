@@ -12,6 +12,8 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
+import sys
 import tempfile
 import traceback
 
@@ -520,17 +522,28 @@ def scenario_ddp_unchanged():
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
+PHASE = "phase: "  # a line of a rank's crash file: how far the rank got (the last one is where it stopped)
+# 1: a rank leaves through interpreter finalization (not os._exit), to re-check the gloo abort in _worker's end
+NATURAL_EXIT = os.environ.get("BNBF_TEST_SPAWN_NATURAL_EXIT", "0") not in ("", "0")
+
+
 def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
+    import faulthandler
     import importlib
 
     import conftest  # the parent's pytest session set these up; a spawned process starts bare
 
     global DEVICE
-    import faulthandler
-
-    # a crash in a spawned rank (a SIGSEGV) leaves its Python stack in the run's folder for _spawn to report
+    # the crash file: a line per phase as the rank reaches it (flushed), scenario failures, and faulthandler's
+    # stacks if the rank crashes (a SIGSEGV, a SIGABRT); _spawn reports it when a rank dies
     crash_log = open(os.path.join(out, f"crash{rank}.txt"), "w")  # noqa: SIM115 - open while the process runs
     faulthandler.enable(crash_log, all_threads=True)
+
+    def phase(text: str) -> None:
+        crash_log.write(f"{PHASE}{text}\n")
+        crash_log.flush()
+
+    phase("init")
     torch.set_num_threads(1)
     if device == "cuda":
         DEVICE = torch.device("cuda", rank)
@@ -549,6 +562,7 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
     )
     results = {}
     for name, fn in importlib.import_module(module).SCENARIOS.items():
+        phase(f"scenario {name}")
         try:
             fn()
             results[name] = "ok"
@@ -558,28 +572,94 @@ def _worker(rank: int, out: str, device: str, module: str = __name__) -> None:
             # joins, which gloo can answer with a crash before rank*.json is written
             crash_log.write(f"scenario {name} failed:\n{results[name]}\n")
             crash_log.flush()
-        torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+        phase(f"barrier after {name}")
+        torch.distributed.barrier()  # gloo's barrier also waits for every collective queued before it
+    # the results before any teardown: a rank that dies in teardown has still reported every scenario
     with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
         json.dump(results, f)
+    phase("results written; destroy_process_group")
+    torch.distributed.destroy_process_group()
+    if NATURAL_EXIT:
+        import atexit
+
+        phase(f"exit: interpreter finalization; native threads left: {_native_threads()}")
+        atexit.register(phase, "exit: atexit handlers ran")  # the last Python code before the interpreter's teardown
+        return
+    # Leave without the interpreter's teardown: every result is written and the process group destroyed. CI's
+    # one abort (SIGABRT, "terminate called without an active exception") was in that teardown: faulthandler
+    # found it on a thread other than the main one, whose stack held no Python frame any more. The gloo groups
+    # outlive destroy_process_group (their threads still run at exit: the phase line of a
+    # BNBF_TEST_SPAWN_NATURAL_EXIT=1 run), a gloo worker that frees a finished collective's tensors waits for the
+    # GIL, and CPython ends threads that wait for the GIL while it finalizes (an unwind that noexcept stops).
+    phase(f"exit: os._exit(0); native threads left: {_native_threads()}")
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _read(path: str) -> str:
+    with open(path) as f:
+        return f.read()
+
+
+def _native_threads() -> str:
+    """This process's threads other than the main one, by name (Linux): gloo's that outlive destroy_process_group."""
+    import collections
+
+    try:
+        tasks = [t for t in os.listdir("/proc/self/task") if t != str(os.getpid())]
+        names = collections.Counter(_read(f"/proc/self/task/{t}/comm").strip() for t in tasks)
+    except OSError:
+        return "unknown"
+    return ", ".join(f"{n} x{c}" for n, c in sorted(names.items())) or "none"
+
+
+def _last_phase(text: str) -> str:
+    lines = [line[len(PHASE) :] for line in text.splitlines() if line.startswith(PHASE)]
+    return lines[-1] if lines else "none (the process died before its first phase)"
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+def _crash_report(error: Exception, processes: list, out: str) -> str:
+    """Each rank's exit status, the phase it reached, whether it wrote its results, and its crash file (phase lines
+    left out): where a spawned rank died. mp.spawn stops the other ranks with SIGTERM once one fails."""
+    parts = [str(error)]
+    for r, proc in enumerate(processes):
+        path = os.path.join(out, f"crash{r}.txt")
+        text = _read(path) if os.path.exists(path) else ""
+        wrote = os.path.exists(os.path.join(out, f"rank{r}.json"))
+        rest = "\n".join(line for line in text.splitlines() if not line.startswith(PHASE)).strip()
+        parts.append(
+            f"rank {r}: {_exit_status(proc.exitcode)}; last phase: {_last_phase(text)}; "
+            f"results {'written' if wrote else 'not written'}" + (f"\n{rest[-6000:]}" if rest else "")
+        )
+    return "\n".join(parts)
 
 
 def _spawn(device: str, module: str = __name__) -> list[dict]:
-    """Run ``module``'s SCENARIOS on WORLD spawned processes (one spawn); each rank's outcome per scenario."""
+    """Run ``module``'s SCENARIOS on WORLD spawned processes (one spawn); each rank's outcome per scenario.
+    A rank that dies fails the whole spawn with each rank's exit status and the phase it reached."""
     import torch.multiprocessing as mp
+    from torch.multiprocessing.spawn import ProcessException
 
     with tempfile.TemporaryDirectory() as out:
         os.environ["BNBF_TEST_CKPT"] = os.path.join(out, "ckpt")
+        ctx = mp.start_processes(_worker, args=(out, device, module), nprocs=WORLD, join=False, start_method="spawn")
         try:
-            mp.spawn(_worker, args=(out, device, module), nprocs=WORLD)
-        except mp.ProcessExitedException as e:
-            stacks = []
-            for r in range(WORLD):
-                path = os.path.join(out, f"crash{r}.txt")
-                if os.path.exists(path):
-                    with open(path) as f:
-                        stacks.append(f"rank {r}:\n" + f.read()[-6000:])
-            raise AssertionError(f"{e}\n" + "\n".join(stacks)) from e
+            while not ctx.join():
+                pass
+        except ProcessException as e:
+            raise AssertionError(_crash_report(e, ctx.processes, out)) from e
         found = []
         for r in range(WORLD):
             with open(os.path.join(out, f"rank{r}.json")) as f:
