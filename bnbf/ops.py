@@ -481,18 +481,27 @@ def vmap_level() -> tuple[int, int] | None:
     return interpreter.level(), interpreter.batch_size()
 
 
+def _unwrap_all(params, grads, states, hp) -> tuple | None:
+    """Under a ``vmap`` innermost: (level, batch size, then (tensors, batch dims) of the params, grads, states and
+    the scalars, unwrapped at that level); None outside vmap."""
+    found = vmap_level()
+    if found is None:
+        return None
+    level, size = found
+    unwrapped = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
+    return level, size, *unwrapped, _functorch._unwrap_batched(hp, level)
+
+
 def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
     """:func:`_step_vmap`'s stacked step called directly, without the op's dispatch, under a ``vmap`` whose batched
     tensors wrap plain ones: torch's route to a batching rule walks every tensor through pytrees twice
     (unwrapping the inputs, wrapping the outputs), a third of a vmapped call's host time with GPT-2's 740
     tensors. Unwraps and wraps as that route does; returns None where it does not apply (another transform
     innermost, tracing, tensors an outer transform wraps, nothing batched at this level)."""
-    found = vmap_level()
+    found = _unwrap_all(params, grads, states, hp)
     if found is None:
         return None
-    level, size = found
-    hp, h_dim = _functorch._unwrap_batched(hp, level)
-    (ps, p_dims), (gs, g_dims), (ss, s_dims) = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
+    level, size, (ps, p_dims), (gs, g_dims), (ss, s_dims), (hp, h_dim) = found
     n_unbatched = p_dims.count(None) + g_dims.count(None) + s_dims.count(None)
     batched = h_dim is not None or n_unbatched < len(ps) + len(gs) + len(ss)
     if not batched or not _unwrapped(ps, gs, ss, [hp]) or not _stackable(ps[0], h_dim):
@@ -527,12 +536,10 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) 
     as torch's vmap refuses), params and states sharing memory (each is written on its own; checked on the stacked
     tensors, once per set of addresses on the Triton path). False where no vmap is innermost, or nothing is
     batched at its level (the op's dispatch then decides, as outside vmap)."""
-    found = vmap_level()
+    found = _unwrap_all(params, grads, states, hp)
     if found is None:
         return False
-    level, size = found
-    hp_u, h_dim = _functorch._unwrap_batched(hp, level)
-    (ps, p_dims), (gs, g_dims), (ss, s_dims) = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
+    level, size, (ps, p_dims), (gs, g_dims), (ss, s_dims), (hp_u, h_dim) = found
     shared = [k for k, d in enumerate(itertools.chain(p_dims, s_dims)) if d is None]
     if len(shared) == len(p_dims) + len(s_dims) and h_dim is None and g_dims.count(None) == len(g_dims):
         return False  # nothing batched at this level: the op's dispatch, as outside vmap

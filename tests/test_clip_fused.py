@@ -562,9 +562,14 @@ def test_clipped_step_does_not_synchronise(rule):
     params = {"w": torch.randn(4096, device="cuda"), "b": torch.randn(7, device="cuda")}
     grads = {k: torch.randn_like(p) for k, p in params.items()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule))
-    hp = {"lr": 1e-3}
+    _clipped_steps_without_sync(params, grads, state, {"lr": 1e-3})
+
+
+def _clipped_steps_without_sync(params, grads, state, hp):
+    """Clipped pure and in-place steps, a number and a 0-d tensor limit, under CUDA's sync debug mode "error"
+    after a warm-up (whose first builds may synchronise)."""
     for limit in (1.0, torch.tensor(0.5, device="cuda")):
-        bnbf.update_(params, grads, state, hp, 1, max_grad_norm=limit)  # warm: first builds may synchronise
+        bnbf.update_(params, grads, state, hp, 1, max_grad_norm=limit)
         bnbf.update(params, grads, state, hp, 1, max_grad_norm=limit)
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -840,16 +845,7 @@ def test_folded_step_does_not_synchronise(monkeypatch):
     grads = {k: torch.randn_like(p) for k, p in params.items()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="lars"), LARS_HP)
     _no_foreach_norm(monkeypatch)
-    for limit in (1.0, torch.tensor(0.5, device="cuda")):
-        bnbf.update_(params, grads, state, LARS_HP, 1, max_grad_norm=limit)  # warm
-        bnbf.update(params, grads, state, LARS_HP, 1, max_grad_norm=limit)
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            bnbf.update_(params, grads, state, LARS_HP, 2, max_grad_norm=limit)
-            bnbf.update(params, grads, state, LARS_HP, 2, max_grad_norm=limit)
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+    _clipped_steps_without_sync(params, grads, state, LARS_HP)
 
 
 def test_clipped_subnormal_grads_keep_their_value(device, monkeypatch):
