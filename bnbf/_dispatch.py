@@ -7,6 +7,7 @@ interpreter, which is how CI exercises the kernels on machines without a GPU.
 
 from __future__ import annotations
 
+import contextlib
 import contextvars
 import functools
 import os
@@ -25,6 +26,14 @@ _TRITON_DEVICES = ("cuda", "xpu")
 # launches take no lock.
 BUILD_LOCK = threading.Lock()
 INTERPRETER_LOCK = threading.Lock()
+_NO_LOCK = contextlib.nullcontext()
+
+
+def launch_lock(interpreted: bool) -> Any:
+    """What a launch holds: INTERPRETER_LOCK where Triton's interpreter runs it (CPU tensors), else nothing."""
+    return INTERPRETER_LOCK if interpreted else _NO_LOCK
+
+
 # Set by bnbf.distributed around a step of sharded tensors: called with each float tensor of per-tensor norm sums
 # (LAMB, LARS, max_unorm) between the pass that computes them and the step that reads them, it sums them across
 # the shards in place, so a shard steps with the whole tensor's norms. None: no reduction.

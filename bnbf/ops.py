@@ -28,7 +28,7 @@ from torch._C import _functorch
 from torch._C._functorch import TransformType
 from torch._functorch.pyfunctorch import retrieve_current_functorch_interpreter
 
-from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
+from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import NATIVE, _overlap
 from bnbf.reference import FIRST_BLOCKS, reference_step
 from bnbf.state import Layout
@@ -52,10 +52,7 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
 
         with BUILD_LOCK:  # see bnbf._dispatch: the build under a lock, the launch outside it
             group = _group(p_in, p_out, s_in, s_out, layout)
-        if p_in[0].device.type == "cpu":  # Triton's interpreter: one launch at a time
-            with INTERPRETER_LOCK:
-                launch_group(group, grads, hp, skip_zeros, clip)
-        else:
+        with launch_lock(p_in[0].device.type == "cpu"):
             launch_group(group, grads, hp, skip_zeros, clip)
     else:
         reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip)
@@ -439,10 +436,7 @@ def _stacked_step(params, p_dims, grads, g_dims, states, s_dims, hp, h_dim, layo
             grad_list = stacked_grads(group, gs, size)
         rows = _member_rows(hp, h_dim, len(params), size)
         hp = hp if rows is None else rows
-        if device.type == "cpu":  # Triton's interpreter: one launch at a time
-            with INTERPRETER_LOCK:
-                launch_group(group, grad_list, hp, skip_zeros, clip)
-        else:
+        with launch_lock(device.type == "cpu"):
             launch_group(group, grad_list, hp, skip_zeros, clip)
     else:
         _reference_members(ps, out_p, gs, ss, out_s, hp, h_dim, layout, skip_zeros, clip, size)
@@ -591,10 +585,7 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
         if _BUMP is not None:
             _BUMP(params)
             _BUMP(states)
-        if device.type == "cpu":  # Triton's interpreter: one launch at a time
-            with INTERPRETER_LOCK:
-                launch_group(group, grad_list, hp, skip_zeros, clip)
-        else:
+        with launch_lock(device.type == "cpu"):
             launch_group(group, grad_list, hp, skip_zeros, clip)
         return
     _check_disjoint(params, states)

@@ -27,7 +27,7 @@ from torch import Tensor
 from torch._C import _functorch
 
 from bnbf import ops
-from bnbf._dispatch import BUILD_LOCK, INTERPRETER_LOCK, use_triton
+from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import (
     _SHAPE_DTYPE,
     NATIVE,
@@ -359,10 +359,7 @@ class Plan:
                 rows = {d: scalar_row(values, d) for d in self._devices}
         else:  # Python numbers reach the kernel as arguments: nothing to upload
             rows = dict.fromkeys(self._devices, tuple(map(float, values)))
-        if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
-            with INTERPRETER_LOCK:
-                self._launch(grads, at, rows, skip_zeros, clip)
-        else:
+        with launch_lock(self._interpreted):
             self._launch(grads, at, rows, skip_zeros, clip)
 
     def _grads(self, params: list, states: list, tree: Any, grad: Any, listed: bool = False) -> tuple[list, Any]:
@@ -472,11 +469,7 @@ class Plan:
             else:
                 rows = self._set_rows(set_of, values)
             launches = [(group, gs, r) for (_, group), gs, r in zip(self.groups, by_group, rows)]
-            if self._interpreted:  # Triton's interpreter runs one launch at a time (see bnbf._dispatch)
-                with INTERPRETER_LOCK:
-                    for group, gs, rows in launches:
-                        launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
-            else:
+            with launch_lock(self._interpreted):
                 for group, gs, rows in launches:
                     launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
 

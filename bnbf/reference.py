@@ -140,6 +140,11 @@ def norm_sums(rule, p, g, states, scalars, counted, fold=0) -> list:
     return sums
 
 
+def tile_width(layout) -> int:
+    """The elements of one of the kernels' tiles: a quantization block, or 256 for float32 states (no blocks)."""
+    return layout.block_size if layout.quantized else 256
+
+
 def tile_squares(g: Tensor, tile: int) -> Tensor:
     """The sum of ``g``'s squares over every element, non-finite ones included, as the kernels add it: float32
     within each tile of ``tile`` elements, float64 across the tiles (a float64 0-d; 0 for no elements)."""
@@ -218,8 +223,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
         return
     powers = get_rule(layout.rule).norm_grad_powers
     if powers is None:
-        tile = layout.block_size if layout.quantized else 256  # the kernels' tile (bnbf.kernels.launcher)
-        sq = torch.stack([tile_squares(g, tile) for g in grads])
+        sq = torch.stack([tile_squares(g, tile_width(layout)) for g in grads])
         grad_clip.fold(
             sq, lambda: _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip)
         )
@@ -278,8 +282,7 @@ def _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, g
                 states[j] = fields[k].float()
         if collect:  # a folded clip's norm pass: the counted elements as step_math counts them
             counted = _counted(torch.isfinite(g32), g32, skip_zeros)
-            tile = block_size if quant else 256  # the kernels' tile (bnbf.kernels.launcher._tile_width)
-            terms = norm_sums(rule, p32, g32, states, scalars, counted, fold=tile)
+            terms = norm_sums(rule, p32, g32, states, scalars, counted, fold=tile_width(layout))
             collected.append(torch.stack([x.double() for x in terms]))
             continue
         mine = None if sums is None else list(sums[i].unbind())

@@ -21,7 +21,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
-from bnbf._dispatch import INTERPRETER_LOCK, NORM_REDUCE, interpreting
+from bnbf._dispatch import NORM_REDUCE, interpreting, launch_lock
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
 from bnbf.kernels.step_kernel import (
@@ -33,7 +33,7 @@ from bnbf.kernels.step_kernel import (
     _tensor_sums_kernel,
 )
 from bnbf.quant import dynamic_map
-from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums, tile_width
 from bnbf.rules import get_rule
 from bnbf.state import Layout
 
@@ -153,7 +153,7 @@ class Group:
 
     @property
     def block(self) -> int:
-        return _tile_width(self.layout)
+        return tile_width(self.layout)
 
 
 def first_blocks_of(params: list[Tensor]) -> list[int] | None:
@@ -207,13 +207,9 @@ def build_group(p_in, p_out, s_in, s_out, layout: Layout, first_blocks: list[int
         first_blocks = first_blocks_of(p_in) or zeros
     rows = list(zip(columns[0], columns[1], numels, first_blocks, *columns[2:]))
     table = _to_device(torch.tensor(rows, dtype=torch.int64), device)
-    tasks, ranges = _tasks(tuple(numels), _tile_width(layout), ITERS[layout.format][p_in[0].dtype], device)
+    tasks, ranges = _tasks(tuple(numels), tile_width(layout), ITERS[layout.format][p_in[0].dtype], device)
     shifted = any(first_blocks)
     return Group(layout, p_in[0].dtype, device, table, tasks, ranges, aligned, rule.norms is not None, shifted=shifted)
-
-
-def _tile_width(layout: Layout) -> int:
-    return layout.block_size if layout.quantized else 256  # float32 states have no blocks: only the tile width
 
 
 def launch_group(
@@ -431,10 +427,7 @@ def _fold_squares(group: Group, grad_table: Tensor, n_tiles: int, iters: int, gr
 def _deferred(device: torch.device, grad_clip, steps) -> None:
     """A folded clip's deferred launches of a group, with the coefficient (CLIP 2)."""
     args = grad_clip.kernel_args(device)
-    if device.type == "cpu":  # Triton's interpreter: one launch at a time
-        with INTERPRETER_LOCK:
-            steps(args)
-    else:
+    with launch_lock(device.type == "cpu"):
         steps(args)
 
 
@@ -454,10 +447,7 @@ def _folded_step(group: Group, grads: list, per: Tensor, powers: tuple, grad_cli
     scaled = clipped_sums(per, powers, grad_clip.coef(group.device))
     folded = torch.nn.functional.pad(scaled[..., None], (0, SUM_SPLIT - 1))
     args = grad_clip.kernel_args(group.device)
-    if group.device.type == "cpu":  # Triton's interpreter: one launch at a time
-        with INTERPRETER_LOCK:
-            run(folded, 2, args)
-    else:
+    with launch_lock(group.device.type == "cpu"):
         run(folded, 2, args)
 
 
