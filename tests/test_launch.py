@@ -1,5 +1,6 @@
-"""The launcher's variants must give the same bits: the in-place step's direct launch (after a group's first,
-Triton-dispatched launch, later steps call the compiled kernel's launcher themselves) as Triton's dispatch, and
+"""The launcher's variants must give the same bits: the in-place step's direct launches (after a group's first,
+Triton-dispatched launch, later steps launch the compiled kernel themselves: one driver call with the packed
+parameter buffer, or Triton's C launcher) as Triton's dispatch, and
 the norm pass of tensors at unaligned addresses as at 16-byte aligned ones; and the address table's first-block
 column gives a slice the whole tensor's dither."""
 
@@ -22,8 +23,9 @@ HPARAMS = [
 ]
 
 
-def _run(use_direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
-    monkeypatch.setattr(direct_launch, "DIRECT_LAUNCH", use_direct)
+def _run(mode: str, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
+    monkeypatch.setattr(direct_launch, "DIRECT_LAUNCH", mode != "jit")
+    monkeypatch.setattr(direct_launch, "NATIVE_LAUNCH", mode == "direct" and direct_launch.NATIVE_LAUNCH)
     gen = torch.Generator().manual_seed(0)
     shapes = [(1,), (255,), (257,), (4097,), (64, 129)]
     params = {f"p{i}": torch.randn(s, generator=gen).to("cuda", dtype) for i, s in enumerate(shapes)}
@@ -34,8 +36,8 @@ def _run(use_direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: 
         bnbf.update_(params, grads, state, HPARAMS[step % 3], step, max_unorm=max_unorm)
     torch.cuda.synchronize()
     plan = next(p for p in F._PLANS.values() if p.params[0] is params["p0"])
-    launched_directly = any(group.compiled for _, group in plan.groups)
-    return params, state, launched_directly
+    entries = [entry for _, group in plan.groups for entry in group.compiled.values()]
+    return params, state, entries
 
 
 @pytest.mark.gpu
@@ -43,15 +45,55 @@ def _run(use_direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: 
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_direct_launch_matches_triton_dispatch(rule, max_unorm, bits, dtype, monkeypatch):
-    p_jit, s_jit, used_jit = _run(False, rule, bits, dtype, max_unorm, monkeypatch)
+    native = direct_launch.NATIVE_LAUNCH  # the extension was built: its launch must be what serves
+    p_jit, s_jit, used_jit = _run("jit", rule, bits, dtype, max_unorm, monkeypatch)
     compiled = compiled_count()
-    p_dir, s_dir, used_direct = _run(True, rule, bits, dtype, max_unorm, monkeypatch)
-    assert not used_jit and used_direct, "the direct launch was not taken (or taken with BNBF_LAUNCH=jit)"
-    assert compiled_count() == compiled, "the direct path compiled a kernel the dispatched path had not"
-    for k in p_jit:
-        assert torch.equal(p_jit[k], p_dir[k]), k
-        for a, b in zip(s_jit[k], s_dir[k]):
-            assert torch.equal(a, b), k
+    for mode in ("triton", "direct"):
+        p_dir, s_dir, entries = _run(mode, rule, bits, dtype, max_unorm, monkeypatch)
+        assert not used_jit and entries, "the direct launch was not taken (or taken with BNBF_LAUNCH=jit)"
+        # an entry's first field is the packer of the extension's launch, None for Triton's launcher
+        assert all((e[0] is not None) == (mode == "direct" and native) for e in entries), mode
+        assert compiled_count() == compiled, "the direct path compiled a kernel the dispatched path had not"
+        for k in p_jit:
+            assert torch.equal(p_jit[k], p_dir[k]), (mode, k)
+            for a, b in zip(s_jit[k], s_dir[k]):
+                assert torch.equal(a, b), (mode, k)
+
+
+@pytest.mark.gpu
+def test_direct_launch_errors_and_threads():
+    """The extension's launch: a step from a thread that never touched CUDA makes the device's context current
+    and steps as the main thread does; a driver error (a null function) raises RuntimeError naming it."""
+    if not direct_launch.NATIVE_LAUNCH:
+        pytest.skip("the extension's launch is not built")
+    import threading
+
+    gen = torch.Generator().manual_seed(3)
+    params = [torch.randn(s, generator=gen).cuda() for s in ((4097,), (300,))]
+    grads = [torch.randn(p.shape, generator=gen).cuda() * 0.1 for p in params]
+    twins = [p.clone() for p in params]
+    spec, hp = bnbf.OptimSpec(rule="adamw", min_8bit_size=256), {"lr": 1e-2}
+    state, twin_state = bnbf.init_state(params, spec), bnbf.init_state(twins, spec)
+    for step in (1, 2):  # the second step launches directly
+        bnbf.update_(twins, grads, twin_state, hp, step)
+    bnbf.update_(params, grads, state, hp, 1)
+    errors = []
+
+    def second_step():
+        try:
+            bnbf.update_(params, grads, state, hp, 2)
+        except Exception as e:  # noqa: BLE001 -- reported below
+            errors.append(e)
+
+    thread = threading.Thread(target=second_step)
+    thread.start()
+    thread.join()
+    torch.cuda.synchronize()
+    assert not errors, errors
+    assert all(torch.equal(a, b) for a, b in zip(params, twins))
+    assert all(torch.equal(a, b) for s, t in zip(state, twin_state) for a, b in zip(s, t))
+    with pytest.raises(RuntimeError, match="CUDA driver error"):
+        direct_launch.NATIVE.launch(0, 1, 32, 0, 0, b"", 0)
 
 
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
