@@ -173,6 +173,8 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
     out["launch (direct, scalars as arguments)"] = host_us(lambda i: launch_all(i, floats))
     saved = [dict(group.compiled) for group, _ in launches]
     out["launches through the extension's launch"] = sum(e[0] is not None for d in saved for e in d.values())
+    if direct.REFUSED:
+        print("Triton's launcher served, because:", dict(direct.REFUSED))
 
     def launches_with(direct_launch: bool, native: bool) -> float:
         direct.DIRECT_LAUNCH, direct.NATIVE_LAUNCH = direct_launch, native

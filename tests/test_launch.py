@@ -52,7 +52,7 @@ def test_direct_launch_matches_triton_dispatch(rule, max_unorm, bits, dtype, mon
         p_dir, s_dir, entries = _run(mode, rule, bits, dtype, max_unorm, monkeypatch)
         assert not used_jit and entries, "the direct launch was not taken (or taken with BNBF_LAUNCH=jit)"
         # an entry's first field is the packer of the extension's launch, None for Triton's launcher
-        assert all((e[0] is not None) == (mode == "direct" and native) for e in entries), mode
+        assert all((e[0] is not None) == (mode == "direct" and native) for e in entries), (mode, direct_launch.REFUSED)
         assert compiled_count() == compiled, "the direct path compiled a kernel the dispatched path had not"
         for k in p_jit:
             assert torch.equal(p_jit[k], p_dir[k]), (mode, k)

@@ -13,6 +13,7 @@ Two ways, by ``BNBF_LAUNCH``:
 
 from __future__ import annotations
 
+import collections
 import os
 import struct
 from collections.abc import Callable
@@ -69,17 +70,22 @@ def _idle(hook) -> bool:
 
 def _no_extras(kernel) -> bool:
     """The kernel launches as a plain grid: one CTA per cluster, not cooperative, no PDL, no scratch memory."""
+    return _extras(kernel) is None
+
+
+def _extras(kernel) -> str | None:
+    """What keeps the kernel from launching as a plain grid, or None."""
     launcher = kernel.run
-    meta = tuple(kernel.packed_metadata)  # (num_warps, num_ctas, shared, cluster x, y, z)
-    return (
-        len(meta) == 6
-        and meta[1] == 1
-        and meta[3:] == (1, 1, 1)
-        and not getattr(launcher, "launch_cooperative_grid", True)
-        and not getattr(launcher, "launch_pdl", False)
-        and getattr(launcher, "global_scratch_size", 1) == 0
-        and getattr(launcher, "profile_scratch_size", 1) == 0
-    )
+    meta = tuple(kernel.packed_metadata)  # (num_warps, num_ctas, shared[, cluster x, y, z]) by Triton's version
+    if len(meta) not in (3, 6) or meta[1] != 1 or meta[3:] not in ((), (1, 1, 1)):
+        return f"packed metadata {meta}"
+    for name, plain in (("launch_cooperative_grid", False), ("launch_pdl", False)):
+        if getattr(launcher, name, plain) != plain:
+            return name
+    for name in ("global_scratch_size", "profile_scratch_size"):
+        if getattr(launcher, name, 0) != 0:
+            return name
+    return None
 
 
 def _triton_launcher(kernel) -> tuple:
@@ -109,33 +115,49 @@ def _native(kernel, args: tuple) -> tuple | None:
     is the kernel's parameter buffer: its runtime arguments (the first ``n`` of ``args``, as Triton's signature of
     the compiled kernel has them) at the offsets and sizes the driver reports, each checked against the type
     Triton compiled it for, and the trailing scratch pointers Triton appends left 0 (the kernel has none). None
-    where anything does not match: Triton's launcher then serves."""
-    if not NATIVE_LAUNCH or not _no_extras(kernel):
+    where anything does not match (the reason counted in :data:`REFUSED`): Triton's launcher then serves."""
+    if not NATIVE_LAUNCH:
         return None
+    made = _packer(kernel, args)
+    if isinstance(made, str):
+        REFUSED[made] += 1
+        return None
+    return made
+
+
+REFUSED: collections.Counter = collections.Counter()  # why a kernel took Triton's launcher, not the extension's
+
+
+def _packer(kernel, args: tuple) -> tuple | str:
+    extras = _extras(kernel)
+    if extras is not None:
+        return extras
     signature = getattr(getattr(kernel, "src", None), "signature", None)
     layout = NATIVE.param_layout(kernel.function)
-    if not isinstance(signature, dict) or not layout or len(signature) != len(args):
-        return None
+    if not isinstance(signature, dict) or len(signature) != len(args):
+        return f"signature of {len(signature) if isinstance(signature, dict) else signature} for {len(args)} args"
+    if not layout:
+        return "the driver gave no parameter layout"
     types = list(signature.values())
     n = sum(t != "constexpr" for t in types)
     # runtime arguments first, constexprs (None) after them: a runtime argument Triton specialized (an int equal
     # to 1 becomes a constant) changes the layout, and the launch stays Triton's
     if any(t == "constexpr" for t in types[:n]) or any(a is not None for a in args[n:]):
-        return None
+        return "runtime arguments not first"
     extra = layout[n:]  # global and profile scratch pointers
     if len(layout) < n or len(extra) > 2 or any(size != 8 for _, size in extra):
-        return None
+        return f"{len(layout)} parameters for {n} runtime arguments"
     fmt, at = ["<"], 0
     for t, a, (offset, size) in zip(types, args, layout):
         code, want = ("Q", 8) if t.startswith("*") else _CODES.get(t, (None, 0))
         is_int = isinstance(a, int) and not isinstance(a, bool)
         if code is None or size != want or offset < at or not (is_int or (isinstance(a, float) and code in "fd")):
-            return None
+            return f"argument of type {t} ({type(a).__name__}) at offset {offset}, {size} bytes"
         fmt.append("x" * (offset - at) + code)
         at = offset + size
     for offset, size in extra:  # null pointers: struct's pad bytes are zeros
         if offset < at:
-            return None
+            return "scratch pointers overlap"
         fmt.append("x" * (offset + size - at))
         at = offset + size
     meta = kernel.packed_metadata
