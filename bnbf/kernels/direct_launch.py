@@ -148,7 +148,7 @@ def _packer(kernel, args: tuple) -> tuple | str:
     if len(layout) < n or len(extra) > 2 or any(size != 8 for _, size in extra):
         return f"{len(layout)} parameters for {n} runtime arguments"
     fmt, at = ["<"], 0
-    for t, a, (offset, size) in zip(types, args, layout):
+    for t, a, (offset, size) in zip(types[:n], args[:n], layout[:n]):
         code, want = ("Q", 8) if t.startswith("*") else _CODES.get(t, (None, 0))
         is_int = isinstance(a, int) and not isinstance(a, bool)
         if code is None or size != want or offset < at or not (is_int or (isinstance(a, float) and code in "fd")):
