@@ -23,7 +23,6 @@ def _extension() -> dict:
         "bnbf._host_checks_native",
         ["bnbf/csrc/host_checks.cpp"],
         extra_compile_args=["-O2"],
-        libraries=["dl"] if sys.platform.startswith("linux") else [],  # dlopen of libcuda (the direct launch)
         define_macros=version,
         optional=True,
     )  # a failed compile leaves the install without it

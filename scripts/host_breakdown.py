@@ -172,23 +172,12 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
     out["launch (direct)"] = host_us(launch_all)  # the scalars read from a device row (HP_FROM_PTR)
     out["launch (direct, scalars as arguments)"] = host_us(lambda i: launch_all(i, floats))
     saved = [dict(group.compiled) for group, _ in launches]
-    out["launches through the extension's launch"] = sum(e[0] is not None for d in saved for e in d.values())
-    if direct.REFUSED:
-        print("Triton's launcher served, because:", dict(direct.REFUSED))
-
-    def launches_with(direct_launch: bool, native: bool) -> float:
-        direct.DIRECT_LAUNCH, direct.NATIVE_LAUNCH = direct_launch, native
-        for group, _ in launches:
-            group.compiled.clear()
-        launch_all(0)  # the first launch of each configuration dispatches
-        return host_us(launch_all)
-
-    native = direct.NATIVE_LAUNCH
-    out["launch (direct, Triton's C launcher)"] = launches_with(True, False)
-    out["launch (triton dispatch)"] = launches_with(False, False)
-    direct.DIRECT_LAUNCH, direct.NATIVE_LAUNCH = True, native
-    for (group, _), kept in zip(launches, saved):
+    direct.DIRECT_LAUNCH = False
+    for group, _ in launches:
         group.compiled.clear()
+    out["launch (triton dispatch)"] = host_us(launch_all)
+    direct.DIRECT_LAUNCH = True
+    for (group, _), kept in zip(launches, saved):
         group.compiled.update(kept)
     x = torch.zeros(1, device="cuda")
     out["torch add_ (1 launch)"] = host_us(lambda i: x.add_(1.0))

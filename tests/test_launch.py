@@ -1,6 +1,5 @@
-"""The launcher's variants must give the same bits: the in-place step's direct launches (after a group's first,
-Triton-dispatched launch, later steps launch the compiled kernel themselves: one driver call with the packed
-parameter buffer, or Triton's C launcher) as Triton's dispatch, and
+"""The launcher's variants must give the same bits: the in-place step's direct launch (after a group's first,
+Triton-dispatched launch, later steps call the compiled kernel's launcher themselves) as Triton's dispatch, and
 the norm pass of tensors at unaligned addresses as at 16-byte aligned ones; and the address table's first-block
 column gives a slice the whole tensor's dither."""
 
@@ -16,7 +15,6 @@ import bnbf.functional as F
 import bnbf.kernels.direct_launch as direct_launch
 from bnbf.kernels import launcher
 
-NATIVE_BUILT = direct_launch.NATIVE_LAUNCH
 HPARAMS = [
     {"lr": 1e-2, "weight_decay": 0.0},
     {"lr": 3e-3, "weight_decay": 0.1, "betas": (0.8, 0.95)},
@@ -24,9 +22,8 @@ HPARAMS = [
 ]
 
 
-def _run(mode: str, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
-    monkeypatch.setattr(direct_launch, "DIRECT_LAUNCH", mode != "jit")
-    monkeypatch.setattr(direct_launch, "NATIVE_LAUNCH", mode == "direct" and NATIVE_BUILT)
+def _run(use_direct: bool, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, monkeypatch):
+    monkeypatch.setattr(direct_launch, "DIRECT_LAUNCH", use_direct)
     gen = torch.Generator().manual_seed(0)
     shapes = [(1,), (255,), (257,), (4097,), (64, 129)]
     params = {f"p{i}": torch.randn(s, generator=gen).to("cuda", dtype) for i, s in enumerate(shapes)}
@@ -37,8 +34,8 @@ def _run(mode: str, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, 
         bnbf.update_(params, grads, state, HPARAMS[step % 3], step, max_unorm=max_unorm)
     torch.cuda.synchronize()
     plan = next(p for p in F._PLANS.values() if p.params[0] is params["p0"])
-    entries = [entry for _, group in plan.groups for entry in group.compiled.values()]
-    return params, state, entries
+    launched_directly = any(group.compiled for _, group in plan.groups)
+    return params, state, launched_directly
 
 
 @pytest.mark.gpu
@@ -46,55 +43,15 @@ def _run(mode: str, rule: str, bits: int, dtype: torch.dtype, max_unorm: float, 
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_direct_launch_matches_triton_dispatch(rule, max_unorm, bits, dtype, monkeypatch):
-    native = NATIVE_BUILT  # the extension was built: its launch must be what serves
-    p_jit, s_jit, used_jit = _run("jit", rule, bits, dtype, max_unorm, monkeypatch)
+    p_jit, s_jit, used_jit = _run(False, rule, bits, dtype, max_unorm, monkeypatch)
     compiled = compiled_count()
-    for mode in ("triton", "direct"):
-        p_dir, s_dir, entries = _run(mode, rule, bits, dtype, max_unorm, monkeypatch)
-        assert not used_jit and entries, "the direct launch was not taken (or taken with BNBF_LAUNCH=jit)"
-        # an entry's first field is the packer of the extension's launch, None for Triton's launcher
-        assert all((e[0] is not None) == (mode == "direct" and native) for e in entries), (mode, direct_launch.REFUSED)
-        assert compiled_count() == compiled, "the direct path compiled a kernel the dispatched path had not"
-        for k in p_jit:
-            assert torch.equal(p_jit[k], p_dir[k]), (mode, k)
-            for a, b in zip(s_jit[k], s_dir[k]):
-                assert torch.equal(a, b), (mode, k)
-
-
-@pytest.mark.gpu
-def test_direct_launch_errors_and_threads():
-    """The extension's launch: a step from a thread that never touched CUDA makes the device's context current
-    and steps as the main thread does; a driver error (a null function) raises RuntimeError naming it."""
-    if not NATIVE_BUILT:
-        pytest.skip("the extension's launch is not built")
-    import threading
-
-    gen = torch.Generator().manual_seed(3)
-    params = [torch.randn(s, generator=gen).cuda() for s in ((4097,), (300,))]
-    grads = [torch.randn(p.shape, generator=gen).cuda() * 0.1 for p in params]
-    twins = [p.clone() for p in params]
-    spec, hp = bnbf.OptimSpec(rule="adamw", min_8bit_size=256), {"lr": 1e-2}
-    state, twin_state = bnbf.init_state(params, spec), bnbf.init_state(twins, spec)
-    for step in (1, 2):  # the second step launches directly
-        bnbf.update_(twins, grads, twin_state, hp, step)
-    bnbf.update_(params, grads, state, hp, 1)
-    errors = []
-
-    def second_step():
-        try:
-            bnbf.update_(params, grads, state, hp, 2)
-        except Exception as e:  # noqa: BLE001 -- reported below
-            errors.append(e)
-
-    thread = threading.Thread(target=second_step)
-    thread.start()
-    thread.join()
-    torch.cuda.synchronize()
-    assert not errors, errors
-    assert all(torch.equal(a, b) for a, b in zip(params, twins))
-    assert all(torch.equal(a, b) for s, t in zip(state, twin_state) for a, b in zip(s, t))
-    with pytest.raises(RuntimeError, match="CUDA driver error"):
-        direct_launch.NATIVE.launch(0, 1, 32, 0, 0, b"", 0)
+    p_dir, s_dir, used_direct = _run(True, rule, bits, dtype, max_unorm, monkeypatch)
+    assert not used_jit and used_direct, "the direct launch was not taken (or taken with BNBF_LAUNCH=jit)"
+    assert compiled_count() == compiled, "the direct path compiled a kernel the dispatched path had not"
+    for k in p_jit:
+        assert torch.equal(p_jit[k], p_dir[k]), k
+        for a, b in zip(s_jit[k], s_dir[k]):
+            assert torch.equal(a, b), k
 
 
 def _unaligned(t: torch.Tensor) -> torch.Tensor:
@@ -171,65 +128,3 @@ def test_first_block_gives_a_slice_the_whole_tensors_dither(device):
 
     assert all(run(3))
     assert not all(run(0))
-
-
-def _fake_kernel(signature: dict, meta=(4, 1, 0)):
-    """What _packer reads of a compiled Triton kernel: its launcher's options, packed metadata, signature."""
-    from types import SimpleNamespace
-
-    run = SimpleNamespace(
-        launch_cooperative_grid=False, launch_pdl=False, global_scratch_size=0, profile_scratch_size=0
-    )
-    return SimpleNamespace(run=run, packed_metadata=meta, src=SimpleNamespace(signature=signature), function=77)
-
-
-@pytest.mark.parametrize(
-    "layout,fmt",
-    [
-        (((0, 8), (8, 4), (12, 4), (16, 8), (24, 8), (32, 8)), "<QifdQQ"),  # packed as the driver reports
-        (((0, 8), (8, 4), (12, 4), (16, 8), (24, 8), (32, 8))[:4], "<Qifd"),  # no scratch pointers
-        (((0, 8), (16, 4), (20, 4), (24, 8), (32, 8), (40, 8)), "<Q8xifdQQ"),  # padding between parameters
-    ],
-)
-def test_native_packer_lays_arguments_out_as_the_driver_reports(layout, fmt, monkeypatch):
-    """The extension's launch takes one parameter buffer: each runtime argument at the driver's offset, of the
-    type Triton compiled it for, the scratch pointers Triton appends zero (checked on CPU with a stand-in kernel;
-    the CUDA test above checks the launched bits)."""
-    import struct
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(direct_launch, "NATIVE", SimpleNamespace(param_layout=lambda f: layout))
-    monkeypatch.setattr(direct_launch, "NATIVE_LAUNCH", True)
-    kernel = _fake_kernel({"p": "*fp32", "n": "i32", "x": "fp32", "d": "fp64", "K": "constexpr"})
-    args = (0x7F00_0000_1230, 7, 0.5, 0.25, None)
-    pack, n, function, head = direct_launch._native(kernel, args)
-    assert (n, function, head) == (4, 77, (128, 0))
-    assert pack(*args[:n]) == struct.pack(fmt, *args[:4], *(0,) * fmt.count("Q", 2))
-
-
-@pytest.mark.parametrize(
-    "signature,args,layout,reason",
-    [
-        ({"p": "*fp32", "n": "constexpr", "x": "fp32"}, (1, None, 0.5), ((0, 8), (8, 4)), "not first"),
-        ({"p": "*fp32", "n": "i32"}, (1, 0.5), ((0, 8), (8, 4)), "type i32 (float)"),
-        ({"p": "*fp32", "n": "i32"}, (1, 2), ((0, 8), (8, 8)), "type i32 (int)"),
-        ({"p": "*fp32", "n": "i32"}, (1, 2), ((0, 8),), "1 parameters for 2"),
-        ({"p": "*fp32", "n": "i32"}, (1, 2), ((0, 8), (8, 4), (16, 4)), "3 parameters for 2"),
-        ({"p": "*fp32", "n": "fp16"}, (1, 2.0), ((0, 8), (8, 2)), "type fp16"),
-        ({"p": "*fp32"}, (1, None), ((0, 8),), "signature of 1 for 2 args"),
-        ({"p": "*fp32"}, (1,), None, "no parameter layout"),
-    ],
-)
-def test_native_packer_refuses_what_it_cannot_lay_out(signature, args, layout, reason, monkeypatch):
-    """Anything the packer cannot match to the driver's layout leaves the launch to Triton's launcher, with the
-    reason counted: a specialized runtime argument, a value of another type, a size or count that differs."""
-    from types import SimpleNamespace
-
-    monkeypatch.setattr(direct_launch, "NATIVE", SimpleNamespace(param_layout=lambda f: layout))
-    monkeypatch.setattr(direct_launch, "NATIVE_LAUNCH", True)
-    monkeypatch.setattr(direct_launch, "REFUSED", __import__("collections").Counter())
-    assert direct_launch._native(_fake_kernel(signature), args) is None
-    (why,) = direct_launch.REFUSED
-    assert reason in why, why
-    for meta in ((4, 2, 0), (4, 1, 0, 2, 1, 1)):  # two CTAs, a cluster: not a plain grid
-        assert direct_launch._native(_fake_kernel(signature, meta), args) is None

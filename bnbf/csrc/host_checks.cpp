@@ -1,17 +1,14 @@
 // The plan's per-step checks over whole lists of tensors, one C++ call each (bnbf/_host_checks.py holds their
-// pure-Python twins, which serve where this extension was not built and are its test oracle), and the kernels'
-// direct launch (at the end).
+// pure-Python twins, which serve where this extension was not built and are its test oracle).
 //
 // Built at install time by torch's own tooling (setup.py, torch.utils.cpp_extension), never at run time.
-// Every check answers a yes/no question and never raises for unexpected input: "no" sends the caller down
+// Every function answers a yes/no question and never raises for unexpected input: "no" sends the caller down
 // the slow path, which names what is wrong.
 
 #include <Python.h>
-#include <dlfcn.h>
 
 #include <torch/csrc/autograd/python_variable.h>
 
-#include <cstring>
 #include <vector>
 
 namespace {
@@ -328,133 +325,6 @@ PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
-// ---- the kernels' direct launch: one driver call, the arguments packed in one buffer -----------------------
-// bnbf/kernels/direct_launch.py packs a compiled Triton kernel's arguments at the offsets the driver reports for
-// it (cuFuncGetParamInfo) and launches it with CU_LAUNCH_PARAM_BUFFER_POINTER: no per-argument parsing, which is
-// most of Triton's own launcher's host time. libcuda is opened at first use (the extension is built without
-// CUDA); without it, or without cuFuncGetParamInfo (drivers before CUDA 12.4), param_layout answers None and
-// Triton's launcher serves.
-
-using CuResult = int;
-using CuLaunchKernel = CuResult (*)(void*, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned, unsigned,
-                                    void*, void**, void**);
-using CuFuncGetParamInfo = CuResult (*)(void*, size_t, size_t*, size_t*);
-using CuCtxGetCurrent = CuResult (*)(void**);
-using CuDeviceGet = CuResult (*)(int*, int);
-using CuDevicePrimaryCtxRetain = CuResult (*)(void**, int);
-using CuCtxSetCurrent = CuResult (*)(void*);
-using CuGetErrorName = CuResult (*)(CuResult, const char**);
-
-struct Driver {
-  CuLaunchKernel launch = nullptr;
-  CuFuncGetParamInfo param_info = nullptr;
-  CuCtxGetCurrent ctx_get = nullptr;
-  CuDeviceGet device_get = nullptr;
-  CuDevicePrimaryCtxRetain ctx_retain = nullptr;
-  CuCtxSetCurrent ctx_set = nullptr;
-  CuGetErrorName error_name = nullptr;
-  bool ok = false;
-};
-
-const Driver& driver() {
-  static const Driver d = [] {
-    Driver r;
-    void* lib = dlopen("libcuda.so.1", RTLD_LAZY | RTLD_LOCAL);
-    if (lib == nullptr) return r;
-    r.launch = reinterpret_cast<CuLaunchKernel>(dlsym(lib, "cuLaunchKernel"));
-    r.param_info = reinterpret_cast<CuFuncGetParamInfo>(dlsym(lib, "cuFuncGetParamInfo"));
-    r.ctx_get = reinterpret_cast<CuCtxGetCurrent>(dlsym(lib, "cuCtxGetCurrent"));
-    r.device_get = reinterpret_cast<CuDeviceGet>(dlsym(lib, "cuDeviceGet"));
-    r.ctx_retain = reinterpret_cast<CuDevicePrimaryCtxRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain_v2"));
-    if (r.ctx_retain == nullptr) r.ctx_retain = reinterpret_cast<CuDevicePrimaryCtxRetain>(dlsym(lib, "cuDevicePrimaryCtxRetain"));
-    r.ctx_set = reinterpret_cast<CuCtxSetCurrent>(dlsym(lib, "cuCtxSetCurrent"));
-    r.error_name = reinterpret_cast<CuGetErrorName>(dlsym(lib, "cuGetErrorName"));
-    r.ok = r.launch && r.param_info && r.ctx_get && r.device_get && r.ctx_retain && r.ctx_set;
-    return r;
-  }();
-  return d;
-}
-
-PyObject* driver_error(CuResult code, const char* what) {
-  const char* name = "unknown";
-  if (driver().error_name != nullptr) driver().error_name(code, &name);
-  PyErr_Format(PyExc_RuntimeError, "CUDA driver error %d (%s) %s", code, name, what);
-  return nullptr;
-}
-
-// param_layout(function) -> ((offset, size), ...) or None: each parameter of a loaded CUfunction (an int, as
-// Triton's CompiledKernel.function) as the driver lays out its parameter buffer.
-PyObject* param_layout(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!nargs_is(nargs, 1)) return nullptr;
-  void* function = PyLong_AsVoidPtr(args[0]);
-  if (PyErr_Occurred()) return nullptr;
-  const Driver& d = driver();
-  if (!d.ok || function == nullptr) Py_RETURN_NONE;
-  PyObject* out = PyList_New(0);
-  if (out == nullptr) return nullptr;
-  for (size_t i = 0; i < 4096; ++i) {
-    size_t offset = 0, size = 0;
-    if (d.param_info(function, i, &offset, &size) != 0) break;  // past the last parameter
-    PyObject* item = Py_BuildValue("(nn)", static_cast<Py_ssize_t>(offset), static_cast<Py_ssize_t>(size));
-    if (item == nullptr || PyList_Append(out, item) != 0) {
-      Py_XDECREF(item);
-      Py_DECREF(out);
-      return nullptr;
-    }
-    Py_DECREF(item);
-  }
-  PyObject* tuple = PyList_AsTuple(out);
-  Py_DECREF(out);
-  return tuple;
-}
-
-// launch(function, grid, threads, shared, stream, params, device) -> None: cuLaunchKernel of a one-dimensional
-// grid on `stream` with `params` (bytes: the parameter buffer, packed by param_layout's offsets). Where the
-// calling thread has no current CUDA context, device's primary context is made current first (as Triton's
-// launcher does). Raises RuntimeError with the driver's error.
-PyObject* launch(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!nargs_is(nargs, 7)) return nullptr;
-  void* function = PyLong_AsVoidPtr(args[0]);
-  const unsigned long grid = PyLong_AsUnsignedLong(args[1]);
-  const unsigned long threads = PyLong_AsUnsignedLong(args[2]);
-  const unsigned long shared = PyLong_AsUnsignedLong(args[3]);
-  void* stream = PyLong_AsVoidPtr(args[4]);
-  const long device = PyLong_AsLong(args[6]);
-  if (PyErr_Occurred()) return nullptr;
-  if (!PyBytes_Check(args[5])) {
-    PyErr_SetString(PyExc_TypeError, "launch: params must be bytes");
-    return nullptr;
-  }
-  const Driver& d = driver();
-  if (!d.ok) {
-    PyErr_SetString(PyExc_RuntimeError, "launch: the CUDA driver (libcuda.so.1) could not be opened");
-    return nullptr;
-  }
-  size_t size = static_cast<size_t>(PyBytes_GET_SIZE(args[5]));
-  void* buffer = PyBytes_AS_STRING(args[5]);
-  void* extra[] = {reinterpret_cast<void*>(1), buffer, reinterpret_cast<void*>(2), &size, nullptr};
-  CuResult code = 0;
-  const char* what = "launching a bnbf kernel";
-  Py_BEGIN_ALLOW_THREADS;
-  void* ctx = nullptr;
-  code = d.ctx_get(&ctx);
-  if (code == 0 && ctx == nullptr) {
-    int dev = 0;
-    what = "making the device's primary context current";
-    code = d.device_get(&dev, static_cast<int>(device));
-    if (code == 0) code = d.ctx_retain(&ctx, dev);
-    if (code == 0) code = d.ctx_set(ctx);
-    if (code == 0) what = "launching a bnbf kernel";
-  }
-  if (code == 0 && grid > 0) {
-    code = d.launch(function, static_cast<unsigned>(grid), 1, 1, static_cast<unsigned>(threads), 1, 1,
-                    static_cast<unsigned>(shared), stream, nullptr, extra);
-  }
-  Py_END_ALLOW_THREADS;
-  if (code != 0) return driver_error(code, what);
-  Py_RETURN_NONE;
-}
-
 PyMethodDef methods[] = {
     {"grads_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_match)), METH_FASTCALL,
      "grads_match(params, grads) -> bool"},
@@ -474,10 +344,6 @@ PyMethodDef methods[] = {
      "grads_of(params) -> (grads, every)"},
     {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL,
      "set_each(dicts, key, value) -> None"},
-    {"param_layout", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(param_layout)), METH_FASTCALL,
-     "param_layout(function) -> ((offset, size), ...) or None"},
-    {"launch", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(launch)), METH_FASTCALL,
-     "launch(function, grid, threads, shared, stream, params, device) -> None"},
     {nullptr, nullptr, 0, nullptr},
 };
 
