@@ -20,7 +20,8 @@ import collections
 import contextlib
 import functools
 import itertools
-from typing import NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
@@ -214,8 +215,20 @@ def _register_version_bump() -> None:
         bump(states)
         return op.redispatch(keyset & below, params, grads, states, *args)
 
-    with contextlib.suppress(RuntimeError):  # torch 2.11 refuses to override the kernel torch.library registered
-        lib.impl("step_", version_bump, "ADInplaceOrView", with_keyset=True)
+    _override(lib, "step_", version_bump, "ADInplaceOrView")
+
+
+def _override(lib: Any, name: str, kernel: Callable, key: str) -> None:
+    """Register ``kernel`` for ``key`` in place of the one torch.library registered for the op. torch 2.11's
+    ``Library.impl`` refuses that unless ``allow_override=True`` (later torch allows it by default, earlier torch
+    has no such argument); where it still refuses, torch.library's kernel stays (slower, the same results)."""
+    try:
+        lib.impl(name, kernel, key, with_keyset=True, allow_override=True)
+    except TypeError:  # a torch without allow_override
+        with contextlib.suppress(RuntimeError):
+            lib.impl(name, kernel, key, with_keyset=True)
+    except RuntimeError:
+        pass
 
 
 _register_version_bump()
@@ -306,8 +319,7 @@ def _register_direct_kernels() -> None:
                 return direct(*args)
             return fallback(keyset, *args)
 
-        with contextlib.suppress(RuntimeError):  # a torch that refuses to override torch.library's kernel
-            op._lib.impl(name, autograd_kernel, "Autograd", with_keyset=True)
+        _override(op._lib, name, autograd_kernel, "Autograd")
 
     def step_in_place(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
         bump(params)
