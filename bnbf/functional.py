@@ -330,7 +330,7 @@ def _last_plan(param: Any, state: Any) -> tuple | None:
     # the most recently used in the cache that owns it (as update_'s full lookup leaves it), so that other
     # plans made meanwhile evict idle plans first; one C call (KeyError: evicted by another thread just now)
     try:  # noqa: SIM105 - contextlib.suppress costs a context manager per call
-        _PLANS.move_to_end((id(params[0]), id(params[-1]), id(states[0]), id(states[-1]), len(params)))
+        _PLANS.move_to_end(found._key)  # the key of these very objects (confirmed above), as _cached made it
     except KeyError:
         pass
     return found, params, states

@@ -55,7 +55,7 @@ from bnbf._host_checks import (
 )
 from bnbf.kernels.launcher import _to_device, build_group, first_blocks_of, launch_group
 from bnbf.quant import DITHER_SEED_MOD
-from bnbf.reference import FIRST_BLOCKS
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP
 from bnbf.rules import get_rule
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import is_state, present_mask
@@ -352,15 +352,15 @@ class Plan:
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._check_capture(grads, h, step)
         values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
-        if not set(map(type, values)) <= _NUMBERS:
+        if set(map(type, values)) <= _NUMBERS:  # Python numbers reach the kernel as arguments: nothing to upload
+            scalars = tuple(map(float, values))
+        else:
             if differentiated([t for _, t in hparam_tensors(h, step, max_unorm)]):
                 check_not_differentiated(tree, params, grads, h, step, max_unorm, states, in_place=True)
             with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
-                rows = {d: scalar_row(values, d) for d in self._devices}
-        else:  # Python numbers reach the kernel as arguments: nothing to upload
-            rows = dict.fromkeys(self._devices, tuple(map(float, values)))
+                scalars = {d: scalar_row(values, d) for d in self._devices}
         with launch_lock(self._interpreted):
-            self._launch(grads, at, rows, skip_zeros, clip)
+            self._launch(grads, at, scalars, skip_zeros, clip)
 
     def _grads(self, params: list, states: list, tree: Any, grad: Any, listed: bool = False) -> tuple[list, Any]:
         """The grads as a list in leaf order, checked (the precise error for a bad one), and whether they are
@@ -456,11 +456,12 @@ class Plan:
         for h in sets:
             v, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
             values.append(v)
-        by_group = [grads if pick is None else pick(grads) for pick, _ in self.groups]
 
         def run() -> None:
             # at: as the check found the grads, unless a step of this plan since changed the tables (then compared)
-            self._grad_tables(grads, by_group, at if self._grad_at is checked_at else None)
+            moved = at if self._grad_at is checked_at else None
+            if moved is not True:
+                self._grad_tables(grads, [grads if pick is None else pick(grads) for pick, _ in self.groups], moved)
             # the scalars' rows made here, after every check of the call: a rule's launches then start while the
             # next rule's rows are made (bnbf.compose runs the rules one after another)
             if len(values) == 1:  # one set: as a plain step (kernel arguments, or one row per device)
@@ -468,10 +469,11 @@ class Plan:
                 rows = [made[group.device] for _, group in self.groups]
             else:
                 rows = self._set_rows(set_of, values)
-            launches = [(group, gs, r) for (_, group), gs, r in zip(self.groups, by_group, rows)]
+            held = grads if GRAD_CLIP.get() is not None else ()  # as in _launch
+            launches = [(group, r) for (_, group), r in zip(self.groups, rows)]
             with launch_lock(self._interpreted):
-                for group, gs, rows in launches:
-                    launch_group(group, gs, rows, skip_zeros, clip, grads_placed=True)
+                for group, r in launches:
+                    launch_group(group, held, r, skip_zeros, clip, grads_placed=True)
 
         return run
 
@@ -525,13 +527,17 @@ class Plan:
                 "would be copied from the host); warm up with the grad tensors the graph will use"
             )
 
-    def _launch(self, grads: list, at: Any, rows: dict, skip_zeros: bool, clip: bool) -> None:
+    def _launch(self, grads: list, at: Any, scalars: tuple | dict, skip_zeros: bool, clip: bool) -> None:
+        """Each group's launch with the grads' tables made current; ``scalars``: Python floats for every group,
+        or a row per device."""
         if at is not True:
             self._grad_tables(grads, [grads if pick is None else pick(grads) for pick, _ in self.groups], at)
-        for pick, group in self.groups:
-            launch_group(
-                group, grads if pick is None else pick(grads), rows[group.device], skip_zeros, clip, grads_placed=True
-            )
+        # the launches read the grads through their tables; a folded clip's deferred launches hold them
+        held = grads if GRAD_CLIP.get() is not None else ()
+        numbers = type(scalars) is tuple
+        for _, group in self.groups:
+            hp = scalars if numbers else scalars[group.device]
+            launch_group(group, held, hp, skip_zeros, clip, grads_placed=True)
 
     def _grads_moved(self, grads: list) -> bool:
         """Whether the grads (in leaf order) are not where the grad-address tables have them."""
@@ -545,8 +551,8 @@ class Plan:
         loop's grads the same blocks every step), else written in one pass and uploaded in one copy per
         device. ``at``: True where the grads are known to be at the tables' addresses, their addresses packed
         (leaf order) where they are known to have moved, None where not known. Sets what
-        :func:`bnbf.kernels.launcher.launch_group` reads (``grad_table``, ``grad_packed``, ``grad_ptrs``,
-        ``grads_aligned``), so that it finds its table current."""
+        :func:`bnbf.kernels.launcher.launch_group` reads (``grad_table``, ``grad_packed``, ``grad_ptrs`` where
+        the extension was not built, ``grads_aligned``), so that it finds its table current."""
         if at is True:
             return
         ptrs = None  # the Python twin's: each grad's address, read once
@@ -570,7 +576,8 @@ class Plan:
                 group = self.groups[k][1]
                 group.grad_table = table[start : start + n]
                 group.grad_packed = packed[8 * done : 8 * (done + n)]
-                group.grad_ptrs = tuple(array.array("Q", group.grad_packed))
+                # the Python twin compares the addresses as ints; the extension compares grad_packed
+                group.grad_ptrs = tuple(array.array("Q", group.grad_packed)) if NATIVE is None else ()
                 group.grads_aligned = ok
                 done += n
         self._grad_at = at

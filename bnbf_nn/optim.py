@@ -428,6 +428,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
         # what a bucket's settings are made from, the lr last (see _settings)
         self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
+        self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
@@ -664,7 +665,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
         holds the very objects it was made from (numbers and tuples of them, which cannot change in place);
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
-        seen = tuple(map(group.__getitem__, self._seen_keys))
+        seen = self._seen(group)
         memo = bucket.memo
         if memo is not None:
             if all(map(operator.is_, seen, memo[0])):

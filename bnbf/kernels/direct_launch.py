@@ -23,6 +23,10 @@ except ImportError:  # pragma: no cover
         return torch.cuda.current_stream(index).cuda_stream
 
 
+# the group's tensors are on CUDA, so CUDA is initialised: torch.cuda.current_device's lazy-init check is not needed
+_current_device = getattr(torch._C, "_cuda_getDevice", None) or torch.cuda.current_device
+
+
 def launch(
     compiled: dict, device: torch.device, key: Any, grid: tuple, args: tuple, dispatch: Callable[[], Any]
 ) -> None:
@@ -45,7 +49,7 @@ def _direct_ok(device: torch.device) -> bool:
     """A direct launch needs the group's device to be current (as Triton's dispatch assumes) and no
     launch hooks (profilers such as Proton install them)."""
     rt = triton.knobs.runtime
-    return device.index == torch.cuda.current_device() and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
+    return device.index == _current_device() and _idle(rt.launch_enter_hook) and _idle(rt.launch_exit_hook)
 
 
 def _idle(hook) -> bool:

@@ -16,6 +16,7 @@ import dataclasses
 import functools
 import itertools
 import operator
+from typing import Any, NamedTuple
 
 import torch
 import triton.language as tl
@@ -135,7 +136,7 @@ class Group:
     shifted: bool = False
     # the last grad-pointer table uploaded: reused while the grads sit at the same addresses (the
     # caching allocator usually hands a training loop's grads the same blocks every step)
-    grad_ptrs: tuple = ()
+    grad_ptrs: tuple = ()  # (a plan's groups: only where the extension, which compares grad_packed, is not built)
     grad_packed: bytes = b""  # grad_ptrs as native uint64, for the compiled comparison
     grad_table: Tensor | None = None
     grads_aligned: bool = False
@@ -146,6 +147,8 @@ class Group:
     # float64 parts of the per-tensor sums [tensors, 3, SUM_SPLIT]
     partials: Tensor | None = None
     sums: Tensor | None = None
+    # launch_group's usual step: its arguments but the scalars, for the grad table they were made with
+    plain_args: _PlainArgs | None = None
 
     @property
     def fmt(self) -> str:
@@ -227,38 +230,47 @@ def launch_group(
     ``grads`` are contiguous, in the group's order; ``hp`` is the rule's scalars, either a tuple of Python
     floats (passed as kernel arguments), a float32 tensor [k] on the device, or a float32 tensor [tensors, k]
     on the device, one row per tensor of the group in its order (per-leaf hyperparameters in one launch);
-    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states. Where
-    :data:`bnbf.reference.GRAD_CLIP` is set (``bnbf.update(..., max_grad_norm=)``), the kernel scales the
-    grads by the clipping coefficient as it loads them, in the norm pass and the step alike. A folded clip
-    (:meth:`bnbf.reference.GradClip.folded`, every eager clipped call) takes the group's sums of g² now and hands
-    the group's launches to the clip, which runs them once every group's sums gave the coefficient (CLIP 2): a
-    rule with ``norm_grad_powers`` (LARS) runs its norm pass now, summing every grad's squares too (CLIP 3), and
-    its step takes the rule's sums scaled to the clipped grads (:func:`bnbf.reference.clipped_sums`); any other
-    rule reads its grads once in ``_grad_squares_kernel`` (:func:`_fold_squares`), then runs its launches as
-    without clipping, the grads scaled by the coefficient.
+    ``skip_zeros``: elements whose gradient is exactly 0 keep their param and states. ``grads_placed``: the
+    caller (a plan) has made the group's grad table current, and ``grads`` are only held until the group's
+    launches ran (a folded clip defers them; the grads may be copies no one else holds): any sequence holding
+    them serves, and one with nothing in it where no clip is set. Where :data:`bnbf.reference.GRAD_CLIP` is set
+    (``bnbf.update(..., max_grad_norm=)``), the kernel scales the grads by the clipping coefficient as it loads
+    them, in the norm pass and the step alike. A folded clip (:meth:`bnbf.reference.GradClip.folded`, every eager
+    clipped call) takes the group's sums of g² now and hands the group's launches to the clip, which runs them
+    once every group's sums gave the coefficient (CLIP 2): a rule with ``norm_grad_powers`` (LARS) runs its norm
+    pass now, summing every grad's squares too (CLIP 3), and its step takes the rule's sums scaled to the
+    clipped grads (:func:`bnbf.reference.clipped_sums`); any other rule reads its grads once in
+    ``_grad_squares_kernel`` (:func:`_fold_squares`), then runs its launches as without clipping, the grads
+    scaled by the coefficient.
     """
-    if grads_placed or (NATIVE is not None and NATIVE.ptrs_equal(grads, group.grad_packed)):
-        pass  # the same grad addresses as the last step: its table serves
-    elif (ptrs := tuple(map(Tensor.data_ptr, grads))) != group.grad_ptrs:
-        group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
-        group.grad_ptrs = ptrs
-        group.grad_packed = array.array("Q", ptrs).tobytes()
-        group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
-    aligned = group.aligned and group.grads_aligned
+    if not grads_placed:
+        _place_grads(group, grads)
     grad_table = group.grad_table
+    if type(hp) is tuple and not (clip or group.norms) and GRAD_CLIP.get() is None:
+        # the usual step (scalars as kernel arguments, one launch): every other argument made once per grad
+        # table (_plain_args), so that a launch joins three tuples
+        made = group.plain_args
+        if made is None or made.grad_table is not grad_table or made.table is not group.table or made.n_hp != len(hp):
+            made = group.plain_args = _plain_args(group, grad_table, len(hp), made)
+        key = made.key_skip if skip_zeros else made.key
+        args = made.head + hp + made.tail
+        launch(
+            group.compiled, group.device, key, made.grid, args, lambda: _dispatch(group, grad_table, args, key, False)
+        )
+        return
     if isinstance(hp, tuple):
         from_ptr, per_tensor, n_hp, floats, hp_row = False, False, len(hp), hp + _NO_FLOATS[len(hp) :], group.table
     else:
         from_ptr, per_tensor, n_hp, floats, hp_row = True, hp.dim() == 2, hp.shape[-1], _NO_FLOATS, hp
-    layout, fmt = group.layout, group.fmt
-    code_ptr = _code_tables(group.device) if layout.quantized else group.table  # unused without 8-bit states
+    aligned = group.aligned and group.grads_aligned
+    code_ptr = _code_tables(group.device) if group.layout.quantized else group.table  # unused without 8-bit states
     grad_clip = GRAD_CLIP.get()
     folding = grad_clip is not None and grad_clip.folding
     if grad_clip is None or folding:
         clip_args = (0, group.table, 0.0)  # unused
     else:
         clip_args = grad_clip.kernel_args(group.device)
-    iters = ITERS[fmt][group.dtype]
+    iters = ITERS[group.fmt][group.dtype]
     grid = group.tasks.shape[0]
     n_tiles = grid * iters
 
@@ -269,68 +281,7 @@ def launch_group(
         # elements of a tile, so the tile's sums add in another order and a tensor's norm (then its step) would
         # depend on where it sits (a vmapped member against the same member stepped alone). The step after the
         # norm pass too: its aligned variant rounded bf16 LAMB's params differently in the last bit (H200).
-        aligned_loads = aligned and mode == 0
-
-        def dispatch():
-            rule = get_rule(layout.rule)
-            norm_terms = rule.norms[0] if rule.norms is not None else None
-            LAUNCH_KEYS.add(
-                (
-                    layout.rule,
-                    fmt,
-                    layout.present,
-                    group.dtype,
-                    group.block,
-                    ROWS,
-                    NUM_WARPS,
-                    n_hp,
-                    from_ptr,
-                    per_tensor,
-                    aligned_loads,
-                    skip_zeros,
-                    clip,
-                    group.shifted,
-                    clip_key,
-                )
-            )
-            return _step_kernel[(grid,)](
-                group.table,
-                group.tasks,
-                grad_table,
-                hp_row,
-                code_ptr,
-                norm_ptr,
-                n_tiles,
-                *floats,
-                clip_t,
-                clip_max,
-                HP_FROM_PTR=from_ptr,
-                HP_PER_TENSOR=per_tensor,
-                FIRST_BLOCK=group.shifted,
-                MATH=rule.math,
-                SLOTS=len(rule.states),
-                PRESENT=layout.present,
-                SIGNED=rule.signed_mask,
-                QUANT=layout.quantized,
-                P_DTYPE=_TL_DTYPES[group.dtype],
-                HP_STRIDE=n_hp,
-                BLOCK=group.block,
-                ROWS=ROWS,
-                SOFT_BF16=interpreting(),
-                FORMAT=FORMATS[fmt],
-                ALIGNED=aligned_loads,
-                VEC=VEC[fmt],
-                ITERS=iters,
-                PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
-                SKIP_ZEROS=skip_zeros,
-                NORM_MODE=mode,
-                NORM_TERMS=norm_terms,
-                SUM_SPLIT=SUM_SPLIT,
-                CLIP=clip_mode,
-                num_warps=NUM_WARPS,
-                **_maxnreg(fmt, group.dtype),
-            )
-
+        key = (mode, aligned and mode == 0, skip_zeros, n_hp, from_ptr, per_tensor, group.shifted, clip_key)
         args = (
             group.table.data_ptr(),
             group.tasks.data_ptr(),
@@ -344,13 +295,14 @@ def launch_group(
             clip_max,
             *_CONSTEXPR_SLOTS,
         )
+        tensors = (hp_row, code_ptr, norm_ptr, clip_t)
         launch(
             group.compiled,
             group.device,
-            (mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor, group.shifted, clip_key),
+            key,
             (grid, 1, 1),
             args,
-            dispatch,
+            lambda: _dispatch(group, grad_table, args, key, clip, tensors),
         )
 
     if not (folding or group.norms or clip):
@@ -360,7 +312,7 @@ def launch_group(
         group.partials = torch.empty(3 * n_tiles, dtype=torch.float32, device=group.device)  # [3, tiles]
         group.sums = torch.empty(group.ranges.shape[0], 3, SUM_SPLIT, dtype=torch.float64, device=group.device)
     if folding:
-        powers = get_rule(layout.rule).norm_grad_powers
+        powers = get_rule(group.layout.rule).norm_grad_powers
         if powers is not None:
             _fold(group, grads, n_tiles, powers, grad_clip, run)
         else:
@@ -368,6 +320,139 @@ def launch_group(
             _fold_squares(group, grad_table, n_tiles, iters, grad_clip, steps)
         return
     _launches(group, grads, n_tiles, clip, run, clip_args)
+
+
+def _place_grads(group: Group, grads: list[Tensor]) -> None:
+    """Make ``group``'s grad table that of ``grads``: kept while they sit at the addresses of the last grads (the
+    caching allocator usually hands a training loop's grads the same blocks every step), else made and uploaded."""
+    if NATIVE is not None:
+        if NATIVE.ptrs_equal(grads, group.grad_packed):
+            return
+        ptrs = tuple(map(Tensor.data_ptr, grads))
+    elif (ptrs := tuple(map(Tensor.data_ptr, grads))) == group.grad_ptrs:
+        return
+    group.grad_table = _to_device(torch.tensor(ptrs, dtype=torch.int64), group.device)
+    group.grad_ptrs = ptrs
+    group.grad_packed = array.array("Q", ptrs).tobytes()
+    group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
+
+
+class _PlainArgs(NamedTuple):
+    """:func:`launch_group`'s usual step (scalars as kernel arguments, no norm pass, no clipping) for one group and
+    grad table: its kernel arguments but the scalars, its configuration keys and grid (:func:`_plain_args`)."""
+
+    grad_table: Tensor  # the grad table and group table they were made for
+    table: Tensor
+    n_hp: int  # the number of scalars
+    head: tuple  # the arguments before the scalars
+    tail: tuple  # the scalars' zero padding to HP_MAX, then the arguments after them (the constexprs' Nones last)
+    key: tuple
+    key_skip: tuple  # with skip_zeros
+    grid: tuple
+    fixed: tuple  # what does not depend on the grads: (head before the grad table, head after it, tail, grid)
+
+
+def _plain_args(group: Group, grad_table: Tensor, n_hp: int, last: _PlainArgs | None) -> _PlainArgs:
+    """The :class:`_PlainArgs` of ``group`` with its current ``grad_table`` and ``n_hp`` scalars: the same arguments
+    and keys as the general path's (the scalar row, norm and clipping pointers are the table's address, unused;
+    the code tables' where the states are 8-bit). ``last``: the group's previous ones, whose part that does not
+    depend on the grads is reused where made for this table and ``n_hp`` (new grads: only their table's address
+    and alignment change)."""
+    if last is not None and last.table is group.table and last.n_hp == n_hp:
+        fixed = last.fixed
+    else:
+        table = group.table.data_ptr()
+        code = _code_tables(group.device).data_ptr() if group.layout.quantized else table
+        grid = group.tasks.shape[0]
+        before = (table, group.tasks.data_ptr())
+        after = (table, code, table, grid * ITERS[group.fmt][group.dtype])
+        fixed = (before, after, (*_NO_FLOATS[n_hp:], table, 0.0, *_CONSTEXPR_SLOTS), (grid, 1, 1))
+    before, after, tail, grid = fixed
+    aligned = group.aligned and group.grads_aligned
+    shifted = group.shifted
+    return _PlainArgs(
+        grad_table,
+        group.table,
+        n_hp,
+        (*before, grad_table.data_ptr(), *after),
+        tail,
+        (0, aligned, False, n_hp, False, False, shifted, 0),
+        (0, aligned, True, n_hp, False, False, shifted, 0),
+        grid,
+        fixed,
+    )
+
+
+def _dispatch(group: Group, grad_table: Tensor, args: tuple, key: tuple, clip: bool, tensors: tuple = ()) -> Any:
+    """The step kernel through Triton's dispatch (which compiles it at a configuration's first launch), with the
+    launch's ``args`` (:func:`launch_group`'s order) and configuration ``key``; returns the compiled kernel.
+    ``tensors``: the scalar row, code tables, norm sums and clipping tensor whose addresses ``args`` holds (none:
+    the group's table for each, the code tables where the states are 8-bit)."""
+    mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor, shifted, clip_key = key
+    layout, fmt = group.layout, group.fmt
+    if not tensors:
+        code = _code_tables(group.device) if layout.quantized else group.table
+        tensors = (group.table, code, group.table, group.table)
+    hp_row, code_t, norm_t, clip_t = tensors
+    rule = get_rule(layout.rule)
+    norm_terms = rule.norms[0] if rule.norms is not None else None
+    LAUNCH_KEYS.add(
+        (
+            layout.rule,
+            fmt,
+            layout.present,
+            group.dtype,
+            group.block,
+            ROWS,
+            NUM_WARPS,
+            n_hp,
+            from_ptr,
+            per_tensor,
+            aligned_loads,
+            skip_zeros,
+            clip,
+            shifted,
+            clip_key,
+        )
+    )
+    n_tiles, floats, clip_max = args[6], args[7 : 7 + HP_MAX], args[8 + HP_MAX]
+    return _step_kernel[(group.tasks.shape[0],)](
+        group.table,
+        group.tasks,
+        grad_table,
+        hp_row,
+        code_t,
+        norm_t,
+        n_tiles,
+        *floats,
+        clip_t,
+        clip_max,
+        HP_FROM_PTR=from_ptr,
+        HP_PER_TENSOR=per_tensor,
+        FIRST_BLOCK=shifted,
+        MATH=rule.math,
+        SLOTS=len(rule.states),
+        PRESENT=layout.present,
+        SIGNED=rule.signed_mask,
+        QUANT=layout.quantized,
+        P_DTYPE=_TL_DTYPES[group.dtype],
+        HP_STRIDE=n_hp,
+        BLOCK=group.block,
+        ROWS=ROWS,
+        SOFT_BF16=interpreting(),
+        FORMAT=FORMATS[fmt],
+        ALIGNED=aligned_loads,
+        VEC=VEC[fmt],
+        ITERS=ITERS[fmt][group.dtype],
+        PREFETCH=_prefetch(fmt, group.dtype, layout.present, mode),
+        SKIP_ZEROS=skip_zeros,
+        NORM_MODE=mode,
+        NORM_TERMS=norm_terms,
+        SUM_SPLIT=SUM_SPLIT,
+        CLIP=clip_key[0] if clip_key else 0,
+        num_warps=NUM_WARPS,
+        **_maxnreg(fmt, group.dtype),
+    )
 
 
 def _launches(group: Group, grads: list, n_tiles: int, clip: bool, run, clip_args) -> None:

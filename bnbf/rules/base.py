@@ -38,6 +38,7 @@ import dataclasses
 import inspect
 import itertools
 import math
+import operator
 import re
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -90,17 +91,24 @@ class Rule:
             return self.hparams()
         if type(hparams) is self.hparams:  # exact: AdamW's and LAMB's hparams subclass Adam's
             return hparams
-        # a dict of plain numbers (the usual call, every step) validates once; never keyed by tensors,
-        # whose equality would read their values
-        if type(hparams) is dict and all(map(_is_plain, hparams.values())):
-            key = (self.name, *hparams.items(), *_exact(hparams.values()))
-            hit = _HPARAMS.get(key)
-            if hit is None:
-                hit = self._make_hparams(hparams)
-                if len(_HPARAMS) >= 256:  # e.g. a schedule's new lr every step
-                    _HPARAMS.clear()
-                _HPARAMS[key] = hit
-            return hit
+        if type(hparams) is dict:
+            # the very value objects of this rule's last dict of plain numbers, under the same keys: its result
+            # (an object is its type and value; numbers and tuples of them cannot change in place)
+            last = _LAST.get(self.hparams)
+            if last is not None and tuple(hparams) == last[0] and all(map(operator.is_, hparams.values(), last[1])):
+                return last[2]
+            # a dict of plain numbers (the usual call, every step) validates once; never keyed by tensors,
+            # whose equality would read their values
+            if all(map(_is_plain, hparams.values())):
+                key = (self.hparams, *hparams.items(), *_exact(hparams.values()))
+                hit = _HPARAMS.get(key)
+                if hit is None:
+                    hit = self._make_hparams(hparams)
+                    if len(_HPARAMS) >= 256:  # e.g. a schedule's new lr every step
+                        _HPARAMS.clear()
+                    _HPARAMS[key] = hit
+                _LAST[self.hparams] = (tuple(hparams), tuple(hparams.values()), hit)
+                return hit
         return self._make_hparams(hparams)
 
     def _make_hparams(self, hparams: Any) -> Any:
@@ -120,7 +128,10 @@ class Rule:
         return self.hparams(**items)
 
 
-_HPARAMS: dict = {}  # (rule name, *items) -> validated hparams, for dicts of plain numbers
+# keyed by the rule's hparams class, what the result depends on (not its name: a name deleted from the registry may
+# be registered again for another class)
+_HPARAMS: dict = {}  # (hparams class, *items) -> validated hparams, for dicts of plain numbers
+_LAST: dict = {}  # hparams class -> (keys, values, validated hparams) of its last dict of plain numbers
 # bools too (amsgrad, nesterov, centered): a group's dict holds them every step. True keys like 1: a flag given
 # as 1 after True was cached is taken as True (torch takes any truthy flag), not refused as a non-bool
 _PLAIN = (float, int, bool)
