@@ -77,7 +77,10 @@ def summary(times: list) -> float:
 
 def _grads_only(group, grads, hp, skip_zeros=False, clip=False, grads_placed=False) -> bool:
     """launch_group without the launch: the grads' address comparison it makes before every launch (the
-    group is left as it is, so a real launch after this one uploads what it needs)."""
+    group is left as it is, so a real launch after this one uploads what it needs). A plan's launches come with
+    their tables placed (``grads_placed``): no comparison."""
+    if grads_placed:
+        return True
     if NATIVE is not None:
         return NATIVE.ptrs_equal(grads, group.grad_packed)
     return tuple(map(Tensor.data_ptr, grads)) == group.grad_ptrs
