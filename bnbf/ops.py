@@ -220,8 +220,9 @@ def _register_version_bump() -> None:
 
 def _override(lib: Any, name: str, kernel: Callable, key: str) -> None:
     """Register ``kernel`` for ``key`` in place of the one torch.library registered for the op. torch 2.11's
-    ``Library.impl`` refuses that unless ``allow_override=True`` (later torch allows it by default, earlier torch
-    has no such argument); where it still refuses, torch.library's kernel stays (slower, the same results)."""
+    ``Library.impl`` refuses that unless ``allow_override=True`` (torch 2.13 allows it by default); a torch without
+    that argument is asked without it; where it still refuses, torch.library's kernel stays (slower, the same
+    results)."""
     try:
         lib.impl(name, kernel, key, with_keyset=True, allow_override=True)
     except TypeError:  # a torch without allow_override
