@@ -281,10 +281,8 @@ class Plan:
         is its memory's: another device is another address. Its layout cannot change: torch refuses
         ``.data =`` a sparse tensor.)"""
         if NATIVE is not None:
-            return (
-                NATIVE.ptrs_equal(params, self._packed)
-                and NATIVE.meta_match(params, self._twins)
-                and NATIVE.ptrs_equal(states, self._field_packed, True)
+            return NATIVE.meta_match(params, self._twins, self._packed) and NATIVE.ptrs_equal(
+                states, self._field_packed, True
             )
         try:
             return (

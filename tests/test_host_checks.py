@@ -159,6 +159,28 @@ def test_confirm_notices_what_can_change_between_steps(twin, direct):
         assert opt._confirm(params, state) is (name == "nothing"), name
 
 
+def test_meta_match_with_addresses_checks_both_in_one_pass():
+    """The compiled confirmation of the params (``meta_match`` with their packed addresses): yes only where every
+    param has its twin's shape, dtype and contiguity and its planned address; no for a moved param, a short or
+    malformed address list."""
+    if P.NATIVE is None:
+        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
+    import array
+
+    params = [torch.randn(3, 4), torch.randn(5)]
+    twins = [torch.empty_like(p, device="meta") for p in params]
+    packed = array.array("Q", [p.data_ptr() for p in params]).tobytes()
+    assert P.NATIVE.meta_match(params, twins, packed) is True
+    assert P.NATIVE.meta_match(params, twins) is True
+    moved = array.array("Q", [params[0].data_ptr(), params[1].data_ptr() + 4]).tobytes()
+    assert P.NATIVE.meta_match(params, twins, moved) is False
+    assert P.NATIVE.meta_match(params, twins, packed[:8]) is False
+    assert P.NATIVE.meta_match(params, twins, None) is False
+    params[1].data = params[1].data.clone()  # same shape and dtype, other memory
+    assert P.NATIVE.meta_match(params, twins) is True
+    assert P.NATIVE.meta_match(params, twins, packed) is False
+
+
 def test_cached_plans_know_their_objects(twin, direct):
     """update_'s cached plan steps only the very params and states it was built for: the same leaves in new
     lists are it, a new state object at the same place or a param swapped for another is not."""

@@ -91,14 +91,22 @@ PyObject* grads_fit_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(ptrs.data()), ptrs.size() * sizeof(uint64_t));
 }
 
-// meta_match(tensors, planned) -> bool: each tensor plain, contiguous, with the shape and dtype of its planned
-// twin (a meta tensor made when the plan was built): what resize_, t_, set_ or .data = would change.
+// meta_match(tensors, planned[, ptrs]) -> bool: each tensor plain, contiguous, with the shape and dtype of its
+// planned twin (a meta tensor made when the plan was built): what resize_, t_, set_ or .data = would change; with
+// ptrs (native uint64, as ptrs_equal's), also at its planned address, in the same pass.
 PyObject* meta_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (!nargs_is(nargs, 2)) return nullptr;
+  if (nargs != 2 && !nargs_is(nargs, 3)) return nullptr;
   PyObject *tensors = args[0], *planned = args[1];
   if (!is_seq(tensors) || !is_seq(planned)) Py_RETURN_FALSE;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
   if (PySequence_Fast_GET_SIZE(planned) != n) Py_RETURN_FALSE;
+  const uint64_t* want = nullptr;
+  if (nargs == 3) {
+    if (!PyBytes_Check(args[2]) || PyBytes_GET_SIZE(args[2]) != n * static_cast<Py_ssize_t>(sizeof(uint64_t))) {
+      Py_RETURN_FALSE;
+    }
+    want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(args[2]));
+  }
   PyObject** ts = PySequence_Fast_ITEMS(tensors);
   PyObject** ms = PySequence_Fast_ITEMS(planned);
   try {
@@ -107,6 +115,7 @@ PyObject* meta_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
       if (t == nullptr || !THPVariable_CheckExact(ms[i])) Py_RETURN_FALSE;
       const at::Tensor& m = THPVariable_Unpack(ms[i]);
       if (t->scalar_type() != m.scalar_type() || t->sizes() != m.sizes() || !t->is_contiguous()) Py_RETURN_FALSE;
+      if (want != nullptr && reinterpret_cast<uintptr_t>(t->const_data_ptr()) != want[i]) Py_RETURN_FALSE;
     }
   } catch (const std::exception&) {
     return no();
@@ -331,7 +340,7 @@ PyMethodDef methods[] = {
     {"grads_fit_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_fit_at)), METH_FASTCALL,
      "grads_fit_at(params, grads, packed) -> False, True or bytes"},
     {"meta_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(meta_match)), METH_FASTCALL,
-     "meta_match(tensors, planned) -> bool"},
+     "meta_match(tensors, planned[, ptrs]) -> bool"},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)), METH_FASTCALL,
      "ptrs_equal(tensors, ptrs[, nested]) -> bool"},
     {"grad_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_table)), METH_FASTCALL,
