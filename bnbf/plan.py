@@ -459,7 +459,7 @@ class Plan:
             # at: as the check found the grads, unless a step of this plan since changed the tables (then compared)
             moved = at if self._grad_at is checked_at else None
             if moved is not True:
-                self._grad_tables(grads, [grads if pick is None else pick(grads) for pick, _ in self.groups], moved)
+                self._grad_tables(grads, moved)
             # the scalars' rows made here, after every check of the call: a rule's launches then start while the
             # next rule's rows are made (bnbf.compose runs the rules one after another)
             if len(values) == 1:  # one set: as a plain step (kernel arguments, or one row per device)
@@ -467,7 +467,7 @@ class Plan:
                 rows = [made[group.device] for _, group in self.groups]
             else:
                 rows = self._set_rows(set_of, values)
-            held = grads if GRAD_CLIP.get() is not None else ()  # as in _launch
+            held = _held(grads)
             launches = [(group, r) for (_, group), r in zip(self.groups, rows)]
             with launch_lock(self._interpreted):
                 for group, r in launches:
@@ -529,9 +529,8 @@ class Plan:
         """Each group's launch with the grads' tables made current; ``scalars``: Python floats for every group,
         or a row per device."""
         if at is not True:
-            self._grad_tables(grads, [grads if pick is None else pick(grads) for pick, _ in self.groups], at)
-        # the launches read the grads through their tables; a folded clip's deferred launches hold them
-        held = grads if GRAD_CLIP.get() is not None else ()
+            self._grad_tables(grads, at)
+        held = _held(grads)
         numbers = type(scalars) is tuple
         for _, group in self.groups:
             hp = scalars if numbers else scalars[group.device]
@@ -543,14 +542,13 @@ class Plan:
             return not NATIVE.ptrs_equal(grads, self._grad_at)
         return array.array("Q", map(Tensor.data_ptr, grads)).tobytes() != self._grad_at
 
-    def _grad_tables(self, grads: list, by_group: list, at: Any) -> None:
-        """Each group's grad-address table for ``grads`` (in leaf order; ``by_group``: each group's, in group
-        order): kept while the grads stay where they were (the caching allocator usually gives a training
-        loop's grads the same blocks every step), else written in one pass and uploaded in one copy per
-        device. ``at``: True where the grads are known to be at the tables' addresses, their addresses packed
-        (leaf order) where they are known to have moved, None where not known. Sets what
-        :func:`bnbf.kernels.launcher.launch_group` reads (``grad_table``, ``grad_packed``, ``grad_ptrs`` where
-        the extension was not built, ``grads_aligned``), so that it finds its table current."""
+    def _grad_tables(self, grads: list, at: Any) -> None:
+        """Each group's grad-address table for ``grads`` (in leaf order): kept while the grads stay where they
+        were (the caching allocator usually gives a training loop's grads the same blocks every step), else
+        written in one pass and uploaded in one copy per device. ``at``: True where the grads are known to be at
+        the tables' addresses, their addresses packed (leaf order) where they are known to have moved, None where
+        not known. Sets what :func:`bnbf.kernels.launcher.launch_group` reads (``grad_table``, ``grad_packed``,
+        ``grad_ptrs`` where the extension was not built, ``grads_aligned``), so that it finds its table current."""
         if at is True:
             return
         ptrs = None  # the Python twin's: each grad's address, read once
@@ -559,6 +557,7 @@ class Plan:
             at = array.array("Q", ptrs).tobytes()
             if at == self._grad_at:
                 return
+        by_group = [grads if pick is None else pick(grads) for pick, _ in self.groups]
         for device, rows, members in self._grad_spans:
             # pinned: the copy is asynchronous, and torch keeps the block until the copy has read it
             host = torch.empty(rows, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -594,6 +593,12 @@ class Plan:
                 raise AssertionError(f"unexpected grad at {names[i]}")  # _grads_ok and _check_grad disagree
         with torch.no_grad():
             return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+def _held(grads: list) -> Any:
+    """What a plan hands each launch as its grads: the launches read them through their address tables, so nothing,
+    except for a folded clip, whose deferred launches must hold them (they may be copies no one else holds)."""
+    return grads if GRAD_CLIP.get() is not None else ()
 
 
 def _plannable(params: list) -> bool:

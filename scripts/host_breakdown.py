@@ -118,7 +118,7 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
         out["update_, new grads"] = host_us(lambda i: bnbf.update_(params, grad_sets[i % FRESH], state, hp, i + 1))
     # the grads' address tables alone, for grads known to have moved (as the step's check of the grads tells)
     lists = [list(d.values()) for d in grad_sets]
-    moved = [(gl, [gl if pick is None else pick(gl) for pick, _ in opt.groups], packed(gl)) for gl in lists]
+    moved = [(gl, packed(gl)) for gl in lists]
     out["grad tables, new grads (write + upload)"] = host_us(lambda i: opt._grad_tables(*moved[i % FRESH]))
     with Stubbed():
         out["python only: plan.step"] = host_us(lambda i: opt.step(grads, hp, i + 1))

@@ -251,11 +251,16 @@ def launch_group(
         # table (_plain_args), so that a launch joins three tuples
         made = group.plain_args
         if made is None or made.grad_table is not grad_table or made.table is not group.table or made.n_hp != len(hp):
-            made = group.plain_args = _plain_args(group, grad_table, len(hp), made)
+            made = group.plain_args = _plain_args(group, grad_table, len(hp))
         key = made.key_skip if skip_zeros else made.key
         args = made.head + hp + made.tail
         launch(
-            group.compiled, group.device, key, made.grid, args, lambda: _dispatch(group, grad_table, args, key, False)
+            group.compiled,
+            group.device,
+            key,
+            made.grid,
+            args,
+            lambda: _dispatch(group, grad_table, args, key, False, made.tensors),
         )
         return
     if isinstance(hp, tuple):
@@ -282,20 +287,8 @@ def launch_group(
         # depend on where it sits (a vmapped member against the same member stepped alone). The step after the
         # norm pass too: its aligned variant rounded bf16 LAMB's params differently in the last bit (H200).
         key = (mode, aligned and mode == 0, skip_zeros, n_hp, from_ptr, per_tensor, group.shifted, clip_key)
-        args = (
-            group.table.data_ptr(),
-            group.tasks.data_ptr(),
-            grad_table.data_ptr(),
-            hp_row.data_ptr(),
-            code_ptr.data_ptr(),
-            norm_ptr.data_ptr(),
-            n_tiles,
-            *floats,
-            clip_t.data_ptr(),
-            clip_max,
-            *_CONSTEXPR_SLOTS,
-        )
         tensors = (hp_row, code_ptr, norm_ptr, clip_t)
+        args = _step_args(group, grad_table, tensors, n_tiles, floats, clip_max)
         launch(
             group.compiled,
             group.device,
@@ -337,9 +330,34 @@ def _place_grads(group: Group, grads: list[Tensor]) -> None:
     group.grads_aligned = functools.reduce(operator.or_, ptrs) % 16 == 0
 
 
+# where the scalars start in the step kernel's arguments (table, tasks, grads, scalar row, code tables, norm sums,
+# tiles, then h0..h17, the clipping tensor and clip_max, then the constexprs)
+_SCALARS_AT = 7
+
+
+def _step_args(group: Group, grad_table: Tensor, tensors: tuple, n_tiles: int, floats: tuple, clip_max: float) -> tuple:
+    """The step kernel's arguments as a launch takes them (:func:`bnbf.kernels.direct_launch.launch`): pointers as
+    ints, the runtime arguments in the kernel's order, then a None per constexpr. ``tensors``: the scalar row, code
+    tables, norm sums and clipping tensor; ``floats``: the HP_MAX scalars."""
+    hp_row, code, norm, clip_t = tensors
+    return (
+        group.table.data_ptr(),
+        group.tasks.data_ptr(),
+        grad_table.data_ptr(),
+        hp_row.data_ptr(),
+        code.data_ptr(),
+        norm.data_ptr(),
+        n_tiles,
+        *floats,
+        clip_t.data_ptr(),
+        clip_max,
+        *_CONSTEXPR_SLOTS,
+    )
+
+
 class _PlainArgs(NamedTuple):
     """:func:`launch_group`'s usual step (scalars as kernel arguments, no norm pass, no clipping) for one group and
-    grad table: its kernel arguments but the scalars, its configuration keys and grid (:func:`_plain_args`)."""
+    grad table: its kernel arguments around the scalars, its configuration keys and grid (:func:`_plain_args`)."""
 
     grad_table: Tensor  # the grad table and group table they were made for
     table: Tensor
@@ -349,50 +367,37 @@ class _PlainArgs(NamedTuple):
     key: tuple
     key_skip: tuple  # with skip_zeros
     grid: tuple
-    fixed: tuple  # what does not depend on the grads: (head before the grad table, head after it, tail, grid)
+    tensors: tuple  # what the addresses in head and tail are of, for the dispatch
 
 
-def _plain_args(group: Group, grad_table: Tensor, n_hp: int, last: _PlainArgs | None) -> _PlainArgs:
-    """The :class:`_PlainArgs` of ``group`` with its current ``grad_table`` and ``n_hp`` scalars: the same arguments
-    and keys as the general path's (the scalar row, norm and clipping pointers are the table's address, unused;
-    the code tables' where the states are 8-bit). ``last``: the group's previous ones, whose part that does not
-    depend on the grads is reused where made for this table and ``n_hp`` (new grads: only their table's address
-    and alignment change)."""
-    if last is not None and last.table is group.table and last.n_hp == n_hp:
-        fixed = last.fixed
-    else:
-        table = group.table.data_ptr()
-        code = _code_tables(group.device).data_ptr() if group.layout.quantized else table
-        grid = group.tasks.shape[0]
-        before = (table, group.tasks.data_ptr())
-        after = (table, code, table, grid * ITERS[group.fmt][group.dtype])
-        fixed = (before, after, (*_NO_FLOATS[n_hp:], table, 0.0, *_CONSTEXPR_SLOTS), (grid, 1, 1))
-    before, after, tail, grid = fixed
-    aligned = group.aligned and group.grads_aligned
-    shifted = group.shifted
+def _plain_args(group: Group, grad_table: Tensor, n_hp: int) -> _PlainArgs:
+    """The :class:`_PlainArgs` of ``group`` with its current ``grad_table`` and ``n_hp`` scalars: the general path's
+    arguments (:func:`_step_args`; the scalar row, norm and clipping pointers are the table's address, unused; the
+    code tables' where the states are 8-bit) split around the scalars, and its keys."""
+    code = _code_tables(group.device) if group.layout.quantized else group.table
+    tensors = (group.table, code, group.table, group.table)
+    grid = group.tasks.shape[0]
+    args = _step_args(group, grad_table, tensors, grid * ITERS[group.fmt][group.dtype], _NO_FLOATS, 0.0)
+    aligned, shifted = group.aligned and group.grads_aligned, group.shifted
     return _PlainArgs(
         grad_table,
         group.table,
         n_hp,
-        (*before, grad_table.data_ptr(), *after),
-        tail,
+        args[:_SCALARS_AT],
+        (*_NO_FLOATS[n_hp:], *args[_SCALARS_AT + HP_MAX :]),
         (0, aligned, False, n_hp, False, False, shifted, 0),
         (0, aligned, True, n_hp, False, False, shifted, 0),
-        grid,
-        fixed,
+        (grid, 1, 1),
+        tensors,
     )
 
 
-def _dispatch(group: Group, grad_table: Tensor, args: tuple, key: tuple, clip: bool, tensors: tuple = ()) -> Any:
+def _dispatch(group: Group, grad_table: Tensor, args: tuple, key: tuple, clip: bool, tensors: tuple) -> Any:
     """The step kernel through Triton's dispatch (which compiles it at a configuration's first launch), with the
-    launch's ``args`` (:func:`launch_group`'s order) and configuration ``key``; returns the compiled kernel.
-    ``tensors``: the scalar row, code tables, norm sums and clipping tensor whose addresses ``args`` holds (none:
-    the group's table for each, the code tables where the states are 8-bit)."""
+    launch's ``args`` (:func:`_step_args`) and configuration ``key``; returns the compiled kernel. ``tensors``:
+    the scalar row, code tables, norm sums and clipping tensor whose addresses ``args`` holds."""
     mode, aligned_loads, skip_zeros, n_hp, from_ptr, per_tensor, shifted, clip_key = key
     layout, fmt = group.layout, group.fmt
-    if not tensors:
-        code = _code_tables(group.device) if layout.quantized else group.table
-        tensors = (group.table, code, group.table, group.table)
     hp_row, code_t, norm_t, clip_t = tensors
     rule = get_rule(layout.rule)
     norm_terms = rule.norms[0] if rule.norms is not None else None
@@ -415,7 +420,8 @@ def _dispatch(group: Group, grad_table: Tensor, args: tuple, key: tuple, clip: b
             clip_key,
         )
     )
-    n_tiles, floats, clip_max = args[6], args[7 : 7 + HP_MAX], args[8 + HP_MAX]
+    n_tiles, floats = args[_SCALARS_AT - 1], args[_SCALARS_AT : _SCALARS_AT + HP_MAX]
+    clip_max = args[_SCALARS_AT + HP_MAX + 1]
     return _step_kernel[(group.tasks.shape[0],)](
         group.table,
         group.tasks,
