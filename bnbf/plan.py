@@ -53,7 +53,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     unaddressable,
 )
-from bnbf.kernels.launcher import _to_device, build_group, first_blocks_of, launch_group
+from bnbf.kernels.launcher import _to_device, build_group, first_blocks_of, launch_group, launch_pair, pair_of
 from bnbf.quant import DITHER_SEED_MOD
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP
 from bnbf.rules import get_rule
@@ -164,6 +164,7 @@ class Plan:
         self._checked_h = None  # the last hparams whose state slots matched the states
         self._direct = _plannable(params)
         self.groups: list = []
+        self._pair = None
         # the dither's first block of each param (shards of larger tensors, bnbf.distributed), baked into the tables
         self._first_blocks = first_blocks_of(params) if self._direct else None
         # per-leaf hyperparameters: set assignment -> [how its rows are laid out (rows_layout), and where they are
@@ -190,6 +191,9 @@ class Plan:
         # one group of every tensor in order: the grads list as it is; else each group's grads picked in one
         # C-level call (a tuple, also for one index)
         self.groups = [(None, built[0][1])] if len(built) == 1 else [(_picker(idx), g) for idx, g in built]
+        # two groups (a model's 8-bit states, and the 32-bit states of its small tensors) in one launch where the
+        # usual step allows (launcher.pair_of): one driver launch fewer a step
+        self._pair = pair_of([g for _, g in self.groups])
         # the grads' address table: per device one tensor with every group's rows, each group's from an even
         # row (its view is 16-byte aligned, as a kernel argument must stay), written and uploaded only when the
         # grads move (_grad_tables)
@@ -530,8 +534,11 @@ class Plan:
         or a row per device."""
         if at is not True:
             self._grad_tables(grads, at)
-        held = _held(grads)
         numbers = type(scalars) is tuple
+        if self._pair is not None and numbers and not clip and GRAD_CLIP.get() is None:
+            launch_pair(self._pair, scalars, skip_zeros)
+            return
+        held = _held(grads)
         for _, group in self.groups:
             hp = scalars if numbers else scalars[group.device]
             launch_group(group, held, hp, skip_zeros, clip, grads_placed=True)

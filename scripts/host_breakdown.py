@@ -58,9 +58,11 @@ def sync() -> None:
         torch.cuda.synchronize()
 
 
-def host_us(fn, n=200) -> float:
+def host_us(fn, n=200, sync_each=False) -> float:
     times = []
     for i in range(n):
+        if sync_each:
+            sync()
         t0 = time.perf_counter()
         fn(i)
         times.append(time.perf_counter() - t0)
@@ -90,15 +92,19 @@ def packed(tensors: list) -> bytes:
     return array.array("Q", map(Tensor.data_ptr, tensors)).tobytes()
 
 
+def _no_launch(pair, hp, skip_zeros=False) -> None:
+    """launch_pair without the launch (a plan placed both groups' grad tables before it)."""
+
+
 class Stubbed:
     """The kernel launch stubbed out (launch_group keeps only its grads' address comparison)."""
 
     def __enter__(self):
-        self.real = P.launch_group
-        P.launch_group = _grads_only
+        self.real = P.launch_group, P.launch_pair
+        P.launch_group, P.launch_pair = _grads_only, _no_launch
 
     def __exit__(self, *exc):
-        P.launch_group = self.real
+        P.launch_group, P.launch_pair = self.real
 
 
 def breakdown(set_name: str, dtype=DTYPE) -> dict:
@@ -171,9 +177,15 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
         for group, gs in launches:
             mt.launch_group(group, gs, hp_arg)
 
-    out["launches"] = len(launches)
+    # a plan's usual step: both groups in one launch where they pair (launcher.pair_of)
+    out["launches"] = 1 if opt._pair is not None else len(launches)
     out["launch (direct)"] = host_us(launch_all)  # the scalars read from a device row (HP_FROM_PTR)
     out["launch (direct, scalars as arguments)"] = host_us(lambda i: launch_all(i, floats))
+    if opt._pair is not None:
+        out["launch (direct, scalars as arguments, paired)"] = host_us(lambda i: mt.launch_pair(opt._pair, floats))
+    # the same with the GPU idle at each launch (synchronized before it, outside the timing): what a backlog of
+    # queued work adds to a launch's host time
+    out["launch (direct, scalars as arguments), GPU idle"] = host_us(lambda i: launch_all(i, floats), sync_each=True)
     saved = [dict(group.compiled) for group, _ in launches]
     direct.DIRECT_LAUNCH = False
     for group, _ in launches:
@@ -205,9 +217,10 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
 
 def _stub_launches():
     """The kernel launch stubbed out everywhere it is reached from (plans, the op, the vmapped step)."""
-    saved = (P.launch_group, mt.launch_group)
+    saved = (P.launch_group, mt.launch_group, P.launch_pair)
     P.launch_group = _grads_only
     mt.launch_group = _grads_only
+    P.launch_pair = _no_launch
     return saved
 
 
@@ -290,7 +303,7 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
         out["compiled update_, the op's implementation a no-op"] = host_us(fn, 50)
         bnbf.ops._run = run
     finally:
-        P.launch_group, mt.launch_group = saved
+        P.launch_group, mt.launch_group, P.launch_pair = saved
     return out
 
 
@@ -337,7 +350,7 @@ def mixed_breakdown(dtype=DTYPE) -> dict:
             print("== mixed update_, hparams callable: cProfile of 200 calls, the launch stubbed out")
             pstats.Stats(pr).sort_stats("tottime").print_stats(15)
     finally:
-        P.launch_group, mt.launch_group = saved
+        P.launch_group, mt.launch_group, P.launch_pair = saved
     return out
 
 

@@ -30,6 +30,7 @@ from bnbf.kernels.step_kernel import (
     HP_MAX,
     PER_SLOT,
     _grad_squares_kernel,
+    _pair_kernel,
     _step_kernel,
     _tensor_sums_kernel,
 )
@@ -84,6 +85,11 @@ _SUMS_CHUNK = 1024
 SUM_SPLIT = 32  # parts per tensor: one load per lane of the step's one-warp programs
 _SUMS_CONSTEXPRS = (None,) * (len(_tensor_sums_kernel.arg_names) - 4)  # after partials, ranges, sums, n_tiles
 _SQUARES_CONSTEXPRS = (None,) * (len(_grad_squares_kernel.arg_names) - 5)  # after table, tasks, grads, partials, n
+_PAIR_SCALARS_AT = 8  # the pair kernel's two groups' tables, tasks and grads, the split and the code tables first
+_PAIR_CONSTEXPRS = (None,) * (len(_pair_kernel.arg_names) - _PAIR_SCALARS_AT - HP_MAX)
+# a pair's smaller group runs without prefetch and under the larger's register cap: it may hold at most this share
+# of the pair's elements
+PAIR_SHARE = 1 / 16
 LAUNCH_KEYS: set = set()  # static (compile-relevant) keys launched so far; tests read it
 
 # ---- groups ----------------------------------------------------------------------------------------------
@@ -458,6 +464,135 @@ def _dispatch(group: Group, grad_table: Tensor, args: tuple, key: tuple, clip: b
         CLIP=clip_key[0] if clip_key else 0,
         num_warps=NUM_WARPS,
         **_maxnreg(fmt, group.dtype),
+    )
+
+
+# ---- two groups in one launch ----------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Pair:
+    """Two groups of one plan whose usual steps run in one launch (:func:`launch_pair`): ``a`` the larger."""
+
+    a: Group
+    b: Group
+    compiled: dict = dataclasses.field(default_factory=dict)  # as Group.compiled
+    plain_args: tuple | None = None  # (a's grad table, b's, the number of scalars, head, tail, key, key_skip, grid)
+
+
+def pair_of(groups: list[Group]) -> Pair | None:
+    """The :class:`Pair` of a plan's two groups where one launch can step both: one device and rule with the same
+    kept slots, no per-tensor norms, no shard offsets, both with tiles, the smaller holding at most
+    :data:`PAIR_SHARE` of the elements (a model's 8-bit states and the 32-bit states of its biases and norms,
+    which bitsandbytes keeps for tensors under ``min_8bit_size``); else None."""
+    if len(groups) != 2:
+        return None
+    b, a = sorted(groups, key=_elements)
+    la, lb = a.layout, b.layout
+    ok = (
+        a.device == b.device
+        and la.rule == lb.rule
+        and la.present == lb.present
+        and not (a.norms or a.shifted or b.shifted)
+        and a.tasks.shape[0] > 0
+        and b.tasks.shape[0] > 0
+        and _elements(b) <= PAIR_SHARE * _elements(a)
+    )
+    return Pair(a, b) if ok else None
+
+
+def _elements(group: Group) -> int:
+    """The elements of ``group``'s tiles, from the host's view of its task list (no read from the device)."""
+    return group.tasks.shape[0] * ITERS[group.fmt][group.dtype] * ROWS * group.block
+
+
+def launch_pair(pair: Pair, hp: tuple, skip_zeros: bool = False) -> None:
+    """Both groups' usual step (``hp``: Python floats; no clipping) in one launch of :func:`_pair_kernel`, their
+    grad tables made current by the caller (a plan)."""
+    a, b = pair.a, pair.b
+    made = pair.plain_args
+    if made is None or made[0] is not a.grad_table or made[1] is not b.grad_table or made[2] != len(hp):
+        made = pair.plain_args = _pair_args(pair, len(hp))
+    key = made[6] if skip_zeros else made[5]
+    args = made[3] + hp + made[4]
+    launch(pair.compiled, a.device, key, made[7], args, lambda: _dispatch_pair(pair, args, key))
+
+
+def _pair_args(pair: Pair, n_hp: int) -> tuple:
+    """:attr:`Pair.plain_args` for the groups' current grad tables and ``n_hp`` scalars."""
+    a, b = pair.a, pair.b
+    quantized = a.layout.quantized or b.layout.quantized
+    code = _code_tables(a.device) if quantized else a.table  # unused without 8-bit states
+    split = a.tasks.shape[0]
+    head = (
+        a.table.data_ptr(),
+        a.tasks.data_ptr(),
+        a.grad_table.data_ptr(),
+        b.table.data_ptr(),
+        b.tasks.data_ptr(),
+        b.grad_table.data_ptr(),
+        split,
+        code.data_ptr(),
+    )
+    aligned = (a.aligned and a.grads_aligned, b.aligned and b.grads_aligned)
+    key = ("pair", n_hp, False, aligned)
+    return (
+        a.grad_table,
+        b.grad_table,
+        n_hp,
+        head,
+        (*_NO_FLOATS[n_hp:], *_PAIR_CONSTEXPRS),
+        key,
+        ("pair", n_hp, True, aligned),
+        (split + b.tasks.shape[0], 1, 1),
+    )
+
+
+def _dispatch_pair(pair: Pair, args: tuple, key: tuple) -> Any:
+    """:func:`_pair_kernel` through Triton's dispatch (its first launch of a configuration compiles it)."""
+    _, n_hp, skip_zeros, (aligned_a, aligned_b) = key
+    a, b = pair.a, pair.b
+    rule = get_rule(a.layout.rule)
+    LAUNCH_KEYS.add(("pair", a.layout.rule, a.fmt, b.fmt, a.layout.present, a.dtype, b.dtype, n_hp, skip_zeros))
+    quantized = a.layout.quantized or b.layout.quantized
+    code = _code_tables(a.device) if quantized else a.table
+    floats = args[_PAIR_SCALARS_AT : _PAIR_SCALARS_AT + HP_MAX]
+    grid = (a.tasks.shape[0] + b.tasks.shape[0],)
+    return _pair_kernel[grid](
+        a.table,
+        a.tasks,
+        a.grad_table,
+        b.table,
+        b.tasks,
+        b.grad_table,
+        a.tasks.shape[0],
+        code,
+        *floats,
+        MATH=rule.math,
+        SLOTS=len(rule.states),
+        PRESENT=a.layout.present,
+        SIGNED=rule.signed_mask,
+        HP_STRIDE=n_hp,
+        ROWS=ROWS,
+        SOFT_BF16=interpreting(),
+        SKIP_ZEROS=skip_zeros,
+        QUANT=a.layout.quantized,
+        P_DTYPE=_TL_DTYPES[a.dtype],
+        BLOCK=a.block,
+        FORMAT=FORMATS[a.fmt],
+        ALIGNED=aligned_a,
+        VEC=VEC[a.fmt],
+        ITERS=ITERS[a.fmt][a.dtype],
+        PREFETCH=_prefetch(a.fmt, a.dtype, a.layout.present, 0),
+        QUANT2=b.layout.quantized,
+        P_DTYPE2=_TL_DTYPES[b.dtype],
+        BLOCK2=b.block,
+        FORMAT2=FORMATS[b.fmt],
+        ALIGNED2=aligned_b,
+        VEC2=VEC[b.fmt],
+        ITERS2=ITERS[b.fmt][b.dtype],
+        num_warps=NUM_WARPS,
+        **_maxnreg(a.fmt, a.dtype),
     )
 
 

@@ -473,7 +473,84 @@ def _step_kernel(
     alike; 3 (norm pass only): clipping folded into the pass, which takes the grads as they are and sums g²
     over every element in the third sum, which the rule leaves unused (``norm_grad_powers``): the total norm
     comes from those sums, and the step after them takes CLIP 2."""
-    pid = tl.program_id(0)
+    hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
+    _program(
+        tl.program_id(0),
+        table_ptr,
+        task_ptr,
+        grad_ptr,
+        hp_ptr,
+        hp,
+        code_ptr,
+        norm_ptr,
+        n_tiles,
+        clip_ptr,
+        clip_max,
+        HP_FROM_PTR,
+        HP_PER_TENSOR,
+        FIRST_BLOCK,
+        MATH,
+        SLOTS,
+        PRESENT,
+        SIGNED,
+        QUANT,
+        P_DTYPE,
+        HP_STRIDE,
+        BLOCK,
+        ROWS,
+        SOFT_BF16,
+        FORMAT,
+        ALIGNED,
+        VEC,
+        ITERS,
+        PREFETCH,
+        SKIP_ZEROS,
+        NORM_MODE,
+        NORM_TERMS,
+        SUM_SPLIT,
+        CLIP,
+    )
+
+
+@triton.jit
+def _program(
+    pid,
+    table_ptr,
+    task_ptr,
+    grad_ptr,
+    hp_ptr,
+    hp_args,
+    code_ptr,
+    norm_ptr,
+    n_tiles,
+    clip_ptr,
+    clip_max,
+    HP_FROM_PTR: tl.constexpr,
+    HP_PER_TENSOR: tl.constexpr,
+    FIRST_BLOCK: tl.constexpr,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    ITERS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    NORM_MODE: tl.constexpr,
+    NORM_TERMS: tl.constexpr,
+    SUM_SPLIT: tl.constexpr,
+    CLIP: tl.constexpr,
+):
+    """One program of :func:`_step_kernel` (program ``pid`` of its group's task list): the kernel's body, also
+    each half of :func:`_pair_kernel`. ``hp_args``: the scalars given as kernel arguments."""
     tensor = tl.load(task_ptr + 2 * pid).to(tl.int64)
     first = tl.load(task_ptr + 2 * pid + 1).to(tl.int64) * ITERS  # first tile of this program
     table = table_ptr + tensor * (HEAD + PER_SLOT * SLOTS)
@@ -487,7 +564,7 @@ def _step_kernel(
         for k in tl.static_range(HP_STRIDE):
             hp = hp + (_hp_at(hp_ptr, k),)
     else:
-        hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
+        hp = hp_args
     if NORM_MODE == 2:  # this tensor's three sums, each from SUM_SPLIT partial sums in a fixed order
         base = norm_ptr + tensor * (3 * SUM_SPLIT)
         nrm = (
@@ -620,6 +697,182 @@ def _step_kernel(
             HP_STRIDE,
             CLIP,
         )
+
+
+@triton.jit
+def _pair_kernel(
+    table_ptr,
+    task_ptr,
+    grad_ptr,
+    table2_ptr,
+    task2_ptr,
+    grad2_ptr,
+    split,
+    code_ptr,
+    h0,
+    h1,
+    h2,
+    h3,
+    h4,
+    h5,
+    h6,
+    h7,
+    h8,
+    h9,
+    h10,
+    h11,
+    h12,
+    h13,
+    h14,
+    h15,
+    h16,
+    h17,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    ITERS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+    QUANT2: tl.constexpr,
+    P_DTYPE2: tl.constexpr,
+    BLOCK2: tl.constexpr,
+    FORMAT2: tl.constexpr,
+    ALIGNED2: tl.constexpr,
+    VEC2: tl.constexpr,
+    ITERS2: tl.constexpr,
+):
+    """Two groups of one rule (e.g. a model's 8-bit states and the 32-bit states of its small tensors) in one
+    launch: programs below ``split`` run the first group's tasks, the others the second's, each exactly as
+    :func:`_step_kernel` would alone (the usual step: scalars as arguments, no norms, no clipping). One driver
+    launch fewer per step. The second group's tiles run one after the other (no prefetch), so that its code
+    does not raise the registers of the first's."""
+    hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
+    pid = tl.program_id(0)
+    if pid < split:
+        _usual_program(
+            pid,
+            table_ptr,
+            task_ptr,
+            grad_ptr,
+            code_ptr,
+            hp,
+            MATH,
+            SLOTS,
+            PRESENT,
+            SIGNED,
+            HP_STRIDE,
+            ROWS,
+            SOFT_BF16,
+            SKIP_ZEROS,
+            QUANT,
+            P_DTYPE,
+            BLOCK,
+            FORMAT,
+            ALIGNED,
+            VEC,
+            ITERS,
+            PREFETCH,
+        )
+    else:
+        _usual_program(
+            pid - split,
+            table2_ptr,
+            task2_ptr,
+            grad2_ptr,
+            code_ptr,
+            hp,
+            MATH,
+            SLOTS,
+            PRESENT,
+            SIGNED,
+            HP_STRIDE,
+            ROWS,
+            SOFT_BF16,
+            SKIP_ZEROS,
+            QUANT2,
+            P_DTYPE2,
+            BLOCK2,
+            FORMAT2,
+            ALIGNED2,
+            VEC2,
+            ITERS2,
+            False,
+        )
+
+
+@triton.jit
+def _usual_program(
+    pid,
+    table_ptr,
+    task_ptr,
+    grad_ptr,
+    code_ptr,
+    hp,
+    MATH: tl.constexpr,
+    SLOTS: tl.constexpr,
+    PRESENT: tl.constexpr,
+    SIGNED: tl.constexpr,
+    HP_STRIDE: tl.constexpr,
+    ROWS: tl.constexpr,
+    SOFT_BF16: tl.constexpr,
+    SKIP_ZEROS: tl.constexpr,
+    QUANT: tl.constexpr,
+    P_DTYPE: tl.constexpr,
+    BLOCK: tl.constexpr,
+    FORMAT: tl.constexpr,
+    ALIGNED: tl.constexpr,
+    VEC: tl.constexpr,
+    ITERS: tl.constexpr,
+    PREFETCH: tl.constexpr,
+):
+    """:func:`_program` of the usual step: scalars as arguments, no norm pass, no clipping, no shard offsets
+    (the pointers for norms and clipping unused)."""
+    _program(
+        pid,
+        table_ptr,
+        task_ptr,
+        grad_ptr,
+        code_ptr,
+        hp,
+        code_ptr,
+        code_ptr,
+        0,
+        code_ptr,
+        0.0,
+        HP_FROM_PTR=False,
+        HP_PER_TENSOR=False,
+        FIRST_BLOCK=False,
+        MATH=MATH,
+        SLOTS=SLOTS,
+        PRESENT=PRESENT,
+        SIGNED=SIGNED,
+        QUANT=QUANT,
+        P_DTYPE=P_DTYPE,
+        HP_STRIDE=HP_STRIDE,
+        BLOCK=BLOCK,
+        ROWS=ROWS,
+        SOFT_BF16=SOFT_BF16,
+        FORMAT=FORMAT,
+        ALIGNED=ALIGNED,
+        VEC=VEC,
+        ITERS=ITERS,
+        PREFETCH=PREFETCH,
+        SKIP_ZEROS=SKIP_ZEROS,
+        NORM_MODE=0,
+        NORM_TERMS=None,
+        SUM_SPLIT=1,
+        CLIP=0,
+    )
 
 
 @triton.jit
