@@ -375,8 +375,8 @@ if __name__ == "__main__":
             print(f"| {k} | {v / 1e3:.2f} ms |")
         sys.exit(0)
     rows = {name: breakdown(name) for name in ("single_4096x4096", "gpt2_124M")}
-    keys = list(next(iter(rows.values())))
+    keys = list(dict.fromkeys(k for r in rows.values() for k in r))  # a row that one set lacks prints -
     print(f"| host us ({'min' if CPU else 'median'}) | " + " | ".join(rows) + " |")
     print("|---|" + "---|" * len(rows))
     for k in keys:
-        print(f"| {k} | " + " | ".join(f"{rows[n][k]:.1f}" for n in rows) + " |")
+        print(f"| {k} | " + " | ".join(f"{rows[n][k]:.1f}" if k in rows[n] else "-" for n in rows) + " |")

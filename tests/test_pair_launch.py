@@ -53,7 +53,8 @@ def _problem(row, dtype, device, fmt="power"):
 
 
 def _run_both(row, dtype, device, fmt="power", **kw):
-    """The same two steps by the pure update (each group its own launch) and by update_ (a plan)."""
+    """The same two steps by the pure update (each group its own launch) and by update_ (a plan), compared after
+    each step and re-synced (the in-place tensors take the pure step's values)."""
     params, grads, spec = _problem(row, dtype, device, fmt)
     hp = dict(row.hparams)
     pure_p = {k: v.clone() for k, v in params.items()}
@@ -62,11 +63,27 @@ def _run_both(row, dtype, device, fmt="power", **kw):
     for i, g in enumerate(grads):
         pure_p, pure_s = bnbf.update(pure_p, g, pure_s, hp, i + 1, **kw)
         bnbf.update_(params, g, state, hp, i + 1, **kw)
-    for k in SHAPES:
-        assert torch.equal(params[k], pure_p[k]), k
-        for a, b in zip(state[k], pure_s[k]):
-            assert torch.equal(a, b), k
+        for k in SHAPES:
+            _assert_same_step(row, hp, params[k], pure_p[k], k)
+            for a, b in zip(state[k], pure_s[k]):
+                assert torch.equal(a, b), k
+                a.copy_(b)
+            params[k].copy_(pure_p[k])
     return params, state
+
+
+def _assert_same_step(row, hp, p, ref, name):
+    """Bit-equal params; for a sign step (Lion), where ptxas may contract β1·m + (1 − β1)·g into an FMA in one
+    kernel and not in the other, two correct evaluations may take opposite signs where that input is zero up to
+    rounding: such an element may differ by one or two lr, and only a few may."""
+    if not row.sign_step:
+        assert torch.equal(p, ref), name
+        return
+    diff = (p - ref).abs()
+    off = diff > 0
+    lr = hp["lr"]
+    assert int(off.sum()) <= max(1, p.numel() // 500), name
+    assert ((diff[off] > 0.9 * lr) & (diff[off] < 2.1 * lr)).all(), name
 
 
 @pytest.mark.parametrize("device", _kernel_devices())

@@ -752,10 +752,11 @@ def _pair_kernel(
     ITERS2: tl.constexpr,
 ):
     """Two groups of one rule (e.g. a model's 8-bit states and the 32-bit states of its small tensors) in one
-    launch: programs below ``split`` run the first group's tasks, the others the second's, each exactly as
+    launch: programs below ``split`` run the first group's tasks, the others the second's, each as
     :func:`_step_kernel` would alone (the usual step: scalars as arguments, no norms, no clipping). One driver
-    launch fewer per step. The second group's tiles run one after the other (no prefetch), so that its code
-    does not raise the registers of the first's."""
+    launch fewer per step. The same arithmetic, but another kernel: ptxas may contract a multiply and an add
+    into an FMA where the other did not (seen once: Lion's sign input at a tie). The second group's tiles run
+    one after the other (no prefetch), so that its code does not raise the registers of the first's."""
     hp = (h0, h1, h2, h3, h4, h5, h6, h7, h8, h9, h10, h11, h12, h13, h14, h15, h16, h17)
     pid = tl.program_id(0)
     if pid < split:
