@@ -16,6 +16,7 @@ from optim_table import ROWS
 
 import bnbf
 from bnbf.kernels import launcher
+from bnbf.quant import dequantize_state_reference
 
 P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
 RICHEST = [
@@ -65,8 +66,8 @@ def _run_both(row, dtype, device, fmt="power", **kw):
         bnbf.update_(params, g, state, hp, i + 1, **kw)
         for k in SHAPES:
             _assert_same_step(row, hp, params[k], pure_p[k], k)
+            _assert_same_state(row, state[k], pure_s[k], k)
             for a, b in zip(state[k], pure_s[k]):
-                assert torch.equal(a, b), k
                 a.copy_(b)
             params[k].copy_(pure_p[k])
     return params, state
@@ -84,6 +85,31 @@ def _assert_same_step(row, hp, p, ref, name):
     lr = hp["lr"]
     assert int(off.sum()) <= max(1, p.numel() // 500), name
     assert ((diff[off] > 0.9 * lr) & (diff[off] < 2.1 * lr)).all(), name
+
+
+def _assert_same_state(row, state, ref, name):
+    """Bit-equal state fields; for a sign step, whose momentum β2·m + (1 − β2)·g ptxas may also contract
+    differently (seen: one block's absmax a rounding apart), the decoded states within a rounding of the float32
+    values: one code at a few elements (at most 2% of the block's absmax), absmax to 1e-6."""
+    if not row.sign_step:
+        for a, b in zip(state, ref):
+            assert torch.equal(a, b), name
+        return
+    layout = type(state).layout
+    if not layout.quantized:
+        for a, b in zip(state, ref):
+            torch.testing.assert_close(a, b, rtol=1e-6, atol=0, msg=name)
+        return
+    for j, slot in enumerate(layout.slots()):
+        codes, absmax, ref_codes, ref_absmax = state[2 * j], state[2 * j + 1], ref[2 * j], ref[2 * j + 1]
+        torch.testing.assert_close(absmax, ref_absmax, rtol=1e-6, atol=0, msg=name)
+        args = (layout.format, slot.signed, layout.block_size)
+        v = dequantize_state_reference(codes, absmax, *args).flatten()
+        w = dequantize_state_reference(ref_codes, ref_absmax, *args).flatten()
+        bound = ref_absmax.repeat_interleave(layout.block_size)[: v.numel()] * 0.02
+        off = v != w
+        assert int(off.sum()) <= max(1, v.numel() // 50), name
+        assert ((v - w).abs() <= bound).all(), name
 
 
 @pytest.mark.parametrize("device", _kernel_devices())
