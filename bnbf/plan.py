@@ -260,6 +260,38 @@ class Plan:
             self._rebuild()  # raises where the leaves no longer make a valid step
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
+    def grads_held(self) -> Any:
+        """For an adapter that steps its params' own ``.grad`` (bnbf_nn): the planned params confirmed (as
+        :meth:`step` confirms them) and their grads read and checked in one call: True where every grad sits
+        where the grad-address tables have it, ``(grads, addresses)`` where they moved, None where a param has no
+        grad or one a step would refuse, or where this plan has no such call (no extension, the generic path,
+        shards, a clip in force): the caller then takes :meth:`step`. Nothing is written."""
+        if NATIVE is None or not self._hold or not self._direct or torch.compiler.is_compiling():
+            return None
+        if self._first_blocks is not None or FIRST_BLOCKS.get() is not None or GRAD_CLIP.get() is not None:
+            return None
+        if not self._confirm(self._params, self._states):
+            self._rebuild()  # raises where the leaves no longer make a valid step
+        return NATIVE.own_grads_at(self._params, self._grad_at)
+
+    def step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:
+        """:meth:`step` with the grads :meth:`grads_held` just found (not None; nothing may change the params
+        or their grads between the two calls). ``options``: skip_zeros, max_unorm, maximize as for
+        :meth:`step`."""
+        grads, at = ((), True) if held is True else held
+        self._checked_step(
+            self._params,
+            self._states,
+            self._tree,
+            grads,
+            at,
+            hparams,
+            step,
+            options.get("skip_zeros", False),
+            options.get("max_unorm", 0.0),
+            options.get("maximize", False),
+        )
+
     def __repr__(self) -> str:
         path = f"{len(self.groups)} launch group(s)" if self._direct else "generic path"
         return f"<bnbf.Plan: {self._n} tensors, rule {self.rule.name!r}, {path}>"
@@ -344,6 +376,23 @@ class Plan:
             )
             return
         grads, at = self._grads(params, states, tree, grad)
+        self._checked_step(params, states, tree, grads, at, hparams, step, skip_zeros, max_unorm, maximize)
+
+    def _checked_step(
+        self,
+        params: list,
+        states: list,
+        tree: Any,
+        grads: Any,
+        at: Any,
+        hparams: Any,
+        step: Any,
+        skip_zeros: Any,
+        max_unorm: Any,
+        maximize: Any,
+    ) -> None:
+        """The direct step with checked grads and their tables' state ``at`` (:meth:`_grads`; ``grads`` may be
+        empty where ``at`` is True and no clip is set: the tables carry them)."""
         rule = self.rule
         h = rule.make_hparams(hparams)
         if h is not self._checked_h:  # make_hparams hands back the same object for the same plain numbers
@@ -352,7 +401,7 @@ class Plan:
             self._checked_h = h
         _check_step(step)
         if self._cuda and torch.cuda.is_current_stream_capturing():
-            self._check_capture(grads, h, step)
+            self._check_capture(grads, at, h, step)
         values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
         if set(map(type, values)) <= _NUMBERS:  # Python numbers reach the kernel as arguments: nothing to upload
             scalars = tuple(map(float, values))
@@ -505,7 +554,7 @@ class Plan:
             kept[1:] = packed, group_rows(kept[0], values, packed, _one_set)
         return kept[2]
 
-    def _check_capture(self, grads: list, h: Any, step: Any) -> None:
+    def _check_capture(self, grads: list, at: Any, h: Any, step: Any) -> None:
         """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read
         freed memory. The step and lr must be tensors on the params' device (a Python number would replay its
         captured value: bias correction, the rounding's seed and a schedule's lr frozen); other Python numbers
@@ -523,7 +572,7 @@ class Plan:
         for name, v in hparam_tensors(h):
             if v.device != device:
                 raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
-        if self._grads_moved(grads):
+        if at is not True and self._grads_moved(grads):
             raise not_capturable(
                 "the grads are not where the last step before the capture had them (their address table "
                 "would be copied from the host); warm up with the grad tensors the graph will use"

@@ -602,9 +602,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         ):
             return False
         ready = []
-        for group, (held, params, n, bucket, records, plan_step) in zip(groups, fast.jobs):
+        for group, (kept, params, n, bucket, records, plan) in zip(groups, fast.jobs):
             memo = bucket.memo
-            if group is not held or group["params"] is not params or len(params) != n or memo is None:
+            if group is not kept or group["params"] is not params or len(params) != n or memo is None:
                 return False
             seen = self._seen(group)
             if not all(map(operator.is_, seen, memo[0])):
@@ -612,15 +612,22 @@ class Optimizer8bit(torch.optim.Optimizer):
                     return False
                 # a new lr (a schedule): validated as _settings does, before any group steps
                 memo = bucket.memo = (seen, (_with_lr(memo[1][0], seen[-1]), memo[1][1]))
+            t = records[0]["step"]
+            if type(t) is not int:
+                return False
+            # the grads read and checked in one call where the plan can (a direct plan, the extension built)
+            held = plan.grads_held()
+            if held is not None:
+                ready.append((bucket, records, plan.step_held, held, memo[1], t + 1))
+                continue
             if NATIVE is not None:
                 grads, every = NATIVE.grads_of(params)
             else:
                 grads = list(map(_GRAD, params))
                 every = None not in grads
-            t = records[0]["step"]
-            if not every or type(t) is not int:
+            if not every:
                 return False
-            ready.append((bucket, records, plan_step, grads, memo[1], t + 1))
+            ready.append((bucket, records, plan.step, grads, memo[1], t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
             bucket.call = call
@@ -648,7 +655,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 return None
             if type(bucket.records[0]["step"]) is not int:
                 return None
-            out.append((group, plan.params, plan.nparams, bucket, bucket.records, bucket.plan.step))
+            out.append((group, plan.params, plan.nparams, bucket, bucket.records, bucket.plan))
         if None in _GLOBAL_HOOKS:
             return None
         mng = GlobalOptimManager.get_instance()
@@ -1182,7 +1189,7 @@ class _Fast(typing.NamedTuple):
     state: Any  # optimizer.state
     mng: GlobalOptimManager
     version: int  # the manager's version
-    jobs: tuple  # per group: (the group, its params list, its length, its one bucket, its records, plan.step)
+    jobs: tuple  # per group: (the group, its params list, its length, its one bucket, its records, its plan)
 
 
 def _set_steps(records: list, t: int) -> None:

@@ -316,6 +316,50 @@ PyObject* grads_of(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   return Py_BuildValue("(NO)", grads, every ? Py_True : Py_False);
 }
 
+// own_grads_at(params, packed) -> None, True or (grads, bytes): grads_fit_at of the params' own .grad in one call
+// (an adapter stepping its params' grads, bnbf_nn): None where some param has no grad or one grads_fit refuses
+// (the caller's general path then names it), True where every grad is at packed's address (native uint64, in
+// order), else the grads as a new list and their addresses packed so.
+PyObject* own_grads_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 2)) return nullptr;
+  PyObject *params = args[0], *packed = args[1];
+  if (!is_seq(params) || !PyBytes_Check(packed)) Py_RETURN_NONE;
+  PyObject* read = grads_of(nullptr, args, 1);  // (grads, every)
+  if (read == nullptr) return nullptr;
+  PyObject* grads = PyTuple_GET_ITEM(read, 0);
+  const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(packed));
+  const Py_ssize_t n_want = PyBytes_GET_SIZE(packed) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  bool moved = true;
+  std::vector<uint64_t> ptrs;
+  try {
+    if (PyTuple_GET_ITEM(read, 1) != Py_True || !grads_fit(params, grads, want, n_want, &moved)) {
+      Py_DECREF(read);
+      Py_RETURN_NONE;
+    }
+    if (!moved) {
+      Py_DECREF(read);
+      Py_RETURN_TRUE;
+    }
+    PyObject** gs = PySequence_Fast_ITEMS(grads);  // checked: plain tensors
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(grads); ++i) {
+      ptrs.push_back(reinterpret_cast<uintptr_t>(THPVariable_Unpack(gs[i]).const_data_ptr()));
+    }
+  } catch (const std::exception&) {  // metadata that cannot be read here: the general path will tell
+    PyErr_Clear();
+    Py_DECREF(read);
+    Py_RETURN_NONE;
+  }
+  const auto size = static_cast<Py_ssize_t>(ptrs.size() * sizeof(uint64_t));
+  PyObject* bytes = PyBytes_FromStringAndSize(reinterpret_cast<const char*>(ptrs.data()), size);
+  if (bytes == nullptr) {
+    Py_DECREF(read);
+    return nullptr;
+  }
+  Py_INCREF(grads);
+  Py_DECREF(read);
+  return Py_BuildValue("(NN)", grads, bytes);
+}
+
 // set_each(dicts, key, value) -> None: dicts[i][key] = value for every i (each a dict): a step count written
 // into every param's state record in one call.
 PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
@@ -351,6 +395,8 @@ PyMethodDef methods[] = {
      "values_if_keys(tree, keys) -> list or None"},
     {"grads_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_of)), METH_FASTCALL,
      "grads_of(params) -> (grads, every)"},
+    {"own_grads_at", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(own_grads_at)), METH_FASTCALL,
+     "own_grads_at(params, packed) -> None, True or (grads, bytes)"},
     {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL,
      "set_each(dicts, key, value) -> None"},
     {nullptr, nullptr, 0, nullptr},
