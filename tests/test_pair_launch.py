@@ -43,9 +43,10 @@ def counted(monkeypatch):
 
 def _problem(row, dtype, device, fmt="power"):
     gen = torch.Generator().manual_seed(1)
-    params = {k: (torch.randn(s, generator=gen) * 0.5).to(dtype).to(device) for k, s in SHAPES.items()}
+    dt = {k: dtype if isinstance(dtype, torch.dtype) else dtype[k] for k in SHAPES}  # one, or one per tensor
+    params = {k: (torch.randn(s, generator=gen) * 0.5).to(dt[k]).to(device) for k, s in SHAPES.items()}
     grads = [
-        {k: (torch.randn(s, generator=gen) * 0.1).to(dtype).to(device) for k, s in SHAPES.items()} for _ in range(2)
+        {k: (torch.randn(s, generator=gen) * 0.1).to(dt[k]).to(device) for k, s in SHAPES.items()} for _ in range(2)
     ]
     grads[1]["w"][:3] = 0.0  # exact zeros (skip_zeros) and a spike
     grads[1]["big"][7] = 40.0
@@ -136,6 +137,15 @@ def test_one_launch_16_bit_params_formats_skip_zeros(dtype, fmt, skip_zeros, dev
     row = next(r for r in ROWS if r.name == "adamw")
     _run_both(row, dtype, device, fmt, skip_zeros=skip_zeros)
     assert len(counted) == 2
+
+
+@pytest.mark.parametrize("device", _kernel_devices())
+def test_one_launch_of_groups_with_different_param_dtypes(device, counted):
+    """float32 params with 8-bit states, bfloat16 params with 32-bit states: each half reads its own dtype."""
+    row = next(r for r in ROWS if r.name == "adamw")
+    dtypes = {k: torch.float32 if k in ("w", "odd", "big") else torch.bfloat16 for k in SHAPES}
+    _run_both(row, dtypes, device)
+    assert len(counted) == 2 and counted[0].a.dtype == torch.float32 and counted[0].b.dtype == torch.bfloat16
 
 
 @pytest.mark.parametrize("device", _kernel_devices())
