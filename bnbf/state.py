@@ -266,7 +266,18 @@ def _allocate(layout: Layout, shape: tuple, device: torch.device, stacks: tuple 
             fields[name] = _row(bufs[per * gi], i, shape, len(g))
             if layout.quantized:
                 fields[name + "_absmax"] = _row(bufs[per * gi + 1], i, (nblocks,), len(g))
+    for t in fields.values():
+        _mark_static(t)
     return fields
+
+
+def _mark_static(t: Tensor) -> None:
+    """Mark a state field as torch.compile's static input, as Dynamo marks an ``nn.Parameter`` (and torch.optim's
+    compiled step its states): an in-place step keeps the field's address, so Inductor need not check its alignment
+    at every call, nor CUDA-graph trees copy it. What ``torch._dynamo.mark_static_address(t, guard=False)`` sets
+    (torch 2.11 to 2.13; tests/test_func_compile.py checks that Dynamo reads it), set here so that making a state
+    does not import Dynamo (~1.4 s)."""
+    t._dynamo_static_input_type = "unguarded"
 
 
 _ROW_ALIGN = 256  # bytes: each row of a stack starts aligned, so the kernels keep their aligned variant

@@ -217,6 +217,33 @@ def test_the_in_place_op_bumps_the_versions_of_what_it_writes():
         y.backward()
 
 
+def test_state_fields_are_static_inputs_of_a_compiled_step():
+    """Every state field is torch.compile's static input (what Dynamo makes of an nn.Parameter): Inductor then
+    skips its per-call alignment check and CUDA-graph trees its copy. Dynamo must read bnbf's mark (set without
+    importing Dynamo) as its own ``mark_static_address``; the params stay ordinary inputs."""
+    from torch._dynamo.utils import get_static_address_type
+
+    params = {"w": torch.randn(64, 80), "b": torch.randn(9)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=100))
+    assert {type(s).layout.bits for s in state.values()} == {8, 32}
+    fields = tree_leaves(state)
+    assert {get_static_address_type(t) for t in fields} == {"unguarded"}
+    seen = []
+
+    def backend(gm, example_inputs):
+        for node in gm.graph.nodes:
+            if node.op == "placeholder":
+                seen.append(node.meta.get("tensor_dict", {}).get("_dynamo_static_input_type"))
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def touch(params, state):
+        return [t.sum() for t in tree_leaves(params)] + [t.float().sum() for t in tree_leaves(state)]
+
+    touch(params, state)
+    assert seen == [None] * len(params) + ["unguarded"] * len(fields)
+
+
 def test_the_ops_take_bnbfs_own_kernels_not_torch_librarys(monkeypatch):
     """The ops' Autograd kernels (and the in-place op's version bump) are bnbf's own, registered over
     torch.library's, which bump each written tensor's version in a Python call of its own and convert the
