@@ -90,8 +90,9 @@ def _assert_same_step(row, hp, p, ref, name):
 
 def _assert_same_state(row, state, ref, name):
     """Bit-equal state fields; for a sign step, whose momentum β2·m + (1 − β2)·g ptxas may also contract
-    differently (seen: one block's absmax a rounding apart), the decoded states within a rounding of the float32
-    values: one code at a few elements (at most 2% of the block's absmax), absmax to 1e-6."""
+    differently (seen on the H200: blocks whose absmax is a rounding apart, so that every decoded value of such
+    a block differs by that rounding), the same state up to it: absmax to 1e-6, at most 2% of the codes another
+    code, and every decoded value within 2% of its block's absmax (one code of the formats' coarsest step)."""
     if not row.sign_step:
         for a, b in zip(state, ref):
             assert torch.equal(a, b), name
@@ -104,12 +105,11 @@ def _assert_same_state(row, state, ref, name):
     for j, slot in enumerate(layout.slots()):
         codes, absmax, ref_codes, ref_absmax = state[2 * j], state[2 * j + 1], ref[2 * j], ref[2 * j + 1]
         torch.testing.assert_close(absmax, ref_absmax, rtol=1e-6, atol=0, msg=name)
+        assert int((codes != ref_codes).sum()) <= max(1, codes.numel() // 50), name
         args = (layout.format, slot.signed, layout.block_size)
         v = dequantize_state_reference(codes, absmax, *args).flatten()
         w = dequantize_state_reference(ref_codes, ref_absmax, *args).flatten()
         bound = ref_absmax.repeat_interleave(layout.block_size)[: v.numel()] * 0.02
-        off = v != w
-        assert int(off.sum()) <= max(1, v.numel() // 50), name
         assert ((v - w).abs() <= bound).all(), name
 
 
