@@ -576,24 +576,26 @@ def _dispatch_pair(pair: Pair, args: tuple, key: tuple) -> Any:
         ROWS=ROWS,
         SOFT_BF16=interpreting(),
         SKIP_ZEROS=skip_zeros,
-        QUANT=a.layout.quantized,
-        P_DTYPE=_TL_DTYPES[a.dtype],
-        BLOCK=a.block,
-        FORMAT=FORMATS[a.fmt],
-        ALIGNED=aligned_a,
-        VEC=VEC[a.fmt],
-        ITERS=ITERS[a.fmt][a.dtype],
+        **_half(a, aligned_a, ""),
+        **_half(b, aligned_b, "2"),
         PREFETCH=_prefetch(a.fmt, a.dtype, a.layout.present, 0),
-        QUANT2=b.layout.quantized,
-        P_DTYPE2=_TL_DTYPES[b.dtype],
-        BLOCK2=b.block,
-        FORMAT2=FORMATS[b.fmt],
-        ALIGNED2=aligned_b,
-        VEC2=VEC[b.fmt],
-        ITERS2=ITERS[b.fmt][b.dtype],
         num_warps=NUM_WARPS,
         **_maxnreg(a.fmt, a.dtype),
     )
+
+
+def _half(group: Group, aligned: bool, suffix: str) -> dict:
+    """The constexprs of one group's half of :func:`_pair_kernel` (names ending in ``suffix``)."""
+    values = {
+        "QUANT": group.layout.quantized,
+        "P_DTYPE": _TL_DTYPES[group.dtype],
+        "BLOCK": group.block,
+        "FORMAT": FORMATS[group.fmt],
+        "ALIGNED": aligned,
+        "VEC": VEC[group.fmt],
+        "ITERS": ITERS[group.fmt][group.dtype],
+    }
+    return {name + suffix: v for name, v in values.items()}
 
 
 def _launches(group: Group, grads: list, n_tiles: int, clip: bool, run, clip_args) -> None:
