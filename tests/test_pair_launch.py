@@ -25,6 +25,8 @@ RICHEST = [
 # 8-bit: the first three (odd sizes, a partial last block); 32-bit: the rest (under min_8bit_size)
 SHAPES = {"w": (24, 40), "odd": (257,), "big": (4097,), "b": (255,), "ln": (33,), "one": (1,)}
 MIN_8BIT = 256
+# the rules the interpreter pass steps paired: one state, four, a sign step, a norm pass (not paired)
+INTERPRETED = {"adamw", "adan", "lion", "lamb"}
 
 
 def _kernel_devices():
@@ -116,6 +118,8 @@ def _assert_same_state(row, state, ref, name):
 @pytest.mark.parametrize("device", _kernel_devices())
 @pytest.mark.parametrize("row", RICHEST, ids=str)
 def test_one_launch_steps_both_groups_exactly(row, device, counted):
+    if torch.device(device).type == "cpu" and row.name not in INTERPRETED:
+        pytest.skip("the interpreter computes both kernels alike: four rules check the plumbing, CUDA runs every rule")
     _, state = _run_both(row, torch.float32, device)
     layouts = {type(s).layout.format for s in state.values()}
     assert layouts == {"power", "fp32"}
