@@ -158,12 +158,31 @@ def breakdown(set_name: str, dtype=DTYPE) -> dict:
         sync()
         return summary(times) * 1e6
 
+    def interleaved(prefix):
+        """update_ and bnbf_nn's step in alternation, so that both meet the same host and GPU state (issue 11's
+        budget: bnbf_nn within 10% of the functional step): their medians and bnbf_nn's as % of update_'s."""
+        a, b = [], []
+        for i in range(200):
+            t0 = time.perf_counter()
+            bnbf.update_(params, grads, state, hp, i + 1)
+            a.append(time.perf_counter() - t0)
+            b.append(nn_step(i, False))
+            if i % 50 == 49:
+                sync()
+        sync()
+        ua, ub = summary(a) * 1e6, summary(b) * 1e6
+        out[f"{prefix}interleaved: update_"] = ua
+        out[f"{prefix}interleaved: bnbf_nn step"] = ub
+        out[f"{prefix}interleaved: bnbf_nn as % of update_"] = 100 * ub / ua
+
     if not CPU:
         out["bnbf_nn.AdamW8bit step"] = nn_us(False)
         out["bnbf_nn.AdamW8bit step, new grads"] = nn_us(True)
+        interleaved("")
     with Stubbed():
         out["python only: bnbf_nn step"] = nn_us(False)
         out["python only: bnbf_nn step, new grads"] = nn_us(True)
+        interleaved("python only: ")
     if CPU:
         return out
     rule = bnbf.RULES["adamw"]
