@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_untouched, snapshot
+from conftest import assert_untouched, snapshot, triton_mode
 
 import bnbf
 import bnbf_nn
@@ -225,7 +225,10 @@ def _same_state_dicts(a: dict, b: dict) -> None:
 def test_the_fast_path_steps_exactly_as_the_general_path(monkeypatch, dtype):
     """Two optimizers over equal params and grads, one with the fast path switched off: bit-equal params and
     states, and identical state dicts, through two groups, a schedule's new lr every step, a param that loses
-    its grad (and gets it back), a group added mid-run and a frozen param."""
+    its grad (and gets it back), a group added mid-run and a frozen param. (The interpreter pass, where plans
+    take the direct path and the grads are read by ``own_grads_at``, runs bf16 only: the plumbing is the same.)"""
+    if dtype == torch.float32 and triton_mode():
+        pytest.skip("the interpreter pass runs the bf16 case")
     seen = _counting(monkeypatch)
     gen = torch.Generator().manual_seed(0)
     made = [torch.randn(s, generator=gen).to(dtype) for s in ODD + ((300,), (9,))]
