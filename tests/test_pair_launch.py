@@ -138,6 +138,8 @@ def test_one_launch_steps_both_groups_exactly(row, device, counted):
     ],
 )
 def test_one_launch_16_bit_params_formats_skip_zeros(dtype, fmt, skip_zeros, device, counted):
+    if torch.device(device).type == "cpu" and (dtype, fmt) in ((torch.bfloat16, "dynamic"), (torch.float16, "power")):
+        pytest.skip("the interpreter pass runs two of the four cases (each dtype and format once)")
     row = next(r for r in ROWS if r.name == "adamw")
     _run_both(row, dtype, device, fmt, skip_zeros=skip_zeros)
     assert len(counted) == 2
