@@ -256,8 +256,8 @@ class Plan:
                 anything is written.
         """
         # traced by torch.compile: the generic path (the compiled checks are opaque to Dynamo)
-        if self._direct and not torch.compiler.is_compiling() and not self._confirm(self._params, self._states):
-            self._rebuild()  # raises where the leaves no longer make a valid step
+        if self._direct and not torch.compiler.is_compiling():
+            self._confirmed()
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
     def grads_held(self) -> Any:
@@ -270,8 +270,7 @@ class Plan:
             return None
         if self._first_blocks is not None or FIRST_BLOCKS.get() is not None or GRAD_CLIP.get() is not None:
             return None
-        if not self._confirm(self._params, self._states):
-            self._rebuild()  # raises where the leaves no longer make a valid step
+        self._confirmed()
         return NATIVE.own_grads_at(self._params, self._grad_at)
 
     def step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:
@@ -330,6 +329,12 @@ class Plan:
             )
         except RuntimeError:  # e.g. a tensor without storage
             return False
+
+    def _confirmed(self) -> None:
+        """The planned leaves confirmed (:meth:`_confirm`), else checked and planned again (raises where they no
+        longer make a valid step)."""
+        if not self._confirm(self._params, self._states):
+            self._rebuild()
 
     def _rebuild(self) -> None:
         _validate(self._tree, self._params, self._states, self._spec, self._spec)

@@ -150,8 +150,8 @@ _CONSTANT = _SCALAR | {tuple}
 
 def _with_lr(h: Any, lr: Any) -> Any:
     """Validated hyperparameters ``h`` (a group's, made from its settings) with another lr: the dataclass made
-    again from its fields with the new lr, so that its checks run as for the group's settings (3.3 us, where
-    the rule's make_hparams of the group's mapping takes 8.5 us, CPU: a schedule's new lr every step)."""
+    again from its fields, so that its checks run as for the group's settings, without remaking it from the
+    group's mapping (a schedule's new lr every step)."""
     return dataclasses.replace(h, lr=lr)
 
 
@@ -595,39 +595,26 @@ class Optimizer8bit(torch.optim.Optimizer):
             or self.state is not fast.state
             or mng is not fast.mng
             or mng.version != fast.version
-            or self._optimizer_step_pre_hooks
-            or self._optimizer_step_post_hooks
-            or any(_GLOBAL_HOOKS)  # _fast_jobs: torch has them (else torch's wrapper runs every step)
-            or _profiling()
+            or not _plain_step(self)  # step hooks or a profiler: torch's wrapper (_fast_jobs: torch has them)
         ):
             return False
         ready = []
         for group, (kept, params, n, bucket, records, plan) in zip(groups, fast.jobs):
-            memo = bucket.memo
-            if group is not kept or group["params"] is not params or len(params) != n or memo is None:
+            if group is not kept or group["params"] is not params or len(params) != n or bucket.memo is None:
                 return False
-            seen = self._seen(group)
-            if not all(map(operator.is_, seen, memo[0])):
-                if type(seen[-1]) not in _NUMBER or not all(map(operator.is_, seen[:-1], memo[0][:-1])):
-                    return False
-                # a new lr (a schedule): validated as _settings does, before any group steps
-                memo = bucket.memo = (seen, (_with_lr(memo[1][0], seen[-1]), memo[1][1]))
+            call = self._settings(group, bucket)  # the memoized check (a schedule's new lr validated), raising first
             t = records[0]["step"]
-            if type(t) is not int:
+            if bucket.memo is None or type(t) is not int:  # settings checked every step, or tensor step counts
                 return False
             # the grads read and checked in one call where the plan can (a direct plan, the extension built)
             held = plan.grads_held()
             if held is not None:
-                ready.append((bucket, records, plan.step_held, held, memo[1], t + 1))
+                ready.append((bucket, records, plan.step_held, held, call, t + 1))
                 continue
-            if NATIVE is not None:
-                grads, every = NATIVE.grads_of(params)
-            else:
-                grads = list(map(_GRAD, params))
-                every = None not in grads
+            grads, every = _grads_of(params)
             if not every:
                 return False
-            ready.append((bucket, records, plan.step, grads, memo[1], t + 1))
+            ready.append((bucket, records, plan.step, grads, call, t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
             bucket.call = call
@@ -635,10 +622,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 plan_step(grads, call[0], t, **call[1])
             else:
                 plan_step(grads, call[0], t)
-            if NATIVE is not None:
-                NATIVE.set_each(records, "step", t)
-            else:
-                _set_steps(records, t)
+            _set_steps(records, t)
         return True
 
     def _fast_jobs(self, jobs: list) -> _Fast | None:
@@ -724,11 +708,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
         params that get their first state this step checked; nothing is written."""
         params = group["params"]
-        if NATIVE is not None:
-            grads, every = NATIVE.grads_of(params)
-        else:
-            grads = list(map(_GRAD, params))
-            every = all(map(operator.is_not, grads, itertools.repeat(None)))
+        grads, every = _grads_of(params)
         plan = self._plans.get(id(group))
         if plan is None or not plan.valid(self, params):
             plan = self._plan(group)
@@ -871,10 +851,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             bucket.plan = bucket.make_plan()
         bucket.plan.step(grads, call[0], t + 1, **call[1])
         # every record's step in one C-level loop (a deque of length 0 consumes the map)
-        if NATIVE is not None:
-            NATIVE.set_each(records, "step", t + 1)
-        else:
-            _set_steps(records, t + 1)
+        _set_steps(records, t + 1)
 
     def _run_modes(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
         """A bucket's step with capturable=True (step counts as 0-d int64 tensors on the params' device, added
@@ -1192,10 +1169,22 @@ class _Fast(typing.NamedTuple):
     jobs: tuple  # per group: (the group, its params list, its length, its one bucket, its records, its plan)
 
 
+def _grads_of(params: list) -> tuple[list, bool]:
+    """Each param's ``.grad`` (None where it has none) and whether every param has one: one compiled call where
+    the extension was built."""
+    if NATIVE is not None:
+        return NATIVE.grads_of(params)
+    grads = list(map(_GRAD, params))
+    return grads, None not in grads
+
+
 def _set_steps(records: list, t: int) -> None:
-    """Every record's step set to ``t`` in one C-level loop (a deque of length 0 consumes the map): the
-    Python twin of the extension's set_each."""
-    collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t)), maxlen=0)
+    """Every record's step set to ``t`` in one call: the extension's set_each, or a C-level loop (a deque of
+    length 0 consumes the map)."""
+    if NATIVE is not None:
+        NATIVE.set_each(records, "step", t)
+    else:
+        collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t)), maxlen=0)
 
 
 @dataclasses.dataclass

@@ -274,7 +274,7 @@ def launch_group(
     else:
         from_ptr, per_tensor, n_hp, floats, hp_row = True, hp.dim() == 2, hp.shape[-1], _NO_FLOATS, hp
     aligned = group.aligned and group.grads_aligned
-    code_ptr = _code_tables(group.device) if group.layout.quantized else group.table  # unused without 8-bit states
+    code_ptr = _codes(group.device, group.layout.quantized, group.table)
     grad_clip = GRAD_CLIP.get()
     folding = grad_clip is not None and grad_clip.folding
     if grad_clip is None or folding:
@@ -380,7 +380,7 @@ def _plain_args(group: Group, grad_table: Tensor, n_hp: int) -> _PlainArgs:
     """The :class:`_PlainArgs` of ``group`` with its current ``grad_table`` and ``n_hp`` scalars: the general path's
     arguments (:func:`_step_args`; the scalar row, norm and clipping pointers are the table's address, unused; the
     code tables' where the states are 8-bit) split around the scalars, and its keys."""
-    code = _code_tables(group.device) if group.layout.quantized else group.table
+    code = _codes(group.device, group.layout.quantized, group.table)
     tensors = (group.table, code, group.table, group.table)
     grid = group.tasks.shape[0]
     args = _step_args(group, grad_table, tensors, grid * ITERS[group.fmt][group.dtype], _NO_FLOATS, 0.0)
@@ -521,8 +521,7 @@ def launch_pair(pair: Pair, hp: tuple, skip_zeros: bool = False) -> None:
 def _pair_args(pair: Pair, n_hp: int) -> tuple:
     """:attr:`Pair.plain_args` for the groups' current grad tables and ``n_hp`` scalars."""
     a, b = pair.a, pair.b
-    quantized = a.layout.quantized or b.layout.quantized
-    code = _code_tables(a.device) if quantized else a.table  # unused without 8-bit states
+    code = _codes(a.device, a.layout.quantized or b.layout.quantized, a.table)
     split = a.tasks.shape[0]
     head = (
         a.table.data_ptr(),
@@ -554,8 +553,7 @@ def _dispatch_pair(pair: Pair, args: tuple, key: tuple) -> Any:
     a, b = pair.a, pair.b
     rule = get_rule(a.layout.rule)
     LAUNCH_KEYS.add(("pair", a.layout.rule, a.fmt, b.fmt, a.layout.present, a.dtype, b.dtype, n_hp, skip_zeros))
-    quantized = a.layout.quantized or b.layout.quantized
-    code = _code_tables(a.device) if quantized else a.table
+    code = _codes(a.device, a.layout.quantized or b.layout.quantized, a.table)
     floats = args[_PAIR_SCALARS_AT : _PAIR_SCALARS_AT + HP_MAX]
     grid = (a.tasks.shape[0] + b.tasks.shape[0],)
     return _pair_kernel[grid](
@@ -696,6 +694,12 @@ def _launch_sums(group: Group, n_tiles: int) -> None:
 
 
 _CODE_TABLES: dict[torch.device, Tensor] = {}
+
+
+def _codes(device: torch.device, quantized: bool, unused: Tensor) -> Tensor:
+    """The code-tables argument of a launch: the tables where it steps 8-bit states, else ``unused`` (any tensor
+    of the device: the kernel does not read it)."""
+    return _code_tables(device) if quantized else unused
 
 
 def _code_tables(device: torch.device) -> Tensor:
