@@ -260,8 +260,9 @@ class Plan:
             self._confirmed()
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
-    def grads_held(self) -> Any:
-        """For an adapter that steps its params' own ``.grad`` (bnbf_nn): the planned params confirmed (as
+    def _grads_held(self) -> Any:
+        """For bnbf_nn, which steps its params' own ``.grad`` (private: :meth:`_step_held` trusts what this returned,
+        nothing between the two calls may move a grad): the planned params confirmed (as
         :meth:`step` confirms them) and their grads read and checked in one call: True where every grad sits
         where the grad-address tables have it, ``(grads, addresses)`` where they moved, None where a param has no
         grad or one a step would refuse, or where this plan has no such call (no extension, the generic path,
@@ -273,8 +274,8 @@ class Plan:
         self._confirmed()
         return NATIVE.own_grads_at(self._params, self._grad_at)
 
-    def step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:
-        """:meth:`step` with the grads :meth:`grads_held` just found (not None; nothing may change the params
+    def _step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:
+        """:meth:`step` with the grads :meth:`_grads_held` just found (not None; nothing may change the params
         or their grads between the two calls). ``options``: skip_zeros, max_unorm, maximize as for
         :meth:`step`."""
         grads, at = ((), True) if held is True else held

@@ -607,9 +607,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             if bucket.memo is None or type(t) is not int:  # settings checked every step, or tensor step counts
                 return False
             # the grads read and checked in one call where the plan can (a direct plan, the extension built)
-            held = plan.grads_held()
+            held = plan._grads_held()
             if held is not None:
-                ready.append((bucket, records, plan.step_held, held, call, t + 1))
+                ready.append((bucket, records, plan._step_held, held, call, t + 1))
                 continue
             grads, every = _grads_of(params)
             if not every:

@@ -182,33 +182,33 @@ def test_meta_match_with_addresses_checks_both_in_one_pass():
 
 
 def test_own_grads_are_read_and_checked_in_one_call(direct):
-    """``own_grads_at`` (bnbf_nn's read of its params' own grads, ``Plan.grads_held``): None where a param has no
+    """``own_grads_at`` (bnbf_nn's read of its params' own grads, ``Plan._grads_held``): None where a param has no
     grad or one the step's check refuses (non-contiguous, a subclass), True where every grad is at the tables'
-    addresses, else the grads and their addresses; ``step_held`` launches from the same tables as ``step``."""
+    addresses, else the grads and their addresses; ``_step_held`` launches from the same tables as ``step``."""
     if P.NATIVE is None:
         pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
     import array
 
     params = [torch.nn.Parameter(torch.randn(s)) for s in SHAPES]
     opt = bnbf.plan(params, bnbf.init_state(params, SPEC))
-    assert opt.grads_held() is None  # no grads yet
+    assert opt._grads_held() is None  # no grads yet
     for p in params[:-1]:
         p.grad = torch.randn_like(p)
-    assert opt.grads_held() is None  # one param without a grad
+    assert opt._grads_held() is None  # one param without a grad
     params[-1].grad = torch.randn_like(params[-1])
-    grads, packed = opt.grads_held()
+    grads, packed = opt._grads_held()
     assert all(a is p.grad for a, p in zip(grads, params, strict=True))
     assert packed == array.array("Q", [p.grad.data_ptr() for p in params]).tobytes()
-    opt.step_held((grads, packed), HP, 1)
+    opt._step_held((grads, packed), HP, 1)
     assert leaf_addresses(opt, direct) == [p.grad.data_ptr() for p in params]
-    assert opt.grads_held() is True  # where the step's tables have them
-    opt.step_held(True, HP, 2)
+    assert opt._grads_held() is True  # where the step's tables have them
+    opt._step_held(True, HP, 2)
     assert leaf_addresses(opt, direct[-len(opt.groups) :]) == [p.grad.data_ptr() for p in params]
     for bad in (torch.randn(4, 3).t(), torch.randn(3, 4).as_subclass(Sub)):
         params[0].grad = bad
-        assert opt.grads_held() is None, type(bad)
+        assert opt._grads_held() is None, type(bad)
     params[0].grad = torch.randn(3, 4)
-    assert opt.grads_held() is not None
+    assert opt._grads_held() is not None
     held = P.NATIVE.own_grads_at
     assert held(params, b"") is not True and held(tuple(params), b"") is not None
     assert held("not a list", b"") is None and held(params, None) is None
