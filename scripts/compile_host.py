@@ -51,8 +51,8 @@ def touch_(params: list[torch.Tensor], grads: list[torch.Tensor], states: list[t
 def stub_launches() -> None:
     """No kernel runs: the plans' launch (eager) and the op's (compiled) return at once."""
     nothing = lambda *a, **k: None
-    launcher.launch_group = nothing
-    P.launch_group = nothing
+    launcher.launch_group = launcher.launch_pair = nothing
+    P.launch_group = P.launch_pair = nothing
 
 
 def host_us(fn, n: int, cuda: bool) -> float:
