@@ -62,7 +62,7 @@ import bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
-ROWS = ("eager", "compile", "graph", "vmap", "paged", "mixed", "clip")
+ROWS = ("eager", "compile", "train", "graph", "vmap", "paged", "mixed", "clip")
 MEMBERS = 8
 
 
@@ -173,6 +173,62 @@ def row_compile(ctx) -> dict:
         "note": f"eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call, of which "
         f"guards {guards}; with inductor size_asserts=False {bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; "
         f"dynamo stats moved by {moved}, {bare_moved} in the timed steps",
+    }
+
+
+def row_train(ctx) -> dict:
+    """A whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model, compiled with
+    ``fullgraph=True`` against the same step eager; lr and step 0-d tensors. Bytes: the optimizer step's alone,
+    so the % column says nothing here; the note gives both times."""
+    import torch._dynamo
+    from torch.func import functional_call, grad_and_value
+
+    from bnbf.demo import CharTransformer
+
+    batch, context = (2, 16) if ctx.device.type == "cpu" else (8, 256)
+    dims = {"vocab": 50257, "dim": 768, "context": 1024, "layers": 12, "heads": 12}
+    if ctx.device.type == "cpu":  # --smoke: the same code on a tiny model
+        dims = {"vocab": 97, "dim": 32, "context": 16, "layers": 2, "heads": 2}
+    torch.manual_seed(0)
+    model = CharTransformer(**dims).to(ctx.device, ctx.dtype)
+    params = {k: v.detach() for k, v in model.named_parameters()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    x = torch.randint(0, dims["vocab"], (batch, context), device=ctx.device)
+    y = torch.randint(0, dims["vocab"], (batch, context), device=ctx.device)
+
+    def loss_fn(p, x, y):
+        logits = functional_call(model, p, (x,))
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+    def train_step(params, state, x, y, lr, i):
+        grads, loss = grad_and_value(loss_fn)(params, x, y)
+        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
+        return loss
+
+    lr = torch.tensor(1e-4, device=ctx.device)
+    t = torch.tensor(1, device=ctx.device)
+    compiled = torch.compile(train_step, fullgraph=True)
+
+    def run(step, i: int) -> None:
+        lr.fill_(1e-4 * 0.999**i)
+        t.fill_(i)
+        step(params, state, x, y, lr, t)
+
+    t0 = time.perf_counter()
+    for i in range(1, 4):  # compiles here
+        run(compiled, i)
+    compile_s = time.perf_counter() - t0
+    torch._dynamo.utils.counters.clear()
+    ms, host = timed(ctx.device, functools.partial(run, compiled), ctx.warmup, ctx.steps, first=4)
+    recompiles = sum(torch._dynamo.utils.counters["stats"].values())
+    eager_ms, eager_host = timed(ctx.device, functools.partial(run, train_step), ctx.warmup, ctx.steps)
+    n = sum(p.numel() for p in params.values())
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes([(k, tuple(p.shape)) for k, p in params.items()], ctx.dtype, "8bit"),
+        "note": f"{len(params)} tensors, {n / 1e6:.0f}M params, batch {batch}x{context}: compiled {ms:.3f} ms "
+        f"(host {host:.3f}), eager {eager_ms:.3f} ms (host {eager_host:.3f}), compiled/eager {ms / eager_ms:.2f}x; "
+        f"first three calls (compiling) {compile_s:.0f} s; dynamo stats moved by {recompiles} in the timed steps",
     }
 
 

@@ -149,6 +149,12 @@ def main() -> None:
             call(i)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as tprof:
+            for i in range(20):
+                call(i)
+        print(tprof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":
