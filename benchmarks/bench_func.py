@@ -226,7 +226,9 @@ def row_train(ctx) -> dict:
     ms, host = timed(ctx.device, functools.partial(run, compiled), ctx.warmup, ctx.steps, first=4)
     recompiles = sum(torch._dynamo.utils.counters["stats"].values())
 
-    def grads_only(params, state, x, y, lr, i):  # the same step without the optimizer: what update_ adds to it
+    # the same step returning its grads instead of stepping: not a clean baseline (returning 150 grads costs host
+    # time of its own; session 15 measured it slower than the step with update_); scripts/train_host.py profiles both
+    def grads_only(params, state, x, y, lr, i):
         return grad_and_value(loss_fn)(params, x, y)
 
     bare = torch.compile(grads_only, fullgraph=True)
