@@ -179,26 +179,25 @@ def row_compile(ctx) -> dict:
     }
 
 
-def row_train(ctx) -> dict:
-    """A whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model, compiled with
-    ``fullgraph=True`` against the same step eager (lr and step 0-d tensors), and against the eager step most
-    users write (``loss.backward()`` on the module, then ``update_``). Bytes: the optimizer step's alone, so
-    the % column says nothing here; the note gives the times."""
-    import torch._dynamo
+def train_case(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
+    """The training step of the ``train`` row and of scripts/train_host.py: a GPT-2-small-shaped
+    ``bnbf.demo.CharTransformer`` (12 layers, 768 wide, untied head; ``tiny``: 2 layers, 32 wide) on ``device`` in
+    ``dtype``, its params as a dict, their 8-bit AdamW state, a batch (8x256; tiny 2x16), and
+    ``train_step(params, state, x, y, lr, i)`` (``grad_and_value`` then ``update_``, returning the loss)."""
     from torch.func import functional_call, grad_and_value
 
     from bnbf.demo import CharTransformer
 
-    batch, context = (2, 16) if ctx.device.type == "cpu" else (8, 256)
     dims = {"vocab": 50257, "dim": 768, "context": 1024, "layers": 12, "heads": 12}
-    if ctx.device.type == "cpu":  # --smoke: the same code on a tiny model
-        dims = {"vocab": 97, "dim": 32, "context": 16, "layers": 2, "heads": 2}
+    batch, context = 8, 256
+    if tiny:
+        dims, batch, context = {"vocab": 97, "dim": 32, "context": 16, "layers": 2, "heads": 2}, 2, 16
     torch.manual_seed(0)
-    model = CharTransformer(**dims).to(ctx.device, ctx.dtype)
+    model = CharTransformer(**dims).to(device, dtype)
     params = {k: v.detach() for k, v in model.named_parameters()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
-    x = torch.randint(0, dims["vocab"], (batch, context), device=ctx.device)
-    y = torch.randint(0, dims["vocab"], (batch, context), device=ctx.device)
+    x = torch.randint(0, dims["vocab"], (batch, context), device=device)
+    y = torch.randint(0, dims["vocab"], (batch, context), device=device)
 
     def loss_fn(p, x, y):
         logits = functional_call(model, p, (x,))
@@ -209,6 +208,19 @@ def row_train(ctx) -> dict:
         bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
         return loss
 
+    return model, params, state, x, y, loss_fn, train_step
+
+
+def row_train(ctx) -> dict:
+    """A whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (:func:`train_case`),
+    compiled with ``fullgraph=True`` against the same step eager (lr and step 0-d tensors), and against the eager
+    step most users write (``loss.backward()`` on the module, then ``update_``). Bytes: the optimizer step's
+    alone, so the % column says nothing here; the note gives the times. ``--smoke``: a tiny model on the CPU."""
+    import torch._dynamo
+    from torch.func import grad_and_value
+
+    model, params, state, x, y, loss_fn, train_step = train_case(ctx.device, ctx.dtype, ctx.device.type == "cpu")
+    batch, context = x.shape
     lr = torch.tensor(1e-4, device=ctx.device)
     t = torch.tensor(1, device=ctx.device)
     compiled = torch.compile(train_step, fullgraph=True)

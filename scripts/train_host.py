@@ -21,12 +21,12 @@ import sys
 import time
 
 import torch
-from torch.func import functional_call, grad_and_value
+from torch.func import grad_and_value
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import bnbf  # noqa: E402
-from bnbf.demo import CharTransformer  # noqa: E402
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
+import bench_func  # noqa: E402
 
 
 def main() -> None:
@@ -35,25 +35,8 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    dims = {"vocab": 50257, "dim": 768, "context": 1024, "layers": 12, "heads": 12}
-    batch, context = 8, 256
-    if args.tiny:
-        dims, batch, context = {"vocab": 97, "dim": 32, "context": 16, "layers": 2, "heads": 2}, 2, 16
-    torch.manual_seed(0)
-    model = CharTransformer(**dims).to(device, torch.bfloat16)
-    params = {k: v.detach() for k, v in model.named_parameters()}
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
-    x = torch.randint(0, dims["vocab"], (batch, context), device=device)
-    y = torch.randint(0, dims["vocab"], (batch, context), device=device)
+    _, params, state, x, y, loss_fn, with_update = bench_func.train_case(device, torch.bfloat16, args.tiny)
     lr, t = torch.tensor(1e-4, device=device), torch.tensor(1, device=device)
-
-    def loss_fn(p, x, y):
-        return torch.nn.functional.cross_entropy(functional_call(model, p, (x,)).flatten(0, 1).float(), y.flatten())
-
-    def with_update(params, state, x, y, lr, i):
-        grads, loss = grad_and_value(loss_fn)(params, x, y)
-        bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
-        return loss
 
     def grads_only(params, state, x, y, lr, i):
         return grad_and_value(loss_fn)(params, x, y)
