@@ -15,6 +15,8 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   ``size_asserts=False`` (its check of every input's size and stride at each call, which Dynamo's guards
   already make), the device kernels one call runs, and the graphs compiled during the timed steps (0);
   ``scripts/compile_host.py`` breaks the host time down further;
+- ``compile_packed``: ``compile`` with the state packed (``init_state(..., packed=True)``: 6 buffers in place
+  of 396 state tensors); the note also gives the eager step of the packed state;
 - ``train``: a whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (12 layers,
   768 wide, untied head: 163M params, 150 tensors), batch 8x256, ``torch.compile(fullgraph=True)`` against the
   same step eager and against the eager step written with ``loss.backward()`` on the module;
@@ -23,6 +25,8 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   the bar is 85% of a copy), with the host time of a call, the part of it torch.func takes on its own (a vmap
   of a function returning its inputs, the same trees) and the device kernels it runs (one step launch per
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
+- ``vmap_packed``: ``vmap`` with the members' state packed; the note also gives the time a step takes when steps
+  run back to back (one synchronize after all of them: what a training loop that never waits sees);
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand; the note gives
   each one's host time (a call has no synchronize: a host time near the step's says the step waits on the
@@ -65,7 +69,7 @@ import bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
-ROWS = ("eager", "compile", "train", "graph", "vmap", "paged", "mixed", "clip")
+ROWS = ("eager", "compile", "compile_packed", "train", "graph", "vmap", "vmap_packed", "paged", "mixed", "clip")
 MEMBERS = 8
 
 
@@ -127,9 +131,9 @@ def _guard_ms(step, f_locals: dict) -> str:
     try:
         from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-        (entry,) = _debug_get_cache_entry_list(step.__code__)
-        check = entry.guard_manager.check
-        assert check(f_locals)
+        # the entry these locals pass (the code may hold another row's compile: per-param and packed state)
+        checks = [e.guard_manager.check for e in _debug_get_cache_entry_list(step.__code__)]
+        (check,) = [c for c in checks if c(f_locals)]
     except Exception:  # noqa: BLE001 - a breakdown figure, not the row
         return "n/a"
     times = []
@@ -140,11 +144,11 @@ def _guard_ms(step, f_locals: dict) -> str:
     return f"{statistics.median(times):.3f} ms"
 
 
-def row_compile(ctx) -> dict:
+def row_compile(ctx, packed: bool = False) -> dict:
     import torch._dynamo
 
     params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=packed)
     torch._dynamo.utils.counters.clear()
     lr = torch.tensor(1e-3, device=ctx.device)
     t = torch.tensor(1, device=ctx.device)
@@ -170,13 +174,22 @@ def row_compile(ctx) -> dict:
     bare_ms, bare_host, bare_moved = figures[False][:3]
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
     eager = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
+    extra = ""
+    if packed:  # the bar's eager step: the per-param state's
+        per_param = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+        eager_pp = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, per_param, HP, i), ctx.warmup, ctx.steps)
+        extra = f"eager per-param state {eager_pp:.3f} ms (compiled packed/eager per-param {ms / eager_pp:.2f}x); "
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call, of which "
+        "note": f"{extra}eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call, of which "
         f"guards {guards}; with inductor size_asserts=False {bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; "
         f"dynamo stats moved by {moved}, {bare_moved} in the timed steps",
     }
+
+
+def row_compile_packed(ctx) -> dict:
+    return row_compile(ctx, packed=True)
 
 
 def train_case(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
@@ -299,11 +312,11 @@ def row_graph(ctx) -> dict:
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
 
 
-def row_vmap(ctx) -> dict:
+def row_vmap(ctx, packed: bool = False) -> dict:
     stacked = [(name, (MEMBERS, *shape)) for name, shape in ctx.shapes]
     params, grads = fresh(stacked, ctx.dtype, ctx.device)
     spec = bnbf.OptimSpec(rule="adamw")
-    init = torch.func.vmap(lambda p: bnbf.init_state(p, spec))
+    init = torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=packed))
     state = init(params)
     step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, HP, i), in_dims=(0, 0, 0, None))
     holder = {"p": params, "s": state}
@@ -320,6 +333,25 @@ def row_vmap(ctx) -> dict:
     # torch.func's own share of the host time: the same vmap of a function that returns its inputs
     ident = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))
     _, ident_host = timed(ctx.device, lambda i: ident(params, grads, state, i), ctx.warmup, ctx.steps)
+    if packed:
+        step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
+        in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
+        n = 4 * ctx.steps
+        bs.sync(ctx.device)
+        t0 = time.perf_counter()
+        for i in range(n):
+            vmapped(i + 2 + ctx.warmup + ctx.steps)
+        bs.sync(ctx.device)
+        back_to_back = (time.perf_counter() - t0) * 1e3 / n
+        return {
+            "ms": ms,
+            "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
+            "note": f"{MEMBERS} members, state in {len(state.buffers)} buffers; host {host:.3f} ms a call, of which "
+            f"torch.func's vmap of the same trees {ident_host:.3f} ms; back to back (mean of {n} steps, one "
+            f"synchronize) {back_to_back:.3f} ms a step ({_pct(ctx, back_to_back)} of copy); address tables built "
+            f"in the {ctx.steps} timed calls: {builds}; {ran}; vmap(update_) {in_place_ms:.3f} ms (host "
+            f"{in_place_host:.3f})",
+        }
     # the loop it replaces: one pure call per member
     members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
     member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
@@ -341,6 +373,16 @@ def row_vmap(ctx) -> dict:
         f"vmap(update_) {in_place_ms:.3f} ms (host {in_place_host:.3f}); "
         f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
     }
+
+
+def row_vmap_packed(ctx) -> dict:
+    return row_vmap(ctx, packed=True)
+
+
+def _pct(ctx, ms: float) -> str:
+    """A time's effective bandwidth as a percentage of the run's copy (8 members' fewest bytes)."""
+    gbs = MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit") / (ms * 1e-3) / 1e9
+    return f"{100 * gbs / ctx.copy:.0f}%" if ctx.copy else "n/a"
 
 
 def _member_builds() -> int:
@@ -458,9 +500,9 @@ def row_clip(ctx) -> dict:
 
 
 class Ctx:
-    def __init__(self, device, set_name, shapes, dtype, warmup, steps):
+    def __init__(self, device, set_name, shapes, dtype, warmup, steps, copy=0.0):
         self.device, self.set_name, self.shapes, self.dtype = device, set_name, shapes, dtype
-        self.warmup, self.steps = warmup, steps
+        self.warmup, self.steps, self.copy = warmup, steps, copy  # copy: the run's copy bandwidth, GB/s
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -482,7 +524,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for set_name in args.sets.split(","):
         for dname in args.dtypes.split(","):
-            ctx = Ctx(device, set_name, sets[set_name](), bs.DTYPES[dname], args.warmup, args.steps)
+            ctx = Ctx(device, set_name, sets[set_name](), bs.DTYPES[dname], args.warmup, args.steps, copy)
             for row in args.rows.split(","):
                 try:
                     r = globals()[f"row_{row}"](ctx)

@@ -22,6 +22,7 @@ from bnbf import compose, distributed, paged
 from bnbf._dispatch import use_triton
 from bnbf.compose import apply_updates, apply_updates_, clip_grad_norm, clip_grad_norm_, updates
 from bnbf.functional import dequantize_state, hparams_for, init_state, update, update_
+from bnbf.packed import PackedState, pack_state
 from bnbf.plan import Plan, plan
 from bnbf.quant import create_dynamic_map, dequantize_blockwise, quantize_blockwise
 from bnbf.rules import RULES, register_rule
@@ -42,12 +43,14 @@ __all__ = [
     "updates",
     "Layout",
     "OptimSpec",
+    "PackedState",
     "Plan",
     "create_dynamic_map",
     "dequantize_blockwise",
     "dequantize_state",
     "hparams_for",
     "init_state",
+    "pack_state",
     "plan",
     "quantize_blockwise",
     "state_nbytes",

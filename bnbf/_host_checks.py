@@ -77,13 +77,18 @@ def _check_present(rule: Any, h: Any, states: list) -> None:
     """The states keep exactly the slots these hyperparameters use (e.g. a momentum buffer)."""
     want = present_mask(rule, h)
     for s in states:
-        have = s.layout.present
+        have = _layout(s).present
         if have != want:
             names = lambda mask: [slot.name for j, slot in enumerate(rule.states) if (mask >> j) & 1]
             raise ValueError(
                 f"the state keeps {names(have)} but these {rule.name} hyperparameters need {names(want)}; "
                 f"build the state with bnbf.init_state(params, spec, hparams) using the same hyperparameters"
             )
+
+
+def _layout(s: Any) -> Layout:
+    """A state's layout; a layout as it is (a packed state's checks pass its groups' layouts)."""
+    return s if isinstance(s, Layout) else type(s).layout
 
 
 def _check_step(step: Any) -> None:
@@ -417,7 +422,7 @@ def check_not_differentiated(
 
 def _refuse(what: str, states: list, in_place: bool) -> None:
     fix = f"pass differentiable=True to bnbf.{'update_' if in_place else 'update'} to differentiate through the step"
-    if any(type(s).layout.quantized for s in states):
+    if any(_layout(s).quantized for s in states):
         fix += (
             ", with 32-bit state (OptimSpec(state_bits=32)): differentiable=True needs 32-bit state, 8-bit "
             "states are rounded to codes, which have no gradient"

@@ -31,6 +31,8 @@ from bnbf._host_checks import (
     _unflatten,
     unaddressable,
 )
+from bnbf.packed import PackedState, pack_state
+from bnbf.packed import update as packed_update
 from bnbf.differentiable import update as differentiable_update
 from bnbf.differentiable import update_ as differentiable_update_
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
@@ -47,7 +49,7 @@ from bnbf.rules import get_rule
 from bnbf.state import Layout, OptimSpec, is_state, new_state
 
 
-def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
+def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool = False) -> Any:
     """Zero optimizer state for a tensor or a pytree of tensors.
 
     Args:
@@ -56,6 +58,10 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
         hparams: the hyperparameters the state will be updated with, where they decide which states are
             kept or their initial values (SGD/RMSprop momentum, RMSprop centered, Adagrad's
             initial_accumulator_value); the rule's defaults otherwise.
+        packed: return a :class:`bnbf.packed.PackedState`, the same state in a few flat buffers (one per param
+            dtype, layout and field), which ``torch.func.vmap`` and ``torch.compile`` handle at a cost per buffer
+            rather than per tensor; ``update``/``update_`` take it as they take the per-param state. One
+            ``OptimSpec`` (one rule), one device, not paged.
 
     Returns:
         A state NamedTuple per tensor, in the same pytree structure. 8-bit states hold uint8 codes and
@@ -67,6 +73,12 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
         >>> type(s).__name__, s.exp_avg.dtype
         ('adamw_state_8bit_power_b256_s3', torch.uint8)
     """
+    if packed is not False:
+        if packed is not True:
+            raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
+        if not isinstance(spec, OptimSpec) or spec.paged:
+            raise ValueError("a packed state takes one OptimSpec (one rule), not paged")
+        return pack_state(init_state(param, spec, hparams), param)
     if not isinstance(spec, OptimSpec) or not _shared(hparams):
         if isinstance(spec, OptimSpec) or callable(spec) or isinstance(spec, (Mapping, list, tuple)):
             return _compose().init_state(param, spec, hparams)  # per-leaf specs or hyperparameters
@@ -153,6 +165,9 @@ def update(
         >>> p2
         tensor([0.9000, 0.9000, 0.9000])
     """
+    if type(state) is PackedState:
+        return _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, differentiable,
+                              max_grad_norm, in_place=False)  # fmt: skip
     if differentiable is not False:
         _check_differentiable(differentiable)
         grad = _clipped_differentiably(grad, max_grad_norm)
@@ -189,7 +204,7 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             if vmapped:
-                ps, gs = [_vmap_input(call.params[i]) for i in idx], [_vmap_input(call.grads[i]) for i in idx]
+                ps, gs = [ops.vmap_input(call.params[i]) for i in idx], [ops.vmap_input(call.grads[i]) for i in idx]
             else:
                 ps = [call.params[i].detach().contiguous() for i in idx]
                 gs = [call.grads[i].detach().contiguous() for i in idx]
@@ -201,11 +216,6 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
                 new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
                 new_states[i] = make(out_s[k * per : (k + 1) * per])
     return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
-
-
-def _vmap_input(t: Tensor) -> Tensor:
-    """A tensor for the op under vmap: batched as it is (the batching rule lays it out), others as outside."""
-    return t if _functorch.is_batchedtensor(t) else t.detach().contiguous()
 
 
 def update_(
@@ -251,6 +261,9 @@ def update_(
     leaves requiring grad (``nn.Parameter``) are stepped as torch.optim steps them, and grads that require
     grad are taken detached, as torch.optim takes them.
     """
+    if type(state) is PackedState:
+        return _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, differentiable,
+                              max_grad_norm, in_place=True)  # fmt: skip
     if differentiable is not False:
         _check_differentiable(differentiable)
         grad = _clipped_differentiably(grad, max_grad_norm)
@@ -401,6 +414,22 @@ def _compose():
     from bnbf import compose  # compose builds on this module
 
     return compose
+
+
+def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, differentiable, max_grad_norm,
+                   *, in_place):  # fmt: skip
+    """``update``/``update_`` of a :class:`bnbf.packed.PackedState`: the options it does not take refused first."""
+    if differentiable is not False:
+        _check_differentiable(differentiable)
+        raise ValueError("differentiable=True takes the per-param state (init_state without packed=True)")
+    if max_grad_norm is not None:
+        raise ValueError("max_grad_norm is not supported with a packed state; clip the grads before the step")
+    if not _shared(hparams):
+        raise ValueError("a packed state takes one mapping of hyperparameters for every leaf (no per-leaf ones)")
+    leaves = _flatten(param)[0]
+    if any(map(is_dtensor, leaves)):
+        raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
+    return packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=in_place)
 
 
 @functools.cache

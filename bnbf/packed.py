@@ -1,0 +1,563 @@
+"""A packed state: the state of every leaf of a tree in a few flat buffers, for torch.func transforms and
+torch.compile.
+
+``torch.func.vmap`` wraps and unwraps every tensor of its inputs and outputs, Dynamo guards every tensor input of
+a compiled function and Inductor checks each one at every call: a cost per tensor, and the per-param state is most
+of an optimizer step's tensors (GPT-2 small with 8-bit AdamW: 396 state tensors beside 148 params and 148 grads).
+:func:`bnbf.init_state` with ``packed=True`` lays the same state out in one buffer per (param dtype, state layout,
+field) instead (6 buffers for GPT-2), with each leaf's part at a fixed offset; the step is the same kernel, whose
+address table points into the buffers, and the same reference code on views of them, so a packed step equals the
+per-param step bit for bit.
+
+A :class:`PackedState` is a pytree whose children are only the buffers; where each leaf's state lies (the tree's
+structure, shapes, offsets) is its static part, a :class:`PackedMeta`. :meth:`PackedState.unpack` gives the
+per-param state (views of the buffers: checkpoints, :func:`bnbf.dequantize_state`); :func:`pack_state` packs a
+per-param state. Each leaf's part of a buffer starts 256-byte aligned; the bytes between parts are unspecified.
+
+The step's ops, ``bnbf::packed_step`` (pure) and ``bnbf::packed_step_`` (in place), take a layout group's params,
+grads and buffers and the meta's key. Under ``vmap`` every member of a stacked buffer is stepped as its own state,
+all members in one launch on the Triton path (:mod:`bnbf.kernels.members`), as the per-param step does.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import operator
+import weakref
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
+from torch._C import _functorch
+from torch.utils import _pytree as pytree
+
+from bnbf import ops
+from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
+from bnbf._host_checks import (
+    _check_grad,
+    _check_leaves,
+    _check_param,
+    _check_present,
+    _check_step,
+    _flatten,
+    _grads_ok,
+    _hparams_traced,
+    _names,
+    _refuse,
+    _unflatten,
+    check_not_differentiated,
+    hparam_tensors,
+    is_state,
+)
+from bnbf.plan import _scalars, scalar_row
+from bnbf.reference import reference_step
+from bnbf.rules import get_rule
+from bnbf.state import Layout, _mark_static, state_class
+
+_ALIGN = 256  # bytes: each leaf's part of a buffer starts aligned, so the kernels keep their aligned variant
+
+
+class PackedGroup(NamedTuple):
+    """The leaves stepped by one launch (one param dtype, one state layout) and where their state lies: buffer
+    ``first + f`` holds field ``f`` of every leaf of the group, leaf ``k``'s part at ``offsets[f][k]`` (elements),
+    ``numels[f][k]`` long."""
+
+    layout: Layout
+    dtype: torch.dtype
+    leaves: tuple
+    first: int
+    offsets: tuple
+    numels: tuple
+
+
+_KEYS = itertools.count()
+_METAS: weakref.WeakValueDictionary = weakref.WeakValueDictionary()  # key -> meta, for the ops (ints only)
+
+
+class PackedMeta:
+    """The static part of a :class:`PackedState`: the params' tree structure, shapes and dtypes, the layout groups
+    and the buffers' sizes. Made once per :func:`init_state`/:func:`pack_state`; every state stepped from it shares
+    it (the ops name it by ``key``, an int unique in this process)."""
+
+    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "__weakref__")
+
+    def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
+        self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = spec, shapes, dtypes, rule, groups, sizes
+        self.key = next(_KEYS)
+        _METAS[self.key] = self
+
+    def __reduce__(self):  # unpickled: a meta of this process (its own key)
+        return PackedMeta, (self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes)
+
+    def __repr__(self) -> str:
+        return f"PackedMeta({len(self.shapes)} leaves, rule {self.rule!r}, {len(self.sizes)} buffers)"
+
+
+class PackedState:
+    """The optimizer state of a tree of params in flat buffers (see the module's docstring).
+
+    Attributes:
+        buffers: the buffers, a tuple of 1-D tensors (``[members, n]`` where stacked by ``vmap``).
+        meta: the :class:`PackedMeta`.
+    """
+
+    __slots__ = ("buffers", "meta")
+
+    def __init__(self, buffers: Any, meta: PackedMeta):
+        self.buffers = tuple(buffers)
+        self.meta = meta
+
+    def unpack(self) -> Any:
+        """The per-param state (a state NamedTuple per leaf, in the params' structure) as views of the buffers:
+        writes to either are seen by the other. Stacked buffers ``[members, n]`` give stacked fields."""
+        meta = self.meta
+        out: list = [None] * len(meta.shapes)
+        for g in meta.groups:
+            make = state_class(g.layout)._make
+            bufs = self.buffers[g.first : g.first + len(g.offsets)]
+            for k, i in enumerate(g.leaves):
+                out[i] = make(_views_of(bufs, g, k, meta.shapes[i]))
+        return _unflatten(out, meta.spec)
+
+    def __repr__(self) -> str:
+        shapes = ", ".join(f"{b.dtype} {list(b.shape)}" for b in self.buffers)
+        return f"PackedState({len(self.meta.shapes)} leaves, rule {self.meta.rule!r}, buffers: {shapes})"
+
+
+pytree.register_pytree_node(
+    PackedState,
+    lambda s: (list(s.buffers), s.meta),
+    lambda buffers, meta: PackedState(buffers, meta),
+    serialized_type_name="bnbf.PackedState",
+    flatten_with_keys_fn=lambda s: ([(pytree.SequenceKey(i), b) for i, b in enumerate(s.buffers)], s.meta),
+)
+
+
+def _field_shapes(layout: Layout, shape: torch.Size) -> list[tuple]:
+    return [s for s, _ in layout.expected(torch.Size(shape)).values()]
+
+
+def _views_of(bufs: tuple, g: PackedGroup, k: int, shape: torch.Size) -> list[Tensor]:
+    """Leaf ``k`` of group ``g``: its fields as views of the buffers (leading dims of stacked buffers kept)."""
+    return [
+        b.narrow(-1, g.offsets[f][k], g.numels[f][k]).view((*b.shape[:-1], *s))
+        for f, (b, s) in enumerate(zip(bufs, _field_shapes(g.layout, shape)))
+    ]
+
+
+def _group_views(bufs: list, g: PackedGroup, shapes: tuple) -> list[Tensor]:
+    """Every field of every leaf of ``g`` in :func:`bnbf.kernels.launcher.build_group`'s order."""
+    return [v for k, i in enumerate(g.leaves) for v in _views_of(tuple(bufs), g, k, shapes[i])]
+
+
+def _aligned(n: int, itemsize: int) -> int:
+    per = _ALIGN // itemsize
+    return -(-n // per) * per
+
+
+def pack_state(state: Any, param: Any) -> PackedState:
+    """The per-param ``state`` of ``param`` (from :func:`bnbf.init_state`) as a :class:`PackedState` (a copy).
+
+    Args:
+        state: a state NamedTuple per leaf, in ``param``'s structure, all of one rule.
+        param: the params the state is for (their dtypes decide the launch groups).
+
+    Returns:
+        A :class:`PackedState` whose :meth:`~PackedState.unpack` equals ``state``.
+
+    Example:
+        >>> p = {"w": torch.zeros(4096), "b": torch.zeros(8)}
+        >>> s = bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule="adamw")), p)
+        >>> [tuple(b.shape) for b in s.buffers]
+        [(4096,), (16,), (4096,), (16,), (64,), (64,)]
+    """
+    params, spec = _flatten(param)
+    states, s_spec = _flatten(state, is_leaf=is_state)
+    if not params:
+        raise ValueError("pack_state needs at least one tensor")
+    if s_spec != spec or not all(map(is_state, states)):
+        raise ValueError("pack_state: the state's structure does not match the params' (one state per param)")
+    for i, p in enumerate(params):
+        if not isinstance(p, Tensor):
+            _check_param(p, _names(param)[i])
+    _check_leaves(param, params, states)
+    rules = {s.layout.rule for s in states}
+    if len(rules) > 1:
+        raise ValueError(f"a packed state holds one rule's states, got {sorted(rules)} (use the per-param state)")
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(f"a packed state lives on one device, got params on {sorted(map(str, devices))}")
+    by_kind: dict = {}
+    for i, (p, s) in enumerate(zip(params, states)):
+        by_kind.setdefault((p.dtype, s.layout), []).append(i)
+    groups, sizes, pieces = [], [], []
+    for (dtype, layout), leaves in by_kind.items():
+        offsets, numels = [], []
+        for f, (_, fdtype) in enumerate(layout.expected(torch.Size(params[leaves[0]].shape)).values()):
+            itemsize = torch.empty((), dtype=fdtype).element_size()
+            at, offs, ns, parts = 0, [], [], []
+            for i in leaves:
+                field = states[i][f]
+                n = field.numel()
+                offs.append(at)
+                ns.append(n)
+                pad = _aligned(n, itemsize) - n
+                parts.append(field.detach().reshape(-1))
+                if pad:
+                    parts.append(field.new_zeros(pad))
+                at += n + pad
+            offsets.append(tuple(offs))
+            numels.append(tuple(ns))
+            sizes.append((fdtype, at))
+            pieces.append(parts)
+        first = len(sizes) - len(offsets)
+        groups.append(PackedGroup(layout, dtype, tuple(leaves), first, tuple(offsets), tuple(numels)))
+    shapes = tuple(torch.Size(p.shape) for p in params)
+    meta = PackedMeta(spec, shapes, tuple(p.dtype for p in params), rules.pop(), tuple(groups), tuple(sizes))
+    buffers = []
+    for parts in pieces:
+        b = torch.cat(parts)
+        _mark_static(b)
+        buffers.append(b)
+    return PackedState(buffers, meta)
+
+
+# ---- the step -----------------------------------------------------------------------------------------------------
+
+
+def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm, maximize, *, in_place: bool):
+    """:func:`bnbf.update` (``in_place``: :func:`bnbf.update_`) of a packed state: every check first, then one op
+    call per layout group. Returns ``(new_param, new_state)`` (in place: the inputs)."""
+    meta = state.meta
+    params, spec = _flatten(param)
+    grads, g_spec = _flatten(grad)
+    buffers = state.buffers
+    _check_tree(param, params, spec, grads, g_spec, buffers, meta, in_place)
+    rule = get_rule(meta.rule)
+    layouts = [g.layout for g in meta.groups]
+    if torch.compiler.is_compiling():  # hyperparameters unread (traced as inputs), the rest as _prepare_traced
+        h = _hparams_traced(rule, hparams)
+        grad_mode = torch.is_grad_enabled()
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if grad_mode and (g.requires_grad or (not in_place and p.requires_grad)):
+                _refuse(f"{'grad' if g.requires_grad else 'param'}{_names(param)[i]}", layouts, in_place)
+        for name, t in hparam_tensors(h, step, max_unorm):
+            if grad_mode and t.requires_grad:
+                _refuse(f"the hyperparameter {name}", layouts, in_place)
+        if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
+            raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+    else:
+        check_not_differentiated(param, params, grads, hparams, step, max_unorm, layouts, in_place=in_place)
+        vmapped = _functorch.maybe_current_level() is not None
+        batched = vmapped and any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(hparams, step))
+        h = _hparams_traced(rule, hparams) if batched else rule.make_hparams(hparams)
+        if vmapped:
+            if isinstance(step, bool) or not isinstance(step, (int, Tensor)):
+                raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+        else:
+            _check_step(step)
+    _check_present(rule, h, layouts)
+    values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+    device = buffers[0].device
+    row = ops.traced_scalar_row(values, device) if torch.compiler.is_compiling() else scalar_row(values, device)
+    vmapped = ops.vmap_level() is not None
+    new_params: list = [None] * len(params)
+    new_buffers: list = [None] * len(buffers)
+    with torch.no_grad():
+        for gi, g in enumerate(meta.groups):
+            if vmapped:
+                ps = [ops.vmap_input(params[i]) for i in g.leaves]
+                gs = [ops.vmap_input(grads[i]) for i in g.leaves]
+            else:
+                ps = [params[i] if in_place else params[i].detach().contiguous() for i in g.leaves]
+                gs = [grads[i].detach().contiguous() for i in g.leaves]
+            bufs = list(buffers[g.first : g.first + len(g.offsets)])
+            if in_place:
+                step_(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+                continue
+            out_p, out_b = step_pure(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+            for k, i in enumerate(g.leaves):
+                new_params[i] = out_p[k]
+            new_buffers[g.first : g.first + len(out_b)] = out_b
+    if in_place:
+        return param, state
+    return _unflatten(new_params, spec), PackedState(new_buffers, meta)
+
+
+_SHAPE, _DTYPE, _DEVICE = operator.attrgetter("shape"), operator.attrgetter("dtype"), operator.attrgetter("device")
+
+
+def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, in_place: bool) -> None:
+    """The params, grads and buffers fit the packed state: the tree's structure, each leaf's shape and dtype, one
+    device, the buffers' sizes; the precise error of the first that does not (nothing has been written). Eager
+    calls check all leaves in C-level maps first; a traced call checks each leaf (at trace time)."""
+    if spec != meta.spec:
+        raise ValueError(
+            "the params' tree structure does not match the packed state's (it was built by init_state/pack_state "
+            f"for {len(meta.shapes)} leaves in another structure): {spec} vs {meta.spec}"
+        )
+    if g_spec != spec:
+        raise ValueError("grad must have the same structure as param")
+    device = buffers[0].device if buffers else None
+    compiling = torch.compiler.is_compiling()
+    if compiling or not (
+        all(isinstance(t, Tensor) for t in itertools.chain(params, grads))
+        and tuple(map(_SHAPE, params)) == meta.shapes
+        and tuple(map(_DTYPE, params)) == meta.dtypes
+        and set(map(_DEVICE, params)) == {device}
+        and _grads_ok(params, grads)
+    ):
+        for i, (p, g) in enumerate(zip(params, grads)):
+            fits = isinstance(p, Tensor) and p.shape == meta.shapes[i] and p.dtype == meta.dtypes[i]
+            fits = fits and p.device == device and p.layout == torch.strided and isinstance(g, Tensor)
+            if fits and g.layout == torch.strided and g.shape == p.shape and g.dtype == p.dtype and g.device == device:
+                continue
+            name = _names(param)[i]
+            _check_param(p, name)
+            if p.shape != meta.shapes[i] or p.dtype != meta.dtypes[i]:
+                raise ValueError(
+                    f"param{name} is {p.dtype} {list(p.shape)} but the packed state was built for "
+                    f"{meta.dtypes[i]} {list(meta.shapes[i])}"
+                )
+            if p.device != device:
+                raise ValueError(f"param{name} is on {p.device} but the packed state is on {device}")
+            _check_grad(name, p, g)
+    if len(buffers) != len(meta.sizes):
+        raise ValueError(f"the packed state has {len(buffers)} buffers, its layout {len(meta.sizes)}")
+    for k, (b, (dtype, n)) in enumerate(zip(buffers, meta.sizes)):
+        if not isinstance(b, Tensor) or b.dtype != dtype or tuple(b.shape) != (n,) or b.device != device:
+            what = f"{b.dtype} {list(b.shape)} on {b.device}" if isinstance(b, Tensor) else type(b).__name__
+            hint = " (a state stacked by vmap is stepped under vmap)" if isinstance(b, Tensor) and b.dim() > 1 else ""
+            raise ValueError(f"packed state buffer {k} is {what}, its layout needs {dtype} [{n}] on {device}{hint}")
+        if not b.is_contiguous():
+            raise ValueError(f"packed state buffer {k} must be contiguous")
+    if in_place and not all(map(Tensor.is_contiguous, params)):
+        i = next(i for i, p in enumerate(params) if not p.is_contiguous())
+        raise ValueError(f"param{_names(param)[i]} must be contiguous to be stepped in place with a packed state")
+
+
+# ---- the ops and their dispatch -------------------------------------------------------------------------------------
+
+
+def step_(params, grads, buffers, hp, key: int, gi: int, skip_zeros: bool, clip: bool) -> None:
+    """The in-place step of layout group ``gi``: eager calls straight to the launcher, calls under ``vmap`` on the
+    stacked tensors, anything else (traced, subclasses) through the op's dispatch."""
+    if ops._direct(params, grads, buffers, hp):
+        return _run(params, params, grads, buffers, buffers, hp, key, gi, skip_zeros, clip)
+    if ops.vmap_level() is not None:
+        return _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, in_place=True)
+    return _packed_step_op_(params, grads, buffers, hp, key, gi, skip_zeros, clip)
+
+
+def step_pure(params, grads, buffers, hp, key: int, gi: int, skip_zeros: bool, clip: bool):
+    """The pure step of layout group ``gi``: ``(new params, new buffers)``; dispatched as :func:`step_`."""
+    if ops._direct(params, grads, buffers, hp):
+        return _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip)
+    if ops.vmap_level() is not None:
+        return _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, in_place=False)
+    return _packed_step_op(params, grads, buffers, hp, key, gi, skip_zeros, clip)
+
+
+def _meta(key: int) -> PackedMeta:
+    meta = _METAS.get(key)
+    if meta is None:
+        raise RuntimeError(f"bnbf: no live packed state has key {key} (its PackedState was freed)")
+    return meta
+
+
+def _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip):
+    new_params = list(map(torch.empty_like, params))
+    new_buffers = list(map(torch.empty_like, buffers))
+    _run(params, new_params, grads, buffers, new_buffers, hp, key, gi, skip_zeros, clip)
+    return new_params, new_buffers
+
+
+def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None:
+    meta = _meta(key)
+    g = meta.groups[gi]
+    ops._refuse_capture(p_in[0].device)
+    if use_triton(p_in[0]):
+        from bnbf.kernels.launcher import launch_group
+
+        with BUILD_LOCK:
+            group = _group(p_in, p_out, b_in, b_out, meta, gi)
+        with launch_lock(p_in[0].device.type == "cpu"):
+            launch_group(group, grads, hp, skip_zeros, clip)
+        return
+    if p_out is p_in:
+        ops._check_disjoint(p_in, b_in)
+    s_in = _group_views(b_in, g, meta.shapes)
+    s_out = s_in if b_out is b_in else _group_views(b_out, g, meta.shapes)
+    reference_step(p_in, p_out, grads, s_in, s_out, hp, g.layout, skip_zeros, clip)
+
+
+# launcher groups by the addresses of their tensors and the meta's key (which fixes sizes and offsets): a hit is
+# right whatever tensors now sit at those addresses; views of the buffers are made only on a miss
+_GROUPS: collections.OrderedDict = collections.OrderedDict()
+_CACHE_SIZE = 16
+
+
+def _ptrs(ts) -> tuple:
+    return tuple(map(Tensor.data_ptr, ts))
+
+
+def _cache_put(key: tuple, group: Any) -> None:
+    _GROUPS[key] = group
+    if len(_GROUPS) > _CACHE_SIZE:
+        _GROUPS.popitem(last=False)
+
+
+def _group(p_in, p_out, b_in, b_out, meta: PackedMeta, gi: int):
+    from bnbf.kernels.launcher import build_group
+
+    in_place = p_out is p_in
+    key = (meta.key, gi, p_in[0].device, _ptrs(p_in), None if in_place else _ptrs(p_out), _ptrs(b_in), _ptrs(b_out))
+    hit = _GROUPS.get(key)
+    if hit is not None:
+        _GROUPS.move_to_end(key)
+        return hit
+    if in_place:  # once per set of addresses: a hit is the same memory
+        ops._check_disjoint(p_in, b_in)
+    g = meta.groups[gi]
+    s_in = _group_views(b_in, g, meta.shapes)
+    s_out = s_in if in_place else _group_views(b_out, g, meta.shapes)
+    group = build_group(p_in, p_out, s_in, s_out, g.layout)
+    _cache_put(key, group)
+    return group
+
+
+@torch.library.custom_op("bnbf::packed_step_", mutates_args=("params", "buffers"))
+def _packed_step_op_(
+    params: list[Tensor], grads: list[Tensor], buffers: list[Tensor], hp: Tensor, key: int, group: int,
+    skip_zeros: bool, clip: bool,
+) -> None:  # fmt: skip
+    _run(params, params, grads, buffers, buffers, hp, key, group, skip_zeros, clip)
+
+
+@_packed_step_op_.register_fake
+def _(params, grads, buffers, hp, key, group, skip_zeros, clip) -> None:
+    return None
+
+
+@torch.library.custom_op("bnbf::packed_step", mutates_args=())
+def _packed_step_op(
+    params: list[Tensor], grads: list[Tensor], buffers: list[Tensor], hp: Tensor, key: int, group: int,
+    skip_zeros: bool, clip: bool,
+) -> tuple[list[Tensor], list[Tensor]]:  # fmt: skip
+    return _impl(params, grads, buffers, hp, key, group, skip_zeros, clip)
+
+
+@_packed_step_op.register_fake
+def _(params, grads, buffers, hp, key, group, skip_zeros, clip):
+    return [torch.empty_like(p) for p in params], [torch.empty_like(b) for b in buffers]
+
+
+# ---- vmap -----------------------------------------------------------------------------------------------------------
+
+
+def _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, *, in_place: bool):
+    """The step under a ``vmap`` innermost: every member of the stacked params and buffers stepped as its own
+    tensor and state (one launch on the Triton path), written into stacked outputs, or in place into the stacked
+    inputs. Refused with a clear error where the inputs are still wrapped by an outer transform."""
+    level, size = ops.vmap_level()
+    (ps, p_dims), (gs, g_dims), (bs, b_dims) = ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(buffers, level)
+    hp_u, h_dim = _functorch._unwrap_batched(hp, level)
+    if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
+        raise RuntimeError(
+            "bnbf: a packed state under nested torch.func transforms (vmap of vmap, grad of vmap) is not supported; "
+            "use the per-param state (init_state without packed=True)"
+        )
+    meta, g = _meta(key), None
+    g = meta.groups[gi]
+    with torch._C._DisableFuncTorch():
+        if in_place:
+            unbatched = [k for k, d in enumerate(itertools.chain(p_dims, b_dims)) if d is None]
+            if unbatched:
+                raise RuntimeError(
+                    "bnbf: the in-place step under vmap writes each member's params and state, so both must be "
+                    "batched (a tensor shared by every member cannot take each member's step in place)"
+                )
+            wp, wb = ops._in_place(ps, p_dims), ops._in_place(bs, b_dims)
+            if wp is None or wb is None:
+                raise RuntimeError("bnbf: the in-place step under vmap needs each member of its params contiguous")
+            P = (wp, (True,) * len(wp))
+            B = (wb, (True,) * len(wb))
+            out_P, out_B = P, B
+        else:
+            P, B = ops._stack(ps, p_dims), ops._stack(bs, b_dims)
+            new_p, new_b = ops._outputs(P, size), ops._outputs(B, size)
+            out_P, out_B = (new_p, (True,) * len(new_p)), (new_b, (True,) * len(new_b))
+        G = ops._stack(gs, g_dims)
+        if size:
+            _launch_members(P, out_P, G, B, out_B, hp_u, h_dim, meta, gi, skip_zeros, clip, size, in_place)
+    if in_place:
+        return None
+    add, zeros, levels = _functorch._add_batch_dim, itertools.repeat(0), itertools.repeat(level)
+    return list(map(add, new_p, zeros, levels)), list(map(add, new_b, zeros, levels))
+
+
+def _stacked_views(B: tuple, g: PackedGroup, shapes: tuple) -> tuple:
+    bufs, batched = B
+    views = _group_views(bufs, g, shapes)
+    per = len(g.offsets)
+    return views, tuple(batched[f] for _ in g.leaves for f in range(per))
+
+
+def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip, size, in_place) -> None:
+    g = meta.groups[gi]
+    device = P[0][0].device
+    ops._refuse_capture(device)
+    if in_place and ops._BUMP is not None:
+        ops._BUMP(P[0])
+        ops._BUMP(B[0])
+    if not use_triton(P[0][0]):
+        if in_place:
+            ops._check_disjoint(P[0], B[0])
+        S_in = _stacked_views(B, g, meta.shapes)
+        S_out = S_in if in_place else _stacked_views(out_B, g, meta.shapes)
+        ops._reference_members(P, out_P, G, S_in, S_out, hp, h_dim, g.layout, skip_zeros, clip, size)
+        return
+    from bnbf.kernels.launcher import launch_group
+    from bnbf.kernels.members import stacked_grads, stacked_group
+
+    with BUILD_LOCK:
+        key = (
+            "members", meta.key, gi, size, device, P[1], B[1], _ptrs(P[0]), _ptrs(out_P[0]), _ptrs(B[0]), _ptrs(out_B[0]),
+        )  # fmt: skip
+        group = _GROUPS.get(key)
+        if group is None:
+            if in_place:
+                ops._check_disjoint(P[0], B[0])
+            S_in = _stacked_views(B, g, meta.shapes)
+            S_out = S_in if in_place else _stacked_views(out_B, g, meta.shapes)
+            group = stacked_group(P, out_P, S_in, S_out, g.layout, size)
+            _cache_put(key, group)
+        else:
+            _GROUPS.move_to_end(key)
+        grad_list = stacked_grads(group, G, size)
+    rows = ops._member_rows(hp, h_dim, len(P[0]), size)
+    with launch_lock(device.type == "cpu"):
+        launch_group(group, grad_list, hp if rows is None else rows, skip_zeros, clip)
+
+
+@_packed_step_op.register_vmap
+def _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip):
+    """``vmap`` reached through the op's dispatch (vmap traced by torch.compile, inputs wrapped by another
+    transform): one call of the pure op per member, stacked."""
+    size = info.batch_size
+    p_dims, g_dims, b_dims, h_dim = in_dims[:4]
+
+    def member(ts, dims, b):
+        return [t if d is None else t.select(d, b) for t, d in zip(ts, dims)]
+
+    outs = [
+        _packed_step_op(
+            member(params, p_dims, b), member(grads, g_dims, b), member(buffers, b_dims, b),
+            hp if h_dim is None else hp.select(h_dim, b), key, group, skip_zeros, clip,
+        )  # fmt: skip
+        for b in range(size)
+    ]
+    new_p = [torch.stack([o[0][i] for o in outs]) for i in range(len(params))]
+    new_b = [torch.stack([o[1][k] for o in outs]) for k in range(len(buffers))]
+    return (new_p, new_b), ([0] * len(new_p), [0] * len(new_b))

@@ -1,0 +1,275 @@
+"""The packed state (``init_state(..., packed=True)``, :mod:`bnbf.packed`): the state of a whole tree in a few flat
+buffers, stepped by the same kernels and reference code as the per-param state.
+
+Every step here is compared bit for bit with the per-param state's step on the same inputs (which the rest of the
+suite compares with torch.optim, torch-optimizer, lion-pytorch and the papers' formulas): eager ``update`` and
+``update_``, under ``torch.func.vmap`` (each member against a loop over members), and under
+``torch.compile(fullgraph=True)`` with Dynamo's counters. Runs on the reference path and under
+``TRITON_INTERPRET=1`` (the Triton kernels), and on CUDA in the GPU run.
+"""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+from conftest import DEVICES, assert_untouched, snapshot, triton_mode
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounter
+from torch._dynamo.utils import counters
+from torch.utils._pytree import tree_leaves, tree_map
+
+import bnbf
+
+INTERP = triton_mode()
+# leaves of odd sizes (1, 255, 257, 4097), 2-D and 0-d, both sides of min_8bit_size: two layout groups
+SHAPES = {"w": (33, 17), "one": (1,), "b": (255,), "c": (257,), "big": (4097,), "s": ()}
+HP = {"adam": {}, "adamw": {}, "lion": {}, "sgd": {"momentum": 0.9}, "rmsprop": {"momentum": 0.5, "centered": True},
+      "adagrad": {}, "ademamix": {}, "lamb": {}, "lars": {"momentum": 0.9}, "adan": {}}  # fmt: skip
+RULES = ["adamw", "lion", "ademamix", "lamb"] if INTERP else list(HP)
+
+
+def _tree(dtype, device, seed=0, lead=()):
+    gen = torch.Generator().manual_seed(seed)
+    return {k: (torch.randn((*lead, *s), generator=gen)).to(device, dtype) for k, s in SHAPES.items()}
+
+
+def _grads(dtype, device, step, lead=()):
+    """Hostile grads: a spike and exact zeros in the first step, magnitudes from 1e-12 to 1e6 in one tensor."""
+    g = _tree(dtype, device, seed=100 + step, lead=lead)
+    scale = torch.logspace(-12, 6, steps=g["big"].shape[-1]).to(device, dtype)
+    g["big"] = g["big"] * scale
+    if step == 1:
+        g["c"][..., 7] = 1e4
+        g["w"][..., :3, :] = 0
+    return g
+
+
+def _same(a, b) -> bool:
+    la, lb = tree_leaves(a), tree_leaves(b)
+    return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
+
+
+def _hp(rule, t):
+    return {"lr": 1e-2 / t, **HP[rule]}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", RULES)
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_packed_steps_equal_the_per_param_state(device, rule, bits, dtype):
+    if INTERP and (bits == 32 or dtype == torch.float16):
+        pytest.skip("the interpreter runs the 8-bit fp32/bf16 cases (the kernel's code paths for the layouts)")
+    spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=256)
+    p0 = _tree(dtype, device)
+    s_ref = bnbf.init_state(p0, spec, HP[rule])
+    s_pk = bnbf.init_state(p0, spec, HP[rule], packed=True)
+    assert _same(s_pk.unpack(), s_ref)
+    p_ref, p_pk = p0, p0
+    p_in = {k: v.clone() for k, v in p0.items()}
+    s_in = bnbf.init_state(p_in, spec, HP[rule], packed=True)
+    for t in (1, 2):
+        g = _grads(dtype, device, t)
+        snap = snapshot(p_pk, g, s_pk.buffers)
+        p_ref, s_ref = bnbf.update(p_ref, g, s_ref, _hp(rule, t), t)
+        p_pk, s_pk = bnbf.update(p_pk, g, s_pk, _hp(rule, t), t)
+        assert_untouched(snap)  # the pure step modifies nothing
+        assert bnbf.update_(p_in, g, s_in, _hp(rule, t), t)[1] is s_in
+    assert _same(p_pk, p_ref) and _same(s_pk.unpack(), s_ref)
+    assert _same(p_in, p_ref) and _same(s_in.unpack(), s_ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_layout_and_round_trips(device):
+    p = _tree(torch.bfloat16, device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = bnbf.init_state(p, spec)
+    packed = bnbf.pack_state(s, p)
+    # one buffer per (dtype, layout, field): 8-bit codes and absmax of two moments, 32-bit moments
+    assert [b.dtype for b in packed.buffers] == [torch.float32] * 2 + [torch.uint8, torch.float32] * 2 or [
+        b.dtype for b in packed.buffers
+    ] == [torch.uint8, torch.float32] * 2 + [torch.float32] * 2
+    views = packed.unpack()
+    assert _same(views, s)
+    for leaf in tree_leaves(views):  # each leaf's part starts 256 bytes into its buffer's storage, or a multiple
+        assert leaf.storage_offset() * leaf.element_size() % 256 == 0
+    assert _same(bnbf.dequantize_state(views), bnbf.dequantize_state(s))
+    again = pickle.loads(pickle.dumps(packed))
+    assert again.meta.key != packed.meta.key and _same(again.unpack(), s)
+    g = _grads(torch.bfloat16, device, 1)
+    (p1, s1), (p2, s2) = bnbf.update(p, g, again, {"lr": 0.1}, 1), bnbf.update(p, g, packed, {"lr": 0.1}, 1)
+    assert _same(p1, p2) and _same(s1.unpack(), s2.unpack())  # (the bytes between leaves' parts are unspecified)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+def test_vmap_members_equal_a_loop(device, bits):
+    """Each member is stepped as its own state (its own blocks and absmax): members of very different
+    magnitudes give what a loop of per-param steps gives, bit for bit, pure and in place."""
+    members = 3
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=256)
+    scale = torch.tensor([1e-3, 1.0, 50.0], device=device)
+    p = tree_map(lambda t: t * scale.view(-1, *[1] * (t.dim() - 1)).to(t.dtype), _tree(torch.float32, device, lead=(3,)))
+    init = torch.func.vmap(lambda q: bnbf.init_state(q, spec, packed=True))
+    step = torch.func.vmap(lambda q, g, s, i: bnbf.update(q, g, s, {"lr": 0.01}, i), in_dims=(0, 0, 0, None))
+    step_ = torch.func.vmap(lambda q, g, s, i: bnbf.update_(q, g, s, {"lr": 0.01}, i)[0]["w"], in_dims=(0, 0, 0, None))
+    s = init(p)
+    assert all(b.shape[0] == members for b in s.buffers)
+    p_in = {k: v.clone() for k, v in p.items()}
+    s_in = init(p_in)
+    loop_p = [{k: v[m] for k, v in p.items()} for m in range(members)]
+    loop_s = [bnbf.init_state(q, spec) for q in loop_p]
+    pv = p
+    for t in (1, 2):
+        g = _grads(torch.float32, device, t, lead=(3,))
+        pv, s = step(pv, g, s, t)
+        step_(p_in, g, s_in, t)
+        for m in range(members):
+            loop_p[m], loop_s[m] = bnbf.update(loop_p[m], {k: v[m] for k, v in g.items()}, loop_s[m], {"lr": 0.01}, t)
+    stacked, stacked_in = s.unpack(), s_in.unpack()
+    for m in range(members):
+        assert _same({k: v[m] for k, v in pv.items()}, loop_p[m])
+        assert _same({k: v[m] for k, v in p_in.items()}, loop_p[m])
+        assert _same(tree_map(lambda t: t[m], stacked), loop_s[m])
+        assert _same(tree_map(lambda t: t[m], stacked_in), loop_s[m])
+
+
+def test_vmap_with_a_hyperparameter_per_member():
+    members = 3
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    p = _tree(torch.float32, "cpu", lead=(members,))
+    g = _grads(torch.float32, "cpu", 2, lead=(members,))
+    lrs = torch.tensor([1e-3, 1e-2, 1e-1])
+    s = torch.func.vmap(lambda q: bnbf.init_state(q, spec, packed=True))(p)
+    step = torch.func.vmap(lambda q, gg, ss, lr: bnbf.update(q, gg, ss, {"lr": lr}, 1))
+    pv, sv = step(p, g, s, lrs)
+    for m in range(members):
+        q = {k: v[m] for k, v in p.items()}
+        want = bnbf.update(q, {k: v[m] for k, v in g.items()}, bnbf.init_state(q, spec), {"lr": lrs[m]}, 1)
+        assert _same({k: v[m] for k, v in pv.items()}, want[0])
+        assert _same(tree_map(lambda t: t[m], sv.unpack()), want[1])
+
+
+@pytest.fixture
+def _dynamo():
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()
+
+
+@pytest.mark.usefixtures("_dynamo")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+@pytest.mark.parametrize("numbers", ["tensors", "python"])
+def test_compile_fullgraph_without_recompiles(device, in_place, numbers):
+    """One graph, no break; hyperparameters and step as 0-d tensors compile once, as Python numbers that change
+    every call at most twice (Dynamo's automatic dynamic, as for the per-param state); equal to the eager step."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+
+    def pure(q, g, s, lr, t):
+        return bnbf.update(q, g, s, {"lr": lr, "weight_decay": 0.01}, t)
+
+    def inplace(q, g, s, lr, t):
+        bnbf.update_(q, g, s, {"lr": lr, "weight_decay": 0.01}, t)
+        return q, s
+
+    fn = inplace if in_place else pure
+    cnt = CompileCounter()
+    compiled = torch.compile(fn, fullgraph=True, backend=cnt)
+    p0 = _tree(torch.float32, device)
+    got_p, got_s = {k: v.clone() for k, v in p0.items()}, bnbf.init_state(p0, spec, packed=True)
+    want_p, want_s = {k: v.clone() for k, v in p0.items()}, bnbf.init_state(p0, spec)
+    for t in range(1, 5):
+        lr, step = 1e-2 / t, t
+        if numbers == "tensors":
+            lr, step = torch.tensor(lr, device=device), torch.tensor(step, device=device)
+        g = _grads(torch.float32, device, t)
+        got_p, got_s = compiled(got_p, g, got_s, lr, step)
+        want_p, want_s = fn(want_p, g, want_s, lr, step)
+    assert cnt.frame_count == (1 if numbers == "tensors" else 2)
+    assert _same(got_p, want_p) and _same(got_s.unpack(), want_s)
+
+
+def _bad_inputs():
+    p = _tree(torch.float32, "cpu")
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = bnbf.init_state(p, spec, packed=True)
+    g = _grads(torch.float32, "cpu", 2)
+    return p, g, s
+
+
+@pytest.mark.parametrize(
+    ("mutate", "error", "match"),
+    [
+        (lambda p, g, s: ({**p, "extra": torch.zeros(3)}, {**g, "extra": torch.zeros(3)}, s), ValueError, "structure"),
+        (lambda p, g, s: ({**p, "w": torch.zeros(17, 33)}, {**g, "w": torch.zeros(17, 33)}, s), ValueError, "built for"),
+        (lambda p, g, s: ({**p, "b": p["b"].double()}, {**g, "b": g["b"].double()}, s), TypeError, "dtype"),
+        (lambda p, g, s: ({**p, "b": p["b"].half()}, {**g, "b": g["b"].half()}, s), ValueError, "built for"),
+        (lambda p, g, s: (p, {**g, "b": g["b"][:3]}, s), ValueError, "shape"),
+        (lambda p, g, s: (p, {**g, "b": g["b"].half()}, s), TypeError, "dtype"),
+        (lambda p, g, s: (p, g, bnbf.PackedState(s.buffers[:-1], s.meta)), ValueError, "buffers"),
+        (lambda p, g, s: (p, g, bnbf.PackedState([b[:-1] for b in s.buffers], s.meta)), ValueError, "buffer 0"),
+        (lambda p, g, s: (p, g, bnbf.PackedState([b.expand(2, -1) for b in s.buffers], s.meta)), ValueError, "vmap"),
+    ],
+    ids=["structure", "shape", "float64", "param dtype", "grad shape", "grad dtype", "buffers", "size", "stacked"],
+)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_bad_input_raises_and_modifies_nothing(mutate, error, match, in_place):
+    p, g, s = mutate(*_bad_inputs())
+    snap = snapshot(p, g, s.buffers)
+    with pytest.raises(error, match=match):
+        (bnbf.update_ if in_place else bnbf.update)(p, g, s, {"lr": 0.1}, 1)
+    assert_untouched(snap)
+
+
+def test_options_a_packed_state_does_not_take_are_refused():
+    p, g, s = _bad_inputs()
+    snap = snapshot(p, g, s.buffers)
+    with pytest.raises(ValueError, match="differentiable=True takes the per-param state"):
+        bnbf.update(p, g, s, {"lr": 0.1}, 1, differentiable=True)
+    with pytest.raises(ValueError, match="max_grad_norm"):
+        bnbf.update_(p, g, s, {"lr": 0.1}, 1, max_grad_norm=1.0)
+    with pytest.raises(ValueError, match="one mapping"):
+        bnbf.update(p, g, s, {"adamw": {"lr": 0.1}}, 1)
+    with pytest.raises(ValueError, match="Invalid step: 0"):
+        bnbf.update(p, g, s, {"lr": 0.1}, 0)
+    sgd = bnbf.init_state(p, bnbf.OptimSpec(rule="sgd"), {"momentum": 0.9}, packed=True)
+    with pytest.raises(ValueError, match="keeps"):  # the state keeps what these hyperparameters use
+        bnbf.update_(p, g, sgd, {"lr": 0.1, "momentum": 0.0}, 1)
+    with pytest.raises(RuntimeError, match="not differentiable"):
+        bnbf.update(p, g, s, {"lr": torch.tensor(0.1, requires_grad=True)}, 1)
+    with pytest.raises(TypeError, match="packed must be a bool"):
+        bnbf.init_state(p, bnbf.OptimSpec(), packed=1)
+    with pytest.raises(ValueError, match="not paged"):
+        bnbf.init_state(p, bnbf.OptimSpec(paged=True), packed=True)
+    mixed = {"a": bnbf.init_state(p["w"], bnbf.OptimSpec(rule="lion")), "b": bnbf.init_state(p["b"], bnbf.OptimSpec())}
+    with pytest.raises(ValueError, match="one rule"):
+        bnbf.pack_state(mixed, {"a": p["w"], "b": p["b"]})
+    with pytest.raises(ValueError, match="the same tensor|overlap"):
+        q = {**p, "c": p["b"]}  # one tensor twice: shapes differ, so alias b's storage with a same-shaped view
+        q["c"] = p["w"].view(-1)[:257]
+        bnbf.update_(q, {**g, "c": torch.zeros(257)}, bnbf.init_state(q, bnbf.OptimSpec(min_8bit_size=256), packed=True),
+                     {"lr": 0.1}, 1)  # fmt: skip
+    assert_untouched(snap)
+
+
+@settings(max_examples=8 if INTERP else 25, deadline=None)
+@given(
+    numels=st.lists(st.sampled_from([1, 3, 64, 255, 256, 257, 1000, 4097]), min_size=1, max_size=5),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    rule=st.sampled_from(["adamw", "lion", "adan"]),
+    magnitude=st.sampled_from([1e-12, 1e-3, 1.0, 1e6]),
+)
+def test_hypothesis_packed_equals_per_param(numels, dtype, rule, magnitude):
+    spec = bnbf.OptimSpec(rule=rule, min_8bit_size=256, block_size=64)
+    gen = torch.Generator().manual_seed(len(numels))
+    p = [torch.randn(n, generator=gen).to(dtype) for n in numels]
+    g = [(torch.randn(n, generator=gen) * magnitude).to(dtype) for n in numels]
+    want = bnbf.update(p, g, bnbf.init_state(p, spec), {"lr": 1e-3}, 1)
+    got = bnbf.update(p, g, bnbf.init_state(p, spec, packed=True), {"lr": 1e-3}, 1)
+    assert _same(got[0], want[0]) and _same(got[1].unpack(), want[1])
