@@ -426,9 +426,6 @@ def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, max
         raise ValueError("max_grad_norm is not supported with a packed state; clip the grads before the step")
     if not _shared(hparams):
         raise ValueError("a packed state takes one mapping of hyperparameters for every leaf (no per-leaf ones)")
-    leaves = _flatten(param)[0]
-    if any(map(is_dtensor, leaves)):
-        raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
     return packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=in_place)
 
 

@@ -33,7 +33,7 @@ from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
-from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
+from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     _check_grad,
     _check_leaves,
@@ -80,10 +80,11 @@ class PackedMeta:
     and the buffers' sizes. Made once per :func:`init_state`/:func:`pack_state`; every state stepped from it shares
     it (the ops name it by ``key``, an int unique in this process)."""
 
-    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "__weakref__")
+    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "__weakref__")
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
         self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = spec, shapes, dtypes, rule, groups, sizes
+        self.pick = tuple(map(_picker, (g.leaves for g in groups)))  # per group: its leaves of a leaf list
         self.key = next(_KEYS)
         _METAS[self.key] = self
 
@@ -92,6 +93,15 @@ class PackedMeta:
 
     def __repr__(self) -> str:
         return f"PackedMeta({len(self.shapes)} leaves, rule {self.rule!r}, {len(self.sizes)} buffers)"
+
+
+def _picker(leaves: tuple):
+    """``leaves`` of a list, as a list, in C (an itemgetter) where they are more than one."""
+    if len(leaves) == 1:
+        i = leaves[0]
+        return lambda xs: [xs[i]]
+    get = operator.itemgetter(*leaves)
+    return lambda xs: list(get(xs))
 
 
 class PackedState:
@@ -233,6 +243,10 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     params, spec = _flatten(param)
     grads, g_spec = _flatten(grad)
     buffers = state.buffers
+    if (torch.compiler.is_compiling() or not set(map(type, params)) <= ops._PLAIN_TYPES) and any(
+        is_dtensor(p) for p in params
+    ):
+        raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
     _check_tree(param, params, spec, grads, g_spec, buffers, meta, in_place)
     rule = get_rule(meta.rule)
     layouts = [g.layout for g in meta.groups]
@@ -260,23 +274,40 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     _check_present(rule, h, layouts)
     values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
     device = buffers[0].device
-    row = ops.traced_scalar_row(values, device) if torch.compiler.is_compiling() else scalar_row(values, device)
-    vmapped = ops.vmap_level() is not None
+    compiling = torch.compiler.is_compiling()
+    row = ops.traced_scalar_row(values, device) if compiling else scalar_row(values, device)
+    found = ops.vmap_level()
+    direct = found is None and ops._direct(params, grads, buffers, row)
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
         for gi, g in enumerate(meta.groups):
-            if vmapped:
-                ps = [ops.vmap_input(params[i]) for i in g.leaves]
-                gs = [ops.vmap_input(grads[i]) for i in g.leaves]
+            if compiling:
+                ps, gs = [params[i] for i in g.leaves], [grads[i] for i in g.leaves]
             else:
-                ps = [params[i] if in_place else params[i].detach().contiguous() for i in g.leaves]
-                gs = [grads[i].detach().contiguous() for i in g.leaves]
+                ps, gs = meta.pick[gi](params), meta.pick[gi](grads)
             bufs = list(buffers[g.first : g.first + len(g.offsets)])
+            if found is not None:  # each member its own state, all in one launch (batched tensors as they are)
+                out = _vmapped(ps, gs, bufs, row, meta, gi, skip_zeros, clip, found, in_place=in_place)
+            elif direct:  # eager: straight to the launcher
+                if not all(map(Tensor.is_contiguous, gs)):
+                    gs = [x.contiguous() for x in gs]
+                if in_place:
+                    out = _run(ps, ps, gs, bufs, bufs, row, meta.key, gi, skip_zeros, clip)
+                else:
+                    if not all(map(Tensor.is_contiguous, ps)):
+                        ps = [p.contiguous() for p in ps]
+                    out = _impl(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+            else:  # traced, or subclasses: the op's dispatch
+                gs = [x.detach().contiguous() for x in gs]
+                if in_place:
+                    out = _packed_step_op_(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+                else:
+                    ps = [p.detach().contiguous() for p in ps]
+                    out = _packed_step_op(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
             if in_place:
-                step_(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
                 continue
-            out_p, out_b = step_pure(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+            out_p, out_b = out
             for k, i in enumerate(g.leaves):
                 new_params[i] = out_p[k]
             new_buffers[g.first : g.first + len(out_b)] = out_b
@@ -302,7 +333,7 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
     device = buffers[0].device if buffers else None
     compiling = torch.compiler.is_compiling()
     if compiling or not (
-        all(isinstance(t, Tensor) for t in itertools.chain(params, grads))
+        all(map(isinstance, itertools.chain(params, grads), itertools.repeat(Tensor)))
         and tuple(map(_SHAPE, params)) == meta.shapes
         and tuple(map(_DTYPE, params)) == meta.dtypes
         and set(map(_DEVICE, params)) == {device}
@@ -340,25 +371,6 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
 # ---- the ops and their dispatch -------------------------------------------------------------------------------------
 
 
-def step_(params, grads, buffers, hp, key: int, gi: int, skip_zeros: bool, clip: bool) -> None:
-    """The in-place step of layout group ``gi``: eager calls straight to the launcher, calls under ``vmap`` on the
-    stacked tensors, anything else (traced, subclasses) through the op's dispatch."""
-    if ops._direct(params, grads, buffers, hp):
-        return _run(params, params, grads, buffers, buffers, hp, key, gi, skip_zeros, clip)
-    if ops.vmap_level() is not None:
-        return _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, in_place=True)
-    return _packed_step_op_(params, grads, buffers, hp, key, gi, skip_zeros, clip)
-
-
-def step_pure(params, grads, buffers, hp, key: int, gi: int, skip_zeros: bool, clip: bool):
-    """The pure step of layout group ``gi``: ``(new params, new buffers)``; dispatched as :func:`step_`."""
-    if ops._direct(params, grads, buffers, hp):
-        return _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip)
-    if ops.vmap_level() is not None:
-        return _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, in_place=False)
-    return _packed_step_op(params, grads, buffers, hp, key, gi, skip_zeros, clip)
-
-
 def _meta(key: int) -> PackedMeta:
     meta = _METAS.get(key)
     if meta is None:
@@ -392,39 +404,33 @@ def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None
     reference_step(p_in, p_out, grads, s_in, s_out, hp, g.layout, skip_zeros, clip)
 
 
-# launcher groups by the addresses of their tensors and the meta's key (which fixes sizes and offsets): a hit is
-# right whatever tensors now sit at those addresses; views of the buffers are made only on a miss
-_GROUPS: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 16
+def _parts(meta: PackedMeta, gi: int):
+    """For :func:`bnbf.kernels.members.packed_group`: group ``gi``'s state tensors as views of stacked buffers
+    ``(tensors, batched)``, their batched flags and each one's buffer (made only when a structure is)."""
+    g = meta.groups[gi]
+    per = len(g.offsets)
 
+    def parts(B: tuple) -> tuple:
+        bufs, batched = B
+        owners = tuple(f for _ in g.leaves for f in range(per))
+        return _group_views(bufs, g, meta.shapes), tuple(batched[f] for f in owners), owners
 
-def _ptrs(ts) -> tuple:
-    return tuple(map(Tensor.data_ptr, ts))
-
-
-def _cache_put(key: tuple, group: Any) -> None:
-    _GROUPS[key] = group
-    if len(_GROUPS) > _CACHE_SIZE:
-        _GROUPS.popitem(last=False)
+    return parts
 
 
 def _group(p_in, p_out, b_in, b_out, meta: PackedMeta, gi: int):
-    from bnbf.kernels.launcher import build_group
+    """The launcher group of an eager (or compiled) call: the members' machinery with one unbatched member, so that
+    a call gathers only the params' and buffers' addresses (cached by them; no view of a buffer once made)."""
+    from bnbf.kernels.members import packed_group
 
-    in_place = p_out is p_in
-    key = (meta.key, gi, p_in[0].device, _ptrs(p_in), None if in_place else _ptrs(p_out), _ptrs(b_in), _ptrs(b_out))
-    hit = _GROUPS.get(key)
-    if hit is not None:
-        _GROUPS.move_to_end(key)
-        return hit
-    if in_place:  # once per set of addresses: a hit is the same memory
-        ops._check_disjoint(p_in, b_in)
-    g = meta.groups[gi]
-    s_in = _group_views(b_in, g, meta.shapes)
-    s_out = s_in if in_place else _group_views(b_out, g, meta.shapes)
-    group = build_group(p_in, p_out, s_in, s_out, g.layout)
-    _cache_put(key, group)
-    return group
+    unbatched = (False,) * len(p_in)
+    P = (p_in, unbatched)
+    B = (b_in, (False,) * len(b_in))
+    if p_out is p_in:
+        check = lambda: ops._check_disjoint(p_in, b_in)  # noqa: E731 - once per set of addresses: a hit is the same memory
+        return packed_group(P, P, B, B, _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1, check)
+    out = ((p_out, unbatched), (b_out, B[1]))
+    return packed_group(P, out[0], B, out[1], _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1)
 
 
 @torch.library.custom_op("bnbf::packed_step_", mutates_args=("params", "buffers"))
@@ -456,11 +462,11 @@ def _(params, grads, buffers, hp, key, group, skip_zeros, clip):
 # ---- vmap -----------------------------------------------------------------------------------------------------------
 
 
-def _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, *, in_place: bool):
+def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, in_place: bool):
     """The step under a ``vmap`` innermost: every member of the stacked params and buffers stepped as its own
     tensor and state (one launch on the Triton path), written into stacked outputs, or in place into the stacked
     inputs. Refused with a clear error where the inputs are still wrapped by an outer transform."""
-    level, size = ops.vmap_level()
+    level, size = found
     (ps, p_dims), (gs, g_dims), (bs, b_dims) = ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(buffers, level)
     hp_u, h_dim = _functorch._unwrap_batched(hp, level)
     if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
@@ -468,8 +474,6 @@ def _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, *, in_place:
             "bnbf: a packed state under nested torch.func transforms (vmap of vmap, grad of vmap) is not supported; "
             "use the per-param state (init_state without packed=True)"
         )
-    meta, g = _meta(key), None
-    g = meta.groups[gi]
     with torch._C._DisableFuncTorch():
         if in_place:
             unbatched = [k for k, d in enumerate(itertools.chain(p_dims, b_dims)) if d is None]
@@ -497,13 +501,6 @@ def _vmapped(params, grads, buffers, hp, key, gi, skip_zeros, clip, *, in_place:
     return list(map(add, new_p, zeros, levels)), list(map(add, new_b, zeros, levels))
 
 
-def _stacked_views(B: tuple, g: PackedGroup, shapes: tuple) -> tuple:
-    bufs, batched = B
-    views = _group_views(bufs, g, shapes)
-    per = len(g.offsets)
-    return views, tuple(batched[f] for _ in g.leaves for f in range(per))
-
-
 def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip, size, in_place) -> None:
     g = meta.groups[gi]
     device = P[0][0].device
@@ -514,27 +511,16 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
     if not use_triton(P[0][0]):
         if in_place:
             ops._check_disjoint(P[0], B[0])
-        S_in = _stacked_views(B, g, meta.shapes)
-        S_out = S_in if in_place else _stacked_views(out_B, g, meta.shapes)
+        S_in = _parts(meta, gi)(B)[:2]
+        S_out = S_in if in_place else _parts(meta, gi)(out_B)[:2]
         ops._reference_members(P, out_P, G, S_in, S_out, hp, h_dim, g.layout, skip_zeros, clip, size)
         return
     from bnbf.kernels.launcher import launch_group
-    from bnbf.kernels.members import stacked_grads, stacked_group
+    from bnbf.kernels.members import packed_group, stacked_grads
 
+    check = (lambda: ops._check_disjoint(P[0], B[0])) if in_place else None
     with BUILD_LOCK:
-        key = (
-            "members", meta.key, gi, size, device, P[1], B[1], _ptrs(P[0]), _ptrs(out_P[0]), _ptrs(B[0]), _ptrs(out_B[0]),
-        )  # fmt: skip
-        group = _GROUPS.get(key)
-        if group is None:
-            if in_place:
-                ops._check_disjoint(P[0], B[0])
-            S_in = _stacked_views(B, g, meta.shapes)
-            S_out = S_in if in_place else _stacked_views(out_B, g, meta.shapes)
-            group = stacked_group(P, out_P, S_in, S_out, g.layout, size)
-            _cache_put(key, group)
-        else:
-            _GROUPS.move_to_end(key)
+        group = packed_group(P, out_P, B, out_B, _parts(meta, gi), (meta.key, gi), g.layout, size, check)
         grad_list = stacked_grads(group, G, size)
     rows = ops._member_rows(hp, h_dim, len(P[0]), size)
     with launch_lock(device.type == "cpu"):

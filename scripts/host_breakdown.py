@@ -2,7 +2,8 @@
 
     python scripts/host_breakdown.py [--profile]   # on a CUDA machine
     python scripts/host_breakdown.py --cpu         # anywhere: CPU tensors, the launch stubbed out
-    python scripts/host_breakdown.py [--cpu] --func  # the torch.func rows: vmap ensembles, the compiled step
+    python scripts/host_breakdown.py [--cpu] --func [--packed]  # the torch.func rows: vmap ensembles, the compiled
+                                                     # step (--packed: the state packed, init_state(packed=True))
     python scripts/host_breakdown.py [--cpu] --mixed [--profile]  # bench_func's mixed row: one call vs three
     --dtype bf16|fp16|fp32                         # the params' dtype (default bf16, as the issue's table)
 
@@ -44,7 +45,8 @@ from benchmarks.bench_step import SETS  # noqa: E402
 from bnbf._host_checks import NATIVE  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
 
-P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function)
+P = importlib.import_module("bnbf.plan")
+PACKED = "--packed" in sys.argv  # the module (``bnbf.plan`` is the function)
 PROFILE = "--profile" in sys.argv
 CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
@@ -254,7 +256,7 @@ def _vmap_us(shapes, members: int, dtype, hp, spec) -> dict:
     its inputs (torch.func's own floor)."""
     params = {n: torch.randn(members, *s, device=DEVICE).to(dtype) for n, s in shapes}
     grads = {n: torch.randn_like(v) for n, v in params.items()}
-    state = torch.func.vmap(lambda p: bnbf.init_state(p, spec))(params)
+    state = torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=PACKED))(params)
     inside: list = []
 
     def timed(fn):
@@ -305,7 +307,7 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
             out[f"vmap of a function returning its inputs (torch.func's own), {members} members"] = us["floor"]
         params = {n: torch.randn(*s, device=DEVICE).to(dtype) for n, s in shapes}
         grads = {n: torch.randn_like(v) for n, v in params.items()}
-        state = bnbf.init_state(params, spec)
+        state = bnbf.init_state(params, spec, packed=PACKED)
 
         @torch.compile(fullgraph=True)
         def compiled(params, grads, state, lr, i):
@@ -321,10 +323,11 @@ def func_breakdown(dtype=torch.bfloat16) -> dict:
         fn(0)  # compiles
         out["python only: compiled update_"] = host_us(fn, 50)
         out["python only: eager update_"] = host_us(lambda i: bnbf.update_(params, grads, state, hp, i + 1), 50)
-        run = bnbf.ops._run
-        bnbf.ops._run = lambda *a: None
+        where = bnbf.packed if PACKED else bnbf.ops
+        run = where._run
+        where._run = lambda *a: None
         out["compiled update_, the op's implementation a no-op"] = host_us(fn, 50)
-        bnbf.ops._run = run
+        where._run = run
     finally:
         P.launch_group, mt.launch_group, P.launch_pair = saved
     return out
@@ -393,7 +396,8 @@ if __name__ == "__main__":
             print(f"| {k} | {v:.1f} us |")
         sys.exit(0)
     if "--func" in sys.argv:
-        P.use_triton = bnbf.ops.use_triton = lambda t: True  # the Triton path's host work, launch stubbed
+        # the Triton path's host work, launch stubbed
+        P.use_triton = bnbf.ops.use_triton = bnbf.packed.use_triton = lambda t: True
         for k, v in func_breakdown().items():
             print(f"| {k} | {v / 1e3:.2f} ms |")
         sys.exit(0)

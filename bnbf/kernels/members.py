@@ -136,11 +136,18 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
     if hit is not None:
         _GROUPS.move_to_end(key)
         return hit
+    group = _GROUPS[key] = _group_of(structure, addresses, aligned)
+    if len(_GROUPS) > _CACHE_SIZE:
+        _GROUPS.popitem(last=False)
+    return group
+
+
+def _group_of(structure: _Structure, addresses: Tensor, aligned: bool) -> MemberGroup:
+    """The group of ``structure`` for tensors at ``addresses`` (:func:`_addresses`): member 0's table on the host (a
+    gather), every member's on the device, so the host work is the same for any member count."""
     BUILDS["group"] += 1
     n, columns = structure.group.table.shape
     device = structure.key[2]
-    # member 0's table on the host (a gather), every member's on the device: the host work is the same for any
-    # member count, and the upload one member's table
     first = _to_device(addresses.index_select(0, structure.src).view(1, n, columns), device)
     table = (first + structure.offsets).view(-1, columns)
     base = structure.group
@@ -160,10 +167,74 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
         partials=None,
         sums=None,
     )
-    group = _GROUPS[key] = MemberGroup(**fields, param_strides=key[0][5][0], param_offsets=structure.param_offsets)
+    return MemberGroup(**fields, param_strides=structure.key[5][0], param_offsets=structure.param_offsets)
+
+
+def packed_group(p_in: tuple, p_out: tuple, b_in: tuple, b_out: tuple, parts, key: tuple, layout: Layout, size: int,
+                 check=None) -> MemberGroup:  # fmt: skip
+    """:func:`stacked_group` for states held as parts of a few buffers (:mod:`bnbf.packed`): each state tensor's
+    address is its buffer's plus a fixed offset, so a call gathers only the params' and the buffers' addresses.
+
+    Args:
+        p_in, p_out: stacked params as for :func:`stacked_group` (``size`` 1 and unbatched outside vmap).
+        b_in, b_out: the buffers, ``(tensors, batched)`` likewise.
+        parts: ``parts(b) -> (views, batched, owners)``: the state tensors in :func:`build_group`'s order as views
+            of the buffers ``b``, and each one's buffer index; called only when a structure is made.
+        key: what fixes the views' sizes and offsets (the packed state's meta and layout group).
+        layout, size: as for :func:`stacked_group`.
+        check: called with nothing before a new group is made (an in-place step's overlap check); a raise caches
+            nothing.
+
+    Returns:
+        A :class:`MemberGroup`, cached by the addresses as :func:`stacked_group`'s.
+    """
+    lists = (p_in, p_out, b_in, b_out)
+    t0 = p_in[0][0]
+    skey = (key, layout, t0.dtype, t0.device, size, p_in[1], b_in[1], p_out is p_in, *map(_strides_key, lists, (size,) * 4))
+    structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size))
+    addresses, packed, aligned = _addresses(lists)
+    gkey = (skey, packed)
+    hit = _GROUPS.get(gkey)
+    if hit is not None:
+        _GROUPS.move_to_end(gkey)
+        return hit
+    if check is not None:
+        check()
+    group = _GROUPS[gkey] = _group_of(structure, addresses, aligned)
     if len(_GROUPS) > _CACHE_SIZE:
         _GROUPS.popitem(last=False)
     return group
+
+
+def _strides_key(x: tuple, size: int) -> tuple | None:
+    """What decides ``x``'s member strides where its sizes are fixed (a packed state's key fixes them): None where
+    every tensor is batched and contiguous (a member is a size-th of its bytes), else the strides."""
+    if size <= 1 or (False not in x[1] and all(map(Tensor.is_contiguous, x[0]))):
+        return None
+    return member_strides(x, size)
+
+
+def _packed_structure(lists: tuple, parts, layout: Layout, size: int) -> _Structure:
+    """:func:`_structure` of the params and the buffers' parts (views), its cells then moved from each view onto its
+    buffer: the view's offset in the buffer joins the cell's constant."""
+    p_in, p_out, b_in, b_out = lists
+    (s_in, si_b, own_in), (s_out, so_b, own_out) = parts(b_in), parts(b_out)
+    views = (p_in, p_out, (s_in, si_b), (s_out, so_b))
+    t0 = p_in[0][0]
+    strides = tuple(member_strides(x, size) for x in views)
+    numels = tuple(t.numel() // size if b else t.numel() for t, b in zip(*p_in))
+    base = _structure(views, layout, size, (layout, t0.dtype, t0.device, size, numels, strides))
+    n, nb = len(p_in[0]), len(b_in[0])
+    remap, extra = list(range(2 * n)), [0] * (2 * n)
+    for vs, owners, bufs, start in ((s_in, own_in, b_in[0], 2 * n), (s_out, own_out, b_out[0], 2 * n + nb)):
+        remap += [start + j for j in owners]
+        extra += [v.data_ptr() - bufs[j].data_ptr() for v, j in zip(vs, owners)]
+    remap.append(2 * n + 2 * nb)  # the 0 that constant cells read
+    extra.append(0)
+    src = torch.tensor(remap, dtype=torch.int64)[base.src]
+    shift = torch.tensor(extra, dtype=torch.int64)[base.src].view(1, *base.group.table.shape)
+    offsets = base.offsets + _to_device(shift, base.offsets.device)
+    return dataclasses.replace(base, src=src, offsets=offsets, twins=None)
 
 
 def _addresses(lists: tuple) -> tuple[Tensor, bytes, bool]:
