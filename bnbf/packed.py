@@ -50,7 +50,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     is_state,
 )
-from bnbf.plan import _scalars, scalar_row
+from bnbf.plan import _one_set, _scalars, scalar_row
 from bnbf.reference import reference_step
 from bnbf.rules import get_rule
 from bnbf.state import Layout, _mark_static, state_class
@@ -275,9 +275,14 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
     device = buffers[0].device
     compiling = torch.compiler.is_compiling()
-    row = ops.traced_scalar_row(values, device) if compiling else scalar_row(values, device)
     found = ops.vmap_level()
-    direct = found is None and ops._direct(params, grads, buffers, row)
+    direct = found is None and ops._direct(params, grads, buffers, buffers[0])
+    if compiling:
+        row = ops.traced_scalar_row(values, device)
+    elif (direct or found is not None) and use_triton(buffers[0]):
+        row = _one_set(values, device)  # Python numbers as kernel arguments (no upload), as a plan passes them
+    else:
+        row = scalar_row(values, device)
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
@@ -468,8 +473,8 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
     inputs. Refused with a clear error where the inputs are still wrapped by an outer transform."""
     level, size = found
     (ps, p_dims), (gs, g_dims), (bs, b_dims) = ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(buffers, level)
-    hp_u, h_dim = _functorch._unwrap_batched(hp, level)
-    if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
+    hp_u, h_dim = (hp, None) if type(hp) is tuple else _functorch._unwrap_batched(hp, level)
+    if not ops._unwrapped(ps, gs, bs, [] if type(hp) is tuple else [hp_u]) or not ops._stackable(ps[0], h_dim):
         raise RuntimeError(
             "bnbf: a packed state under nested torch.func transforms (vmap of vmap, grad of vmap) is not supported; "
             "use the per-param state (init_state without packed=True)"
@@ -522,7 +527,7 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
     with BUILD_LOCK:
         group = packed_group(P, out_P, B, out_B, _parts(meta, gi), (meta.key, gi), g.layout, size, check)
         grad_list = stacked_grads(group, G, size)
-    rows = ops._member_rows(hp, h_dim, len(P[0]), size)
+    rows = None if type(hp) is tuple else ops._member_rows(hp, h_dim, len(P[0]), size)
     with launch_lock(device.type == "cpu"):
         launch_group(group, grad_list, hp if rows is None else rows, skip_zeros, clip)
 
