@@ -337,12 +337,8 @@ def row_vmap(ctx, packed: bool = False) -> dict:
         step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
         in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
         n = 4 * ctx.steps
-        bs.sync(ctx.device)
-        t0 = time.perf_counter()
-        for i in range(n):
-            vmapped(i + 2 + ctx.warmup + ctx.steps)
-        bs.sync(ctx.device)
-        back_to_back = (time.perf_counter() - t0) * 1e3 / n
+        back_to_back = _back_to_back(ctx, vmapped, n, 2 + ctx.warmup + ctx.steps)
+        in_place_b2b = _back_to_back(ctx, lambda i: step_(params, grads, state, i), n, 1)
         return {
             "ms": ms,
             "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
@@ -350,7 +346,7 @@ def row_vmap(ctx, packed: bool = False) -> dict:
             f"torch.func's vmap of the same trees {ident_host:.3f} ms; back to back (mean of {n} steps, one "
             f"synchronize) {back_to_back:.3f} ms a step ({_pct(ctx, back_to_back)} of copy); address tables built "
             f"in the {ctx.steps} timed calls: {builds}; {ran}; vmap(update_) {in_place_ms:.3f} ms (host "
-            f"{in_place_host:.3f})",
+            f"{in_place_host:.3f}; back to back {in_place_b2b:.3f} ms a step, {_pct(ctx, in_place_b2b)} of copy)",
         }
     # the loop it replaces: one pure call per member
     members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
@@ -377,6 +373,16 @@ def row_vmap(ctx, packed: bool = False) -> dict:
 
 def row_vmap_packed(ctx) -> dict:
     return row_vmap(ctx, packed=True)
+
+
+def _back_to_back(ctx, fn: Callable[[int], Any], n: int, first: int) -> float:
+    """Mean ms a step of ``n`` calls with one synchronize after them all (host work overlaps the device's)."""
+    bs.sync(ctx.device)
+    t0 = time.perf_counter()
+    for i in range(first, first + n):
+        fn(i)
+    bs.sync(ctx.device)
+    return (time.perf_counter() - t0) * 1e3 / n
 
 
 def _pct(ctx, ms: float) -> str:

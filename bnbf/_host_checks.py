@@ -401,10 +401,9 @@ def check_not_differentiated(
     an in-place step anyway.
     """
     hps = hparam_tensors(h, step, max_unorm)
-    named = [("param", i, p) for i, p in enumerate(params)] + [("grad", i, g) for i, g in enumerate(grads)]
-    tensors = [t for *_, t in named] + [t for _, t in hps]
-    if not differentiated(tensors):
+    if not differentiated([*params, *grads, *(t for _, t in hps)]):
         return
+    named = [("param", i, p) for i, p in enumerate(params)] + [("grad", i, g) for i, g in enumerate(grads)]
     grad_mode = torch.is_grad_enabled()
     fwd = forward_ad._current_level >= 0
     names = None

@@ -8,7 +8,7 @@ travels as one object; only the ops' schemas, which take no Python objects, spel
 
 Calls that no plan serves (the pure step, compiled steps) take their launcher groups from a cache keyed by the
 tables' contents. A call of an op on plain CPU or CUDA tensors (what a compiled graph makes) runs the step from the
-op's Autograd kernel, without torch.library's two further trips through Python (:func:`_register_direct_kernels`).
+op's Autograd kernel, without torch.library's two further trips through Python (:func:`register_direct`).
 Under ``torch.func.vmap`` the members of stacked tensors are stepped in one call, written into stacked outputs,
 with host work that does not grow with the member count (:mod:`bnbf.kernels.members`).
 """
@@ -289,54 +289,50 @@ def traced_scalar_row(values, device: torch.device) -> Tensor:
     return row
 
 
-def _register_direct_kernels() -> None:
-    """Both ops' Autograd kernels (what a compiled graph's call of an op reaches first): where nothing below
-    autograd but the CPU or CUDA backend remains (no fake, functional or subclass tensor, no dispatch mode) and
-    no derivative is asked for, the step runs from here, as the backend kernel would, with the in-place op's
-    version bumps. torch.library's route crosses from C++ to Python three times (autograd, version bump,
-    backend), each converting the ~700-tensor lists: 215 -> 96 us for GPT-2's two calls (CPU). Anything else
-    takes torch.library's kernel as before. Where this torch lacks the private functions used, that stays."""
+def register_direct(op: Any, name: str, direct: Callable) -> None:
+    """Make ``direct`` the Autograd kernel of the custom op ``op`` (``name``: its name in its library) for calls that
+    need nothing else: where nothing below autograd but the CPU or CUDA backend remains (no fake, functional or
+    subclass tensor, no dispatch mode) and no derivative is asked for, ``direct(*args)`` runs the step as the
+    backend kernel would (an in-place op's ``direct`` bumps its outputs' versions itself). This is the kernel a
+    compiled graph's call of the op reaches first; torch.library's route crosses from C++ to Python three times
+    (autograd, version bump, backend), each converting the op's tensor lists: 215 -> 96 us for GPT-2's two calls of
+    the per-param step (CPU). Anything else takes torch.library's kernel. Where this torch lacks the private
+    functions used, torch.library's kernel stays."""
     try:
         from torch._library.autograd import make_autograd_impl  # what torch.library registers
     except ImportError:
         return
     below = getattr(torch._C, "_after_ADInplaceOrView_keyset", None)
     any_grad = getattr(torch._C, "_any_requires_grad", None)
-    bump = getattr(torch._C, "_increment_version", None)
-    needed = (below, any_grad, bump, getattr(_step_op_, "_lib", None), getattr(_step_op, "_lib", None))
-    if any(x is None for x in needed):
+    if below is None or any_grad is None or _BUMP is None or getattr(op, "_lib", None) is None:
         return
     backends = (torch._C.DispatchKey.CPU, torch._C.DispatchKey.CUDA)
     grad_enabled = torch.is_grad_enabled
+    fallback = make_autograd_impl(op._opoverload, op)
 
-    def plain(keyset, *args) -> bool:
-        return (keyset & below).highestPriorityTypeId() in backends and not (grad_enabled() and any_grad(*args))
+    def autograd_kernel(keyset, *args):
+        if (keyset & below).highestPriorityTypeId() in backends and not (grad_enabled() and any_grad(*args)):
+            return direct(*args)
+        return fallback(keyset, *args)
 
-    def register(op, name, direct):
-        fallback = make_autograd_impl(op._opoverload, op)
-
-        def autograd_kernel(keyset, *args):
-            if plain(keyset, *args):
-                return direct(*args)
-            return fallback(keyset, *args)
-
-        _override(op._lib, name, autograd_kernel, "Autograd")
-
-    def step_in_place(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
-        bump(params)
-        bump(states)
-        layout = Layout(rule, bits, block_size, fmt, present)
-        _run(params, params, grads, states, states, hp, layout, skip_zeros, clip)
-
-    def step_pure(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
-        layout = Layout(rule, bits, block_size, fmt, present)
-        return _step_impl(params, grads, states, hp, layout, skip_zeros, clip)
-
-    register(_step_op_, "step_", step_in_place)
-    register(_step_op, "step", step_pure)
+    _override(op._lib, name, autograd_kernel, "Autograd")
 
 
-_register_direct_kernels()
+def _step_in_place(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+    _BUMP(params)
+    _BUMP(states)
+    layout = Layout(rule, bits, block_size, fmt, present)
+    _run(params, params, grads, states, states, hp, layout, skip_zeros, clip)
+
+
+def _step_pure(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+    layout = Layout(rule, bits, block_size, fmt, present)
+    return _step_impl(params, grads, states, hp, layout, skip_zeros, clip)
+
+
+_BUMP = getattr(torch._C, "_increment_version", None)
+register_direct(_step_op_, "step_", _step_in_place)
+register_direct(_step_op, "step", _step_pure)
 
 
 def _members(tensors: list, dims: list, size: int) -> list[list[Tensor]]:
@@ -578,9 +574,6 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) 
         for old, new in zip(itertools.chain(params, states), itertools.chain(new_p, new_s)):
             old.copy_(new)
     return True
-
-
-_BUMP = getattr(torch._C, "_increment_version", None)
 
 
 def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros, clip, size) -> None:

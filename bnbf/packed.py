@@ -35,6 +35,7 @@ from torch.utils import _pytree as pytree
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
+    NATIVE,
     _check_grad,
     _check_leaves,
     _check_param,
@@ -80,11 +81,13 @@ class PackedMeta:
     and the buffers' sizes. Made once per :func:`init_state`/:func:`pack_state`; every state stepped from it shares
     it (the ops name it by ``key``, an int unique in this process)."""
 
-    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "__weakref__")
+    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "__weakref__")
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
         self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = spec, shapes, dtypes, rule, groups, sizes
         self.pick = tuple(map(_picker, (g.leaves for g in groups)))  # per group: its leaves of a leaf list
+        # meta tensors of the params' shapes and dtypes, for the compiled check of an eager call's params and grads
+        self.twins = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
         self.key = next(_KEYS)
         _METAS[self.key] = self
 
@@ -337,13 +340,20 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
         raise ValueError("grad must have the same structure as param")
     device = buffers[0].device if buffers else None
     compiling = torch.compiler.is_compiling()
-    if compiling or not (
+    fast = (  # plain and contiguous, the shapes and dtypes built for: in C
+        not compiling
+        and NATIVE is not None
+        and NATIVE.meta_match(params, meta.twins)
+        and NATIVE.grads_match(params, grads)
+        and set(map(_DEVICE, params)) == {device}
+    )
+    if not fast and (compiling or not (
         all(map(isinstance, itertools.chain(params, grads), itertools.repeat(Tensor)))
         and tuple(map(_SHAPE, params)) == meta.shapes
         and tuple(map(_DTYPE, params)) == meta.dtypes
         and set(map(_DEVICE, params)) == {device}
         and _grads_ok(params, grads)
-    ):
+    )):
         for i, (p, g) in enumerate(zip(params, grads)):
             fits = isinstance(p, Tensor) and p.shape == meta.shapes[i] and p.dtype == meta.dtypes[i]
             fits = fits and p.device == device and p.layout == torch.strided and isinstance(g, Tensor)
@@ -462,6 +472,17 @@ def _packed_step_op(
 @_packed_step_op.register_fake
 def _(params, grads, buffers, hp, key, group, skip_zeros, clip):
     return [torch.empty_like(p) for p in params], [torch.empty_like(b) for b in buffers]
+
+
+def _step_in_place(params, grads, buffers, hp, key, group, skip_zeros, clip) -> None:
+    ops._BUMP(params)
+    ops._BUMP(buffers)
+    _run(params, params, grads, buffers, buffers, hp, key, group, skip_zeros, clip)
+
+
+# a compiled graph's calls of the ops on plain tensors: straight to the step (see ops.register_direct)
+ops.register_direct(_packed_step_op_, "packed_step_", _step_in_place)
+ops.register_direct(_packed_step_op, "packed_step", _impl)
 
 
 # ---- vmap -----------------------------------------------------------------------------------------------------------
