@@ -282,8 +282,10 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     direct = found is None and ops._direct(params, grads, buffers, buffers[0])
     if compiling:
         row = ops.traced_scalar_row(values, device)
-    elif (direct or found is not None) and use_triton(buffers[0]):
-        row = _one_set(values, device)  # Python numbers as kernel arguments (no upload), as a plan passes them
+    elif direct and in_place and use_triton(buffers[0]):
+        # Python numbers as kernel arguments (no upload), as a plan passes them; elsewhere a scalar row as the
+        # per-param state's call takes (the kernel's two variants may round a state's last bit differently)
+        row = _one_set(values, device)
     else:
         row = scalar_row(values, device)
     new_params: list = [None] * len(params)
@@ -494,8 +496,8 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
     inputs. Refused with a clear error where the inputs are still wrapped by an outer transform."""
     level, size = found
     (ps, p_dims), (gs, g_dims), (bs, b_dims) = ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(buffers, level)
-    hp_u, h_dim = (hp, None) if type(hp) is tuple else _functorch._unwrap_batched(hp, level)
-    if not ops._unwrapped(ps, gs, bs, [] if type(hp) is tuple else [hp_u]) or not ops._stackable(ps[0], h_dim):
+    hp_u, h_dim = _functorch._unwrap_batched(hp, level)
+    if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
         raise RuntimeError(
             "bnbf: a packed state under nested torch.func transforms (vmap of vmap, grad of vmap) is not supported; "
             "use the per-param state (init_state without packed=True)"
@@ -548,7 +550,7 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
     with BUILD_LOCK:
         group = packed_group(P, out_P, B, out_B, _parts(meta, gi), (meta.key, gi), g.layout, size, check)
         grad_list = stacked_grads(group, G, size)
-    rows = None if type(hp) is tuple else ops._member_rows(hp, h_dim, len(P[0]), size)
+    rows = ops._member_rows(hp, h_dim, len(P[0]), size)
     with launch_lock(device.type == "cpu"):
         launch_group(group, grad_list, hp if rows is None else rows, skip_zeros, clip)
 
