@@ -78,6 +78,8 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
             raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
         if not isinstance(spec, OptimSpec) or spec.paged:
             raise ValueError("a packed state takes one OptimSpec (one rule), not paged")
+        if any(map(is_dtensor, _flatten(param)[0])):
+            raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
         return pack_state(init_state(param, spec, hparams), param)
     if not isinstance(spec, OptimSpec) or not _shared(hparams):
         if isinstance(spec, OptimSpec) or callable(spec) or isinstance(spec, (Mapping, list, tuple)):

@@ -107,3 +107,20 @@ def test_plan_steps_like_update_on_flat_and_nested_trees(mesh):
         for x, t, g in zip(torch.utils._pytree.tree_leaves(ps[0]), full, grads):
             step = t[: x._local_tensor.shape[0]] - x._local_tensor
             torch.testing.assert_close(step, 1e-2 * torch.sign(g[: step.shape[0]]), atol=1e-4, rtol=0)
+
+
+def test_a_packed_state_refuses_dtensor_params(mesh):
+    """DTensor params' state is bnbf.distributed's (each rank's shards): a packed state refuses them, building and
+    stepping, before anything is written."""
+    import bnbf
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    with pytest.raises(ValueError, match="DTensor"):
+        bnbf.init_state({"w": w}, bnbf.OptimSpec(), packed=True)
+    state = bnbf.init_state({"w": torch.zeros(8, 4)}, bnbf.OptimSpec(), packed=True)
+    before = [b.clone() for b in state.buffers]
+    for step in (bnbf.update, bnbf.update_):
+        with pytest.raises(ValueError, match="DTensor"):
+            step({"w": w}, {"w": w.detach()}, state, {"lr": 0.1}, 1)
+    assert all(torch.equal(a, b) for a, b in zip(state.buffers, before))

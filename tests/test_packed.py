@@ -277,3 +277,26 @@ def test_hypothesis_packed_equals_per_param(numels, dtype, rule, magnitude):
     want = bnbf.update(p, g, bnbf.init_state(p, spec), {"lr": 1e-3}, 1)
     got = bnbf.update(p, g, bnbf.init_state(p, spec, packed=True), {"lr": 1e-3}, 1)
     assert _same(got[0], want[0]) and _same(got[1].unpack(), want[1])
+
+
+def test_nested_vmap_is_refused():
+    """vmap of vmap (inputs still wrapped by the outer transform) raises a clear error, never a wrong result."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    p = {"w": torch.randn(2, 3, 300)}
+    g = {"w": torch.randn(2, 3, 300)}
+    s = torch.func.vmap(torch.func.vmap(lambda q: bnbf.init_state(q, spec, packed=True)))(p)
+    step = torch.func.vmap(torch.func.vmap(lambda q, gg, ss: bnbf.update(q, gg, ss, {"lr": 0.1}, 1)))
+    with pytest.raises(RuntimeError, match="nested torch.func transforms"):
+        step(p, g, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture")
+def test_capture_is_refused():
+    p = {"w": torch.randn(4096, device="cuda")}
+    g = {"w": torch.randn(4096, device="cuda")}
+    s = bnbf.init_state(p, bnbf.OptimSpec(), packed=True)
+    lr, t = torch.tensor(0.1, device="cuda"), torch.tensor(1, device="cuda")
+    bnbf.update_(p, g, s, {"lr": lr}, t)  # warm: the same call eager works
+    with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(torch.cuda.CUDAGraph()):
+        bnbf.update_(p, g, s, {"lr": lr}, t)
