@@ -333,41 +333,37 @@ def row_vmap(ctx, packed: bool = False) -> dict:
     # torch.func's own share of the host time: the same vmap of a function that returns its inputs
     ident = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))
     _, ident_host = timed(ctx.device, lambda i: ident(params, grads, state, i), ctx.warmup, ctx.steps)
-    if packed:
-        step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
-        in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
-        n = 4 * ctx.steps
-        back_to_back = _back_to_back(ctx, vmapped, n, 2 + ctx.warmup + ctx.steps)
-        in_place_b2b = _back_to_back(ctx, lambda i: step_(params, grads, state, i), n, 1)
-        return {
-            "ms": ms,
-            "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-            "note": f"{MEMBERS} members, state in {len(state.buffers)} buffers; host {host:.3f} ms a call, of which "
-            f"torch.func's vmap of the same trees {ident_host:.3f} ms; back to back (mean of {n} steps, one "
-            f"synchronize) {back_to_back:.3f} ms a step ({_pct(ctx, back_to_back)} of copy); address tables built "
-            f"in the {ctx.steps} timed calls: {builds}; {ran}; vmap(update_) {in_place_ms:.3f} ms (host "
-            f"{in_place_host:.3f}; back to back {in_place_b2b:.3f} ms a step, {_pct(ctx, in_place_b2b)} of copy)",
-        }
-    # the loop it replaces: one pure call per member
-    members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
-    member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
-    loop_state = [bnbf.init_state(p, spec) for p in members]
-
-    def loop(i: int) -> None:
-        for m in range(MEMBERS):
-            members[m], loop_state[m] = bnbf.update(members[m], member_grads[m], loop_state[m], HP, i)
-
-    loop_ms = median_ms(ctx.device, loop, ctx.warmup, ctx.steps)
     # the in-place twin: the stacked tensors stepped where they are (no outputs)
     step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
     in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
+    in_place = f"vmap(update_) {in_place_ms:.3f} ms (host {in_place_host:.3f}"
+    if packed:  # and the steps back to back, as a loop that never waits runs them
+        n = 4 * ctx.steps
+        back_to_back = _back_to_back(ctx, vmapped, n, 2 + ctx.warmup + ctx.steps)
+        in_place_b2b = _back_to_back(ctx, lambda i: step_(params, grads, state, i), n, 1)
+        more = (
+            f"back to back (mean of {n} steps, one synchronize) {back_to_back:.3f} ms a step "
+            f"({_pct(ctx, back_to_back)} of copy); {in_place}; back to back {in_place_b2b:.3f} ms a step, "
+            f"{_pct(ctx, in_place_b2b)} of copy)"
+        )
+    else:  # and the loop it replaces: one pure call per member
+        members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
+        member_grads = [{k: v[m] for k, v in grads.items()} for m in range(MEMBERS)]
+        loop_state = [bnbf.init_state(p, spec) for p in members]
+
+        def loop(i: int) -> None:
+            for m in range(MEMBERS):
+                members[m], loop_state[m] = bnbf.update(members[m], member_grads[m], loop_state[m], HP, i)
+
+        more = (
+            f"{in_place}); loop of {MEMBERS} update calls: {median_ms(ctx.device, loop, ctx.warmup, ctx.steps):.3f} ms"
+        )
+    where = f", state in {len(state.buffers)} buffers" if packed else ""
     return {
         "ms": ms,
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"{MEMBERS} members; host {host:.3f} ms a call, of which torch.func's vmap of the same trees "
-        f"{ident_host:.3f} ms; address tables built in the {ctx.steps} timed calls: {builds}; {ran}; "
-        f"vmap(update_) {in_place_ms:.3f} ms (host {in_place_host:.3f}); "
-        f"loop of {MEMBERS} update calls: {loop_ms:.3f} ms",
+        "note": f"{MEMBERS} members{where}; host {host:.3f} ms a call, of which torch.func's vmap of the same trees "
+        f"{ident_host:.3f} ms; address tables built in the {ctx.steps} timed calls: {builds}; {ran}; {more}",
     }
 
 

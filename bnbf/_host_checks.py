@@ -592,7 +592,18 @@ def _prepare_traced(
             ):
                 _check_leaf(_names(param)[i], p, g, s)
     rule = _rule_of(param, states)
-    if compiling:
+    h = traced_hparams(param, params, grads, rule, hparams, step, max_unorm, states, in_place)
+    return _Call(params, grads, states, p_spec, rule, h, step)
+
+
+def traced_hparams(
+    param: Any, params: list, grads: list, rule: Any, hparams: Any, step: Any, max_unorm: Any, states: list, in_place
+) -> Any:
+    """The checks of a traced call (or one under a torch.func transform) that read no address: a derivative asked
+    for through the step, the hyperparameters' names, the kept slots, the step's type; returns the rule's
+    hyperparameters, with the values of a traced call (or of per-member tensors under vmap) unread. ``states``: the
+    states, or their layouts (a packed state's groups)."""
+    if torch.compiler.is_compiling():
         grad_mode = torch.is_grad_enabled()
         for i in range(len(params)):
             t = grads[i]
@@ -609,7 +620,7 @@ def _prepare_traced(
     _check_present(rule, h, states)
     if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
         raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
-    return _Call(params, grads, states, p_spec, rule, h, step)
+    return h
 
 
 def _fits_traced(p: Tensor, s: Any) -> bool:

@@ -31,10 +31,10 @@ from bnbf._host_checks import (
     _unflatten,
     unaddressable,
 )
-from bnbf.packed import PackedState, pack_state
-from bnbf.packed import update as packed_update
 from bnbf.differentiable import update as differentiable_update
 from bnbf.differentiable import update_ as differentiable_update_
+from bnbf.packed import PackedState, pack_state
+from bnbf.packed import update as packed_update
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _DEAD,
     _PLANS,

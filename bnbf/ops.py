@@ -606,12 +606,12 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
     _reference_members(ps, ps, gs, ss, ss, hp, h_dim, layout, skip_zeros, clip, size)
 
 
-def _check_disjoint(params: list, states: list) -> None:
-    """ValueError where two of the stacked params and states share memory (what update_ refuses outside vmap)."""
+def _check_disjoint(params: list, states: list, step: str = "vmapped in-place step") -> None:
+    """ValueError where two of the (stacked) params and states share memory (what update_ refuses outside vmap)."""
     if _overlap([*params, *states], []) is not None:  # all as params: spans measured where not contiguous
         raise ValueError(
-            "bnbf: params or states of this vmapped in-place step overlap in memory (views of one tensor?): each "
-            "param and state is written on its own, so they must not share memory"
+            f"bnbf: params or states of this {step} overlap in memory (views of one tensor?): each param and state "
+            "is written on its own, so they must not share memory"
         )
 
 

@@ -21,7 +21,6 @@ all members in one launch on the Triton path (:mod:`bnbf.kernels.members`), as t
 
 from __future__ import annotations
 
-import collections
 import itertools
 import operator
 import weakref
@@ -43,19 +42,18 @@ from bnbf._host_checks import (
     _check_step,
     _flatten,
     _grads_ok,
-    _hparams_traced,
     _names,
-    _refuse,
     _unflatten,
     check_not_differentiated,
-    hparam_tensors,
     is_state,
+    traced_hparams,
 )
 from bnbf.plan import _one_set, _scalars, scalar_row
 from bnbf.reference import reference_step
 from bnbf.rules import get_rule
 from bnbf.state import Layout, _mark_static, state_class
 
+_IN_PLACE = "in-place step of a packed state"  # what an overlap error names
 _ALIGN = 256  # bytes: each leaf's part of a buffer starts aligned, so the kernels keep their aligned variant
 
 
@@ -84,7 +82,14 @@ class PackedMeta:
     __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "__weakref__")
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
-        self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = spec, shapes, dtypes, rule, groups, sizes
+        self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = (
+            spec,
+            shapes,
+            dtypes,
+            rule,
+            groups,
+            sizes,
+        )
         self.pick = tuple(map(_picker, (g.leaves for g in groups)))  # per group: its leaves of a leaf list
         # meta tensors of the params' shapes and dtypes, for the compiled check of an eager call's params and grads
         self.twins = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
@@ -253,31 +258,16 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     _check_tree(param, params, spec, grads, g_spec, buffers, meta, in_place)
     rule = get_rule(meta.rule)
     layouts = [g.layout for g in meta.groups]
-    if torch.compiler.is_compiling():  # hyperparameters unread (traced as inputs), the rest as _prepare_traced
-        h = _hparams_traced(rule, hparams)
-        grad_mode = torch.is_grad_enabled()
-        for i, (p, g) in enumerate(zip(params, grads)):
-            if grad_mode and (g.requires_grad or (not in_place and p.requires_grad)):
-                _refuse(f"{'grad' if g.requires_grad else 'param'}{_names(param)[i]}", layouts, in_place)
-        for name, t in hparam_tensors(h, step, max_unorm):
-            if grad_mode and t.requires_grad:
-                _refuse(f"the hyperparameter {name}", layouts, in_place)
-        if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
-            raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+    compiling = torch.compiler.is_compiling()
+    if compiling or _functorch.maybe_current_level() is not None:
+        h = traced_hparams(param, params, grads, rule, hparams, step, max_unorm, layouts, in_place)
     else:
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, layouts, in_place=in_place)
-        vmapped = _functorch.maybe_current_level() is not None
-        batched = vmapped and any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(hparams, step))
-        h = _hparams_traced(rule, hparams) if batched else rule.make_hparams(hparams)
-        if vmapped:
-            if isinstance(step, bool) or not isinstance(step, (int, Tensor)):
-                raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
-        else:
-            _check_step(step)
-    _check_present(rule, h, layouts)
+        h = rule.make_hparams(hparams)
+        _check_present(rule, h, layouts)
+        _check_step(step)
     values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
     device = buffers[0].device
-    compiling = torch.compiler.is_compiling()
     found = ops.vmap_level()
     direct = found is None and ops._direct(params, grads, buffers, buffers[0])
     if compiling:
@@ -349,13 +339,16 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
         and NATIVE.grads_match(params, grads)
         and set(map(_DEVICE, params)) == {device}
     )
-    if not fast and (compiling or not (
-        all(map(isinstance, itertools.chain(params, grads), itertools.repeat(Tensor)))
-        and tuple(map(_SHAPE, params)) == meta.shapes
-        and tuple(map(_DTYPE, params)) == meta.dtypes
-        and set(map(_DEVICE, params)) == {device}
-        and _grads_ok(params, grads)
-    )):
+    if not fast and (
+        compiling
+        or not (
+            all(map(isinstance, itertools.chain(params, grads), itertools.repeat(Tensor)))
+            and tuple(map(_SHAPE, params)) == meta.shapes
+            and tuple(map(_DTYPE, params)) == meta.dtypes
+            and set(map(_DEVICE, params)) == {device}
+            and _grads_ok(params, grads)
+        )
+    ):
         for i, (p, g) in enumerate(zip(params, grads)):
             fits = isinstance(p, Tensor) and p.shape == meta.shapes[i] and p.dtype == meta.dtypes[i]
             fits = fits and p.device == device and p.layout == torch.strided and isinstance(g, Tensor)
@@ -415,7 +408,7 @@ def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None
             launch_group(group, grads, hp, skip_zeros, clip)
         return
     if p_out is p_in:
-        ops._check_disjoint(p_in, b_in)
+        ops._check_disjoint(p_in, b_in, _IN_PLACE)
     s_in = _group_views(b_in, g, meta.shapes)
     s_out = s_in if b_out is b_in else _group_views(b_out, g, meta.shapes)
     reference_step(p_in, p_out, grads, s_in, s_out, hp, g.layout, skip_zeros, clip)
@@ -444,7 +437,7 @@ def _group(p_in, p_out, b_in, b_out, meta: PackedMeta, gi: int):
     P = (p_in, unbatched)
     B = (b_in, (False,) * len(b_in))
     if p_out is p_in:
-        check = lambda: ops._check_disjoint(p_in, b_in)  # noqa: E731 - once per set of addresses: a hit is the same memory
+        check = lambda: ops._check_disjoint(p_in, b_in, _IN_PLACE)  # noqa: E731 - once per set of addresses: a hit is the same memory
         return packed_group(P, P, B, B, _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1, check)
     out = ((p_out, unbatched), (b_out, B[1]))
     return packed_group(P, out[0], B, out[1], _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1)
@@ -495,7 +488,11 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
     tensor and state (one launch on the Triton path), written into stacked outputs, or in place into the stacked
     inputs. Refused with a clear error where the inputs are still wrapped by an outer transform."""
     level, size = found
-    (ps, p_dims), (gs, g_dims), (bs, b_dims) = ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(buffers, level)
+    (ps, p_dims), (gs, g_dims), (bs, b_dims) = (
+        ops._unwrap(params, level),
+        ops._unwrap(grads, level),
+        ops._unwrap(buffers, level),
+    )
     hp_u, h_dim = _functorch._unwrap_batched(hp, level)
     if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
         raise RuntimeError(
@@ -538,7 +535,7 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
         ops._BUMP(B[0])
     if not use_triton(P[0][0]):
         if in_place:
-            ops._check_disjoint(P[0], B[0])
+            ops._check_disjoint(P[0], B[0], "vmapped " + _IN_PLACE)
         S_in = _parts(meta, gi)(B)[:2]
         S_out = S_in if in_place else _parts(meta, gi)(out_B)[:2]
         ops._reference_members(P, out_P, G, S_in, S_out, hp, h_dim, g.layout, skip_zeros, clip, size)
@@ -546,7 +543,7 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
     from bnbf.kernels.launcher import launch_group
     from bnbf.kernels.members import packed_group, stacked_grads
 
-    check = (lambda: ops._check_disjoint(P[0], B[0])) if in_place else None
+    check = (lambda: ops._check_disjoint(P[0], B[0], "vmapped " + _IN_PLACE)) if in_place else None
     with BUILD_LOCK:
         group = packed_group(P, out_P, B, out_B, _parts(meta, gi), (meta.key, gi), g.layout, size, check)
         grad_list = stacked_grads(group, G, size)
@@ -567,8 +564,14 @@ def _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, ski
 
     outs = [
         _packed_step_op(
-            member(params, p_dims, b), member(grads, g_dims, b), member(buffers, b_dims, b),
-            hp if h_dim is None else hp.select(h_dim, b), key, group, skip_zeros, clip,
+            member(params, p_dims, b),
+            member(grads, g_dims, b),
+            member(buffers, b_dims, b),
+            hp if h_dim is None else hp.select(h_dim, b),
+            key,
+            group,
+            skip_zeros,
+            clip,
         )  # fmt: skip
         for b in range(size)
     ]

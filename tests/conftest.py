@@ -205,3 +205,15 @@ def init_params(shape, dtype, device):
 
 def make_grad(shape, dtype, device):
     return (torch.randn(shape) * 0.01).to(dtype).to(device)
+
+
+@pytest.fixture
+def fresh_dynamo():
+    """Dynamo reset and its counters cleared around a test, which fails if the test broke a graph."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    yield
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    torch._dynamo.reset()

@@ -112,8 +112,9 @@ def test_plan_steps_like_update_on_flat_and_nested_trees(mesh):
 def test_a_packed_state_refuses_dtensor_params(mesh):
     """DTensor params' state is bnbf.distributed's (each rank's shards): a packed state refuses them, building and
     stepping, before anything is written."""
-    import bnbf
     from torch.distributed.tensor import Shard, distribute_tensor
+
+    import bnbf
 
     w = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
     with pytest.raises(ValueError, match="DTensor"):

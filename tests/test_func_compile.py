@@ -18,7 +18,6 @@ import pytest
 import torch
 from conftest import DEVICES, triton_mode
 from torch._dynamo.testing import CompileCounter
-from torch._dynamo.utils import counters
 from torch.func import grad_and_value
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -63,12 +62,8 @@ def _equal(a, b) -> bool:
 
 
 @pytest.fixture(autouse=True)
-def _fresh_dynamo():
-    torch._dynamo.reset()
-    counters.clear()
+def _fresh_dynamo(fresh_dynamo):
     yield
-    assert not counters["graph_break"], dict(counters["graph_break"])
-    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -190,7 +190,17 @@ def packed_group(p_in: tuple, p_out: tuple, b_in: tuple, b_out: tuple, parts, ke
     """
     lists = (p_in, p_out, b_in, b_out)
     t0 = p_in[0][0]
-    skey = (key, layout, t0.dtype, t0.device, size, p_in[1], b_in[1], p_out is p_in, *map(_strides_key, lists, (size,) * 4))
+    skey = (
+        key,
+        layout,
+        t0.dtype,
+        t0.device,
+        size,
+        p_in[1],
+        b_in[1],
+        p_out is p_in,
+        *map(_strides_key, lists, (size,) * 4),
+    )
     structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size))
     addresses, packed, aligned = _addresses(lists)
     gkey = (skey, packed)
