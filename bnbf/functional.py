@@ -124,7 +124,8 @@ def update(
     Args:
         param: a tensor or pytree of tensors (float32, float16 or bfloat16).
         grad: gradients in the same structure, each of its param's shape, dtype and device.
-        state: from :func:`init_state` (or a previous ``update``), same structure.
+        state: from :func:`init_state` (or a previous ``update``), same structure; or a
+            :class:`bnbf.packed.PackedState` (``init_state(..., packed=True)``), returned as one.
         hparams: a mapping with torch.optim's names (``lr``, ``betas``, ``eps``, ``weight_decay``...) or
             the rule's hparams dataclass; Python numbers or 0-d tensors. Missing keys take defaults.
         step: 1-based index of this update (int or 0-d integer tensor), for bias correction.

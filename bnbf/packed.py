@@ -7,12 +7,13 @@ of an optimizer step's tensors (GPT-2 small with 8-bit AdamW: 396 state tensors 
 :func:`bnbf.init_state` with ``packed=True`` lays the same state out in one buffer per (param dtype, state layout,
 field) instead (6 buffers for GPT-2), with each leaf's part at a fixed offset; the step is the same kernel, whose
 address table points into the buffers, and the same reference code on views of them, so a packed step equals the
-per-param step bit for bit.
+per-param step of the same kind (pure, in place, vmapped, compiled) bit for bit.
 
 A :class:`PackedState` is a pytree whose children are only the buffers; where each leaf's state lies (the tree's
 structure, shapes, offsets) is its static part, a :class:`PackedMeta`. :meth:`PackedState.unpack` gives the
 per-param state (views of the buffers: checkpoints, :func:`bnbf.dequantize_state`); :func:`pack_state` packs a
-per-param state. Each leaf's part of a buffer starts 256-byte aligned; the bytes between parts are unspecified.
+per-param state. Each leaf's part starts a multiple of 256 bytes into its buffer; the bytes between parts are
+unspecified.
 
 The step's ops, ``bnbf::packed_step`` (pure) and ``bnbf::packed_step_`` (in place), take a layout group's params,
 grads and buffers and the meta's key. Under ``vmap`` every member of a stacked buffer is stepped as its own state,
@@ -82,14 +83,8 @@ class PackedMeta:
     __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "__weakref__")
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
-        self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes = (
-            spec,
-            shapes,
-            dtypes,
-            rule,
-            groups,
-            sizes,
-        )
+        self.spec, self.shapes, self.dtypes = spec, shapes, dtypes
+        self.rule, self.groups, self.sizes = rule, groups, sizes
         self.pick = tuple(map(_picker, (g.leaves for g in groups)))  # per group: its leaves of a leaf list
         # meta tensors of the params' shapes and dtypes, for the compiled check of an eager call's params and grads
         self.twins = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
@@ -187,8 +182,8 @@ def pack_state(state: Any, param: Any) -> PackedState:
     Example:
         >>> p = {"w": torch.zeros(4096), "b": torch.zeros(8)}
         >>> s = bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule="adamw")), p)
-        >>> [tuple(b.shape) for b in s.buffers]
-        [(4096,), (16,), (4096,), (16,), (64,), (64,)]
+        >>> [tuple(b.shape) for b in s.buffers]  # w's 8-bit moments and their 16 scales, b's 32-bit moments
+        [(4096,), (64,), (4096,), (64,), (64,), (64,)]
     """
     params, spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
