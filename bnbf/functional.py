@@ -207,7 +207,7 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             if vmapped:
-                ps, gs = [ops.vmap_input(call.params[i]) for i in idx], [ops.vmap_input(call.grads[i]) for i in idx]
+                ps, gs = [_vmap_input(call.params[i]) for i in idx], [_vmap_input(call.grads[i]) for i in idx]
             else:
                 ps = [call.params[i].detach().contiguous() for i in idx]
                 gs = [call.grads[i].detach().contiguous() for i in idx]
@@ -219,6 +219,11 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
                 new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
                 new_states[i] = make(out_s[k * per : (k + 1) * per])
     return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
+
+
+def _vmap_input(t: Tensor) -> Tensor:
+    """A tensor for the op under vmap: batched as it is (the batching rule lays it out), others as outside."""
+    return t if _functorch.is_batchedtensor(t) else t.detach().contiguous()
 
 
 def update_(

@@ -468,11 +468,6 @@ def _reference_members(ps, out_p, gs, ss, out_s, hp, h_dim, layout, skip_zeros, 
         reference_step(*ins, views(ss, members), views(out_s, members), row, layout, skip_zeros, clip)
 
 
-def vmap_input(t: Tensor) -> Tensor:
-    """A tensor for the op under vmap: batched as it is (the batching rule lays it out), others as outside."""
-    return t if _functorch.is_batchedtensor(t) else t.detach().contiguous()
-
-
 def _unwrap(tensors: list, level: int) -> tuple[tuple, tuple]:
     """The plain tensors under ``vmap``'s wrappers at ``level``, and their batch dims (None: not batched)."""
     pairs = zip(*map(_functorch._unwrap_batched, tensors, itertools.repeat(level)))  # two tuples, in C

@@ -59,12 +59,12 @@ _ALIGN = 256  # bytes: each leaf's part of a buffer starts aligned, so the kerne
 
 
 class PackedGroup(NamedTuple):
-    """The leaves stepped by one launch (one param dtype, one state layout) and where their state lies: buffer
+    """The leaves stepped by one launch (one param dtype, one state layout: ``meta.dtypes`` says which) and where
+    their state lies: buffer
     ``first + f`` holds field ``f`` of every leaf of the group, leaf ``k``'s part at ``offsets[f][k]`` (elements),
     ``numels[f][k]`` long."""
 
     layout: Layout
-    dtype: torch.dtype
     leaves: tuple
     first: int
     offsets: tuple
@@ -205,7 +205,7 @@ def pack_state(state: Any, param: Any) -> PackedState:
     for i, (p, s) in enumerate(zip(params, states)):
         by_kind.setdefault((p.dtype, s.layout), []).append(i)
     groups, sizes, pieces = [], [], []
-    for (dtype, layout), leaves in by_kind.items():
+    for (_, layout), leaves in by_kind.items():
         offsets, numels = [], []
         for f, (_, fdtype) in enumerate(layout.expected(torch.Size(params[leaves[0]].shape)).values()):
             itemsize = torch.empty((), dtype=fdtype).element_size()
@@ -225,7 +225,7 @@ def pack_state(state: Any, param: Any) -> PackedState:
             sizes.append((fdtype, at))
             pieces.append(parts)
         first = len(sizes) - len(offsets)
-        groups.append(PackedGroup(layout, dtype, tuple(leaves), first, tuple(offsets), tuple(numels)))
+        groups.append(PackedGroup(layout, tuple(leaves), first, tuple(offsets), tuple(numels)))
     shapes = tuple(torch.Size(p.shape) for p in params)
     meta = PackedMeta(spec, shapes, tuple(p.dtype for p in params), rules.pop(), tuple(groups), tuple(sizes))
     buffers = []

@@ -19,6 +19,7 @@ both. The tensors are small (the costs are per tensor, not per byte).
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -64,12 +65,12 @@ def main() -> None:
         numel = {n: 4096 if torch.Size(real[n]).numel() >= max(min_8bit, 1) else 64 for n in names}
         params = {n: torch.zeros(members, numel[n], device=device) for n in names}
         grads = {n: torch.zeros_like(v) for n, v in params.items()}
-        state = torch.func.vmap(lambda p: bnbf.init_state(p, spec))(params)
+        state = torch.func.vmap(functools.partial(bnbf.init_state, spec=spec))(params)
         fields = sum(len(s) for s in state.values())
         packed = tuple(torch.zeros(members, 1 << 16, device=device) for _ in range(4))
         ident = torch.func.vmap(lambda p, g, s: (p, s))
-        per_leaf = host_us(lambda: ident(params, grads, state), args.calls, cuda)
-        flat = host_us(lambda: ident(params, grads, packed), args.calls, cuda)
+        per_leaf = host_us(functools.partial(ident, params, grads, state), args.calls, cuda)
+        flat = host_us(functools.partial(ident, params, grads, packed), args.calls, cuda)
         rows.append((f"vmap, identity, {fields} state tensors", per_leaf, flat))
 
         p1 = {n: v[0].clone() for n, v in params.items()}
@@ -87,8 +88,8 @@ def main() -> None:
         c_packy = torch.compile(packy, fullgraph=True)
         c_leafy(p1, g1, s1)
         c_packy(p1, g1, f1)
-        per_leaf = host_us(lambda: c_leafy(p1, g1, s1), args.calls, cuda)
-        flat = host_us(lambda: c_packy(p1, g1, f1), args.calls, cuda)
+        per_leaf = host_us(functools.partial(c_leafy, p1, g1, s1), args.calls, cuda)
+        flat = host_us(functools.partial(c_packy, p1, g1, f1), args.calls, cuda)
         rows.append((f"compile, no-op op, {fields} state tensors", per_leaf, flat))
     where = torch.cuda.get_device_name(0) if cuda else "CPU"
     print(f"{where}, torch {torch.__version__}; {len(names)} params; host us a call")

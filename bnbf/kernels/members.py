@@ -131,11 +131,18 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
         return _build_shards(lists, layout, size, _structure_of(lists, layout, size))
     structure = _structure_of(lists, layout, size)
     addresses, packed, aligned = _addresses(lists)
-    key = (structure.key, packed)
+    return _group_at((structure.key, packed), structure, addresses, aligned)
+
+
+def _group_at(key: tuple, structure: _Structure, addresses: Tensor, aligned: bool, check=None) -> MemberGroup:
+    """The cached group of ``key`` (a structure's key and the packed addresses), else ``check()`` (if given) and a
+    new one (:func:`_group_of`)."""
     hit = _GROUPS.get(key)
     if hit is not None:
         _GROUPS.move_to_end(key)
         return hit
+    if check is not None:
+        check()
     group = _GROUPS[key] = _group_of(structure, addresses, aligned)
     if len(_GROUPS) > _CACHE_SIZE:
         _GROUPS.popitem(last=False)
@@ -203,17 +210,7 @@ def packed_group(p_in: tuple, p_out: tuple, b_in: tuple, b_out: tuple, parts, ke
     )
     structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size))
     addresses, packed, aligned = _addresses(lists)
-    gkey = (skey, packed)
-    hit = _GROUPS.get(gkey)
-    if hit is not None:
-        _GROUPS.move_to_end(gkey)
-        return hit
-    if check is not None:
-        check()
-    group = _GROUPS[gkey] = _group_of(structure, addresses, aligned)
-    if len(_GROUPS) > _CACHE_SIZE:
-        _GROUPS.popitem(last=False)
-    return group
+    return _group_at((skey, packed), structure, addresses, aligned, check)
 
 
 def _strides_key(x: tuple, size: int) -> tuple | None:
