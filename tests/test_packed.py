@@ -72,8 +72,8 @@ def _hp(rule, t):
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_packed_steps_equal_the_per_param_state(device, rule, bits, dtype):
-    if INTERP and (bits == 32 or dtype == torch.float16):
-        pytest.skip("the interpreter runs the 8-bit fp32/bf16 cases (the kernel's code paths for the layouts)")
+    if INTERP and (bits == 32 or dtype == torch.float16 or (dtype == torch.bfloat16 and rule != "adamw")):
+        pytest.skip("the interpreter runs the 8-bit cases in fp32, and AdamW's in bf16 (the reference pass: all)")
     spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=256)
     p0 = _tree(dtype, device)
     s_ref = bnbf.init_state(p0, spec, HP[rule])
@@ -176,7 +176,10 @@ def test_vmap_with_a_hyperparameter_per_member():
 @pytest.mark.parametrize("numbers", ["tensors", "python"])
 def test_compile_fullgraph_without_recompiles(device, in_place, numbers):
     """One graph, no break; hyperparameters and step as 0-d tensors compile once, as Python numbers that change
-    every call at most twice (Dynamo's automatic dynamic, as for the per-param state); equal to the eager step."""
+    every call at most twice (Dynamo's automatic dynamic, as for the per-param state); equal to the eager step.
+    The interpreter pass runs the tensor case (how numbers are traced is Dynamo's, the same on either path)."""
+    if INTERP and numbers == "python":
+        pytest.skip("Python-number tracing: the reference pass and CUDA")
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
 
     def pure(q, g, s, lr, t):
