@@ -18,7 +18,7 @@ from torch._C import _functorch
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
-from bnbf._dispatch import is_dtensor
+from bnbf._dispatch import is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
     MixedRulesError,
@@ -434,7 +434,26 @@ def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, max
         raise ValueError("max_grad_norm is not supported with a packed state; clip the grads before the step")
     if not _shared(hparams):
         raise ValueError("a packed state takes one mapping of hyperparameters for every leaf (no per-leaf ones)")
-    return packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=in_place)
+    if not in_place or torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        return packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=in_place)
+    # eager in place: the per-param views of the buffers stepped by update_'s plan (the per-param state's
+    # launches and host cost), once a step of the packed state's own checked these params and buffers
+    capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # the packed step refuses
+    views = None if capturing or not state.buffers or not use_triton(state.buffers[0]) else state.plan_views()
+    if views is not None:
+        hit = _last_plan(param, views[0])
+        if hit is not None:
+            hit[0]._step(hit[1], hit[2], param, grad, hparams, step, skip_zeros, max_unorm, maximize)
+            return param, state
+    packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=True)
+    if views is not None:
+        params, spec = _flatten(param)
+        found = _cached(param, params, views[1], spec, spec)
+        if found is not None:
+            if len(_LAST) >= _LAST_SIZE:
+                _LAST.clear()
+            _LAST[id(param), id(views[0])] = weakref.ref(found)
+    return param, state
 
 
 @functools.cache

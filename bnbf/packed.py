@@ -22,6 +22,7 @@ all members in one launch on the Triton path (:mod:`bnbf.kernels.members`), as t
 
 from __future__ import annotations
 
+import array
 import itertools
 import operator
 import weakref
@@ -115,11 +116,33 @@ class PackedState:
         meta: the :class:`PackedMeta`.
     """
 
-    __slots__ = ("buffers", "meta")
+    __slots__ = ("buffers", "meta", "_views")
 
     def __init__(self, buffers: Any, meta: PackedMeta):
         self.buffers = tuple(buffers)
         self.meta = meta
+        self._views = None  # (buffers, their twins and addresses, unpack(), its leaves): see plan_views
+
+    def __reduce__(self):  # the buffers and the meta; not the views kept for update_'s plan
+        return PackedState, (self.buffers, self.meta)
+
+    def plan_views(self) -> tuple[Any, list] | None:
+        """``(tree, leaves)``: :meth:`unpack` and its state leaves, kept while the buffers are these very tensors at
+        their memory, shapes and dtypes (an in-place step of the packed state runs as update_'s plan of these
+        per-param views: the per-param state's launches). None where the buffers are stacked (vmap's) or not plain
+        contiguous tensors, or without the compiled host checks."""
+        held, bufs = self._views, self.buffers
+        if held is not None and held[0] is bufs and NATIVE.meta_match(bufs, held[1], held[2]):
+            return held[3], held[4]
+        if NATIVE is None or not bufs or not all(type(b) is Tensor and b.dim() == 1 and b.is_contiguous() for b in bufs):
+            return None
+        if len(bufs) != len(self.meta.sizes) or any(tuple(b.shape) != (n,) for b, (_, n) in zip(bufs, self.meta.sizes)):
+            return None  # the step's checks say what is wrong
+        twins = [torch.empty(b.shape, dtype=b.dtype, device="meta") for b in bufs]
+        tree = self.unpack()
+        leaves = _flatten(tree, is_leaf=is_state)[0]
+        self._views = (bufs, twins, array.array("Q", map(Tensor.data_ptr, bufs)).tobytes(), tree, leaves)
+        return tree, leaves
 
     def unpack(self) -> Any:
         """The per-param state (a state NamedTuple per leaf, in the params' structure) as views of the buffers:

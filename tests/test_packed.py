@@ -98,6 +98,44 @@ def test_packed_steps_equal_the_per_param_state(device, rule, bits, dtype):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_in_place_steps_through_the_plan_of_its_views(device):
+    """Eager update_ of a packed state, once a step checked its params and buffers, is update_'s plan of the
+    per-param views (the per-param state's launches): equal to the per-param update_ at every step, and a plan
+    hit still refuses a bad grad, and follows buffers or params given other memory."""
+    from bnbf import functional
+
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    p, p_ref = _tree(torch.float32, device), _tree(torch.float32, device)
+    s, s_ref = bnbf.init_state(p, spec, packed=True), bnbf.init_state(p_ref, spec)
+
+    def step(t, g=None):
+        g = _grads(torch.float32, device, t) if g is None else g
+        bnbf.update_(p, g, s, _hp("adamw", t), t)
+        bnbf.update_(p_ref, g, s_ref, _hp("adamw", t), t)
+        assert _same(p, p_ref) and _same(s.unpack(), s_ref)
+
+    step(1)
+    planned = bnbf.use_triton(p["w"])  # the reference path steps the buffers' views directly
+    views = s.plan_views()
+    assert (views is not None and (id(p), id(views[0])) in functional._LAST) == planned
+    step(2)
+    snap = snapshot(p, s.buffers)
+    with pytest.raises(ValueError, match="shape"):
+        bnbf.update_(p, {**_grads(torch.float32, device, 3), "b": torch.zeros(3, device=device)}, s, {"lr": 0.1}, 3)
+    assert_untouched(snap)
+    old = s.buffers
+    s.buffers = tuple(b.clone() for b in old)  # other memory: the step writes it, not the first buffers
+    snap = snapshot(old)
+    step(3)
+    assert_untouched(snap)
+    s.buffers[0].data = s.buffers[0].clone()  # .data = on one buffer
+    p["w"].data = p["w"].clone()  # and on one param
+    step(4)
+    back = pickle.loads(pickle.dumps(s))  # the views kept for the plan are not part of the state
+    assert _same(back.buffers, s.buffers) and back.plan_views() is not None
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_layout_and_round_trips(device):
     p = _tree(torch.bfloat16, device)
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
