@@ -17,9 +17,12 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   ``scripts/compile_host.py`` breaks the host time down further;
 - ``compile_packed``: ``compile`` with the state packed (``init_state(..., packed=True)``: 6 buffers in place
   of 396 state tensors); the note also gives the eager step of the packed state;
+- ``compile_torch``: torch's own AdamW on the same params, its step compiled (foreach, capturable, lr a 0-d
+  tensor) against its eager fused and foreach steps: what "compiled as fast as eager" costs torch's optimizer;
 - ``train``: a whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (12 layers,
   768 wide, untied head: 163M params, 150 tensors), batch 8x256, ``torch.compile(fullgraph=True)`` against the
   same step eager and against the eager step written with ``loss.backward()`` on the module;
+- ``train_packed``: ``train`` with the state packed;
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
 - ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call (bytes: 8 members' fewest;
   the bar is 85% of a copy), with the host time of a call, the part of it torch.func takes on its own (a vmap
@@ -69,7 +72,10 @@ import bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
-ROWS = ("eager", "compile", "compile_packed", "train", "graph", "vmap", "vmap_packed", "paged", "mixed", "clip")
+ROWS = (
+    "eager", "compile", "compile_packed", "compile_torch", "train", "train_packed", "graph", "vmap", "vmap_packed",
+    "paged", "mixed", "clip",
+)  # fmt: skip
 MEMBERS = 8
 
 
@@ -192,10 +198,11 @@ def row_compile_packed(ctx) -> dict:
     return row_compile(ctx, packed=True)
 
 
-def train_case(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
-    """The training step of the ``train`` row and of scripts/train_host.py: a GPT-2-small-shaped
+def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, packed: bool = False) -> tuple:
+    """The training step of the ``train`` rows and of scripts/train_host.py: a GPT-2-small-shaped
     ``bnbf.demo.CharTransformer`` (12 layers, 768 wide, untied head; ``tiny``: 2 layers, 32 wide) on ``device`` in
-    ``dtype``, its params as a dict, their 8-bit AdamW state, a batch (8x256; tiny 2x16), and
+    ``dtype``, its params as a dict, their 8-bit AdamW state (``packed``: in a few buffers), a batch (8x256; tiny
+    2x16), and
     ``train_step(params, state, x, y, lr, i)`` (``grad_and_value`` then ``update_``, returning the loss)."""
     from torch.func import functional_call, grad_and_value
 
@@ -208,7 +215,7 @@ def train_case(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
     torch.manual_seed(0)
     model = CharTransformer(**dims).to(device, dtype)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=packed)
     x = torch.randint(0, dims["vocab"], (batch, context), device=device)
     y = torch.randint(0, dims["vocab"], (batch, context), device=device)
 
@@ -224,7 +231,7 @@ def train_case(device: torch.device, dtype: torch.dtype, tiny: bool) -> tuple:
     return model, params, state, x, y, loss_fn, train_step
 
 
-def row_train(ctx) -> dict:
+def row_train(ctx, packed: bool = False) -> dict:
     """A whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (:func:`train_case`),
     compiled with ``fullgraph=True`` against the same step eager (lr and step 0-d tensors), and against the eager
     step most users write (``loss.backward()`` on the module, then ``update_``). Bytes: the optimizer step's
@@ -232,7 +239,9 @@ def row_train(ctx) -> dict:
     import torch._dynamo
     from torch.func import grad_and_value
 
-    model, params, state, x, y, loss_fn, train_step = train_case(ctx.device, ctx.dtype, ctx.device.type == "cpu")
+    model, params, state, x, y, loss_fn, train_step = train_case(
+        ctx.device, ctx.dtype, ctx.device.type == "cpu", packed
+    )
     batch, context = x.shape
     lr = torch.tensor(1e-4, device=ctx.device)
     t = torch.tensor(1, device=ctx.device)
@@ -283,6 +292,45 @@ def row_train(ctx) -> dict:
         f"eager with the module's parameters and loss.backward() {module_ms:.3f} ms (host {module_host:.3f}), "
         f"compiled/that {ms / module_ms:.2f}x; compiled without update_ (grads returned) {bare_ms:.3f} ms; "
         f"first three calls (compiling) {compile_s:.0f} s; dynamo stats moved by {recompiles} in the timed steps",
+    }
+
+
+def row_train_packed(ctx) -> dict:
+    return row_train(ctx, packed=True)
+
+
+def row_compile_torch(ctx) -> dict:
+    """torch's own AdamW on the same params: ``torch.compile`` of its step (foreach, capturable, lr a 0-d tensor
+    changing every step: torch's recipe for a compiled optimizer with a scheduler) against its eager fused and
+    foreach steps. Bytes: torch's fewest (moments in the param dtype)."""
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    leaves = []
+    for k, p in params.items():
+        leaf = torch.nn.Parameter(p)
+        leaf.grad = grads[k]
+        leaves.append(leaf)
+    fused = torch.optim.AdamW(leaves, **HP, fused=True)
+    fused_ms = median_ms(ctx.device, lambda i: fused.step(), ctx.warmup, ctx.steps)
+    foreach = torch.optim.AdamW(leaves, **HP, foreach=True)
+    foreach_ms = median_ms(ctx.device, lambda i: foreach.step(), ctx.warmup, ctx.steps)
+    lr = torch.tensor(HP["lr"], device=ctx.device)
+    opt = torch.optim.AdamW(leaves, lr=lr, weight_decay=HP["weight_decay"], foreach=True, capturable=True)
+    compiled = torch.compile(opt.step)
+
+    def fn(i: int) -> None:
+        lr.fill_(HP["lr"] * 0.999**i)
+        compiled()
+
+    t0 = time.perf_counter()
+    for i in range(1, 4):  # compiles here
+        fn(i)
+    compile_s = time.perf_counter() - t0
+    ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "param"),
+        "note": f"compiled {ms:.3f} ms (host {host:.3f}); eager fused {fused_ms:.3f} ms (compiled/fused "
+        f"{ms / fused_ms:.2f}x), eager foreach {foreach_ms:.3f} ms; first three calls (compiling) {compile_s:.0f} s",
     }
 
 

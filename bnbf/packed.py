@@ -134,11 +134,11 @@ class PackedState:
         held, bufs = self._views, self.buffers
         if held is not None and held[0] is bufs and NATIVE.meta_match(bufs, held[1], held[2]):
             return held[3], held[4]
-        if NATIVE is None or not bufs or not all(type(b) is Tensor and b.dim() == 1 and b.is_contiguous() for b in bufs):
+        if NATIVE is None or len(bufs) != len(self.meta.sizes):
             return None
-        if len(bufs) != len(self.meta.sizes) or any(tuple(b.shape) != (n,) for b, (_, n) in zip(bufs, self.meta.sizes)):
-            return None  # the step's checks say what is wrong
-        twins = [torch.empty(b.shape, dtype=b.dtype, device="meta") for b in bufs]
+        twins = [torch.empty((n,), dtype=dtype, device="meta") for dtype, n in self.meta.sizes]
+        if not NATIVE.meta_match(bufs, twins):  # stacked, another size, not plain: the step's checks say what
+            return None
         tree = self.unpack()
         leaves = _flatten(tree, is_leaf=is_state)[0]
         self._views = (bufs, twins, array.array("Q", map(Tensor.data_ptr, bufs)).tobytes(), tree, leaves)
