@@ -331,6 +331,10 @@ def _step_pure(params, grads, states, hp, rule, bits, block_size, fmt, present, 
 
 
 _BUMP = getattr(torch._C, "_increment_version", None)
+UNBATCHED_IN_PLACE = (
+    "bnbf: the in-place step under vmap cannot write {what}: it is not batched (one tensor shared by every member), "
+    "so it cannot take each member's own step in place (torch's vmap refuses such in-place writes)"
+)
 register_direct(_step_op_, "step_", _step_in_place)
 register_direct(_step_op, "step", _step_pure)
 
@@ -549,10 +553,7 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) 
     if shared:  # before anything is written
         k = shared[0]
         what = f"param {k}" if k < len(params) else f"state field {k - len(params)}"
-        raise RuntimeError(
-            f"bnbf: the in-place step under vmap cannot write {what}: it is not batched (one tensor shared by every "
-            "member), so it cannot take each member's own step in place (torch's vmap refuses such in-place writes)"
-        )
+        raise RuntimeError(UNBATCHED_IN_PLACE.format(what=what))
     plain = _unwrapped(ps, gs, ss, [hp_u])
     if plain and _stackable(ps[0], h_dim):
         with torch._C._DisableFuncTorch():
@@ -610,7 +611,6 @@ def _check_disjoint(params: list, states: list, step: str = "vmapped in-place st
         )
 
 
-@_step_op.register_vmap
 def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
     """``vmap`` over members (an ensemble's stacked params): every member of every tensor is a tensor of its own
     to the step, so each member is quantized on its own (its own blocks and absmax), exactly as a loop over
@@ -642,3 +642,22 @@ def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size,
     new_p = [torch.stack([out_p[b * n + i] for b in range(size)]) for i in range(n)]
     new_s = [torch.stack([out_s[b * m + k] for b in range(size)]) for k in range(m)]
     return (new_p, new_s), ([0] * n, [0] * m)
+
+
+_step_op.register_vmap(_step_vmap)
+
+
+def _step_vmap_(info, in_dims, params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+    """``vmap`` of the in-place op reached through its dispatch (vmap traced by torch.compile): the pure op's batched
+    step written back into the stacked params and states, as :func:`_step_vmapped_` writes it back elsewhere."""
+    p_dims, s_dims = in_dims[0], in_dims[2]
+    if None in p_dims or None in s_dims:
+        raise RuntimeError(UNBATCHED_IN_PLACE.format(what="a param or state field"))
+    args = (rule, bits, block_size, fmt, present, skip_zeros, clip)
+    (new_p, new_s), _ = _step_vmap(info, in_dims, params, grads, states, hp, *args)
+    for t, d, new in zip([*params, *states], [*p_dims, *s_dims], [*new_p, *new_s]):
+        t.copy_(new.movedim(0, d))
+    return None, None
+
+
+_step_op_.register_vmap(_step_vmap_)

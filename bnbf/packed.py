@@ -56,6 +56,7 @@ from bnbf.rules import get_rule
 from bnbf.state import Layout, _mark_static, state_class
 
 _IN_PLACE = "in-place step of a packed state"  # what an overlap error names
+_UNBATCHED = ops.UNBATCHED_IN_PLACE.format(what="a param or state buffer")
 _ALIGN = 256  # bytes: each leaf's part of a buffer starts aligned, so the kernels keep their aligned variant
 
 
@@ -521,10 +522,7 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
         if in_place:
             unbatched = [k for k, d in enumerate(itertools.chain(p_dims, b_dims)) if d is None]
             if unbatched:
-                raise RuntimeError(
-                    "bnbf: the in-place step under vmap writes each member's params and state, so both must be "
-                    "batched (a tensor shared by every member cannot take each member's step in place)"
-                )
+                raise RuntimeError(_UNBATCHED)
             wp, wb = ops._in_place(ps, p_dims), ops._in_place(bs, b_dims)
             if wp is None or wb is None:
                 raise RuntimeError("bnbf: the in-place step under vmap needs each member of its params contiguous")
@@ -570,7 +568,6 @@ def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip
         launch_group(group, grad_list, hp if rows is None else rows, skip_zeros, clip)
 
 
-@_packed_step_op.register_vmap
 def _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip):
     """``vmap`` reached through the op's dispatch (vmap traced by torch.compile, inputs wrapped by another
     transform): one call of the pure op per member, stacked."""
@@ -596,3 +593,21 @@ def _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, ski
     new_p = [torch.stack([o[0][i] for o in outs]) for i in range(len(params))]
     new_b = [torch.stack([o[1][k] for o in outs]) for k in range(len(buffers))]
     return (new_p, new_b), ([0] * len(new_p), [0] * len(new_b))
+
+
+_packed_step_op.register_vmap(_packed_step_vmap)
+
+
+def _packed_step_vmap_(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip):
+    """``vmap`` of the in-place op reached through its dispatch (vmap traced by torch.compile): the pure op's
+    per-member steps, written back into the stacked params and buffers."""
+    p_dims, b_dims = in_dims[0], in_dims[2]
+    if None in p_dims or None in b_dims:
+        raise RuntimeError(_UNBATCHED)
+    (new_p, new_b), _ = _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip)
+    for t, d, new in zip([*params, *buffers], [*p_dims, *b_dims], [*new_p, *new_b]):
+        t.copy_(new.movedim(0, d))
+    return None, None
+
+
+_packed_step_op_.register_vmap(_packed_step_vmap_)

@@ -442,3 +442,51 @@ def test_vmap_of_a_whole_training_step_over_an_ensemble():
             torch.testing.assert_close(losses[b], loss, rtol=1e-5, atol=0)
     for b in range(B):
         torch.testing.assert_close(_member(params, b), singles[b][0], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True], ids=["per-param", "packed"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+def test_compiled_vmap_equals_eager_vmap(device, packed, in_place):
+    """``torch.compile(vmap(step), fullgraph=True)``: Dynamo traces vmap through the ops' batching rules (the
+    in-place ops' too: the pure rule's step written back into the stacked inputs), one graph, and each member's
+    result equals the eager vmapped step's bit for bit."""
+    from torch._dynamo.testing import CompileCounter
+
+    p, g = _stack(device=device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    init = torch.vmap(lambda q: bnbf.init_state(q, spec, packed=packed))
+    step = bnbf.update_ if in_place else bnbf.update
+    fn = lambda q, gg, ss: step(q, gg, ss, {"lr": 0.01}, 1)  # noqa: E731 - update_ returns its (stepped) inputs
+    want_p, want_s = {k: v.clone() for k, v in p.items()}, init(p)
+    got_p, got_s = {k: v.clone() for k, v in p.items()}, init(p)
+    eager = torch.vmap(fn)(want_p, g, want_s)
+    cnt = CompileCounter()
+    out = torch.compile(torch.vmap(fn), backend=cnt, fullgraph=True)(got_p, g, got_s)
+    assert cnt.frame_count == 1
+    if not in_place:
+        (want_p, want_s), (got_p, got_s) = eager, out
+    unpack = (lambda s: s.unpack()) if packed else (lambda s: s)
+    assert _same(got_p, want_p) and _same(unpack(got_s), unpack(want_s))
+    assert not _same(got_p, p)  # a step was taken
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("packed", [False, True], ids=["per-param", "packed"])
+def test_compiled_vmap_in_place_refuses_an_unbatched_param(packed):
+    p, g = _stack()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, packed=packed))(p)
+    shared = {k: v[0].clone() for k, v in p.items()}
+    before = [t.clone() for t in tree_leaves((shared, s))]
+    step = torch.vmap(lambda q, gg, ss: bnbf.update_(q, gg, ss, {"lr": 0.01}, 1)[1], in_dims=(None, 0, 0))
+    with pytest.raises(Exception) as info:  # noqa: PT011 - Dynamo wraps the op's error: its cause is checked
+        torch.compile(step, backend="eager", fullgraph=True)(shared, g, s)
+    causes = []
+    e = info.value
+    while e is not None:
+        causes.append(str(e))
+        e = e.__cause__ or e.__context__
+    assert any("it is not batched" in c for c in causes), causes
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((shared, s)), before))
