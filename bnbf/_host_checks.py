@@ -88,7 +88,14 @@ def _check_present(rule: Any, h: Any, states: list) -> None:
 
 def _layout(s: Any) -> Layout:
     """A state's layout; a layout as it is (a packed state's checks pass its groups' layouts)."""
-    return s if isinstance(s, Layout) else type(s).layout
+    return s if isinstance(s, Layout) else layout_of(type(s))
+
+
+@torch.compiler.assume_constant_result
+def layout_of(cls: type) -> Layout:
+    """A state class's layout, a constant to Dynamo: a state made inside a traced ``vmap`` has no source, and Dynamo
+    (2.11) could not hash a class attribute read from it."""
+    return cls.layout
 
 
 def _check_step(step: Any) -> None:
@@ -498,9 +505,9 @@ class MixedRulesError(ValueError):
 
 def _rule_of(param: Any, states: list) -> Any:
     """The rule module of the states, which must all be for one rule."""
-    rule_name = type(states[0]).layout.rule
+    rule_name = _layout(states[0]).rule
     for i, s in enumerate(states):
-        if s.layout.rule != rule_name:
+        if _layout(s).rule != rule_name:
             raise MixedRulesError(
                 f"state{_names(param)[i]} is for rule {s.layout.rule!r} but other states are for {rule_name!r}"
             )
