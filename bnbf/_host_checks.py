@@ -88,14 +88,7 @@ def _check_present(rule: Any, h: Any, states: list) -> None:
 
 def _layout(s: Any) -> Layout:
     """A state's layout; a layout as it is (a packed state's checks pass its groups' layouts)."""
-    return s if isinstance(s, Layout) else layout_of(type(s))
-
-
-@torch.compiler.assume_constant_result
-def layout_of(cls: type) -> Layout:
-    """A state class's layout, a constant to Dynamo: a state made inside a traced ``vmap`` has no source, and Dynamo
-    (2.11) could not hash a class attribute read from it."""
-    return cls.layout
+    return s if isinstance(s, Layout) else s.layout
 
 
 def _check_step(step: Any) -> None:
