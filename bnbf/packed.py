@@ -17,7 +17,9 @@ unspecified.
 
 The step's ops, ``bnbf::packed_step`` (pure) and ``bnbf::packed_step_`` (in place), take a layout group's params,
 grads and buffers and the meta's key. Under ``vmap`` every member of a stacked buffer is stepped as its own state,
-all members in one launch on the Triton path (:mod:`bnbf.kernels.members`), as the per-param step does.
+all members in one launch on the Triton path (:mod:`bnbf.kernels.members`), as the per-param step does. An eager
+``update_`` runs, once a packed step has checked the same params and buffers, as ``update_``'s plan of the per-param
+views (:meth:`PackedState.plan_views`): the per-param state's launches and host time.
 """
 
 from __future__ import annotations
