@@ -303,12 +303,7 @@ def row_compile_torch(ctx) -> dict:
     """torch's own AdamW on the same params: ``torch.compile`` of its step (foreach, capturable, lr a 0-d tensor
     changing every step: torch's recipe for a compiled optimizer with a scheduler) against its eager fused and
     foreach steps. Bytes: torch's fewest (moments in the param dtype)."""
-    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
-    leaves = []
-    for k, p in params.items():
-        leaf = torch.nn.Parameter(p)
-        leaf.grad = grads[k]
-        leaves.append(leaf)
+    leaves = _leaves(ctx)
     fused = torch.optim.AdamW(leaves, **HP, fused=True)
     fused_ms = median_ms(ctx.device, lambda i: fused.step(), ctx.warmup, ctx.steps)
     foreach = torch.optim.AdamW(leaves, **HP, foreach=True)
@@ -445,13 +440,19 @@ def _member_builds() -> int:
     return members.BUILDS["group"]
 
 
-def _optim_ms(ctx, factory) -> float:
+def _leaves(ctx) -> list:
+    """Fresh params of the row's set as ``nn.Parameter`` leaves, each with its grad (an optimizer's input)."""
     params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
     leaves = []
     for k, p in params.items():
         leaf = torch.nn.Parameter(p)
         leaf.grad = grads[k]
         leaves.append(leaf)
+    return leaves
+
+
+def _optim_ms(ctx, factory) -> float:
+    leaves = _leaves(ctx)
     opt = factory(leaves)
     ms = median_ms(ctx.device, lambda i: opt.step(), ctx.warmup, ctx.steps)
     return ms  # the optimizer goes with this frame: the caller measures the memory it leaves
