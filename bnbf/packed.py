@@ -299,6 +299,8 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
         row = _one_set(values, device)
     else:
         row = scalar_row(values, device)
+    if found is not None and not _batched_at(found[0], params, grads, buffers, row):
+        found = None  # nothing batched at this vmap's level: stepped as outside vmap, through the ops' dispatch
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
@@ -502,6 +504,12 @@ ops.register_direct(_packed_step_op, "packed_step", _impl)
 
 
 # ---- vmap -----------------------------------------------------------------------------------------------------------
+
+
+def _batched_at(level: int, *groups: Any) -> bool:
+    """Whether any tensor of ``groups`` (lists of tensors, or a tensor) is batched at vmap's ``level``."""
+    ts = itertools.chain.from_iterable(g if isinstance(g, (list, tuple)) else (g,) for g in groups)
+    return any(_functorch.is_batchedtensor(t) and _functorch.maybe_get_level(t) == level for t in ts)
 
 
 def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, in_place: bool):

@@ -340,6 +340,23 @@ def test_nested_vmap_is_refused():
         step(p, g, s)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_step_inside_vmap_of_tensors_it_does_not_batch(device):
+    """update_ of params and a packed state that a vmapped function closes over (nothing batched at that level):
+    one step, as outside vmap (the per-param state's behaviour), equal to the pure step."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    p, g = _tree(torch.float32, device), _grads(torch.float32, device, 1)
+    s = bnbf.init_state(p, spec, packed=True)
+    want_p, want_s = bnbf.update(p, g, s, {"lr": 0.1}, 1)
+
+    def body(x):
+        bnbf.update_(p, g, s, {"lr": 0.1}, 1)
+        return x * 2
+
+    torch.func.vmap(body)(torch.ones(3, device=device))
+    assert _same(p, want_p) and _same(s.unpack(), want_s.unpack())
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA-graph capture")
 def test_capture_is_refused():
