@@ -439,7 +439,9 @@ def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, max
     # eager in place: the per-param views of the buffers stepped by update_'s plan (the per-param state's
     # launches and host cost), once a step of the packed state's own checked these params and buffers
     capturing = torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing()  # the packed step refuses
-    views = None if capturing or not state.buffers or not use_triton(state.buffers[0]) else state.plan_views()
+    views = None if capturing else state.plan_views()  # None for buffers the packed step's checks refuse
+    if views is not None and not use_triton(state.buffers[0]):
+        views = None  # the reference path steps the buffers' views itself
     if views is not None:
         hit = _last_plan(param, views[0])
         if hit is not None:

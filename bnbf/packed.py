@@ -353,7 +353,16 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
         )
     if g_spec != spec:
         raise ValueError("grad must have the same structure as param")
-    device = buffers[0].device if buffers else None
+    device = buffers[0].device if buffers and isinstance(buffers[0], Tensor) else None
+    if len(buffers) != len(meta.sizes):
+        raise ValueError(f"the packed state has {len(buffers)} buffers, its layout {len(meta.sizes)}")
+    for k, (b, (dtype, n)) in enumerate(zip(buffers, meta.sizes)):
+        if not isinstance(b, Tensor) or b.dtype != dtype or tuple(b.shape) != (n,) or b.device != device:
+            what = f"{b.dtype} {list(b.shape)} on {b.device}" if isinstance(b, Tensor) else type(b).__name__
+            hint = " (a state stacked by vmap is stepped under vmap)" if isinstance(b, Tensor) and b.dim() > 1 else ""
+            raise ValueError(f"packed state buffer {k} is {what}, its layout needs {dtype} [{n}] on {device}{hint}")
+        if not b.is_contiguous():
+            raise ValueError(f"packed state buffer {k} must be contiguous")
     compiling = torch.compiler.is_compiling()
     fast = (  # plain and contiguous, the shapes and dtypes built for: in C
         not compiling
@@ -387,15 +396,6 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
             if p.device != device:
                 raise ValueError(f"param{name} is on {p.device} but the packed state is on {device}")
             _check_grad(name, p, g)
-    if len(buffers) != len(meta.sizes):
-        raise ValueError(f"the packed state has {len(buffers)} buffers, its layout {len(meta.sizes)}")
-    for k, (b, (dtype, n)) in enumerate(zip(buffers, meta.sizes)):
-        if not isinstance(b, Tensor) or b.dtype != dtype or tuple(b.shape) != (n,) or b.device != device:
-            what = f"{b.dtype} {list(b.shape)} on {b.device}" if isinstance(b, Tensor) else type(b).__name__
-            hint = " (a state stacked by vmap is stepped under vmap)" if isinstance(b, Tensor) and b.dim() > 1 else ""
-            raise ValueError(f"packed state buffer {k} is {what}, its layout needs {dtype} [{n}] on {device}{hint}")
-        if not b.is_contiguous():
-            raise ValueError(f"packed state buffer {k} must be contiguous")
     if in_place and not all(map(Tensor.is_contiguous, params)):
         i = next(i for i, p in enumerate(params) if not p.is_contiguous())
         raise ValueError(f"param{_names(param)[i]} must be contiguous to be stepped in place with a packed state")

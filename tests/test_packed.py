@@ -270,8 +270,20 @@ def _bad_inputs():
         (lambda p, g, s: (p, g, bnbf.PackedState(s.buffers[:-1], s.meta)), ValueError, "buffers"),
         (lambda p, g, s: (p, g, bnbf.PackedState([b[:-1] for b in s.buffers], s.meta)), ValueError, "buffer 0"),
         (lambda p, g, s: (p, g, bnbf.PackedState([b.expand(2, -1) for b in s.buffers], s.meta)), ValueError, "vmap"),
+        (lambda p, g, s: (p, g, bnbf.PackedState(["x", *s.buffers[1:]], s.meta)), ValueError, "buffer 0 is str"),
     ],
-    ids=["structure", "shape", "float64", "param dtype", "grad shape", "grad dtype", "buffers", "size", "stacked"],
+    ids=[
+        "structure",
+        "shape",
+        "float64",
+        "param dtype",
+        "grad shape",
+        "grad dtype",
+        "buffers",
+        "size",
+        "stacked",
+        "not a tensor",
+    ],  # fmt: skip
 )
 @pytest.mark.parametrize("in_place", [False, True])
 def test_bad_input_raises_and_modifies_nothing(mutate, error, match, in_place):
