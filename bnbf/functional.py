@@ -304,10 +304,15 @@ def update_(
             return _compose().update_(param, grad, state, hparams, step, **opts)
     else:
         found._step(params, states, param, grad, hparams, step, skip_zeros, max_unorm, maximize)
-        if len(_LAST) >= _LAST_SIZE:
-            _LAST.clear()  # containers made anew each call (their ids are dead keys): start over
-        _LAST[id(param), id(state)] = weakref.ref(found)
+        _remember(param, state, found)
     return param, state
+
+
+def _remember(param: Any, state: Any, plan: Any) -> None:
+    """``plan`` as update_'s last for these containers (:func:`_last_plan` finds it)."""
+    if len(_LAST) >= _LAST_SIZE:
+        _LAST.clear()  # containers made anew each call (their ids are dead keys): start over
+    _LAST[id(param), id(state)] = weakref.ref(plan)
 
 
 # update_'s last plan per (param container, state container), by their ids: a weak reference to the plan that
@@ -452,9 +457,7 @@ def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, max
         params, spec = _flatten(param)
         found = _cached(param, params, views[1], spec, spec)
         if found is not None:
-            if len(_LAST) >= _LAST_SIZE:
-                _LAST.clear()
-            _LAST[id(param), id(views[0])] = weakref.ref(found)
+            _remember(param, views[0], found)
     return param, state
 
 

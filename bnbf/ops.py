@@ -647,17 +647,21 @@ def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size,
 _step_op.register_vmap(_step_vmap)
 
 
-def _step_vmap_(info, in_dims, params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
-    """``vmap`` of the in-place op reached through its dispatch (vmap traced by torch.compile): the pure op's batched
-    step written back into the stacked params and states, as :func:`_step_vmapped_` writes it back elsewhere."""
-    p_dims, s_dims = in_dims[0], in_dims[2]
-    if None in p_dims or None in s_dims:
-        raise RuntimeError(UNBATCHED_IN_PLACE.format(what="a param or state field"))
-    args = (rule, bits, block_size, fmt, present, skip_zeros, clip)
-    (new_p, new_s), _ = _step_vmap(info, in_dims, params, grads, states, hp, *args)
-    for t, d, new in zip([*params, *states], [*p_dims, *s_dims], [*new_p, *new_s]):
-        t.copy_(new.movedim(0, d))
-    return None, None
+def in_place_vmap_rule(pure_rule: Callable, what: str) -> Callable:
+    """The batching rule of an in-place op whose args start ``params, grads, states, hp``, from its pure twin's rule
+    ``pure_rule``: the batched step written back into the stacked params and states (``vmap`` traced by
+    torch.compile reaches it through the op's dispatch); ``what`` names them in the refusal of an unbatched one."""
+
+    def rule(info, in_dims, params, grads, states, hp, *args):
+        p_dims, s_dims = in_dims[0], in_dims[2]
+        if None in p_dims or None in s_dims:
+            raise RuntimeError(UNBATCHED_IN_PLACE.format(what=what))
+        (new_p, new_s), _ = pure_rule(info, in_dims, params, grads, states, hp, *args)
+        for t, d, new in zip([*params, *states], [*p_dims, *s_dims], [*new_p, *new_s]):
+            t.copy_(new.movedim(0, d))
+        return None, None
+
+    return rule
 
 
-_step_op_.register_vmap(_step_vmap_)
+_step_op_.register_vmap(in_place_vmap_rule(_step_vmap, "a param or state field"))

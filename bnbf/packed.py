@@ -84,7 +84,8 @@ class PackedMeta:
     and the buffers' sizes. Made once per :func:`init_state`/:func:`pack_state`; every state stepped from it shares
     it (the ops name it by ``key``, an int unique in this process)."""
 
-    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "__weakref__")
+    __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "buffer_twins",
+                 "__weakref__")  # fmt: skip
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
         self.spec, self.shapes, self.dtypes = spec, shapes, dtypes
@@ -92,6 +93,7 @@ class PackedMeta:
         self.pick = tuple(map(_picker, (g.leaves for g in groups)))  # per group: its leaves of a leaf list
         # meta tensors of the params' shapes and dtypes, for the compiled check of an eager call's params and grads
         self.twins = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
+        self.buffer_twins = [torch.empty((n,), dtype=d, device="meta") for d, n in sizes]  # likewise of the buffers
         self.key = next(_KEYS)
         _METAS[self.key] = self
 
@@ -124,7 +126,7 @@ class PackedState:
     def __init__(self, buffers: Any, meta: PackedMeta):
         self.buffers = tuple(buffers)
         self.meta = meta
-        self._views = None  # (buffers, their twins and addresses, unpack(), its leaves): see plan_views
+        self._views = None  # (buffers, their addresses, unpack(), its leaves): see plan_views
 
     def __reduce__(self):  # the buffers and the meta; not the views kept for update_'s plan
         return PackedState, (self.buffers, self.meta)
@@ -134,17 +136,14 @@ class PackedState:
         their memory, shapes and dtypes (an in-place step of the packed state runs as update_'s plan of these
         per-param views: the per-param state's launches). None where the buffers are stacked (vmap's) or not plain
         contiguous tensors, or without the compiled host checks."""
-        held, bufs = self._views, self.buffers
-        if held is not None and held[0] is bufs and NATIVE.meta_match(bufs, held[1], held[2]):
-            return held[3], held[4]
-        if NATIVE is None or len(bufs) != len(self.meta.sizes):
-            return None
-        twins = [torch.empty((n,), dtype=dtype, device="meta") for dtype, n in self.meta.sizes]
-        if not NATIVE.meta_match(bufs, twins):  # stacked, another size, not plain: the step's checks say what
+        held, bufs, twins = self._views, self.buffers, self.meta.buffer_twins
+        if held is not None and held[0] is bufs and NATIVE.meta_match(bufs, twins, held[1]):
+            return held[2], held[3]
+        if NATIVE is None or not NATIVE.meta_match(bufs, twins):  # stacked, another size, not plain: see the checks
             return None
         tree = self.unpack()
         leaves = _flatten(tree, is_leaf=is_state)[0]
-        self._views = (bufs, twins, array.array("Q", map(Tensor.data_ptr, bufs)).tobytes(), tree, leaves)
+        self._views = (bufs, array.array("Q", map(Tensor.data_ptr, bufs)).tobytes(), tree, leaves)
         return tree, leaves
 
     def unpack(self) -> Any:
@@ -299,8 +298,6 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
         row = _one_set(values, device)
     else:
         row = scalar_row(values, device)
-    if found is not None and not _batched_at(found[0], params, grads, buffers, row):
-        found = None  # nothing batched at this vmap's level: stepped as outside vmap, through the ops' dispatch
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
@@ -322,12 +319,7 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
                         ps = [p.contiguous() for p in ps]
                     out = _impl(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
             else:  # traced, or subclasses: the op's dispatch
-                gs = [x.detach().contiguous() for x in gs]
-                if in_place:
-                    out = _packed_step_op_(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
-                else:
-                    ps = [p.detach().contiguous() for p in ps]
-                    out = _packed_step_op(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+                out = _dispatched(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip, in_place)
             if in_place:
                 continue
             out_p, out_b = out
@@ -402,6 +394,15 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
 
 
 # ---- the ops and their dispatch -------------------------------------------------------------------------------------
+
+
+def _dispatched(params, grads, buffers, hp, key, gi, skip_zeros, clip, in_place: bool):
+    """One layout group's step through the ops' dispatch (traced calls, subclasses, vmap with nothing batched)."""
+    grads = [x.detach().contiguous() for x in grads]
+    if in_place:
+        return _packed_step_op_(params, grads, buffers, hp, key, gi, skip_zeros, clip)
+    params = [p.detach().contiguous() for p in params]
+    return _packed_step_op(params, grads, buffers, hp, key, gi, skip_zeros, clip)
 
 
 def _meta(key: int) -> PackedMeta:
@@ -506,12 +507,6 @@ ops.register_direct(_packed_step_op, "packed_step", _impl)
 # ---- vmap -----------------------------------------------------------------------------------------------------------
 
 
-def _batched_at(level: int, *groups: Any) -> bool:
-    """Whether any tensor of ``groups`` (lists of tensors, or a tensor) is batched at vmap's ``level``."""
-    ts = itertools.chain.from_iterable(g if isinstance(g, (list, tuple)) else (g,) for g in groups)
-    return any(_functorch.is_batchedtensor(t) and _functorch.maybe_get_level(t) == level for t in ts)
-
-
 def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, in_place: bool):
     """The step under a ``vmap`` innermost: every member of the stacked params and buffers stepped as its own
     tensor and state (one launch on the Triton path), written into stacked outputs, or in place into the stacked
@@ -523,6 +518,9 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
         ops._unwrap(buffers, level),
     )
     hp_u, h_dim = _functorch._unwrap_batched(hp, level)
+    if h_dim is None and all(dims.count(None) == len(dims) for dims in (p_dims, g_dims, b_dims)):
+        # nothing batched at this level (tensors the vmapped function closes over): a step as outside vmap
+        return _dispatched(params, grads, buffers, hp, meta.key, gi, skip_zeros, clip, in_place)
     if not ops._unwrapped(ps, gs, bs, [hp_u]) or not ops._stackable(ps[0], h_dim):
         raise RuntimeError(
             "bnbf: a packed state under nested torch.func transforms (vmap of vmap, grad of vmap) is not supported; "
@@ -608,16 +606,4 @@ def _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, ski
 _packed_step_op.register_vmap(_packed_step_vmap)
 
 
-def _packed_step_vmap_(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip):
-    """``vmap`` of the in-place op reached through its dispatch (vmap traced by torch.compile): the pure op's
-    per-member steps, written back into the stacked params and buffers."""
-    p_dims, b_dims = in_dims[0], in_dims[2]
-    if None in p_dims or None in b_dims:
-        raise RuntimeError(_UNBATCHED)
-    (new_p, new_b), _ = _packed_step_vmap(info, in_dims, params, grads, buffers, hp, key, group, skip_zeros, clip)
-    for t, d, new in zip([*params, *buffers], [*p_dims, *b_dims], [*new_p, *new_b]):
-        t.copy_(new.movedim(0, d))
-    return None, None
-
-
-_packed_step_op_.register_vmap(_packed_step_vmap_)
+_packed_step_op_.register_vmap(ops.in_place_vmap_rule(_packed_step_vmap, "a param or state buffer"))
