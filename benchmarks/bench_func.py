@@ -202,8 +202,7 @@ def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, packed: boo
     """The training step of the ``train`` rows and of scripts/train_host.py: a GPT-2-small-shaped
     ``bnbf.demo.CharTransformer`` (12 layers, 768 wide, untied head; ``tiny``: 2 layers, 32 wide) on ``device`` in
     ``dtype``, its params as a dict, their 8-bit AdamW state (``packed``: in a few buffers), a batch (8x256; tiny
-    2x16), and
-    ``train_step(params, state, x, y, lr, i)`` (``grad_and_value`` then ``update_``, returning the loss)."""
+    2x16), and ``train_step(params, state, x, y, lr, i)`` (``grad_and_value`` then ``update_``, returning the loss)."""
     from torch.func import functional_call, grad_and_value
 
     from bnbf.demo import CharTransformer

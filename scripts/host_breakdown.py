@@ -45,8 +45,8 @@ from benchmarks.bench_step import SETS  # noqa: E402
 from bnbf._host_checks import NATIVE  # noqa: E402
 from bnbf.rules.base import as_scalar_row  # noqa: E402
 
-P = importlib.import_module("bnbf.plan")
-PACKED = "--packed" in sys.argv  # the module (``bnbf.plan`` is the function)
+P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function)
+PACKED = "--packed" in sys.argv
 PROFILE = "--profile" in sys.argv
 CPU = "--cpu" in sys.argv
 DEVICE = "cpu" if CPU else "cuda"
