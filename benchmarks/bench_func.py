@@ -17,12 +17,16 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   ``scripts/compile_host.py`` breaks the host time down further;
 - ``compile_packed``: ``compile`` with the state packed (``init_state(..., packed=True)``: 6 buffers in place
   of 396 state tensors); the note also gives the eager step of the packed state;
+- ``compile_flat``: ``compile`` with the params and grads flat too (:func:`bnbf.flat_layout`: 2 param buffers, 2
+  grad buffers and 6 state tensors in place of 148, 148 and 396); the note also gives the eager per-param step;
 - ``compile_torch``: torch's own AdamW on the same params, its step compiled (foreach, capturable, lr a 0-d
   tensor) against its eager fused and foreach steps: what "compiled as fast as eager" costs torch's optimizer;
 - ``train``: a whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (12 layers,
   768 wide, untied head: 163M params, 150 tensors), batch 8x256, ``torch.compile(fullgraph=True)`` against the
   same step eager and against the eager step written with ``loss.backward()`` on the module;
 - ``train_packed``: ``train`` with the state packed;
+- ``train_flat``: ``train`` with flat params (the model called on ``layout.unflatten`` of the buffers); in the
+  module's eager step the leaves' grads are copied into flat buffers for the step;
 - ``graph``: the step captured in a CUDA graph with lr and step as 0-d device tensors, timed per replay;
 - ``vmap``: an ensemble of 8 members in one ``torch.func.vmap(bnbf.update)`` call (bytes: 8 members' fewest;
   the bar is 85% of a copy), with the host time of a call, the part of it torch.func takes on its own (a vmap
@@ -30,6 +34,8 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``vmap_packed``: ``vmap`` with the members' state packed; the note also gives the time a step takes when steps
   run back to back (one synchronize after all of them: what a training loop that never waits sees);
+- ``vmap_flat``: ``vmap_packed`` with each member's params, grads and state flat (the buffers stacked over the
+  members: 2 param, 2 grad and 6 state tensors);
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand; the note gives
   each one's host time (a call has no synchronize: a host time near the step's says the step waits on the
@@ -73,8 +79,8 @@ import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
 ROWS = (
-    "eager", "compile", "compile_packed", "compile_torch", "train", "train_packed", "graph", "vmap", "vmap_packed",
-    "paged", "mixed", "clip",
+    "eager", "compile", "compile_packed", "compile_flat", "compile_torch", "train", "train_packed", "train_flat",
+    "graph", "vmap", "vmap_packed", "vmap_flat", "paged", "mixed", "clip",
 )  # fmt: skip
 MEMBERS = 8
 
@@ -150,11 +156,23 @@ def _guard_ms(step, f_locals: dict) -> str:
     return f"{statistics.median(times):.3f} ms"
 
 
-def row_compile(ctx, packed: bool = False) -> dict:
+def _state_of(ctx, mode: str) -> tuple:
+    """Params, grads and 8-bit AdamW state of the row's set: per-param (``mode`` "per_param"), packed (the state
+    in a few buffers) or flat (params and grads too: :func:`bnbf.flat_layout`), and the per-param params and
+    grads they hold."""
+    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
+    spec = bnbf.OptimSpec(rule="adamw")
+    if mode != "flat":
+        return params, grads, bnbf.init_state(params, spec, packed=mode == "packed"), params, grads
+    layout = bnbf.flat_layout(params, spec)
+    flat = layout.flatten(params)
+    return flat, layout.flatten(grads), layout.init_state(flat), params, grads
+
+
+def row_compile(ctx, mode: str = "per_param") -> dict:
     import torch._dynamo
 
-    params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=packed)
+    params, grads, state, leaf_params, leaf_grads = _state_of(ctx, mode)
     torch._dynamo.utils.counters.clear()
     lr = torch.tensor(1e-3, device=ctx.device)
     t = torch.tensor(1, device=ctx.device)
@@ -181,10 +199,14 @@ def row_compile(ctx, packed: bool = False) -> dict:
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
     eager = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
     extra = ""
-    if packed:  # the bar's eager step: the per-param state's
-        per_param = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
-        eager_pp = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, per_param, HP, i), ctx.warmup, ctx.steps)
-        extra = f"eager per-param state {eager_pp:.3f} ms (compiled packed/eager per-param {ms / eager_pp:.2f}x); "
+    if mode != "per_param":  # the bar's eager step: the per-param state's
+        per_param = bnbf.init_state(leaf_params, bnbf.OptimSpec(rule="adamw"))
+        eager_pp = median_ms(
+            ctx.device, lambda i: bnbf.update_(leaf_params, leaf_grads, per_param, HP, i), ctx.warmup, ctx.steps
+        )
+        extra = f"eager per-param state {eager_pp:.3f} ms (compiled {mode}/eager per-param {ms / eager_pp:.2f}x); "
+        if mode == "flat":
+            extra = f"{len(params)} param buffers; {extra}"
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
@@ -195,14 +217,19 @@ def row_compile(ctx, packed: bool = False) -> dict:
 
 
 def row_compile_packed(ctx) -> dict:
-    return row_compile(ctx, packed=True)
+    return row_compile(ctx, "packed")
 
 
-def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, packed: bool = False) -> tuple:
+def row_compile_flat(ctx) -> dict:
+    return row_compile(ctx, "flat")
+
+
+def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, mode: str = "per_param") -> tuple:
     """The training step of the ``train`` rows and of scripts/train_host.py: a GPT-2-small-shaped
     ``bnbf.demo.CharTransformer`` (12 layers, 768 wide, untied head; ``tiny``: 2 layers, 32 wide) on ``device`` in
-    ``dtype``, its params as a dict, their 8-bit AdamW state (``packed``: in a few buffers), a batch (8x256; tiny
-    2x16), and ``train_step(params, state, x, y, lr, i)`` (``grad_and_value`` then ``update_``, returning the loss)."""
+    ``dtype``, its params as a dict, their 8-bit AdamW state (``mode`` "packed": in a few buffers; "flat": the
+    params too, and the dict is the flat buffers), a batch (8x256; tiny 2x16), ``train_step(params, state, x, y,
+    lr, i)`` (``grad_and_value`` then ``update_``, returning the loss) and the leaves as views of ``params``."""
     from torch.func import functional_call, grad_and_value
 
     from bnbf.demo import CharTransformer
@@ -214,12 +241,19 @@ def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, packed: boo
     torch.manual_seed(0)
     model = CharTransformer(**dims).to(device, dtype)
     params = {k: v.detach() for k, v in model.named_parameters()}
-    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=packed)
+    spec = bnbf.OptimSpec(rule="adamw")
+    views = lambda p: p  # noqa: E731
+    if mode == "flat":
+        layout = bnbf.flat_layout(params, spec)
+        params, views = layout.flatten(params), layout.unflatten
+        state = layout.init_state(params)
+    else:
+        state = bnbf.init_state(params, spec, packed=mode == "packed")
     x = torch.randint(0, dims["vocab"], (batch, context), device=device)
     y = torch.randint(0, dims["vocab"], (batch, context), device=device)
 
     def loss_fn(p, x, y):
-        logits = functional_call(model, p, (x,))
+        logits = functional_call(model, views(p), (x,))
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
 
     def train_step(params, state, x, y, lr, i):
@@ -227,10 +261,10 @@ def train_case(device: torch.device, dtype: torch.dtype, tiny: bool, packed: boo
         bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
         return loss
 
-    return model, params, state, x, y, loss_fn, train_step
+    return model, params, state, x, y, loss_fn, train_step, views
 
 
-def row_train(ctx, packed: bool = False) -> dict:
+def row_train(ctx, mode: str = "per_param") -> dict:
     """A whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (:func:`train_case`),
     compiled with ``fullgraph=True`` against the same step eager (lr and step 0-d tensors), and against the eager
     step most users write (``loss.backward()`` on the module, then ``update_``). Bytes: the optimizer step's
@@ -238,8 +272,8 @@ def row_train(ctx, packed: bool = False) -> dict:
     import torch._dynamo
     from torch.func import grad_and_value
 
-    model, params, state, x, y, loss_fn, train_step = train_case(
-        ctx.device, ctx.dtype, ctx.device.type == "cpu", packed
+    model, params, state, x, y, loss_fn, train_step, views = train_case(
+        ctx.device, ctx.dtype, ctx.device.type == "cpu", mode
     )
     batch, context = x.shape
     lr = torch.tensor(1e-4, device=ctx.device)
@@ -269,24 +303,26 @@ def row_train(ctx, packed: bool = False) -> dict:
     eager_ms, eager_host = timed(ctx.device, functools.partial(run, train_step), ctx.warmup, ctx.steps)
     # the eager step most users write: the module's own parameters, loss.backward(), then update_ on the grads
     leaves = dict(model.named_parameters())
-    for k, v in leaves.items():
-        v.data = params[k]  # the same tensors: the same state fits them
+    for k, v in views(params).items():
+        leaves[k].data = v  # the same tensors: the same state fits them
+    # flat: the module's grads are leaves, copied into flat buffers for the step
+    flatten = bnbf.flat_layout(leaves, bnbf.OptimSpec(rule="adamw")).flatten if mode == "flat" else (lambda g: g)
 
     def module_step(i: int) -> None:
         loss = torch.nn.functional.cross_entropy(model(x).flatten(0, 1).float(), y.flatten())
         loss.backward()
-        grads = {k: v.grad for k, v in leaves.items()}
+        grads = flatten({k: v.grad for k, v in leaves.items()})
         with torch.no_grad():
             bnbf.update_(params, grads, state, {"lr": 1e-4 * 0.999**i, "weight_decay": 0.01}, i)
         for v in leaves.values():
             v.grad = None
 
     module_ms, module_host = timed(ctx.device, module_step, ctx.warmup, ctx.steps)
-    n = sum(p.numel() for p in params.values())
+    n = sum(p.numel() for p in leaves.values())
     return {
         "ms": ms,
-        "bytes": bs.model_bytes([(k, tuple(p.shape)) for k, p in params.items()], ctx.dtype, "8bit"),
-        "note": f"{len(params)} tensors, {n / 1e6:.0f}M params, batch {batch}x{context}: compiled {ms:.3f} ms "
+        "bytes": bs.model_bytes([(k, tuple(p.shape)) for k, p in leaves.items()], ctx.dtype, "8bit"),
+        "note": f"{len(params)} param tensors, {n / 1e6:.0f}M params, batch {batch}x{context}: compiled {ms:.3f} ms "
         f"(host {host:.3f}), eager {eager_ms:.3f} ms (host {eager_host:.3f}), compiled/eager {ms / eager_ms:.2f}x; "
         f"eager with the module's parameters and loss.backward() {module_ms:.3f} ms (host {module_host:.3f}), "
         f"compiled/that {ms / module_ms:.2f}x; compiled without update_ (grads returned) {bare_ms:.3f} ms; "
@@ -295,7 +331,11 @@ def row_train(ctx, packed: bool = False) -> dict:
 
 
 def row_train_packed(ctx) -> dict:
-    return row_train(ctx, packed=True)
+    return row_train(ctx, "packed")
+
+
+def row_train_flat(ctx) -> dict:
+    return row_train(ctx, "flat")
 
 
 def row_compile_torch(ctx) -> dict:
@@ -354,12 +394,16 @@ def row_graph(ctx) -> dict:
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
 
 
-def row_vmap(ctx, packed: bool = False) -> dict:
+def row_vmap(ctx, mode: str = "per_param") -> dict:
     stacked = [(name, (MEMBERS, *shape)) for name, shape in ctx.shapes]
     params, grads = fresh(stacked, ctx.dtype, ctx.device)
     spec = bnbf.OptimSpec(rule="adamw")
-    init = torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=packed))
-    state = init(params)
+    if mode == "flat":  # each member's leaves in the flat buffers, members stacked
+        layout = bnbf.flat_layout({k: v[0] for k, v in params.items()}, spec)
+        params, grads = torch.func.vmap(layout.flatten)(params), torch.func.vmap(layout.flatten)(grads)
+        state = torch.func.vmap(layout.init_state)(params)
+    else:
+        state = torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=mode == "packed"))(params)
     step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, HP, i), in_dims=(0, 0, 0, None))
     holder = {"p": params, "s": state}
 
@@ -379,7 +423,7 @@ def row_vmap(ctx, packed: bool = False) -> dict:
     step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, HP, i), in_dims=(0, 0, 0, None))
     in_place_ms, in_place_host = timed(ctx.device, lambda i: step_(params, grads, state, i), ctx.warmup, ctx.steps)
     in_place = f"vmap(update_) {in_place_ms:.3f} ms (host {in_place_host:.3f}"
-    if packed:  # and the steps back to back, as a loop that never waits runs them
+    if mode != "per_param":  # and the steps back to back, as a loop that never waits runs them
         n = 4 * ctx.steps
         back_to_back = _back_to_back(ctx, vmapped, n, 2 + ctx.warmup + ctx.steps)
         in_place_b2b = _back_to_back(ctx, lambda i: step_(params, grads, state, i), n, 1)
@@ -400,7 +444,11 @@ def row_vmap(ctx, packed: bool = False) -> dict:
         more = (
             f"{in_place}); loop of {MEMBERS} update calls: {median_ms(ctx.device, loop, ctx.warmup, ctx.steps):.3f} ms"
         )
-    where = f", state in {len(state.buffers)} buffers" if packed else ""
+    where = ""
+    if mode == "packed":
+        where = f", state in {len(state.buffers)} buffers"
+    elif mode == "flat":
+        where = f", params in {len(params)} buffers, {len(torch.utils._pytree.tree_leaves(state))} state tensors"
     return {
         "ms": ms,
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
@@ -410,7 +458,11 @@ def row_vmap(ctx, packed: bool = False) -> dict:
 
 
 def row_vmap_packed(ctx) -> dict:
-    return row_vmap(ctx, packed=True)
+    return row_vmap(ctx, "packed")
+
+
+def row_vmap_flat(ctx) -> dict:
+    return row_vmap(ctx, "flat")
 
 
 def _back_to_back(ctx, fn: Callable[[int], Any], n: int, first: int) -> float:

@@ -21,6 +21,7 @@ with warnings.catch_warnings():
 from bnbf import compose, distributed, paged
 from bnbf._dispatch import use_triton
 from bnbf.compose import apply_updates, apply_updates_, clip_grad_norm, clip_grad_norm_, updates
+from bnbf.flat import FlatLayout, flat_layout
 from bnbf.functional import dequantize_state, hparams_for, init_state, update, update_
 from bnbf.packed import PackedState, pack_state
 from bnbf.plan import Plan, plan
@@ -41,6 +42,7 @@ __all__ = [
     "paged",
     "register_rule",
     "updates",
+    "FlatLayout",
     "Layout",
     "OptimSpec",
     "PackedState",
@@ -48,6 +50,7 @@ __all__ = [
     "create_dynamic_map",
     "dequantize_blockwise",
     "dequantize_state",
+    "flat_layout",
     "hparams_for",
     "init_state",
     "pack_state",

@@ -35,7 +35,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=30)
     args = ap.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
-    _, params, state, x, y, loss_fn, with_update = bench_func.train_case(device, torch.bfloat16, args.tiny)
+    _, params, state, x, y, loss_fn, with_update, _ = bench_func.train_case(device, torch.bfloat16, args.tiny)
     lr, t = torch.tensor(1e-4, device=device), torch.tensor(1, device=device)
 
     def grads_only(params, state, x, y, lr, i):

@@ -1,0 +1,171 @@
+"""Flat params: the leaves of a param tree as views of a few flat buffers, for ``torch.func.vmap``, ``grad`` and
+``torch.compile``.
+
+Those transforms cost something per tensor of their inputs and outputs (vmap wraps and unwraps each one, Dynamo
+guards each one, Inductor checks each one at every call), and a model's params and grads are one tensor per leaf
+(GPT-2 small: 148 of each). A packed state (``init_state(..., packed=True)``) takes the state down to a few
+buffers; a :class:`FlatLayout` does the same for the params and grads. It places every leaf in one 1-D buffer
+per (group, param dtype, state width), each leaf starting a multiple of the spec's block size into its buffer,
+with zeros between leaves::
+
+    layout = bnbf.flat_layout(params, spec)
+    flat = layout.flatten(params)                     # {"float32/8bit": Tensor, "float32/32bit": Tensor}
+    state = layout.init_state(flat)
+    loss = lambda f, x: loss_fn(functional_call(model, layout.unflatten(f), (x,)))
+    grads = torch.func.grad(loss)(flat, x)             # the same keys: one grad buffer per params buffer
+    flat, state = bnbf.update(flat, grads, state, hparams, step)
+
+:meth:`FlatLayout.unflatten` gives the leaves as views of the buffers (one ``split_with_sizes``, whose backward
+writes every leaf's grad into one buffer); an ensemble stacks the buffers and vmaps over them.
+
+Why the buffers step as the leaves would: a quantization block never spans two leaves, and the padding is zero
+params with zero grads, whose state and update stay zero under every elementwise rule, so each block's absmax
+is its leaf's own. Stepping the buffers equals stepping the leaves one by one, bit for bit
+(tests/test_flat.py); leaves that would keep float32 state (fewer than ``min_8bit_size`` elements) get a
+buffer with float32 state. What is per tensor applies per buffer: ``update(..., max_unorm=)`` clips each
+buffer's update, and rules that scale by a tensor's norms (LAMB, LARS) are refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.utils import _pytree as pytree
+
+from bnbf.compose import path_name
+from bnbf.rules import get_rule
+from bnbf.state import OptimSpec
+
+
+@dataclasses.dataclass(frozen=True)
+class _Leaf:
+    path: str
+    key: str  # the buffer it lies in
+    index: int  # its piece in the buffer's split (pieces alternate leaf, padding)
+    shape: torch.Size
+    dtype: torch.dtype
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class FlatLayout:
+    """Where each leaf of a param tree lies in the flat buffers (see the module's docstring).
+
+    ``leaves`` in the tree's order; ``pieces[key]``: the sizes the buffer ``key`` splits into, leaf and padding
+    alternately; ``specs[key]``: the spec its state is made with (``state_bits`` as the leaves would have it)."""
+
+    spec: OptimSpec
+    treespec: pytree.TreeSpec
+    leaves: tuple[_Leaf, ...]
+    pieces: dict[str, tuple[int, ...]]
+    specs: dict[str, OptimSpec]
+
+    @property
+    def numels(self) -> dict[str, int]:
+        """Elements per buffer, padding included."""
+        return {k: sum(p) for k, p in self.pieces.items()}
+
+    def flatten(self, tree: Any) -> dict[str, Tensor]:
+        """New buffers holding the leaves of ``tree`` (params, grads, or anything shaped like the params),
+        zeros between leaves. Differentiable and vmappable (it is one ``cat`` per buffer)."""
+        leaves = self._match(tree)
+        parts: dict[str, list[Tensor]] = {k: [] for k in self.pieces}
+        for leaf, t in zip(self.leaves, leaves):
+            pad = self.pieces[leaf.key][leaf.index + 1]
+            parts[leaf.key].append(t.reshape(-1))
+            if pad:
+                parts[leaf.key].append(t.new_zeros(pad))
+        return {k: torch.cat(v) for k, v in parts.items()}
+
+    def unflatten(self, flat: Any) -> Any:
+        """The tree of leaves as views of the buffers ``flat`` (a mapping with this layout's keys)."""
+        split = {}
+        for key, sizes in self.pieces.items():
+            buf = self._buffer(flat, key)
+            split[key] = buf.split_with_sizes(sizes)
+        views = [split[leaf.key][leaf.index].view(leaf.shape) for leaf in self.leaves]
+        return pytree.tree_unflatten(views, self.treespec)
+
+    def init_state(self, flat: Any, hparams: Any = None) -> dict:
+        """Zero state for the buffers: each with its ``specs[key]``, so leaves keep the state width they would
+        have one by one."""
+        for key in self.pieces:
+            self._buffer(flat, key)
+        from bnbf.functional import init_state  # bnbf.functional imports bnbf.compose, which imports bnbf
+
+        return {k: init_state(flat[k], self.specs[k], hparams) for k in self.pieces}
+
+    def _buffer(self, flat: Any, key: str) -> Tensor:
+        if not isinstance(flat, dict) or set(flat) != set(self.pieces):
+            got = sorted(flat) if isinstance(flat, dict) else type(flat).__name__
+            raise ValueError(f"expected a dict of this layout's buffers {sorted(self.pieces)}, got {got}")
+        buf, n = flat[key], sum(self.pieces[key])
+        if not isinstance(buf, Tensor):
+            raise TypeError(f"flat buffer {key!r} must be a tensor, got {type(buf).__name__}")
+        if buf.dim() != 1 or buf.numel() != n:
+            raise ValueError(f"flat buffer {key!r} must be 1-D with {n} elements, got shape {tuple(buf.shape)}")
+        if buf.dtype != self._dtypes[key]:
+            raise TypeError(f"flat buffer {key!r} must be {self._dtypes[key]}, got {buf.dtype}")
+        return buf
+
+    @property
+    def _dtypes(self) -> dict[str, torch.dtype]:
+        return {leaf.key: leaf.dtype for leaf in self.leaves}
+
+    def _match(self, tree: Any) -> list[Tensor]:
+        leaves, treespec = pytree.tree_flatten(tree)
+        if treespec != self.treespec:
+            raise ValueError(f"the tree does not have the layout's structure: expected {self.treespec}, got {treespec}")
+        for leaf, t in zip(self.leaves, leaves):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"leaf {leaf.path!r} must be a tensor, got {type(t).__name__}")
+            if t.shape != leaf.shape or t.dtype != leaf.dtype:
+                raise ValueError(
+                    f"leaf {leaf.path!r} is {tuple(t.shape)} {t.dtype}; the layout has {tuple(leaf.shape)} {leaf.dtype}"
+                )
+        return leaves
+
+
+def flat_layout(params: Any, spec: OptimSpec, *, group: Callable[[str, Tensor], str] | None = None) -> FlatLayout:
+    """The :class:`FlatLayout` of a param tree under ``spec``.
+
+    Leaves share a buffer when they have the same ``group(path, param)`` (a string; e.g. ``"no_decay"`` for
+    biases, so that the buffers can take different hyperparameters), param dtype and state width. Keys read
+    ``"[group/]dtype/8bit"`` or ``".../32bit"``, in the order the leaves first appear. ``path`` is the leaf's
+    ``torch.func.functional_call`` name."""
+    if not isinstance(spec, OptimSpec):
+        raise TypeError(f"spec must be an OptimSpec, got {type(spec).__name__}")
+    if get_rule(spec.rule).norms is not None:
+        raise ValueError(
+            f"rule {spec.rule!r} scales each tensor's update by the tensor's norms; in a flat buffer its leaves would "
+            "share one norm: step the params as a tree"
+        )
+    with_paths, treespec = pytree.tree_flatten_with_path(params)
+    if not with_paths:
+        raise ValueError("flat_layout needs at least one tensor")
+    align = spec.block_size
+    pieces: dict[str, list[int]] = {}
+    specs: dict[str, OptimSpec] = {}
+    leaves = []
+    for kp, p in with_paths:
+        path = path_name(kp)
+        if not isinstance(p, Tensor):
+            raise TypeError(f"leaf {path!r} must be a tensor, got {type(p).__name__}")
+        if not p.dtype.is_floating_point:
+            raise TypeError(f"leaf {path!r}: optimizers need floating point params, got {p.dtype}")
+        bits = spec.layout_for(p.numel()).bits
+        key = f"{str(p.dtype).removeprefix('torch.')}/{bits}bit"
+        if group is not None:
+            name = group(path, p)
+            if not isinstance(name, str) or not name:
+                raise TypeError(f"group({path!r}, param) must return a non-empty str, got {name!r}")
+            key = f"{name}/{key}"
+        sizes = pieces.setdefault(key, [])
+        # 8-bit buffers keep 8 bits however few elements they hold; 32-bit ones keep 32
+        specs.setdefault(key, dataclasses.replace(spec, state_bits=bits, min_8bit_size=0))
+        leaves.append(_Leaf(path, key, len(sizes), p.shape, p.dtype))
+        sizes += [p.numel(), -p.numel() % align]
+    return FlatLayout(spec, treespec, tuple(leaves), {k: tuple(v) for k, v in pieces.items()}, specs)

@@ -1,0 +1,244 @@
+"""Flat params (:mod:`bnbf.flat`): the leaves as views of a few buffers.
+
+The claim the module makes: stepping the buffers equals stepping the leaves one by one, bit for bit (params and
+state), for every elementwise rule, with each block's stochastic rounding drawn for its place in the buffer
+(``FIRST_BLOCKS``, as for a shard), because blocks never span two leaves and the zero padding stays zero. Checked
+here against the per-leaf step on hostile grads (spikes to 1e6 over a 1e-12 floor, exact zeros) and odd sizes,
+on the reference path and the Triton kernels (interpreter on CPU, CUDA in the GPU run); then the grads through
+``unflatten``, vmap over stacked buffers against a loop, a compiled step without recompiles, and the errors.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from conftest import DEVICES, triton_mode
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch._dynamo.testing import CompileCounter
+from torch.func import grad, grad_and_value
+
+import bnbf
+from bnbf.flat import flat_layout
+from bnbf.reference import FIRST_BLOCKS
+
+INTERP = triton_mode()
+SIZES = {"a": (1,), "b": (255,), "c": (257,), "d": (4097,), "e": (20, 15), "f": (3000,)}
+HP = {"lr": 1e-2, "weight_decay": 0.01}
+RULE_HP = {"sgd": {**HP, "momentum": 0.9}, "rmsprop": {**HP, "momentum": 0.5}}
+
+
+def _hostile(shape, gen, dtype, device):
+    """Gaussian, with exact zeros, a 1e-12 floor and spikes up to 1e6 in the same blocks."""
+    g = torch.randn(shape, generator=gen)
+    kind = torch.randint(0, 4, shape, generator=gen)
+    g = torch.where(kind == 0, 0.0, g)
+    g = torch.where(kind == 1, 1e-12 * torch.rand(shape, generator=gen), g)
+    spike = torch.rand(shape, generator=gen) < 0.01
+    g = torch.where(spike, 10 ** torch.randint(3, 7, shape, generator=gen).float(), g)
+    return g.to(device, dtype)
+
+
+def _tree(sizes, dtypes, gen, device, scale=0.1):
+    return {
+        k: (torch.randn(s, generator=gen) * scale).to(device, dtypes[i % len(dtypes)])
+        for i, (k, s) in enumerate(sizes.items())
+    }
+
+
+def _offset(layout, leaf):
+    return sum(layout.pieces[leaf.key][: leaf.index])
+
+
+@contextlib.contextmanager
+def _dither_at(layout, params):
+    """The per-leaf step with each leaf's stochastic rounding drawn at its blocks' places in its buffer."""
+    blocks = {params[lf.path].data_ptr(): _offset(layout, lf) // layout.spec.block_size for lf in layout.leaves}
+    token = FIRST_BLOCKS.set(blocks)
+    try:
+        yield
+    finally:
+        FIRST_BLOCKS.reset(token)
+
+
+def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=300)  # a and b keep 32-bit state
+    hp = RULE_HP.get(rule, HP)
+    params = _tree(sizes, dtypes, gen, device)
+    layout = flat_layout(params, spec)
+    flat = layout.flatten(params)
+    state_flat = layout.init_state(flat, hp)
+    state = bnbf.init_state(params, spec, hp)
+    for t in range(1, steps + 1):
+        grads = {k: _hostile(p.shape, gen, p.dtype, device) for k, p in params.items()}
+        with _dither_at(layout, params):
+            params, state = bnbf.update(params, grads, state, hp, t)
+        flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, t)
+    views = layout.unflatten(flat)
+    moments = {k: bnbf.dequantize_state(s) for k, s in state_flat.items()}
+    leaf_moments = bnbf.dequantize_state(state)
+    for leaf in layout.leaves:
+        assert torch.equal(views[leaf.path], params[leaf.path]), f"{rule}: param {leaf.path} differs"
+        lo = _offset(layout, leaf)
+        for name, m in leaf_moments[leaf.path].items():
+            got = moments[leaf.key][name].reshape(-1)[lo : lo + m.numel()]
+            assert torch.equal(got, m.reshape(-1)), f"{rule}: state {name} of {leaf.path} differs"
+    for key, sizes_ in layout.pieces.items():  # the padding stays zero
+        pad = torch.ones(sum(sizes_), dtype=torch.bool, device=device)
+        for leaf in layout.leaves:
+            if leaf.key == key:
+                pad[_offset(layout, leaf) : _offset(layout, leaf) + sizes_[leaf.index]] = False
+        assert not flat[key][pad].any(), f"{rule}: padding of {key} moved"
+
+
+ELEMENTWISE = [r for r in bnbf.RULES if bnbf.RULES[r].norms is None]
+# the interpreter takes seconds a launch configuration: there AdamW and Lion (both state widths, both dtypes)
+_slow_in_interpreter = pytest.mark.skipif(INTERP, reason="covered on the reference path; slow in the interpreter")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize(
+    "rule", [r if r in ("adamw", "lion") else pytest.param(r, marks=_slow_in_interpreter) for r in ELEMENTWISE]
+)
+def test_flat_step_equals_the_per_leaf_step(rule, bits, device):
+    _assert_same_as_per_leaf(rule, SIZES, [torch.float32, torch.bfloat16], bits, device)
+
+
+@pytest.mark.skipif(INTERP, reason="many shapes: the reference path")
+@settings(max_examples=25, deadline=None)
+@given(
+    st.lists(st.integers(1, 5000), min_size=1, max_size=6),
+    st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+    st.sampled_from(["adam", "adamw", "lion", "ademamix"]),
+    st.integers(0, 2**16),
+)
+def test_flat_step_equals_the_per_leaf_step_any_sizes(numels, dtype, rule, seed):
+    _assert_same_as_per_leaf(rule, {f"p{i}": (n,) for i, n in enumerate(numels)}, [dtype], 8, "cpu", 2, seed)
+
+
+def test_layout_groups_and_alignment():
+    params = {"w": torch.zeros(70, 70), "b": torch.zeros(70), "h": torch.zeros(5000, dtype=torch.bfloat16)}
+    layout = flat_layout(params, bnbf.OptimSpec(block_size=512), group=lambda path, p: "decay" if p.dim() > 1 else "no")
+    assert layout.pieces == {
+        "decay/float32/8bit": (4900, 220),
+        "no/float32/32bit": (70, 442),
+        "no/bfloat16/8bit": (5000, 120),
+    }
+    assert layout.specs["no/float32/32bit"].state_bits == 32 and layout.specs["no/bfloat16/8bit"].min_8bit_size == 0
+    flat = layout.flatten(params)
+    views = layout.unflatten(flat)
+    for k, v in views.items():  # views of the buffers, not copies
+        assert v.untyped_storage().data_ptr() == flat[next(lf.key for lf in layout.leaves if lf.path == k)].data_ptr()
+    nested = {"enc": {"w": torch.randn(3, 4)}, "head": [torch.randn(2)]}
+    layout = flat_layout(nested, bnbf.OptimSpec())
+    assert [lf.path for lf in layout.leaves] == ["enc.w", "head.0"]
+    out = layout.unflatten(layout.flatten(nested))
+    assert torch.equal(out["enc"]["w"], nested["enc"]["w"]) and torch.equal(out["head"][0], nested["head"][0])
+
+
+def _mlp_loss(params, x):
+    h = torch.tanh(x @ params["w1"] + params["b1"])
+    return ((h @ params["w2"]) ** 2).mean()
+
+
+def _mlp(gen, members=None):
+    lead = () if members is None else (members,)
+    return {
+        "w1": torch.randn(*lead, 16, 300, generator=gen) * 0.1,
+        "b1": torch.randn(*lead, 300, generator=gen) * 0.1,
+        "w2": torch.randn(*lead, 300, 3, generator=gen) * 0.1,
+    }
+
+
+def test_grads_through_unflatten_are_the_leaf_grads():
+    gen = torch.Generator().manual_seed(1)
+    params, x = _mlp(gen), torch.randn(8, 16, generator=gen)
+    layout = flat_layout(params, bnbf.OptimSpec(min_8bit_size=1000))
+    g_flat = grad(lambda f: _mlp_loss(layout.unflatten(f), x))(layout.flatten(params))
+    g = grad(_mlp_loss)(params, x)
+    for k, v in layout.flatten(g).items():  # the leaves' grads where they lie, zeros in the padding
+        assert torch.equal(g_flat[k], v)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True])
+def test_vmap_of_a_flat_ensemble_equals_a_loop(in_place, device):
+    gen = torch.Generator().manual_seed(2)
+    members = 3
+    stacked = {k: v.to(device) for k, v in _mlp(gen, members).items()}
+    x = torch.randn(members, 8, 16, generator=gen).to(device)
+    spec = bnbf.OptimSpec(min_8bit_size=1000)
+    layout = flat_layout({k: v[0] for k, v in stacked.items()}, spec)
+    flat = torch.func.vmap(layout.flatten)(stacked)
+    state = torch.func.vmap(layout.init_state)(flat)
+
+    def step(f, s, xb, t):
+        g, loss = grad_and_value(lambda f: _mlp_loss(layout.unflatten(f), xb))(f)
+        if in_place:
+            bnbf.update_(f, g, s, HP, t)
+            return f, s, loss
+        return (*bnbf.update(f, g, s, HP, t), loss)
+
+    ref = [
+        ({k: v[b].clone() for k, v in flat.items()}, layout.init_state({k: v[b] for k, v in flat.items()}))
+        for b in range(members)
+    ]
+    for t in range(1, 3):
+        flat, state, _ = torch.func.vmap(step, in_dims=(0, 0, 0, None))(flat, state, x, t)
+        ref = [step(f, s, x[b], t)[:2] for b, (f, s) in enumerate(ref)]
+    for b, (f, s) in enumerate(ref):
+        for k in f:
+            assert torch.equal(flat[k][b], f[k]), f"member {b} buffer {k}"
+            for got, want in zip(state[k], s[k]):
+                assert torch.equal(got[b], want), f"member {b} state of {k}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_compiled_flat_step_compiles_once(device, fresh_dynamo):
+    gen = torch.Generator().manual_seed(3)
+    params = {k: v.to(device) for k, v in _mlp(gen).items()}
+    x = torch.randn(8, 16, generator=gen).to(device)
+    layout = flat_layout(params, bnbf.OptimSpec(min_8bit_size=1000))
+
+    def step(f, s, lr, t):
+        g, loss = grad_and_value(lambda f: _mlp_loss(layout.unflatten(f), x))(f)
+        bnbf.update_(f, g, s, {"lr": lr, "weight_decay": 0.01}, t)
+        return loss
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    flat, eager_flat = layout.flatten(params), layout.flatten(params)
+    state, eager_state = layout.init_state(flat), layout.init_state(eager_flat)
+    for t in range(1, 5):
+        lr, tt = torch.tensor(1e-2 / t, device=device), torch.tensor(t, device=device)
+        compiled(flat, state, lr, tt)
+        step(eager_flat, eager_state, lr, tt)
+    assert counter.frame_count == 1
+    for k in flat:
+        assert torch.equal(flat[k], eager_flat[k])
+
+
+def test_errors_name_the_problem():
+    params = {"w": torch.randn(70, 70), "b": torch.randn(10)}
+    layout = flat_layout(params, bnbf.OptimSpec())
+    flat = layout.flatten(params)
+    with pytest.raises(ValueError, match="layout's buffers"):
+        layout.unflatten({"float32/8bit": flat["float32/32bit"]})
+    with pytest.raises(ValueError, match=r"'float32/32bit' must be 1-D with 256 elements, got shape \(2, 256\)"):
+        layout.unflatten({**flat, "float32/32bit": flat["float32/32bit"].expand(2, 256)})
+    with pytest.raises(TypeError, match="must be torch.float32, got torch.bfloat16"):
+        layout.init_state({**flat, "float32/32bit": flat["float32/32bit"].bfloat16()})
+    with pytest.raises(ValueError, match="structure"):
+        layout.flatten({"w": params["w"]})
+    with pytest.raises(ValueError, match=r"leaf 'b' is \(11,\) torch.float32; the layout has \(10,\)"):
+        layout.flatten({"w": params["w"], "b": torch.zeros(11)})
+    with pytest.raises(ValueError, match="rule 'lamb' scales each tensor's update by the tensor's norms"):
+        flat_layout(params, bnbf.OptimSpec(rule="lamb"))
+    with pytest.raises(TypeError, match="floating point"):
+        flat_layout({"i": torch.zeros(3, dtype=torch.int64)}, bnbf.OptimSpec())
+    with pytest.raises(TypeError, match="non-empty str"):
+        flat_layout(params, bnbf.OptimSpec(), group=lambda path, p: 3)
