@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from bnbf._host_checks import is_state
 from bnbf.compose import path_name
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
@@ -88,6 +89,30 @@ class FlatLayout:
             split[key] = buf.split_with_sizes(sizes)
         views = [split[leaf.key][leaf.index].view(leaf.shape) for leaf in self.leaves]
         return pytree.tree_unflatten(views, self.treespec)
+
+    def unflatten_state(self, state: Any) -> Any:
+        """The per-leaf states (a tree shaped like the params) as views of the buffers' states ``state`` (from
+        :meth:`init_state` or a step): for checkpoints in the per-param layout and :func:`bnbf.dequantize_state`."""
+        if not isinstance(state, dict) or set(state) != set(self.pieces) or not all(map(is_state, state.values())):
+            raise ValueError(f"expected a dict of bnbf states keyed like this layout's buffers {sorted(self.pieces)}")
+        split = {}
+        for key, sizes in self.pieces.items():
+            s, block = state[key], type(state[key]).layout.block_size
+            blocks = [-(-n // block) if block else 0 for n in sizes[::2]]  # each leaf's, then the padding's
+            blocks.append(sum(sizes) // block - sum(blocks) if block else 0)
+            split[key] = [
+                t.split_with_sizes(blocks) if name.endswith("_absmax") else t.split_with_sizes(sizes)[::2]
+                for name, t in zip(s._fields, s)
+            ]
+        out = []
+        for leaf in self.leaves:
+            s, k = state[leaf.key], leaf.index // 2
+            fields = [
+                parts[k] if name.endswith("_absmax") else parts[k].view(leaf.shape)
+                for name, parts in zip(s._fields, split[leaf.key])
+            ]
+            out.append(type(s)(*fields))
+        return pytree.tree_unflatten(out, self.treespec)
 
     def init_state(self, flat: Any, hparams: Any = None) -> dict:
         """Zero state for the buffers: each with its ``specs[key]``, so leaves keep the state width they would
@@ -168,4 +193,6 @@ def flat_layout(params: Any, spec: OptimSpec, *, group: Callable[[str, Tensor], 
         specs.setdefault(key, dataclasses.replace(spec, state_bits=bits, min_8bit_size=0))
         leaves.append(_Leaf(path, key, len(sizes), p.shape, p.dtype))
         sizes += [p.numel(), -p.numel() % align]
+    for sizes in pieces.values():  # buffers of whole groups of 4 blocks: stacked, each member's absmax 16-byte aligned
+        sizes[-1] += -sum(sizes) % (4 * align)
     return FlatLayout(spec, treespec, tuple(leaves), {k: tuple(v) for k, v in pieces.items()}, specs)
