@@ -1,8 +1,8 @@
 """Where the host time of a compiled in-place step goes: ``torch.compile(fullgraph=True)`` of ``bnbf.update_``
-on GPT-2 small's 148 tensors (8-bit AdamW, 396 state fields), against the eager call, the kernel launch
-stubbed out.
+on GPT-2 small's 148 tensors (8-bit AdamW, 396 state fields; ``--flat``: in 2 flat buffers), against the eager
+call, the kernel launch stubbed out.
 
-    TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile]
+    TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile] [--flat]
     python scripts/compile_host.py --cuda        # on a GPU: the same rows (medians), launch stubbed out
 
 On the CPU, ``TRITON_INTERPRET=1`` sends CPU tensors through the custom op's Triton route (address tables,
@@ -88,6 +88,7 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true", help="cProfile of the compiled call")
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--dtype", default="bf16")
+    ap.add_argument("--flat", action="store_true", help="params, grads and state flat (bnbf.flat_layout)")
     args = ap.parse_args()
     device = "cuda" if args.cuda else "cpu"
     if not args.cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -96,6 +97,10 @@ def main() -> None:
     params = {n: torch.zeros(s, dtype=bs.DTYPES[args.dtype], device=device) for n, s in bs.SETS["gpt2_124M"]()}
     grads = {n: torch.zeros_like(v) for n, v in params.items()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+    if args.flat:
+        layout = bnbf.flat_layout(params, bnbf.OptimSpec(rule="adamw"))
+        params, grads = layout.flatten(params), layout.flatten(grads)
+        state = layout.init_state(params)
     n_state = sum(len(s) for s in state.values())
     print(f"{device}, torch {torch.__version__}, {len(params)} params, {n_state} state fields, {args.dtype}")
     lr, t = torch.tensor(1e-3, device=device), torch.tensor(1, device=device)

@@ -1,6 +1,6 @@
 """The README's torch.func section runs as written: the meta-gradient, the vmapped ensemble, the compiled
-training step (CPU and CUDA) and the CUDA-graph capture (its block does nothing without a GPU). Each block is
-also checked for what its text claims."""
+training step (CPU and CUDA), the flat params and the CUDA-graph capture (its block does nothing without a GPU).
+Each block is also checked for what its text claims."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ def _section_blocks(heading: str) -> list[str]:
 @pytest.mark.surface  # the README's code runs, on the reference path here and the kernels on the GPU
 def test_torch_func_section_runs(capsys):
     blocks = _section_blocks("## torch.func, torch.compile, CUDA graphs")
-    assert len(blocks) == 4
+    assert len(blocks) == 5
     # a module of its own in sys.modules: Dynamo looks the compiled function's module up there
     module = types.ModuleType("readme_torch_func")
     sys.modules[module.__name__] = module
@@ -42,4 +42,8 @@ def test_torch_func_section_runs(capsys):
     exec(compile(blocks[2], "README.md compile", "exec"), scope)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])  # once, with lr and step changing
     assert not counters["graph_break"], dict(counters["graph_break"])
-    exec(compile(blocks[3], "README.md capture", "exec"), scope)
+    exec(compile(blocks[3], "README.md flat params", "exec"), scope)
+    assert "{'float32/8bit': (16384,), 'float32/32bit': (3072,)}" in capsys.readouterr().out
+    views = scope["layout"].unflatten(scope["flat"])  # the steps moved the leaves, through the buffers
+    assert not torch.equal(views["0.weight"], dict(scope["model"].named_parameters())["0.weight"])
+    exec(compile(blocks[4], "README.md capture", "exec"), scope)
