@@ -36,7 +36,12 @@ from bnbf.reference import FIRST_BLOCKS
 INTERP = triton_mode()
 SIZES = {"a": (1,), "b": (255,), "c": (257,), "d": (4097,), "e": (20, 15), "f": (3000,)}
 HP = {"lr": 1e-2, "weight_decay": 0.01}
-RULE_HP = {"sgd": {**HP, "momentum": 0.9}, "rmsprop": {**HP, "momentum": 0.5}}
+# hyperparameters that keep more states, and a nonzero initial state (the padding's state then starts nonzero)
+RULE_HP = {
+    "sgd": {**HP, "momentum": 0.9},
+    "rmsprop": {**HP, "momentum": 0.5},
+    "adagrad": {**HP, "initial_accumulator_value": 0.1},
+}
 
 
 def _hostile(shape, gen, dtype, device):
@@ -256,6 +261,8 @@ def test_errors_name_the_problem():
         layout.unflatten({**flat, "float32/32bit": flat["float32/32bit"].expand(2, 1024)})
     with pytest.raises(TypeError, match="must be torch.float32, got torch.bfloat16"):
         layout.init_state({**flat, "float32/32bit": flat["float32/32bit"].bfloat16()})
+    with pytest.raises(ValueError, match="dict of bnbf states keyed like this layout's buffers"):
+        layout.unflatten_state({"float32/8bit": layout.init_state(flat)["float32/8bit"]})
     with pytest.raises(ValueError, match="structure"):
         layout.flatten({"w": params["w"]})
     with pytest.raises(ValueError, match=r"leaf 'b' is \(11,\) torch.float32; the layout has \(10,\)"):
