@@ -19,11 +19,16 @@ with zeros between leaves::
 writes every leaf's grad into one buffer); an ensemble stacks the buffers and vmaps over them.
 
 Why the buffers step as the leaves would: a quantization block never spans two leaves, and the padding is zero
-params with zero grads, whose state and update stay zero under every elementwise rule, so each block's absmax
-is its leaf's own. Stepping the buffers equals stepping the leaves one by one, bit for bit
-(tests/test_flat.py); leaves that would keep float32 state (fewer than ``min_8bit_size`` elements) get a
-buffer with float32 state. What is per tensor applies per buffer: ``update(..., max_unorm=)`` clips each
-buffer's update, and rules that scale by a tensor's norms (LAMB, LARS) are refused.
+params with zero grads, whose update is zero under every elementwise rule and whose state stays at its initial
+value (zero, or Adagrad's initial accumulator, which a leaf's accumulator only grows from), so each block's
+absmax is its leaf's own. Leaves that would keep float32 state (fewer than ``min_8bit_size`` elements) get a
+buffer with float32 state. The one difference is the 8-bit state's stochastic rounding, which hashes a block's
+index in its buffer: with that index, stepping the buffers equals stepping the leaves one by one bit for bit on
+the reference path and in the interpreter, and within what two compiled variants of the kernel round
+differently on the GPU (tests/test_flat.py). Each buffer is whole groups of 4 blocks, so that the members of a
+stacked buffer keep 16-byte-aligned absmax (the kernels' aligned variant). What is per tensor applies per
+buffer: ``update(..., max_unorm=)`` clips each buffer's update, and rules that scale by a tensor's norms (LAMB,
+LARS) are refused.
 """
 
 from __future__ import annotations
