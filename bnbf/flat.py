@@ -34,6 +34,7 @@ LARS) are refused.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -41,6 +42,7 @@ import torch
 from torch import Tensor
 from torch.utils import _pytree as pytree
 
+from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import is_state
 from bnbf.compose import path_name
 from bnbf.rules import get_rule
@@ -141,7 +143,7 @@ class FlatLayout:
             raise TypeError(f"flat buffer {key!r} must be {self._dtypes[key]}, got {buf.dtype}")
         return buf
 
-    @property
+    @functools.cached_property  # unflatten runs in every step's loss: not a loop over the leaves per buffer
     def _dtypes(self) -> dict[str, torch.dtype]:
         return {leaf.key: leaf.dtype for leaf in self.leaves}
 
@@ -184,6 +186,10 @@ def flat_layout(params: Any, spec: OptimSpec, *, group: Callable[[str, Tensor], 
         path = path_name(kp)
         if not isinstance(p, Tensor):
             raise TypeError(f"leaf {path!r} must be a tensor, got {type(p).__name__}")
+        if is_dtensor(p):
+            raise TypeError(
+                f"leaf {path!r} is a DTensor (FSDP2): flat_layout lays out local params; use bnbf.distributed"
+            )
         if not p.dtype.is_floating_point:
             raise TypeError(f"leaf {path!r}: optimizers need floating point params, got {p.dtype}")
         bits = spec.layout_for(p.numel()).bits

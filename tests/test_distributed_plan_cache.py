@@ -125,3 +125,14 @@ def test_a_packed_state_refuses_dtensor_params(mesh):
         with pytest.raises(ValueError, match="DTensor"):
             step({"w": w}, {"w": w.detach()}, state, {"lr": 0.1}, 1)
     assert all(torch.equal(a, b) for a, b in zip(state.buffers, before))
+
+
+def test_flat_layout_refuses_dtensor_params(mesh):
+    """Flat buffers of FSDP2's sharded params would be local shards cut at other places on each rank: refused."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import bnbf
+
+    p = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
+    with pytest.raises(TypeError, match="leaf 'w' is a DTensor"):
+        bnbf.flat_layout({"w": p}, bnbf.OptimSpec())
