@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import is_state
 from bnbf.compose import path_name
+from bnbf.quant import zero_code
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
 
@@ -120,6 +121,38 @@ class FlatLayout:
             ]
             out.append(type(s)(*fields))
         return pytree.tree_unflatten(out, self.treespec)
+
+    def flatten_state(self, state: Any) -> dict:
+        """New buffers' states holding the per-leaf states ``state`` (a tree shaped like the params, as
+        :func:`bnbf.init_state` makes it for the leaves: a checkpoint in the per-param layout), zero state in the
+        padding. The inverse of :meth:`unflatten_state` but for the padding's state, which a step leaves at zero
+        where it starts at zero."""
+        states, treespec = pytree.tree_flatten(state, is_leaf=is_state)
+        if treespec != self.treespec or not all(map(is_state, states)):
+            raise ValueError(f"expected a tree of bnbf states with the layout's structure {self.treespec}")
+        parts: dict[str, list[list[Tensor]]] = {}
+        classes: dict[str, type] = {}
+        for leaf, s in zip(self.leaves, states):
+            want = classes.setdefault(leaf.key, type(s))
+            expect = self.specs[leaf.key].layout_for(leaf.shape.numel())._replace(present=type(s).layout.present)
+            if type(s) is not want or type(s).layout != expect:
+                raise ValueError(f"the state of {leaf.path!r} is {type(s).__name__}, not the layout's for its buffer")
+            cols = parts.setdefault(leaf.key, [[] for _ in s._fields])
+            pad = self.pieces[leaf.key][leaf.index + 1]
+            layout = type(s).layout
+            for col, name, t in zip(cols, s._fields, s):
+                if name.endswith("_absmax"):  # the padding inside a leaf's last block shares its absmax
+                    col.append(t.reshape(-1))
+                    extra = (leaf.shape.numel() + pad) // layout.block_size - t.numel()
+                    if extra:
+                        col.append(t.new_zeros(extra))
+                    continue
+                col.append(t.reshape(-1))
+                if pad:
+                    slot = next(sl for sl in layout.slots() if sl.name == name)
+                    fill = zero_code(layout.format, slot.signed) if layout.quantized else 0
+                    col.append(t.new_full((pad,), fill))
+        return {k: classes[k](*(torch.cat(col) for col in parts[k])) for k in self.pieces}
 
     def init_state(self, flat: Any, hparams: Any = None) -> dict:
         """Zero state for the buffers: each with its ``specs[key]``, so leaves keep the state width they would

@@ -146,6 +146,32 @@ def test_flat_step_equals_the_per_leaf_step_any_sizes(numels, dtype, rule, seed)
     _assert_same_as_per_leaf(rule, {f"p{i}": (n,) for i, n in enumerate(numels)}, [dtype], 8, "cpu", 2, seed)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["adamw", pytest.param("adagrad", marks=_slow_in_interpreter)])
+def test_a_per_leaf_state_flattened_steps_on_as_the_leaves(rule, device):
+    """A per-leaf state (a checkpoint of the per-param layout) moved into the buffers by ``flatten_state``: the
+    flat step from it is the leaves' step, as in the test above; ``unflatten_state`` gives it back."""
+    gen = torch.Generator().manual_seed(4)
+    spec = bnbf.OptimSpec(rule=rule, min_8bit_size=300)
+    hp = RULE_HP.get(rule, HP)
+    params = _tree(SIZES, [torch.float32, torch.bfloat16], gen, device)
+    state = bnbf.init_state(params, spec, hp)
+    for t in range(1, 3):
+        grads = {k: _hostile(p.shape, gen, p.dtype, device) for k, p in params.items()}
+        params, state = bnbf.update(params, grads, state, hp, t)
+    layout = flat_layout(params, spec)
+    flat, state_flat = layout.flatten(params), layout.flatten_state(state)
+    for a, b in zip(tree_leaves(layout.unflatten_state(state_flat)), tree_leaves(state), strict=True):
+        assert_equal_report(a, b, "unflatten_state(flatten_state(state))")
+    grads = {k: _hostile(p.shape, gen, p.dtype, device) for k, p in params.items()}
+    with _dither_at(layout, params):
+        params, state = bnbf.update(params, grads, state, hp, 3)
+    flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, 3)
+    got = (layout.unflatten(flat), layout.unflatten_state(state_flat))
+    for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves((params, state)), strict=True)):
+        _same_step(a, b, f"{rule}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
+
+
 def test_layout_groups_and_alignment():
     params = {"w": torch.zeros(70, 70), "b": torch.zeros(70), "h": torch.zeros(5000, dtype=torch.bfloat16)}
     layout = flat_layout(params, bnbf.OptimSpec(block_size=512), group=lambda path, p: "decay" if p.dim() > 1 else "no")
@@ -263,6 +289,8 @@ def test_errors_name_the_problem():
         layout.init_state({**flat, "float32/32bit": flat["float32/32bit"].bfloat16()})
     with pytest.raises(ValueError, match="dict of bnbf states keyed like this layout's buffers"):
         layout.unflatten_state({"float32/8bit": layout.init_state(flat)["float32/8bit"]})
+    with pytest.raises(ValueError, match="the state of 'w' is adamw_state_32bit_s3, not the layout's for its buffer"):
+        layout.flatten_state(bnbf.init_state(params, bnbf.OptimSpec(state_bits=32)))
     with pytest.raises(ValueError, match="structure"):
         layout.flatten({"w": params["w"]})
     with pytest.raises(ValueError, match=r"leaf 'b' is \(11,\) torch.float32; the layout has \(10,\)"):
