@@ -2,7 +2,7 @@
 
 The claim the module makes: stepping the buffers equals stepping the leaves one by one, bit for bit (params and
 state), for every elementwise rule, with each block's stochastic rounding drawn for its place in the buffer
-(``FIRST_BLOCKS``, as for a shard), because blocks never span two leaves and the zero padding stays zero. Checked
+(``FIRST_BLOCKS``, as for a shard), because blocks never span two leaves and the padding's params stay zero. Checked
 here against the per-leaf step on hostile grads (spikes to 1e6 over a 1e-12 floor, exact zeros) and odd sizes,
 on the reference path and the Triton kernels (interpreter on CPU, CUDA in the GPU run); then the grads through
 ``unflatten``, vmap over stacked buffers against a loop, a compiled step without recompiles, and the errors.
@@ -87,7 +87,7 @@ def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0)
     hp = RULE_HP.get(rule, HP)
     params = _tree(sizes, dtypes, gen, device)
     layout = flat_layout(params, spec)
-    flat = layout.flatten(params)
+    flat = first = layout.flatten(params)
     state_flat = layout.init_state(flat, hp)
     clone = lambda tree: tree_map(torch.clone, tree)  # noqa: E731
     for t in range(1, steps + 1):
@@ -105,6 +105,7 @@ def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0)
             if leaf.key == key:
                 pad[_offset(layout, leaf) : _offset(layout, leaf) + sizes_[leaf.index]] = False
         assert not flat[key][pad].any(), f"{rule}: padding of {key} moved"
+        assert not torch.equal(flat[key][~pad], first[key][~pad]), f"{rule}: the steps did not move {key}"
 
 
 def _same_step(a, b, what):
