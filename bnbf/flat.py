@@ -45,6 +45,7 @@ from torch.utils import _pytree as pytree
 from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import is_state
 from bnbf.compose import path_name
+from bnbf.functional import init_state
 from bnbf.quant import zero_code
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
@@ -72,29 +73,17 @@ class FlatLayout:
     pieces: dict[str, tuple[int, ...]]
     specs: dict[str, OptimSpec]
 
-    @property
-    def numels(self) -> dict[str, int]:
-        """Elements per buffer, padding included."""
-        return {k: sum(p) for k, p in self.pieces.items()}
-
     def flatten(self, tree: Any) -> dict[str, Tensor]:
         """New buffers holding the leaves of ``tree`` (params, grads, or anything shaped like the params),
         zeros between leaves. Differentiable and vmappable (it is one ``cat`` per buffer)."""
-        leaves = self._match(tree)
         parts: dict[str, list[Tensor]] = {k: [] for k in self.pieces}
-        for leaf, t in zip(self.leaves, leaves):
-            pad = self.pieces[leaf.key][leaf.index + 1]
-            parts[leaf.key].append(t.reshape(-1))
-            if pad:
-                parts[leaf.key].append(t.new_zeros(pad))
+        for leaf, t in zip(self.leaves, self._match(tree)):
+            parts[leaf.key] += self._padded(leaf, t, 0)
         return {k: torch.cat(v) for k, v in parts.items()}
 
     def unflatten(self, flat: Any) -> Any:
         """The tree of leaves as views of the buffers ``flat`` (a mapping with this layout's keys)."""
-        split = {}
-        for key, sizes in self.pieces.items():
-            buf = self._buffer(flat, key)
-            split[key] = buf.split_with_sizes(sizes)
+        split = {key: buf.split_with_sizes(self.pieces[key]) for key, buf in self._buffers(flat)}
         views = [split[leaf.key][leaf.index].view(leaf.shape) for leaf in self.leaves]
         return pytree.tree_unflatten(views, self.treespec)
 
@@ -105,7 +94,9 @@ class FlatLayout:
             raise ValueError(f"expected a dict of bnbf states keyed like this layout's buffers {sorted(self.pieces)}")
         split = {}
         for key, sizes in self.pieces.items():
-            s, block = state[key], type(state[key]).layout.block_size
+            s, block = state[key], state[key].layout.block_size
+            if s.layout.bits != self.specs[key].state_bits or s[0].shape != (sum(sizes),):
+                raise ValueError(f"state {key!r} is {type(s).__name__} of {tuple(s[0].shape)}, not the buffer's")
             blocks = [-(-n // block) if block else 0 for n in sizes[::2]]  # each leaf's, then the padding's
             blocks.append(sum(sizes) // block - sum(blocks) if block else 0)
             split[key] = [
@@ -138,43 +129,43 @@ class FlatLayout:
             if type(s) is not want or type(s).layout != expect:
                 raise ValueError(f"the state of {leaf.path!r} is {type(s).__name__}, not the layout's for its buffer")
             cols = parts.setdefault(leaf.key, [[] for _ in s._fields])
-            pad = self.pieces[leaf.key][leaf.index + 1]
             layout = type(s).layout
             for col, name, t in zip(cols, s._fields, s):
                 if name.endswith("_absmax"):  # the padding inside a leaf's last block shares its absmax
-                    col.append(t.reshape(-1))
+                    pad = self.pieces[leaf.key][leaf.index + 1]
                     extra = (leaf.shape.numel() + pad) // layout.block_size - t.numel()
-                    if extra:
-                        col.append(t.new_zeros(extra))
+                    col += [t.reshape(-1), t.new_zeros(extra)]
                     continue
-                col.append(t.reshape(-1))
-                if pad:
-                    slot = next(sl for sl in layout.slots() if sl.name == name)
-                    fill = zero_code(layout.format, slot.signed) if layout.quantized else 0
-                    col.append(t.new_full((pad,), fill))
+                slot = next(sl for sl in layout.slots() if sl.name == name)
+                col += self._padded(leaf, t, zero_code(layout.format, slot.signed) if layout.quantized else 0)
         return {k: classes[k](*(torch.cat(col) for col in parts[k])) for k in self.pieces}
 
     def init_state(self, flat: Any, hparams: Any = None) -> dict:
         """Zero state for the buffers: each with its ``specs[key]``, so leaves keep the state width they would
         have one by one."""
-        for key in self.pieces:
-            self._buffer(flat, key)
-        from bnbf.functional import init_state  # bnbf.functional imports bnbf.compose, which imports bnbf
+        return {key: init_state(buf, self.specs[key], hparams) for key, buf in self._buffers(flat)}
 
-        return {k: init_state(flat[k], self.specs[k], hparams) for k in self.pieces}
+    def _padded(self, leaf: _Leaf, t: Tensor, fill: float) -> list[Tensor]:
+        """``t`` (shaped like ``leaf``) flattened, then the padding after the leaf in its buffer, of ``fill``."""
+        pad = self.pieces[leaf.key][leaf.index + 1]
+        return [t.reshape(-1), t.new_full((pad,), fill)] if pad else [t.reshape(-1)]
 
-    def _buffer(self, flat: Any, key: str) -> Tensor:
+    def _buffers(self, flat: Any) -> list[tuple[str, Tensor]]:
+        """``(key, buffer)`` of each of this layout's buffers in ``flat``, checked."""
         if not isinstance(flat, dict) or set(flat) != set(self.pieces):
             got = sorted(flat) if isinstance(flat, dict) else type(flat).__name__
             raise ValueError(f"expected a dict of this layout's buffers {sorted(self.pieces)}, got {got}")
-        buf, n = flat[key], sum(self.pieces[key])
-        if not isinstance(buf, Tensor):
-            raise TypeError(f"flat buffer {key!r} must be a tensor, got {type(buf).__name__}")
-        if buf.dim() != 1 or buf.numel() != n:
-            raise ValueError(f"flat buffer {key!r} must be 1-D with {n} elements, got shape {tuple(buf.shape)}")
-        if buf.dtype != self._dtypes[key]:
-            raise TypeError(f"flat buffer {key!r} must be {self._dtypes[key]}, got {buf.dtype}")
-        return buf
+        out = []
+        for key, sizes in self.pieces.items():
+            buf, n = flat[key], sum(sizes)
+            if not isinstance(buf, Tensor):
+                raise TypeError(f"flat buffer {key!r} must be a tensor, got {type(buf).__name__}")
+            if buf.dim() != 1 or buf.numel() != n:
+                raise ValueError(f"flat buffer {key!r} must be 1-D with {n} elements, got shape {tuple(buf.shape)}")
+            if buf.dtype != self._dtypes[key]:
+                raise TypeError(f"flat buffer {key!r} must be {self._dtypes[key]}, got {buf.dtype}")
+            out.append((key, buf))
+        return out
 
     @functools.cached_property  # unflatten runs in every step's loss: not a loop over the leaves per buffer
     def _dtypes(self) -> dict[str, torch.dtype]:

@@ -290,6 +290,12 @@ def test_errors_name_the_problem():
         layout.init_state({**flat, "float32/32bit": flat["float32/32bit"].bfloat16()})
     with pytest.raises(ValueError, match="dict of bnbf states keyed like this layout's buffers"):
         layout.unflatten_state({"float32/8bit": layout.init_state(flat)["float32/8bit"]})
+    st = layout.init_state(flat)
+    swapped = {"float32/8bit": st["float32/32bit"], "float32/32bit": st["float32/8bit"]}
+    with pytest.raises(
+        ValueError, match=r"state 'float32/8bit' is adamw_state_32bit_s3 of \(1024,\), not the buffer's"
+    ):
+        layout.unflatten_state(swapped)
     with pytest.raises(ValueError, match="the state of 'w' is adamw_state_32bit_s3, not the layout's for its buffer"):
         layout.flatten_state(bnbf.init_state(params, bnbf.OptimSpec(state_bits=32)))
     with pytest.raises(ValueError, match="structure"):
