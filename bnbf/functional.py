@@ -40,6 +40,7 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _PLANS,
     _cached,
     _drop_dead,
+    _one_set,
     _scalars,
     _step_generic,
     scalar_row,
@@ -196,14 +197,15 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    # traced: one elementwise expression, one Inductor kernel (a stack of the scalars would be one per scalar)
-    row = ops.traced_scalar_row if torch.compiler.is_compiling() else scalar_row
+    vmapped = ops.vmap_level() is not None
+    # traced: one elementwise expression, one Inductor kernel (a stack of the scalars would be one per scalar);
+    # vmapped: Python numbers as kernel arguments, with no row to upload before the launch
+    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set if vmapped else scalar_row
     rows = {d: row(values, d) for d in {p.device for p in call.params}}
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     # vmap's batched tensors go as they are: the batching rule lays out the members itself and writes new tensors,
     # and detach and contiguous would be two batched ops a tensor (0.5 ms of a GPT-2 ensemble's call, CPU)
-    vmapped = ops.vmap_level() is not None
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             if vmapped:

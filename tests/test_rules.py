@@ -63,7 +63,7 @@ from tolerances import (
     codes_differ,
     half_ulp,
 )
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
 from bnbf._dispatch import interpreting
@@ -461,6 +461,40 @@ def test_bad_max_unorm_refused(device, row):
                 with pytest.raises(ValueError, match=match):
                     fn(params, grads, state, row.hparams, 1, max_unorm=max_unorm)
         assert_untouched(snap, "after a refused call")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("row", RICHEST, ids=[r.id for r in RICHEST])
+@pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=str)
+def test_every_route_takes_the_same_step(device, row, dtype):
+    """``update``, ``update_``, and ``vmap`` of each over stacked members give the same bits (8-bit state, two
+    steps, two tensors of odd sizes): the routes pass the scalars differently (a row on the device, or kernel
+    arguments) and reach other compiled variants of the kernel, which must round alike."""
+    if INTERP and (dtype != F32 or row.name not in ("adamw", "lion")):
+        pytest.skip("interpreter: AdamW and Lion in float32 (the routes are the same for every rule)")
+    members = 3
+    gen = torch.Generator().manual_seed(0)
+    stacked = lambda n, scale: (torch.randn(members, n, generator=gen) * scale).to(device, dtype)
+    spec, hp = spec_of(row, 8), hp_of(row, 0.01)
+    p = {"a": stacked(257, 0.1), "b": stacked(300, 0.1)}
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, hp))(p)
+    first = p
+    member = lambda tree, b: tree_map(lambda t: t[b], tree)
+    pure = [member((p, s), b) for b in range(members)]
+    in_place = [tree_map(torch.clone, x) for x in pure]
+    vp, vs = tree_map(torch.clone, (p, s))
+    for step in (1, 2):
+        g = {"a": stacked(257, 0.01), "b": stacked(300, 0.01)}
+        p, s = torch.vmap(lambda q, r, u, t=step: bnbf.update(q, r, u, hp, t))(p, g, s)
+        torch.vmap(lambda q, r, u, t=step: bnbf.update_(q, r, u, hp, t))(vp, g, vs)
+        for b in range(members):
+            pure[b] = bnbf.update(pure[b][0], member(g, b), pure[b][1], hp, step)
+            bnbf.update_(in_place[b][0], member(g, b), in_place[b][1], hp, step)
+            routes = {"update_": in_place[b], "vmap(update)": member((p, s), b), "vmap(update_)": member((vp, vs), b)}
+            for name, got in routes.items():
+                for x, y in zip(tree_leaves(got), tree_leaves(pure[b]), strict=True):
+                    assert_equal_report(x, y, f"{row.id} step {step} member {b}: {name} against update")
+    assert not any(map(torch.equal, tree_leaves(first), tree_leaves(p))), "the steps did not move the params"
 
 
 @pytest.mark.parametrize("device", DEVICES)
