@@ -282,8 +282,9 @@ def traced_scalar_row(values, device: torch.device) -> Tensor:
     for k, v in enumerate(values):
         if isinstance(v, Tensor):
             part = v.to(device=device, dtype=torch.float32).reshape(())
-        else:
-            part = torch.scalar_tensor(v, dtype=torch.float64, device=device).to(torch.float32)
+        else:  # a number added to a tensor: Dynamo keeps a float input a graph input ("tensorified"), where
+            # scalar_tensor or full of it would make it a constant, one compile per value under Inductor
+            part = (torch.zeros((), dtype=torch.float64, device=device) + v).to(torch.float32)
         row = torch.where(index == k, part, row)
     return row
 
