@@ -31,6 +31,7 @@ from torch._C._functorch import TransformType
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import NATIVE, _overlap
 from bnbf.reference import FIRST_BLOCKS, reference_step
+from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
 
 
@@ -355,11 +356,7 @@ def _row_list(hp: Any) -> list:
 def _as_row(hp: Any, params: list) -> Tensor:
     """The scalars as the op takes them: Python numbers (a vmapped call's, see :func:`_unwrap_all`) as one float32
     row on the params' device, as kernel arguments round them."""
-    if type(hp) is not tuple:
-        return hp
-    from bnbf.rules.base import as_scalar_row
-
-    return as_scalar_row(hp, params[0].device)
+    return as_scalar_row(hp, params[0].device) if type(hp) is tuple else hp
 
 
 def _unwrapped(*groups: list) -> bool:

@@ -269,8 +269,8 @@ def test_compiled_step_under_inductor_compiles_no_more_than_torchs_adamw(name, t
     if "cuda" not in DEVICES and name not in ("AdamW", "SGD"):
         pytest.skip("CPU-only run: two families keep it short (every family in the GPU run)")
     ref = _torch_adamw_inductor_graphs(tensor_lr)
-    lr0 = HPARAMS[name]["lr"]
-    ours = _compiled_loop(lambda ps, lr: _make(name, ps, lr=torch.tensor(lr) if tensor_lr else lr), lr0, 4, True)[0]
+    make = lambda ps, lr: _make(name, ps, lr=torch.tensor(lr) if tensor_lr else lr)
+    ours = _compiled_loop(make, HPARAMS[name]["lr"], steps=4, inductor=True)[0]
     assert ours[-1] <= ref[-1] and ours[-1] == ours[1], f"{name}8bit compiled {ours} graphs by call, torch's {ref}"
     torch._dynamo.reset()
 
