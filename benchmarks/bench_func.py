@@ -126,7 +126,14 @@ def row_eager(ctx) -> dict:
     params, grads = fresh(ctx.shapes, ctx.dtype, ctx.device)
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
     ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
-    return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
+    holder = [params, state]  # and the pure step, each call's outputs the next one's inputs
+
+    def pure(i: int) -> None:
+        holder[:] = bnbf.update(holder[0], grads, holder[1], HP, i)
+
+    pure_ms, pure_host = timed(ctx.device, pure, ctx.warmup, ctx.steps)
+    note = f"update_ (a plan); pure update {pure_ms:.3f} ms ({_pct(ctx, pure_ms, 1)} of copy, host {pure_host:.3f} ms)"
+    return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"), "note": note}
 
 
 def _step(params, grads, state, lr, i):
@@ -475,9 +482,9 @@ def _back_to_back(ctx, fn: Callable[[int], Any], n: int, first: int) -> float:
     return (time.perf_counter() - t0) * 1e3 / n
 
 
-def _pct(ctx, ms: float) -> str:
-    """A time's effective bandwidth as a percentage of the run's copy (8 members' fewest bytes)."""
-    gbs = MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit") / (ms * 1e-3) / 1e9
+def _pct(ctx, ms: float, members: int = MEMBERS) -> str:
+    """A time's effective bandwidth as a percentage of the run's copy (``members`` models' fewest bytes)."""
+    gbs = members * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit") / (ms * 1e-3) / 1e9
     return f"{100 * gbs / ctx.copy:.0f}%" if ctx.copy else "n/a"
 
 

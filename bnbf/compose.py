@@ -54,7 +54,7 @@ from bnbf._host_checks import (
     differentiated,
     hparam_tensors,
 )
-from bnbf.plan import _cached, _confirmed, _scalars, group_rows, packed_rows, rows_layout, scalar_row
+from bnbf.plan import _cached, _confirmed, _one_set, _scalars, group_rows, packed_rows, rows_layout
 from bnbf.reference import GRAD_CLIP, GradClip, clip_coefficient
 from bnbf.rules import RULES, get_rule
 from bnbf.rules.base import check_nonneg
@@ -935,7 +935,7 @@ def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
 def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: dict, new_p: list, new_s: list) -> None:
     """The pure step of one rule's leaves with their several hyperparameter sets: each set checked as its own
     core call checks it, then one launch per (device, dtype, layout) with a row of scalars per tensor (a launch
-    whose tensors all take one set: that set's row, as its own call)."""
+    whose tensors all take one set: that set's scalars, as its own call)."""
     max_unorm = opts["max_unorm"]
     calls = [
         _prepare(
@@ -954,12 +954,12 @@ def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: d
     ss = [parts.states[i] for i in idx]
     groups = _groups(ps, ss)
     # the in-place path's rows (Plan._set_rows), laid out afresh: the pure step keeps no plan; a group of one set
-    # takes the row of a pure call of that set
+    # takes the scalars of a pure call of that set
     at = rows_layout(
         [(device, tuple(set_of[j] for j in members)) for (device, _, _), members in groups], len(values[0])
     )
     with torch.no_grad():
-        by_group = group_rows(at, values, packed_rows(values), scalar_row)
+        by_group = group_rows(at, values, packed_rows(values), _one_set)
         for ((_, _, layout), members), rows in zip(groups, by_group):
             gp = [ps[j].detach().contiguous() for j in members]
             gg = [parts.grads[idx[j]].detach().contiguous() for j in members]

@@ -43,7 +43,6 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _one_set,
     _scalars,
     _step_generic,
-    scalar_row,
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
@@ -199,8 +198,8 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
     vmapped = ops.vmap_level() is not None
     # traced: one elementwise expression, one Inductor kernel (a stack of the scalars would be one per scalar);
-    # vmapped: Python numbers as kernel arguments, with no row to upload before the launch
-    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set if vmapped else scalar_row
+    # else Python numbers as kernel arguments, with no row to upload before the launch
+    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set
     rows = {d: row(values, d) for d in {p.device for p in call.params}}
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)

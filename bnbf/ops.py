@@ -56,7 +56,7 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
         with launch_lock(p_in[0].device.type == "cpu"):
             launch_group(group, grads, hp, skip_zeros, clip)
     else:
-        reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip)
+        reference_step(p_in, p_out, grads, s_in, s_out, _as_row(hp, p_in), layout, skip_zeros, clip)
 
 
 # Groups of the calls that no plan serves (the pure step, traced and compiled calls), by the exact contents of
@@ -141,7 +141,7 @@ def _direct(params, grads, states, hp) -> bool:
         and set(map(type, params)) <= _PLAIN_TYPES
         and set(map(type, grads)) <= _PLAIN_TYPES
         and set(map(type, states)) <= _PLAIN_TYPES
-        and type(hp) in _PLAIN_TYPES
+        and (type(hp) is tuple or type(hp) in _PLAIN_TYPES)
     )
 
 
@@ -354,8 +354,8 @@ def _row_list(hp: Any) -> list:
 
 
 def _as_row(hp: Any, params: list) -> Tensor:
-    """The scalars as the op takes them: Python numbers (a vmapped call's, see :func:`_unwrap_all`) as one float32
-    row on the params' device, as kernel arguments round them."""
+    """The scalars as the op and the reference step take them: Python numbers (kernel arguments elsewhere) as one
+    float32 row on the params' device, as kernel arguments round them."""
     return as_scalar_row(hp, params[0].device) if type(hp) is tuple else hp
 
 

@@ -292,9 +292,8 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     direct = found is None and ops._direct(params, grads, buffers, buffers[0])
     if compiling:
         row = ops.traced_scalar_row(values, device)
-    elif direct and in_place and use_triton(buffers[0]):
-        # Python numbers as kernel arguments (no upload), as a plan passes them; elsewhere a scalar row as the
-        # per-param state's call takes (the kernel's two variants may round a state's last bit differently)
+    elif direct and use_triton(buffers[0]):
+        # Python numbers as kernel arguments (no upload), as the per-param state's eager calls pass them
         row = _one_set(values, device)
     else:
         row = scalar_row(values, device)

@@ -845,7 +845,8 @@ def _step_generic(
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    row = _one_set if vmapped else scalar_row  # vmapped: Python numbers as kernel arguments (no upload)
+    # traced: the scalars as graph values (bnbf.functional._update says why); else Python numbers as kernel arguments
+    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set
     rows = {d: row(values, d) for d in {p.device for p in call.params}}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):

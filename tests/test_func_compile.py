@@ -382,7 +382,7 @@ def test_the_ops_direct_route_keeps_torch_librarys_other_routes():
 
     layout = ("adamw", 32, 256, "fp32", 3)
     values, clip = bnbf.functional._scalars(bnbf.RULES["adamw"], bnbf.hparams_for("adamw", lr=0.1), 1, False, 0, False)
-    row = bnbf.functional.scalar_row(values, torch.device("cpu"))
+    row = bnbf.rules.base.as_scalar_row(values, torch.device("cpu"))
     p, g = torch.randn(37), torch.randn(37)
     s = [torch.zeros(37), torch.zeros(37)]
     want_p, want_s = torch.ops.bnbf.step.default([p], [g], s, row, *layout, False, clip)

@@ -466,16 +466,17 @@ def test_bad_max_unorm_refused(device, row):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("row", RICHEST, ids=[r.id for r in RICHEST])
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=str)
-def test_every_route_takes_the_same_step(device, row, dtype):
-    """``update``, ``update_``, and ``vmap`` of each over stacked members give the same bits (8-bit state, two
-    steps, two tensors of odd sizes): the routes pass the scalars differently (a row on the device, or kernel
-    arguments) and reach other compiled variants of the kernel, which must round alike."""
+@pytest.mark.parametrize("bits", [8, 32])
+def test_every_route_takes_the_same_step(device, row, dtype, bits):
+    """``update``, ``update_``, and ``vmap`` of each over stacked members give the same bits (8- and 32-bit state,
+    two steps, two tensors of odd sizes): the routes may pass the scalars differently (a row on the device, or
+    kernel arguments) and so reach other compiled variants of the kernel, which must round alike."""
     if INTERP and (dtype != F32 or row.name not in ("adamw", "lion")):
         pytest.skip("interpreter: AdamW and Lion in float32 (the routes are the same for every rule)")
     members = 3
     gen = torch.Generator().manual_seed(0)
     stacked = lambda n, scale: (torch.randn(members, n, generator=gen) * scale).to(device, dtype)
-    spec, hp = spec_of(row, 8), hp_of(row, 0.01)
+    spec, hp = spec_of(row, bits), hp_of(row, 0.01)
     p = {"a": stacked(257, 0.1), "b": stacked(300, 0.1)}
     s = torch.vmap(lambda q: bnbf.init_state(q, spec, hp))(p)
     first = p
