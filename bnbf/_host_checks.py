@@ -615,8 +615,9 @@ def traced_hparams(
                 _refuse(f"the hyperparameter {name}", states, in_place)
     else:  # under a torch.func transform (vmap): every check but the addresses'
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
-        batched = any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(_hparams_traced(rule, hparams)))
-        h = _hparams_traced(rule, hparams) if batched else rule.make_hparams(hparams)  # a member's value is unread
+        traced = _hparams_traced(rule, hparams)
+        batched = any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(traced))
+        h = traced if batched else rule.make_hparams(hparams)  # a member's value is unread
     _check_present(rule, h, states)
     if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
         raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
