@@ -128,11 +128,19 @@ def row_eager(ctx) -> dict:
     ms = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
     holder = [params, state]  # and the pure step, each call's outputs the next one's inputs
 
-    def pure(i: int) -> None:
-        holder[:] = bnbf.update(holder[0], grads, holder[1], HP, i)
+    def pure(i: int, g=grads) -> None:
+        holder[:] = bnbf.update(holder[0], g, holder[1], HP, i)
 
     pure_ms, pure_host = timed(ctx.device, pure, ctx.warmup, ctx.steps)
-    note = f"update_ (a plan); pure update {pure_ms:.3f} ms ({_pct(ctx, pure_ms, 1)} of copy, host {pure_host:.3f} ms)"
+    layout = bnbf.flat_layout(params, bnbf.OptimSpec(rule="adamw"))  # the same, with flat params (2 buffers)
+    flat = layout.flatten(params)
+    holder[:] = flat, layout.init_state(flat)
+    flat_grads = layout.flatten(grads)
+    flat_ms, flat_host = timed(ctx.device, lambda i: pure(i, flat_grads), ctx.warmup, ctx.steps)
+    note = (
+        f"update_ (a plan); pure update {pure_ms:.3f} ms ({_pct(ctx, pure_ms, 1)} of copy, host {pure_host:.3f} ms), "
+        f"with flat params {flat_ms:.3f} ms ({_pct(ctx, flat_ms, 1)}, host {flat_host:.3f} ms)"
+    )
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"), "note": note}
 
 

@@ -214,7 +214,7 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
                 gs = [call.grads[i].detach().contiguous() for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(ps, gs, ss, rows[device], layout, skip_zeros, clip)
-            per = len(layout.field_names())
+            per = len(ss) // len(idx)  # fields a state (one layout: as many each)
             make = type(call.states[idx[0]])._make
             for k, i in enumerate(idx):
                 new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
