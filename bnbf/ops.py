@@ -95,9 +95,11 @@ def _packed(ptrs: tuple | None) -> bytes | None:
 
 
 def _group(p_in, p_out, s_in, s_out, layout: Layout):
-    """:func:`bnbf.kernels.launcher.build_group`, cached by the addresses, sizes, layout, dtype and device that
-    decide its table (the caller holds BUILD_LOCK)."""
+    """:func:`bnbf.kernels.launcher.build_group`'s group (made from the tensors' structure,
+    :func:`bnbf.kernels.members.plain_group`), cached by the addresses, sizes, layout, dtype and device that decide
+    its table (the caller holds BUILD_LOCK)."""
     from bnbf.kernels.launcher import build_group
+    from bnbf.kernels.members import plain_group
 
     if FIRST_BLOCKS.get():  # shards of a larger tensor: their first blocks are in the table too (bnbf.distributed)
         return build_group(p_in, p_out, s_in, s_out, layout)
@@ -120,7 +122,7 @@ def _group(p_in, p_out, s_in, s_out, layout: Layout):
     if entry is not None:
         _GROUPS.move_to_end(key)
         return entry[0]
-    group = build_group(p_in, p_out, s_in, s_out, layout)
+    group = plain_group(p_in, p_out, s_in, s_out, layout)
     _GROUPS[key] = (group, _Probe(sig, key[1], *map(_packed, key[2:])))
     if len(_GROUPS) > _GROUP_CACHE_SIZE:
         _GROUPS.popitem(last=False)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
 import bnbf.kernels.launcher as launcher
+import bnbf.kernels.members as members
 
 
 def _loss(p, x):
@@ -291,11 +292,11 @@ def test_traced_steps_reuse_their_group_and_hold_no_tensor(monkeypatch):
     grads = {k: torch.randn_like(v) for k, v in params.items()}
     numbers = [(torch.tensor(0.1 / t, device=device), torch.tensor(t, device=device)) for t in (1, 2)]
     twin_p, twin_s = tree_map(torch.clone, (params, state))
-    for lr, t in numbers:  # the eager steps (a plan), before build_group is watched
+    for lr, t in numbers:  # the eager steps (a plan), before the builds are counted
         bnbf.update_(twin_p, grads, twin_s, {"lr": lr}, t)
     built = []
-    build = launcher.build_group
-    monkeypatch.setattr(launcher, "build_group", lambda *a, **k: (built.append(len(a[0])), build(*a, **k))[1])
+    make = members._group_of  # a group's table made from its tensors' structure (bnbf.ops._group's builds)
+    monkeypatch.setattr(members, "_group_of", lambda *a: (built.append(a[0].group.table.shape[0]), make(*a))[1])
     bnbf.ops._GROUPS.clear()
     step = torch.compile(
         lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr}, t), fullgraph=True, backend=CompileCounter()
@@ -403,6 +404,39 @@ def test_the_ops_direct_route_keeps_torch_librarys_other_routes():
     assert out_p[0].requires_grad
     with pytest.raises(RuntimeError, match="no autograd formula"):
         out_p[0].sum().backward()
+
+
+@pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")
+@pytest.mark.parametrize("rule", ["adamw", "lamb"])
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("in_place", [False, True], ids=["pure", "in_place"])
+def test_a_group_made_from_the_structure_is_the_launchers(rule, bits, in_place):
+    """A call no plan serves makes a missed group from its tensors' structure (bnbf.kernels.members.plain_group):
+    every field the launch reads (table, tasks, ranges, alignment, norms...) is what the launcher's own
+    build_group makes of the same tensors: odd sizes, one param not 16-byte aligned, pure and in place."""
+    import dataclasses
+
+    from bnbf.kernels.members import plain_group
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=0)
+    buf = torch.randn(4200, device=device)
+    for offset in (0, 1):  # aligned, then the last param a view 4 bytes into its buffer
+        params = [torch.randn(n, device=device) for n in (1, 255, 257, 4097)] + [buf[offset : offset + 300]]
+        states = [bnbf.init_state(p, spec) for p in params]
+        s_in = [t for s in states for t in s]
+        layout = type(states[0]).layout
+        p_out = params if in_place else [torch.empty_like(p) for p in params]
+        s_out = s_in if in_place else [torch.empty_like(t) for t in s_in]
+        want = launcher.build_group(params, p_out, s_in, s_out, layout)
+        got = plain_group(params, p_out, s_in, s_out, layout)
+        assert got.aligned == (offset == 0)
+        for f in dataclasses.fields(launcher.Group):
+            a, b = getattr(got, f.name), getattr(want, f.name)
+            if f.name == "compiled":  # the direct launchers, shared by a structure's groups
+                continue
+            same = torch.equal(a, b) if isinstance(b, torch.Tensor) else a == b
+            assert same, f"{f.name}: {a} from the structure, {b} from build_group"
 
 
 @pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")

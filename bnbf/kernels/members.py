@@ -134,6 +134,19 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
     return _group_at((structure.key, packed), structure, addresses, aligned)
 
 
+def plain_group(p_in: list, p_out: list, s_in: list, s_out: list, layout: Layout) -> MemberGroup:
+    """:func:`~bnbf.kernels.launcher.build_group` of plain tensors (one unbatched member) from their structure: a
+    gather of the addresses and two tensor ops, where the launcher's build makes a Python row per tensor and the
+    tasks anew (a pure step of GPT-2's 148 tensors misses its caller's cache every call: the allocator hands the
+    outputs of same-sized tensors out in another order). Not cached here; the caller (:func:`bnbf.ops._group`) is.
+    In and out may be the same lists (in place)."""
+    unbatched = (False,) * len(p_in)
+    P, S = (p_in, unbatched), (s_in, (False,) * len(s_in))
+    lists = (P, P if p_out is p_in else (p_out, unbatched), S, S if s_out is s_in else (s_out, S[1]))
+    addresses, _, aligned = _addresses(lists)
+    return _group_of(_structure_of(lists, layout, 1), addresses, aligned)
+
+
 def _group_at(key: tuple, structure: _Structure, addresses: Tensor, aligned: bool, check=None) -> MemberGroup:
     """The cached group of ``key`` (a structure's key and the packed addresses), else ``check()`` (if given) and a
     new one (:func:`_group_of`)."""
