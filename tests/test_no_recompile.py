@@ -24,6 +24,7 @@ from conftest import DEVICES, kernel_runs
 from optim_table import ROW_IDS, ROWS
 
 import bnbf
+import bnbf.kernels.members as members
 
 STEPS = [2, 16, 17, 1000, 3, 1, 2**20, 4]  # the step of each of a row's changes (after a first at step 1)
 
@@ -62,8 +63,11 @@ def clear_compiled() -> None:
     for fn in jit_functions().values():
         for cache in fn.device_caches.values():
             cache[0].clear()
-    # and the groups the pure step reuses by address: a hit launches its group's compiled kernel directly
+    # and the groups the pure step reuses by address, and the structures its groups are made from: a hit, or a
+    # group of a kept structure, launches the compiled kernel directly
     bnbf.ops._GROUPS.clear()
+    for cache in (members._GROUPS, members._STRUCTURES, members._PROBES):
+        cache.clear()
 
 
 class LaunchRecorder:
