@@ -60,8 +60,10 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
 
 
 # Groups of the calls that no plan serves (the pure step, traced and compiled calls), by the exact contents of
-# their tables: a compiled step calls the op afresh each time, and a pure loop's outputs alternate between a few
-# allocations. A hit is right whatever tensors the addresses now belong to, and an entry holds no caller tensor.
+# their tables: a compiled step calls the op afresh each time, and a pure loop's outputs of a few distinct sizes
+# (flat params) alternate between a few allocations; many same-sized outputs come back permuted, a miss each call
+# (members.plain_group keeps a miss cheap). A hit is right whatever tensors the addresses now belong to, and an
+# entry holds no caller tensor.
 # Each entry is (group, probe); the probe lets a call be matched against an entry by the compiled host checks
 # (addresses compared in C++, no Python int per tensor): GPT-2's two groups 69 -> 37 us a step (CPU, launch stubbed).
 _GROUPS: collections.OrderedDict = collections.OrderedDict()
