@@ -467,10 +467,16 @@ def test_bad_max_unorm_refused(device, row):
 @pytest.mark.parametrize("row", RICHEST, ids=[r.id for r in RICHEST])
 @pytest.mark.parametrize("dtype", [F32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits", [8, 32])
-def test_every_route_takes_the_same_step(device, row, dtype, bits):
+def test_every_route_takes_the_same_step(device, row, dtype, bits, monkeypatch):
     """``update``, ``update_``, and ``vmap`` of each over stacked members give the same bits (8- and 32-bit state,
-    two steps, two tensors of odd sizes): the routes may pass the scalars differently (a row on the device, or
-    kernel arguments) and so reach other compiled variants of the kernel, which must round alike."""
+    two steps, two tensors of odd sizes), and so does ``update`` given the same numbers as a row on the device (as
+    0-d tensor hyperparameters go): the scalars as kernel arguments and as a row reach two compiled variants of
+    the kernel, which must round alike."""
+    import sys
+
+    plan_mod = sys.modules["bnbf.plan"]
+    functional = sys.modules["bnbf.functional"]
+    as_args = functional._one_set
     if INTERP and (dtype != F32 or row.name not in ("adamw", "lion")):
         pytest.skip("interpreter: AdamW and Lion in float32 (the routes are the same for every rule)")
     members = 3
@@ -483,6 +489,7 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits):
     member = lambda tree, b: tree_map(lambda t: t[b], tree)
     pure = [member((p, s), b) for b in range(members)]
     in_place = [tree_map(torch.clone, x) for x in pure]
+    rowed = [tree_map(torch.clone, x) for x in pure]
     vp, vs = tree_map(torch.clone, (p, s))
     for step in (1, 2):
         g = {"a": stacked(257, 0.01), "b": stacked(300, 0.01)}
@@ -491,7 +498,11 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits):
         for b in range(members):
             pure[b] = bnbf.update(pure[b][0], member(g, b), pure[b][1], hp, step)
             bnbf.update_(in_place[b][0], member(g, b), in_place[b][1], hp, step)
+            monkeypatch.setattr(functional, "_one_set", plan_mod.scalar_row)  # the same float32 values, as a row
+            rowed[b] = bnbf.update(rowed[b][0], member(g, b), rowed[b][1], hp, step)
+            monkeypatch.setattr(functional, "_one_set", as_args)
             routes = {"update_": in_place[b], "vmap(update)": member((p, s), b), "vmap(update_)": member((vp, vs), b)}
+            routes["update, the scalars as a row"] = rowed[b]
             for name, got in routes.items():
                 for x, y in zip(tree_leaves(got), tree_leaves(pure[b]), strict=True):
                     assert_equal_report(x, y, f"{row.id} step {step} member {b}: {name} against update")
