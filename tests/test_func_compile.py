@@ -440,6 +440,26 @@ def test_a_group_made_from_the_structure_is_the_launchers(rule, bits, in_place):
 
 
 @pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")
+def test_pure_steps_of_many_groups_keep_their_structures():
+    """The structures a missed group is made from outlast bnbf.ops' group cache: pure steps of 12 trees in turn (a
+    launch group each, more than the member caches' 8 entries) make each structure once, and later calls with new
+    addresses make groups from the kept structures (no build of the launcher's on stand-ins)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    trees = [{"w": torch.randn(100 + 7 * i, device=device)} for i in range(12)]
+    states = [bnbf.init_state(p, spec) for p in trees]
+    grads = [{"w": torch.randn_like(p["w"])} for p in trees]
+    made = members.BUILDS["structure"]
+    for step in (1, 2, 3):
+        for i in range(len(trees)):
+            trees[i], states[i] = bnbf.update(trees[i], grads[i], states[i], {"lr": 0.01}, step)
+        if step == 1:
+            assert members.BUILDS["structure"] - made <= len(trees)
+            made = members.BUILDS["structure"]
+    assert members.BUILDS["structure"] == made, "a structure was made again"
+
+
+@pytest.mark.skipif(not triton_mode() and not torch.cuda.is_available(), reason="the Triton path's tables")
 def test_a_group_is_reused_only_for_the_same_addresses_and_sizes():
     """The group cache of calls no plan serves answers by addresses compared in C++ and the params' sizes: the
     same memory with another size (a view of fewer elements) or other outputs builds another table."""

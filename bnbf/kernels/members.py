@@ -72,6 +72,9 @@ _STRUCTURES: collections.OrderedDict = collections.OrderedDict()
 # comparison per list (no numel or stride read in Python); the most recent per key
 _PROBES: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 8
+# structures: one per launch group of every pure step no plan serves (bnbf.ops' group cache, 16 entries, makes its
+# misses from them), besides the vmapped and packed steps'; a structure holds no caller tensor
+_STRUCTURE_CACHE_SIZE = 32
 BUILDS: collections.Counter = collections.Counter()  # "group" and "structure" builds so far (benchmarks read it)
 _REPEAT_0 = itertools.repeat(0)
 _NBYTES = operator.attrgetter("nbytes")
@@ -93,13 +96,13 @@ def _member(x: tuple, b: int) -> list[Tensor]:
     return [t[b] if batched else t for t, batched in zip(*x)]
 
 
-def _cached(cache: collections.OrderedDict, key: tuple, make):
+def _cached(cache: collections.OrderedDict, key: tuple, make, size: int = _CACHE_SIZE):
     hit = cache.get(key)
     if hit is not None:
         cache.move_to_end(key)
         return hit
     hit = cache[key] = make()
-    if len(cache) > _CACHE_SIZE:
+    if len(cache) > size:
         cache.popitem(last=False)
     return hit
 
@@ -221,7 +224,7 @@ def packed_group(p_in: tuple, p_out: tuple, b_in: tuple, b_out: tuple, parts, ke
         p_out is p_in,
         *map(_strides_key, lists, (size,) * 4),
     )
-    structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size))
+    structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size), _STRUCTURE_CACHE_SIZE)
     addresses, packed, aligned = _addresses(lists)
     return _group_at((skey, packed), structure, addresses, aligned, check)
 
@@ -303,7 +306,7 @@ def _structure_of(lists: tuple, layout: Layout, size: int) -> _Structure:
     strides = tuple(member_strides(x, size) for x in lists)
     numels = tuple(t.numel() // size if b else t.numel() for t, b in zip(*p_in))
     key = (layout, t0.dtype, t0.device, size, numels, strides)
-    structure = _cached(_STRUCTURES, key, lambda: _structure(lists, layout, size, key))
+    structure = _cached(_STRUCTURES, key, lambda: _structure(lists, layout, size, key), _STRUCTURE_CACHE_SIZE)
     if NATIVE is not None and batched and structure.twins is None and _contiguous(lists):
         structure.twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in x[0]] for x in lists[::2])
     if structure.twins is not None:
