@@ -197,10 +197,8 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
         call = _prepare(param, grad, state, hparams, step, max_unorm)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
     vmapped = ops.vmap_level() is not None
-    # traced: one elementwise expression, one Inductor kernel (a stack of the scalars would be one per scalar);
-    # else Python numbers as kernel arguments, with no row to upload before the launch
-    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set
-    rows = {d: row(values, d) for d in {p.device for p in call.params}}
+    # Python numbers as kernel arguments, with no row to upload before the launch (traced: graph values)
+    rows = {d: _one_set(values, d) for d in {p.device for p in call.params}}
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     # vmap's batched tensors go as they are: the batching rule lays out the members itself and writes new tensors,

@@ -290,10 +290,9 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     device = buffers[0].device
     found = ops.vmap_level()
     direct = found is None and ops._direct(params, grads, buffers, buffers[0])
-    if compiling:
-        row = ops.traced_scalar_row(values, device)
-    elif direct and use_triton(buffers[0]):
-        # Python numbers as kernel arguments (no upload), as the per-param state's eager calls pass them
+    if compiling or (direct and use_triton(buffers[0])):
+        # Python numbers as kernel arguments (no upload), as the per-param state's eager calls pass them; traced,
+        # graph values
         row = _one_set(values, device)
     else:
         row = scalar_row(values, device)

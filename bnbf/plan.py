@@ -740,8 +740,11 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
 
 
 def _one_set(values: tuple, device: torch.device) -> Any:
-    """The scalars of an in-place launch whose tensors all take one set, as :meth:`Plan.step` passes them: Python
-    numbers as kernel arguments, else one float32 row on the device (no host synchronisation)."""
+    """The scalars of a launch whose tensors all take one set, as :meth:`Plan.step` passes them: Python numbers as
+    kernel arguments, else one float32 row on the device (no host synchronisation). Traced: the row as graph values
+    (:func:`bnbf.ops.traced_scalar_row`; a number read on the host would be a guarded constant, a compile a value)."""
+    if torch.compiler.is_compiling():
+        return ops.traced_scalar_row(values, device)
     if set(map(type, values)) <= _NUMBERS:
         return tuple(map(float, values))
     with torch.no_grad():
@@ -845,9 +848,7 @@ def _step_generic(
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    # traced: the scalars as graph values (bnbf.functional._update says why); else Python numbers as kernel arguments
-    row = ops.traced_scalar_row if torch.compiler.is_compiling() else _one_set
-    rows = {d: row(values, d) for d in {p.device for p in call.params}}
+    rows = {d: _one_set(values, d) for d in {p.device for p in call.params}}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ss = [t for i in idx for t in call.states[i]]
