@@ -36,6 +36,8 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   run back to back (one synchronize after all of them: what a training loop that never waits sees);
 - ``vmap_flat``: ``vmap_packed`` with each member's params, grads and state flat (the buffers stacked over the
   members: 2 param, 2 grad and 6 state tensors);
+- ``vmap_graph``: ``vmap_flat``'s in-place step (``vmap(update_)``) captured in a CUDA graph, lr and step 0-d
+  device tensors, timed per replay (the step filled first), against the same step eager;
 - ``mixed``: AdamW on matrices, Lion on the embeddings and no weight decay on biases and norms, in one
   ``bnbf.update_`` call on a mixed tree, against three calls on the same partition made by hand; the note gives
   each one's host time (a call has no synchronize: a host time near the step's says the step waits on the
@@ -80,7 +82,7 @@ import bnbf  # noqa: E402
 HP = {"lr": 1e-3, "weight_decay": 0.01}
 ROWS = (
     "eager", "compile", "compile_packed", "compile_flat", "compile_torch", "train", "train_packed", "train_flat",
-    "graph", "vmap", "vmap_packed", "vmap_flat", "paged", "mixed", "clip",
+    "graph", "vmap", "vmap_packed", "vmap_flat", "vmap_graph", "paged", "mixed", "clip",
 )  # fmt: skip
 MEMBERS = 8
 
@@ -409,16 +411,22 @@ def row_graph(ctx) -> dict:
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
 
 
-def row_vmap(ctx, mode: str = "per_param") -> dict:
+def _ensemble(ctx, mode: str) -> tuple:
+    """``MEMBERS`` members of the row's set, stacked: params, grads and their state (``mode``: per_param, packed or
+    flat: each member's leaves in the flat buffers, members stacked)."""
     stacked = [(name, (MEMBERS, *shape)) for name, shape in ctx.shapes]
     params, grads = fresh(stacked, ctx.dtype, ctx.device)
     spec = bnbf.OptimSpec(rule="adamw")
-    if mode == "flat":  # each member's leaves in the flat buffers, members stacked
+    if mode == "flat":
         layout = bnbf.flat_layout({k: v[0] for k, v in params.items()}, spec)
         params, grads = torch.func.vmap(layout.flatten)(params), torch.func.vmap(layout.flatten)(grads)
-        state = torch.func.vmap(layout.init_state)(params)
-    else:
-        state = torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=mode == "packed"))(params)
+        return params, grads, torch.func.vmap(layout.init_state)(params)
+    return params, grads, torch.func.vmap(lambda p: bnbf.init_state(p, spec, packed=mode == "packed"))(params)
+
+
+def row_vmap(ctx, mode: str = "per_param") -> dict:
+    params, grads, state = _ensemble(ctx, mode)
+    spec = bnbf.OptimSpec(rule="adamw")
     step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, HP, i), in_dims=(0, 0, 0, None))
     holder = {"p": params, "s": state}
 
@@ -469,6 +477,42 @@ def row_vmap(ctx, mode: str = "per_param") -> dict:
         "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
         "note": f"{MEMBERS} members{where}; host {host:.3f} ms a call, of which torch.func's vmap of the same trees "
         f"{ident_host:.3f} ms; address tables built in the {ctx.steps} timed calls: {builds}; {ran}; {more}",
+    }
+
+
+def row_vmap_graph(ctx) -> dict:
+    """``vmap_flat``'s in-place step captured in a CUDA graph (lr and step 0-d device tensors, the step filled before
+    each replay), against the same step eager in the same process: the host's time before the launch gone."""
+    if ctx.device.type != "cuda":
+        return {"note": "needs CUDA"}
+    params, grads, state = _ensemble(ctx, "flat")
+    lr = torch.tensor(HP["lr"], device=ctx.device)
+    step_t = torch.tensor(1, device=ctx.device)
+    hp = {"lr": lr, "weight_decay": HP["weight_decay"]}
+    step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, hp, i), in_dims=(0, 0, 0, None))
+    eager = lambda i: step_(params, grads, state, step_t.fill_(i))  # noqa: E731
+    eager_ms, eager_host = timed(ctx.device, eager, ctx.warmup, ctx.steps)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # the warm-up makes the tables the capture needs
+        step_(params, grads, state, step_t)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_(params, grads, state, step_t)
+
+    def replay(i: int) -> None:
+        step_t.fill_(i)
+        graph.replay()
+
+    ms = median_ms(ctx.device, replay, ctx.warmup, ctx.steps)
+    b2b = _back_to_back(ctx, replay, 4 * ctx.steps, 1)
+    return {
+        "ms": ms,
+        "bytes": MEMBERS * bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
+        "note": f"{MEMBERS} members, flat; a replay with the step filled first; eager vmap(update_) with the same "
+        f"tensors {eager_ms:.3f} ms ({_pct(ctx, eager_ms)} of copy, host {eager_host:.3f}); replays back to back "
+        f"{b2b:.3f} ms ({_pct(ctx, b2b)})",
     }
 
 

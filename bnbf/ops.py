@@ -34,20 +34,28 @@ from bnbf.reference import FIRST_BLOCKS, reference_step
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
 
+# why a step cannot be captured in a CUDA graph on the GPU, by route (the in-place steps can, once warmed up)
+PURE_NOT_CAPTURABLE = (
+    "the pure update writes new outputs, whose kernel tables are copied from the host at every step; capture "
+    "bnbf.update_ (in place) after a warm-up step"
+)
+PACKED_NOT_CAPTURABLE = "a packed state's step is not capturable; capture bnbf.update_ of the per-param state"
 
-def _refuse_capture(device: torch.device) -> None:
+
+def _refuse_capture(device: torch.device, why: str | None = PURE_NOT_CAPTURABLE) -> None:
+    """Raise while a CUDA graph is captured where a replay would not redo the step: tensors stepped on the host, or
+    a GPU route that cannot be captured (``why``; None for the in-place steps, whose tables a warm-up made: one not
+    made refuses in :func:`bnbf.kernels.launcher._to_device`)."""
     if torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing():  # (a capture initialises CUDA)
-        why = (
-            "it takes the generic path (the pure update, non-contiguous params, tensor subclasses), which copies "
-            "its kernel tables from the host every step; capture bnbf.update_ of contiguous params, or a plan's step"
-            if device.type == "cuda"
-            else f"its {device.type} tensors are stepped on the host, which a replay of the graph would skip"
-        )
+        if device.type != "cuda":
+            why = f"its {device.type} tensors are stepped on the host, which a replay of the graph would skip"
+        elif why is None:
+            return
         raise RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
 
 
 def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) -> None:
-    _refuse_capture(p_in[0].device)
+    _refuse_capture(p_in[0].device, None if p_out is p_in else PURE_NOT_CAPTURABLE)
     if use_triton(p_in[0]):
         from bnbf.kernels.launcher import launch_group
 
@@ -597,7 +605,7 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
     """:func:`_stacked_step` written into the stacked ``params`` and ``states`` (batched, members contiguous)."""
     ps, ss, gs = (params, (True,) * len(params)), (states, (True,) * len(states)), _stack(grads, g_dims)
     device = params[0].device
-    _refuse_capture(device)
+    _refuse_capture(device, None)
     if use_triton(params[0]):
         from bnbf.kernels.launcher import launch_group
         from bnbf.kernels.members import stacked_grads, stacked_group

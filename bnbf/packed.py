@@ -420,7 +420,7 @@ def _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip):
 def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None:
     meta = _meta(key)
     g = meta.groups[gi]
-    ops._refuse_capture(p_in[0].device)
+    ops._refuse_capture(p_in[0].device, ops.PACKED_NOT_CAPTURABLE)
     if use_triton(p_in[0]):
         from bnbf.kernels.launcher import launch_group
 
@@ -551,7 +551,7 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
 def _launch_members(P, out_P, G, B, out_B, hp, h_dim, meta, gi, skip_zeros, clip, size, in_place) -> None:
     g = meta.groups[gi]
     device = P[0][0].device
-    ops._refuse_capture(device)
+    ops._refuse_capture(device, ops.PACKED_NOT_CAPTURABLE)
     if in_place and ops._BUMP is not None:
         ops._BUMP(P[0])
         ops._BUMP(B[0])

@@ -562,22 +562,9 @@ class Plan:
 
     def _check_capture(self, grads: list, at: Any, h: Any, step: Any) -> None:
         """A step captured in a CUDA graph replays what it captured: refuse what would replay frozen or read
-        freed memory. The step and lr must be tensors on the params' device (a Python number would replay its
-        captured value: bias correction, the rounding's seed and a schedule's lr frozen); other Python numbers
-        replay as the constants they are. The grads must sit where a step before the capture had them: their
-        address table is uploaded from the host only when they move."""
-        device = next(iter(self._devices))
-        for name, v in (("step", step), ("lr", h.lr)):
-            if not (isinstance(v, Tensor) and v.device == device):
-                raise not_capturable(
-                    f"{name} must be a 0-d tensor on {device} to capture a step in a CUDA graph (a Python "
-                    f"number{' or a tensor on another device' if isinstance(v, Tensor) else ''} would be "
-                    f"replayed as its captured value); got {type(v).__name__}"
-                    + (f" on {v.device}" if isinstance(v, Tensor) else "")
-                )
-        for name, v in hparam_tensors(h):
-            if v.device != device:
-                raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
+        freed memory (:func:`check_capture_scalars`). The grads must sit where a step before the capture had them:
+        their address table is uploaded from the host only when they move."""
+        check_capture_scalars(h, step, next(iter(self._devices)))
         if at is not True and self._grads_moved(grads):
             raise not_capturable(
                 "the grads are not where the last step before the capture had them (their address table "
@@ -716,6 +703,23 @@ def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maxi
     return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
 
 
+def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
+    """Refuse scalars that a step captured in a CUDA graph would replay frozen: the step and lr must be tensors on
+    the params' device (a Python number would replay its captured value: bias correction, the rounding's seed and a
+    schedule's lr frozen); other Python numbers replay as the constants they are."""
+    for name, v in (("step", step), ("lr", h.lr)):
+        if not (isinstance(v, Tensor) and v.device == device):
+            raise not_capturable(
+                f"{name} must be a 0-d tensor on {device} to capture a step in a CUDA graph (a Python "
+                f"number{' or a tensor on another device' if isinstance(v, Tensor) else ''} would be "
+                f"replayed as its captured value); got {type(v).__name__}"
+                + (f" on {v.device}" if isinstance(v, Tensor) else "")
+            )
+    for name, v in hparam_tensors(h):
+        if v.device != device:
+            raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
+
+
 def not_capturable(why: str) -> RuntimeError:
     return RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
 
@@ -819,6 +823,11 @@ def group_rows(layout: tuple, values: list, packed: bytes | None, one: Callable)
     return out
 
 
+def _capturing(devices: set) -> bool:
+    """Whether a CUDA graph is being captured on the current stream of a step on ``devices``."""
+    return any(d.type == "cuda" for d in devices) and torch.cuda.is_current_stream_capturing()
+
+
 def _step_generic(
     param: Any, grad: Any, state: Any, hparams: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any
 ) -> None:
@@ -847,8 +856,12 @@ def _step_generic(
         return
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)
+    devices = {p.device for p in call.params}
+    if not torch.compiler.is_compiling() and _capturing(devices):  # the tables are checked at the launch
+        for device in devices:
+            check_capture_scalars(call.hparams, call.step, device)
     values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    rows = {d: _one_set(values, d) for d in {p.device for p in call.params}}
+    rows = {d: _one_set(values, d) for d in devices}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ss = [t for i in idx for t in call.states[i]]

@@ -112,7 +112,81 @@ def test_an_unwarmed_step_or_moved_grads_are_refused_while_capturing():
 
 def test_the_pure_update_is_refused_while_capturing():
     params, state, grads, hp, step = _warm()
-    _refused(lambda: bnbf.update(params, grads[0], state, hp, step), "generic path", (params, state))
+    _refused(lambda: bnbf.update(params, grads[0], state, hp, step), "pure update writes new outputs", (params, state))
+
+
+MEMBERS = 3
+
+
+def _ensemble(rule="adamw", extra=None, dtype=torch.float32):
+    """An ensemble's stacked params, their state (``vmap(init_state)``) and six sets of stacked grads."""
+    extra = extra or {}
+    gen = torch.Generator().manual_seed(1)
+    shapes = {"w": (64, 65), "b": (257,), "one": (1,)}
+    params = {k: torch.randn(MEMBERS, *s, generator=gen).to("cuda", dtype) for k, s in shapes.items()}
+    spec = bnbf.OptimSpec(rule=rule, state_bits=8, min_8bit_size=0)
+    state = torch.func.vmap(lambda p: bnbf.init_state(p, spec, extra))(params)
+    grads = [
+        {k: torch.randn(MEMBERS, *s, generator=gen).to("cuda", dtype) for k, s in shapes.items()} for _ in range(6)
+    ]
+    return params, state, grads
+
+
+def _vmapped(fn, extra, lr_dim):
+    return torch.func.vmap(lambda p, g, s, lr, t: fn(p, g, s, {"lr": lr, **extra}, t), in_dims=(0, 0, 0, lr_dim, None))
+
+
+@pytest.mark.parametrize("lr_dim", [None, 0], ids=["one_lr", "lr_per_member"])
+@pytest.mark.parametrize(("rule", "extra"), RULES, ids=[r for r, _ in RULES])
+def test_captured_vmapped_ensemble_replays_like_eager_steps(rule, extra, lr_dim):
+    """``vmap(update_)`` of an ensemble, captured once and replayed with lr (one, or one per member), the step and the
+    grads changed between replays, equals the same vmapped steps eagerly, bit for bit."""
+    params, state, grads = _ensemble(rule, extra, torch.bfloat16)
+    eager_p, eager_s = tree_map(torch.clone, (params, state))
+    step_ = _vmapped(bnbf.update_, extra, lr_dim)
+
+    def lr_of(t):
+        base = 1e-2 / t
+        return torch.tensor(base if lr_dim is None else [base * (m + 1) for m in range(MEMBERS)], device="cuda")
+
+    lr, step = lr_of(1), torch.tensor(1, device="cuda")
+    g = tree_map(torch.clone, grads[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step_(params, g, state, lr, step)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step_(params, g, state, lr, step)
+    for t in range(2, 7):
+        lr.copy_(lr_of(t))
+        step.fill_(t)
+        for k in g:
+            g[k].copy_(grads[t - 1][k])
+        graph.replay()
+    torch.cuda.synchronize()
+
+    for t in range(1, 7):
+        step_(eager_p, grads[t - 1], eager_s, lr_of(t), torch.tensor(t, device="cuda"))
+    assert _same((params, state), (eager_p, eager_s))
+
+
+def test_vmapped_steps_refused_while_capturing():
+    """Under vmap as outside: a Python-number step, an ensemble no step warmed up, grads the warm-up did not see and
+    the pure ``vmap(update)`` raise while capturing, and write nothing."""
+    params, state, grads = _ensemble()
+    step_ = _vmapped(bnbf.update_, {}, None)
+    lr, step = torch.tensor(1e-3, device="cuda"), torch.tensor(1, device="cuda")
+    step_(params, grads[0], state, lr, step)
+    torch.cuda.synchronize()
+    watched = (params, state)
+    _refused(lambda: step_(params, grads[0], state, lr, 2), "step must be a 0-d tensor on cuda", watched)
+    _refused(lambda: step_(params, grads[1], state, lr, step), "warm up by running the same step", watched)
+    fresh = tree_map(torch.clone, (params, state))
+    _refused(lambda: step_(fresh[0], grads[0], fresh[1], lr, step), "warm up by running the same step", fresh)
+    pure = _vmapped(bnbf.update, {}, None)
+    _refused(lambda: pure(params, grads[0], state, lr, step), "pure update writes new outputs", watched)
 
 
 def test_cpu_params_are_refused_while_capturing():

@@ -98,9 +98,25 @@ _TASKS: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 16
 
 
+# every table a launch reads reaches the device here: a copy from the host cannot be captured in a CUDA graph (a
+# replay would read whatever the host buffer then holds), so a step whose tables are not made yet refuses capture
+UPLOAD_WHILE_CAPTURING = (
+    "bnbf: this step cannot be captured in a CUDA graph: its kernel tables would be copied from the host while "
+    "capturing (tensors at addresses no step before the capture used); warm up by running the same step once "
+    "before capturing, on the tensors the graph will use"
+)
+
+
+# The groups (and grad tables) of every launch captured in a CUDA graph, kept for good: a replay reads their device
+# tables, which a cache's eviction or a later step's new grads would otherwise free. A few small tables a capture.
+HELD_BY_GRAPHS: list = []
+
+
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
     if device.type == "cpu":
         return t
+    if torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(UPLOAD_WHILE_CAPTURING)
     return t.pin_memory().to(device, non_blocking=True)
 
 
@@ -252,6 +268,8 @@ def launch_group(
     if not grads_placed:
         _place_grads(group, grads)
     grad_table = group.grad_table
+    if group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        HELD_BY_GRAPHS.append((group, group.grad_table))  # what a replay reads, whatever later steps replace or drop
     if type(hp) is tuple and not (clip or group.norms) and GRAD_CLIP.get() is None:
         # the usual step (scalars as kernel arguments, one launch): every other argument made once per grad
         # table (_plain_args), so that a launch joins three tuples
