@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import collections
+import contextlib
 import functools
 import itertools
 import operator
@@ -823,6 +824,15 @@ def group_rows(layout: tuple, values: list, packed: bytes | None, one: Callable)
     return out
 
 
+def plain_scalars(h: Any, step: Any) -> Any:
+    """Under ``vmap``, a context for making the step's scalars: torch.func's dispatch off where no hyperparameter is
+    a tensor a transform wraps (a member's lr...), since each small op on a 0-d tensor hyperparameter would pass
+    through vmap's layer."""
+    if any(_functorch.is_functorch_wrapped_tensor(t) for _, t in hparam_tensors(h, step)):
+        return contextlib.nullcontext()
+    return torch._C._DisableFuncTorch()
+
+
 def _capturing(devices: set) -> bool:
     """Whether a CUDA graph is being captured on the current stream of a step on ``devices``."""
     return any(d.type == "cuda" for d in devices) and torch.cuda.is_current_stream_capturing()
@@ -860,8 +870,9 @@ def _step_generic(
     if not torch.compiler.is_compiling() and _capturing(devices):  # the tables are checked at the launch
         for device in devices:
             check_capture_scalars(call.hparams, call.step, device)
-    values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-    rows = {d: _one_set(values, d) for d in devices}
+    with plain_scalars(call.hparams, call.step) if vmapped else contextlib.nullcontext():
+        values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
+        rows = {d: _one_set(values, d) for d in devices}
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ss = [t for i in idx for t in call.states[i]]

@@ -37,6 +37,18 @@ def _same(a, b) -> bool:
     return all(torch.equal(x, y) for x, y in zip(tree_leaves(a), tree_leaves(b), strict=True))
 
 
+def _drop_tables() -> list:
+    """Empty bnbf's caches of kernel tables and reuse the memory they freed (small tensors of junk): a replay must
+    read the tables its capture saw, which bnbf holds for the graph."""
+    from bnbf.kernels import members
+
+    members._GROUPS.clear()
+    bnbf.ops._GROUPS.clear()
+    bnbf.functional._PLANS.clear()  # update_'s plans: their tables go with them
+    bnbf.functional._LAST.clear()
+    return [torch.full((n,), -1, dtype=torch.int64, device="cuda") for n in (64, 128, 256, 512, 1024, 4096) * 8]
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("rule", "extra"), RULES, ids=[r for r, _ in RULES])
 def test_captured_step_replays_like_eager_steps(rule, extra, dtype):
@@ -56,6 +68,7 @@ def test_captured_step_replays_like_eager_steps(rule, extra, dtype):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         bnbf.update_(params, g, state, hp, step)
+    junk = _drop_tables()
     for t in range(2, len(lrs) + 1):  # replays: steps 2..6, each with its lr and grads
         lr.fill_(lrs[t - 1])
         step.fill_(t)
@@ -73,6 +86,7 @@ def test_captured_step_replays_like_eager_steps(rule, extra, dtype):
             torch.tensor(t, device="cuda"),
         )
     assert _same((params, state), (eager_p, eager_s))
+    del junk
 
 
 def _warm(rule="adamw", extra=None):
@@ -140,7 +154,8 @@ def _vmapped(fn, extra, lr_dim):
 @pytest.mark.parametrize(("rule", "extra"), RULES, ids=[r for r, _ in RULES])
 def test_captured_vmapped_ensemble_replays_like_eager_steps(rule, extra, lr_dim):
     """``vmap(update_)`` of an ensemble, captured once and replayed with lr (one, or one per member), the step and the
-    grads changed between replays, equals the same vmapped steps eagerly, bit for bit."""
+    grads changed between replays, equals the same vmapped steps eagerly, bit for bit; also after bnbf's table
+    caches were emptied and their memory reused."""
     params, state, grads = _ensemble(rule, extra, torch.bfloat16)
     eager_p, eager_s = tree_map(torch.clone, (params, state))
     step_ = _vmapped(bnbf.update_, extra, lr_dim)
@@ -159,6 +174,7 @@ def test_captured_vmapped_ensemble_replays_like_eager_steps(rule, extra, lr_dim)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         step_(params, g, state, lr, step)
+    junk = _drop_tables()
     for t in range(2, 7):
         lr.copy_(lr_of(t))
         step.fill_(t)
@@ -170,6 +186,7 @@ def test_captured_vmapped_ensemble_replays_like_eager_steps(rule, extra, lr_dim)
     for t in range(1, 7):
         step_(eager_p, grads[t - 1], eager_s, lr_of(t), torch.tensor(t, device="cuda"))
     assert _same((params, state), (eager_p, eager_s))
+    del junk
 
 
 def test_vmapped_steps_refused_while_capturing():

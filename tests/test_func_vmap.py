@@ -110,6 +110,24 @@ def test_vmap_update_in_place_and_per_member_lr():
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_vmap_with_one_tensor_lr_and_step_for_every_member(device):
+    """0-d tensor lr and step passed unbatched (one for all members; their scalars made outside torch.func's
+    dispatch): each member's step equals its own call with the same tensors, pure and in place."""
+    p, g = _stack(numels=(257, 300), device=device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    lr, step = torch.tensor(0.01, device=device), torch.tensor(3, device=device)
+    hp = {"lr": lr, "weight_decay": torch.tensor(0.1, device=device)}
+    want = [bnbf.update(_member(p, b), _member(g, b), _member(s, b), hp, step) for b in range(B)]
+    got = torch.vmap(lambda q, r, u, t: bnbf.update(q, r, u, hp, t), in_dims=(0, 0, 0, None))(p, g, s, step)
+    p_, s_ = tree_map(torch.clone, (p, s))
+    torch.vmap(lambda q, r, u, t: bnbf.update_(q, r, u, hp, t), in_dims=(0, 0, 0, None))(p_, g, s_, step)
+    for b in range(B):
+        assert _same(_member(got, b), want[b])
+        assert _same((_member(p_, b), _member(s_, b)), want[b])
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("per_member_lr", [False, True])
 def test_vmap_steps_all_members_in_one_call(monkeypatch, device, per_member_lr):
     """The batching rule: one call of the step for all members of all tensors of a group (one launch on the
