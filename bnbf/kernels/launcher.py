@@ -108,8 +108,9 @@ UPLOAD_WHILE_CAPTURING = (
 
 
 # The groups (and grad tables) of every launch captured in a CUDA graph, kept for good: a replay reads their device
-# tables, which a cache's eviction or a later step's new grads would otherwise free. A few small tables a capture.
-HELD_BY_GRAPHS: list = []
+# tables, which a cache's eviction or a later step's new grads would otherwise free. Once each: capturing the same
+# step again holds nothing more.
+HELD_BY_GRAPHS: dict = {}
 
 
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
@@ -269,7 +270,7 @@ def launch_group(
         _place_grads(group, grads)
     grad_table = group.grad_table
     if group.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        HELD_BY_GRAPHS.append((group, group.grad_table))  # what a replay reads, whatever later steps replace or drop
+        HELD_BY_GRAPHS[id(group), id(grad_table)] = group, grad_table  # a replay reads them, whatever steps follow
     if type(hp) is tuple and not (clip or group.norms) and GRAD_CLIP.get() is None:
         # the usual step (scalars as kernel arguments, one launch): every other argument made once per grad
         # table (_plain_args), so that a launch joins three tuples
