@@ -40,6 +40,12 @@ PURE_NOT_CAPTURABLE = (
     "bnbf.update_ (in place) after a warm-up step"
 )
 PACKED_NOT_CAPTURABLE = "a packed state's step is not capturable; capture bnbf.update_ of the per-param state"
+# a compiled step reaches the op with its scalars computed in the graph, maybe from Python numbers that a replay
+# would repeat (a frozen lr); the op cannot tell, so it refuses
+OP_NOT_CAPTURABLE = (
+    "it runs through the bnbf::step_ op (a compiled step, tensor subclasses), whose scalars may come from Python "
+    "numbers a replay would repeat; capture the eager bnbf.update_ with the step and lr as 0-d device tensors"
+)
 
 
 def _refuse_capture(device: torch.device, why: str | None = PURE_NOT_CAPTURABLE) -> None:
@@ -332,6 +338,7 @@ def register_direct(op: Any, name: str, direct: Callable) -> None:
 
 
 def _step_in_place(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):
+    _refuse_capture(params[0].device, OP_NOT_CAPTURABLE)
     _BUMP(params)
     _BUMP(states)
     layout = Layout(rule, bits, block_size, fmt, present)

@@ -1,10 +1,13 @@
-"""CUDA-graph capture of ``bnbf.update_`` (GPU only: skipped without CUDA).
+"""CUDA-graph capture of ``bnbf.update_`` and of ``vmap(bnbf.update_)`` of an ensemble (GPU only: skipped without
+CUDA).
 
 With the step and the hyperparameters as 0-d tensors on the device, a captured step replayed N times, with lr,
 the step and the grads changed between replays, equals N eager steps bit for bit (the same kernels read the
-same values). What cannot be captured raises while capturing, and writes nothing: a Python-number step or lr
-(it would replay its captured value), a first step (it builds its tables from the host), grads at addresses
-the warm-up did not see, and the pure ``update`` (the generic path copies its tables from the host).
+same values), also after bnbf's table caches were emptied (the tables a capture read are held for it). What
+cannot be captured raises while capturing, and writes nothing: a Python-number step or lr (it would replay its
+captured value), a first step (it builds its tables from the host), grads at addresses the warm-up did not see,
+the pure ``update`` (its new outputs' tables are copied from the host) and a compiled step (its scalars may come
+from Python numbers traced into the graph).
 """
 
 from __future__ import annotations
@@ -206,6 +209,16 @@ def test_vmapped_steps_refused_while_capturing():
     _refused(lambda: step_(fresh[0], grads[0], fresh[1], lr, step), "warm up by running the same step", fresh)
     pure = _vmapped(bnbf.update, {}, None)
     _refused(lambda: pure(params, grads[0], state, lr, step), "pure update writes new outputs", watched)
+
+
+def test_a_compiled_step_is_refused_while_capturing():
+    """A compiled step reaches the kernels through the bnbf::step_ op with scalars the graph computed, maybe from
+    Python numbers that a replay would repeat: the op refuses while capturing (compiled before the capture)."""
+    params, state, grads, hp, step = _warm()
+    compiled = torch.compile(lambda p, g, s, t: bnbf.update_(p, g, s, hp, t), backend="aot_eager", fullgraph=True)
+    compiled(params, grads[0], state, step)
+    torch.cuda.synchronize()
+    _refused(lambda: compiled(params, grads[0], state, step), "bnbf::step_ op", (params, state))
 
 
 def test_cpu_params_are_refused_while_capturing():
