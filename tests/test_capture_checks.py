@@ -1,0 +1,66 @@
+"""The decisions behind CUDA-graph capture, on any machine (tests/test_func_graphs.py captures on the GPU): a table
+copied from the host while capturing is refused at the one place tables go up, a route that cannot be captured
+refuses by name, and the step and lr must be tensors on the params' device. Capture is simulated by patching
+torch's "is the current stream capturing" query."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from bnbf import ops
+from bnbf.kernels import launcher
+from bnbf.rules import get_rule
+
+plan = importlib.import_module("bnbf.plan")  # the module (bnbf.plan is also the function)
+CUDA = torch.device("cuda")
+
+
+@pytest.fixture
+def capturing(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+
+
+def test_a_table_copied_from_the_host_is_refused_while_capturing(capturing):
+    with pytest.raises(RuntimeError, match="would be copied from the host while capturing.*warm up"):
+        launcher._to_device(torch.zeros(3, dtype=torch.int64), CUDA)
+    t = torch.zeros(3, dtype=torch.int64)
+    assert launcher._to_device(t, torch.device("cpu")) is t  # CPU tables are used where they are
+
+
+def test_routes_refuse_by_name_while_capturing(capturing):
+    ops._refuse_capture(CUDA, None)  # an in-place step: its tables decide (above)
+    with pytest.raises(RuntimeError, match="pure update writes new outputs"):
+        ops._refuse_capture(CUDA)
+    with pytest.raises(RuntimeError, match="packed state's step is not capturable"):
+        ops._refuse_capture(CUDA, ops.PACKED_NOT_CAPTURABLE)
+    with pytest.raises(RuntimeError, match="bnbf::step_ op"):
+        ops._refuse_capture(CUDA, ops.OP_NOT_CAPTURABLE)
+    with pytest.raises(RuntimeError, match="stepped on the host"):  # CPU tensors, whatever the route
+        ops._refuse_capture(torch.device("cpu"), None)
+
+
+def test_no_refusal_outside_a_capture(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ops._refuse_capture(CUDA)
+    ops._refuse_capture(torch.device("cpu"), ops.OP_NOT_CAPTURABLE)
+
+
+def test_the_step_and_lr_must_be_tensors_on_the_params_device():
+    rule = get_rule("adamw")
+    meta = torch.device("meta")  # a device with tensors on any machine, standing for the params'
+    on = lambda v: torch.tensor(v, device=meta)  # noqa: E731
+    plan.check_capture_scalars(rule.make_hparams({"lr": on(1e-3)}), on(3), meta)
+    cases = [
+        ({"lr": on(1e-3)}, 3, "step must be a 0-d tensor on meta.*got int"),
+        ({"lr": 1e-3}, on(3), "lr must be a 0-d tensor on meta.*got float"),
+        ({"lr": torch.tensor(1e-3)}, on(3), "lr must be a 0-d tensor on meta.*another device.*on cpu"),
+        ({"lr": on(1e-3), "weight_decay": torch.tensor(0.1)}, on(3), "weight_decay is on cpu, the params on meta"),
+    ]
+    for hp, step, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            plan.check_capture_scalars(rule.make_hparams(hp), step, meta)
