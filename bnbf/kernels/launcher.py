@@ -116,7 +116,7 @@ HELD_BY_GRAPHS: dict = {}
 def _to_device(t: Tensor, device: torch.device) -> Tensor:
     if device.type == "cpu":
         return t
-    if torch.cuda.is_current_stream_capturing():
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         raise RuntimeError(UPLOAD_WHILE_CAPTURING)
     return t.pin_memory().to(device, non_blocking=True)
 
