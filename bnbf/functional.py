@@ -7,7 +7,6 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import weakref
 from collections.abc import Mapping
@@ -44,7 +43,7 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _one_set,
     _scalars,
     _step_generic,
-    plain_scalars,
+    call_scalars,
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
@@ -198,10 +197,8 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm)
     vmapped = ops.vmap_level() is not None
-    with plain_scalars(call.hparams, call.step) if vmapped else contextlib.nullcontext():
-        values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-        # Python numbers as kernel arguments, with no row to upload before the launch (traced: graph values)
-        rows = {d: _one_set(values, d) for d in {p.device for p in call.params}}
+    # Python numbers as kernel arguments, with no row to upload before the launch (traced: graph values)
+    rows, clip = call_scalars(call, vmapped, skip_zeros, max_unorm, maximize)
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
     # vmap's batched tensors go as they are: the batching rule lays out the members itself and writes new tensors,

@@ -57,7 +57,9 @@ def _refuse_capture(device: torch.device, why: str | None = PURE_NOT_CAPTURABLE)
             why = f"its {device.type} tensors are stepped on the host, which a replay of the graph would skip"
         elif why is None:
             return
-        raise RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
+        from bnbf.kernels.launcher import not_capturable
+
+        raise not_capturable(why)
 
 
 def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) -> None:

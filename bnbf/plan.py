@@ -54,7 +54,15 @@ from bnbf._host_checks import (
     hparam_tensors,
     unaddressable,
 )
-from bnbf.kernels.launcher import _to_device, build_group, first_blocks_of, launch_group, launch_pair, pair_of
+from bnbf.kernels.launcher import (
+    _to_device,
+    build_group,
+    first_blocks_of,
+    launch_group,
+    launch_pair,
+    not_capturable,
+    pair_of,
+)
 from bnbf.quant import DITHER_SEED_MOD
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP
 from bnbf.rules import get_rule
@@ -721,10 +729,6 @@ def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
             raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
 
 
-def not_capturable(why: str) -> RuntimeError:
-    return RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
-
-
 def scalar_row(values: Any, device: torch.device) -> Tensor:
     """The step's scalars as one float32 row on ``device`` (:func:`bnbf.rules.base.as_scalar_row`); in a call
     traced by torch.compile, numbers traced as inputs (SymInt/SymFloat) stay graph values, never read on the
@@ -824,13 +828,16 @@ def group_rows(layout: tuple, values: list, packed: bytes | None, one: Callable)
     return out
 
 
-def plain_scalars(h: Any, step: Any) -> Any:
-    """Under ``vmap``, a context for making the step's scalars: torch.func's dispatch off where no hyperparameter is
-    a tensor a transform wraps (a member's lr...), since each small op on a 0-d tensor hyperparameter would pass
-    through vmap's layer."""
-    if any(_functorch.is_functorch_wrapped_tensor(t) for _, t in hparam_tensors(h, step)):
-        return contextlib.nullcontext()
-    return torch._C._DisableFuncTorch()
+def call_scalars(call: Any, vmapped: bool, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[dict, bool]:
+    """A checked call's scalars on each of its params' devices (:func:`_one_set`) and whether it clips. Under
+    ``vmap`` they are made with torch.func's dispatch off where no hyperparameter is a tensor a transform wraps (a
+    member's lr...): each small op on a 0-d tensor hyperparameter would pass through vmap's layer."""
+    plain = vmapped and not any(
+        _functorch.is_functorch_wrapped_tensor(t) for _, t in hparam_tensors(call.hparams, call.step)
+    )
+    with torch._C._DisableFuncTorch() if plain else contextlib.nullcontext():
+        values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
+        return {d: _one_set(values, d) for d in {p.device for p in call.params}}, clip
 
 
 def _capturing(devices: set) -> bool:
@@ -870,9 +877,7 @@ def _step_generic(
     if not torch.compiler.is_compiling() and _capturing(devices):  # the tables are checked at the launch
         for device in devices:
             check_capture_scalars(call.hparams, call.step, device)
-    with plain_scalars(call.hparams, call.step) if vmapped else contextlib.nullcontext():
-        values, clip = _scalars(call.rule, call.hparams, call.step, skip_zeros, max_unorm, maximize)
-        rows = {d: _one_set(values, d) for d in devices}
+    rows, clip = call_scalars(call, vmapped, skip_zeros, max_unorm, maximize)
     with torch.no_grad():
         for (device, _, layout), idx in _groups(call.params, call.states):
             ss = [t for i in idx for t in call.states[i]]

@@ -98,12 +98,16 @@ _TASKS: collections.OrderedDict = collections.OrderedDict()
 _CACHE_SIZE = 16
 
 
+def not_capturable(why: str) -> RuntimeError:
+    """The error of a step that cannot be captured in a CUDA graph, saying ``why``."""
+    return RuntimeError(f"bnbf: this step cannot be captured in a CUDA graph: {why}")
+
+
 # every table a launch reads reaches the device here: a copy from the host cannot be captured in a CUDA graph (a
 # replay would read whatever the host buffer then holds), so a step whose tables are not made yet refuses capture
 UPLOAD_WHILE_CAPTURING = (
-    "bnbf: this step cannot be captured in a CUDA graph: its kernel tables would be copied from the host while "
-    "capturing (tensors at addresses no step before the capture used); warm up by running the same step once "
-    "before capturing, on the tensors the graph will use"
+    "its kernel tables would be copied from the host while capturing (tensors at addresses no step before the "
+    "capture used); warm up by running the same step once before capturing, on the tensors the graph will use"
 )
 
 
@@ -117,7 +121,7 @@ def _to_device(t: Tensor, device: torch.device) -> Tensor:
     if device.type == "cpu":
         return t
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-        raise RuntimeError(UPLOAD_WHILE_CAPTURING)
+        raise not_capturable(UPLOAD_WHILE_CAPTURING)
     return t.pin_memory().to(device, non_blocking=True)
 
 
