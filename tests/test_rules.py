@@ -475,8 +475,12 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits, monkeypatch):
     import sys
 
     plan_mod = sys.modules["bnbf.plan"]
-    functional = sys.modules["bnbf.functional"]
-    as_args = functional._one_set
+    as_args, rows_made = plan_mod._one_set, []
+
+    def as_row(values, device):  # the same float32 values, as a row
+        rows_made.append(device)
+        return plan_mod.scalar_row(values, device)
+
     if INTERP and (dtype != F32 or row.name not in ("adamw", "lion")):
         pytest.skip("interpreter: AdamW and Lion in float32 (the routes are the same for every rule)")
     members = 3
@@ -498,9 +502,11 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits, monkeypatch):
         for b in range(members):
             pure[b] = bnbf.update(pure[b][0], member(g, b), pure[b][1], hp, step)
             bnbf.update_(in_place[b][0], member(g, b), in_place[b][1], hp, step)
-            monkeypatch.setattr(functional, "_one_set", plan_mod.scalar_row)  # the same float32 values, as a row
+            monkeypatch.setattr(plan_mod, "_one_set", as_row)
             rowed[b] = bnbf.update(rowed[b][0], member(g, b), rowed[b][1], hp, step)
-            monkeypatch.setattr(functional, "_one_set", as_args)
+            monkeypatch.setattr(plan_mod, "_one_set", as_args)
+            assert rows_made, "the route with the scalars as a row did not make a row"
+            rows_made.clear()
             routes = {"update_": in_place[b], "vmap(update)": member((p, s), b), "vmap(update_)": member((vp, vs), b)}
             routes["update, the scalars as a row"] = rowed[b]
             for name, got in routes.items():
