@@ -214,7 +214,15 @@ def row_compile(ctx, mode: str = "per_param") -> dict:
     guards = _guard_ms(code, {"params": params, "grads": grads, "state": state, "lr": lr, "i": t})
     bare_ms, bare_host, bare_moved = figures[False][:3]
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
-    eager = median_ms(ctx.device, lambda i: bnbf.update_(params, grads, state, HP, i), ctx.warmup, ctx.steps)
+    def eager_fn(i: int) -> None:
+        bnbf.update_(params, grads, state, HP, i)
+
+    eager = median_ms(ctx.device, eager_fn, ctx.warmup, ctx.steps)
+    # back to back (one synchronize after them all), as a training loop runs them: the host's work overlaps the
+    # device's wherever it is shorter than the step's kernels
+    first = 4 + ctx.warmup + ctx.steps + 1
+    b2b = _back_to_back(ctx, fn, ctx.steps, first)
+    eager_b2b = _back_to_back(ctx, eager_fn, ctx.steps, first)
     extra = ""
     if mode != "per_param":  # the bar's eager step: the per-param state's
         per_param = bnbf.init_state(leaf_params, bnbf.OptimSpec(rule="adamw"))
@@ -227,10 +235,25 @@ def row_compile(ctx, mode: str = "per_param") -> dict:
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"{extra}eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); host {host:.3f} ms a call, of which "
-        f"guards {guards}; with inductor size_asserts=False {bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; "
-        f"dynamo stats moved by {moved}, {bare_moved} in the timed steps",
+        "note": f"{extra}eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); back to back compiled {b2b:.3f} "
+        f"ms, eager {eager_b2b:.3f} ({b2b / eager_b2b:.2f}x); host {host:.3f} ms a call, of which guards {guards}; "
+        f"torch.compile's floor (a one-op function) {_compile_floor(ctx)}; with inductor size_asserts=False "
+        f"{bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; dynamo stats moved by {moved}, {bare_moved} in the timed "
+        "steps",
     }
+
+
+def _add_one(x: torch.Tensor) -> None:
+    x.add_(1)
+
+
+def _compile_floor(ctx) -> str:
+    """A synchronized call of ``torch.compile(fullgraph=True)`` of a one-op in-place function, and its host time:
+    what any compiled step pays before its own work (Dynamo's frame and guards, AOT's and Inductor's wrappers)."""
+    x = torch.zeros(1, device=ctx.device)
+    step = torch.compile(_add_one, fullgraph=True)
+    ms, host = timed(ctx.device, lambda i: step(x), ctx.warmup, ctx.steps)
+    return f"{ms:.3f} ms (host {host:.3f})"
 
 
 def row_compile_packed(ctx) -> dict:
