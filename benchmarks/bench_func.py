@@ -213,6 +213,7 @@ def row_compile(ctx, mode: str = "per_param") -> dict:
     ran = kernels(ctx.device, lambda: fn(4 + ctx.warmup + ctx.steps))
     guards = _guard_ms(code, {"params": params, "grads": grads, "state": state, "lr": lr, "i": t})
     bare_ms, bare_host, bare_moved = figures[False][:3]
+
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
     def eager_fn(i: int) -> None:
         bnbf.update_(params, grads, state, HP, i)
