@@ -69,7 +69,8 @@ def test_local_grad_is_the_local_tensor_and_checks_mesh(mesh):
     assert bd._shards(p) is sh  # cached
     assert (sh.starts, sh.counts) == ((0, 15), (15, 15))
     local = bd._local_grad(0, p, g, sh)
-    assert local is g._local_tensor and torch.equal(local, g.to_local())
+    # the fake process group leaves the shards' memory unset (NaNs, which torch.equal calls unequal): compare storage
+    assert local is g._local_tensor and local.data_ptr() == g.to_local().data_ptr()
     with pytest.raises(TypeError, match="DTensor param needs a DTensor grad"):
         bd._local_grad(0, p, g.to_local(), sh)
     rep = distribute_tensor(torch.randn(10, 3), mesh, [Replicate()])
