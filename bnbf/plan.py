@@ -729,23 +729,58 @@ def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
             raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
 
 
+# The Python numbers among a step's scalars, as float32 rows on the device, by (device, numbers): a step with a
+# tensor lr or step then stacks its row from these and its tensors in one kernel, with no copy from the host (and a
+# captured step with no fill per number). Rows read by a captured step are held for good, as the launch tables are.
+_NUMBER_ROWS: collections.OrderedDict = collections.OrderedDict()
+_NUMBER_ROWS_SIZE = 16
+_HELD_NUMBER_ROWS: dict = {}
+
+
+def _number_row(values: Any, device: torch.device, capturing: bool) -> tuple | None:
+    """The numbers of ``values`` (0 where a tensor stands) as a float32 row on ``device``, unbound into its
+    elements: cached (a copy from the host at the first call of these numbers), None while capturing a CUDA graph
+    where the first call was not made before the capture (a copy cannot be captured)."""
+    # keyed by the numbers' exact bits (0.0 and -0.0 differ; a NaN matches itself) and where the tensors stand
+    tensors = tuple(k for k, v in enumerate(values) if isinstance(v, Tensor))
+    numbers = [0.0 if isinstance(v, Tensor) else v for v in values]
+    key = (device, tensors, array.array("d", numbers).tobytes())
+    entry = _NUMBER_ROWS.get(key)
+    if entry is None:
+        if capturing:
+            return None
+        row = as_scalar_row(numbers, device)
+        entry = _NUMBER_ROWS[key] = row, row.unbind()
+        if len(_NUMBER_ROWS) > _NUMBER_ROWS_SIZE:
+            _NUMBER_ROWS.popitem(last=False)
+    elif capturing:
+        _HELD_NUMBER_ROWS[key] = entry  # a replay reads it, whatever the cache evicts
+    return entry[1]
+
+
 def scalar_row(values: Any, device: torch.device) -> Tensor:
-    """The step's scalars as one float32 row on ``device`` (:func:`bnbf.rules.base.as_scalar_row`); in a call
-    traced by torch.compile, numbers traced as inputs (SymInt/SymFloat) stay graph values, never read on the
-    host (reading one would make it a guarded constant: a compile per value)."""
-    if not torch.compiler.is_compiling():
-        if device.type != "cuda" or not torch.cuda.is_current_stream_capturing():
+    """The step's scalars as one float32 row on ``device`` (:func:`bnbf.rules.base.as_scalar_row`); the numbers
+    beside tensors come from :func:`_number_row`. In a call traced by torch.compile, numbers traced as inputs
+    (SymInt/SymFloat) stay graph values, never read on the host (reading one would make it a guarded constant: a
+    compile per value)."""
+    if torch.compiler.is_compiling():
+        return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
+    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    if not any(isinstance(v, Tensor) for v in values):
+        if not capturing:
             return as_scalar_row(values, device)
-        # captured: each Python number filled in on the device (a copy from the host cannot be captured)
-        return torch.stack(
-            [
-                v.to(device=device, dtype=torch.float32).reshape(())
-                if isinstance(v, Tensor)
-                else torch.full((), float(v), dtype=torch.float32, device=device)
-                for v in values
-            ]
-        )
-    return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
+        numbers = None
+    else:
+        numbers = _number_row(values, device, capturing)
+    parts = []
+    for k, v in enumerate(values):
+        if isinstance(v, Tensor):
+            parts.append(v.to(device=device, dtype=torch.float32).reshape(()))
+        elif numbers is not None:
+            parts.append(numbers[k])
+        else:  # captured without a row made before: filled in on the device (a copy cannot be captured)
+            parts.append(torch.full((), float(v), dtype=torch.float32, device=device))
+    return torch.stack(parts)
 
 
 def _one_set(values: tuple, device: torch.device) -> Any:

@@ -64,3 +64,31 @@ def test_the_step_and_lr_must_be_tensors_on_the_params_device():
     for hp, step, match in cases:
         with pytest.raises(RuntimeError, match=match):
             plan.check_capture_scalars(rule.make_hparams(hp), step, meta)
+
+
+def test_the_numbers_beside_tensor_scalars_go_up_once_and_are_held_for_a_capture(monkeypatch):
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    monkeypatch.setattr(plan, "_HELD_NUMBER_ROWS", {})
+    cpu = torch.device("cpu")
+    values = (0.9, torch.tensor(2.5), -0.0, 3, torch.tensor(7, dtype=torch.int64))
+    assert plan._number_row(values, cpu, capturing=True) is None  # not made before the capture: the fills' route
+    made = plan._number_row(values, cpu, capturing=False)
+    assert torch.equal(torch.stack(made), torch.tensor([0.9, 0.0, -0.0, 3.0, 0.0])) and torch.signbit(made[2])
+    assert plan._number_row(values, cpu, capturing=False) is made and not plan._HELD_NUMBER_ROWS
+    assert plan._number_row(values, cpu, capturing=True) is made  # read by a capture: held for good
+    assert len(plan._HELD_NUMBER_ROWS) == 1
+    zero = (0.9, torch.tensor(2.5), 0.0, 3, torch.tensor(7))  # +0.0 for -0.0: other bits, another row
+    assert not torch.signbit(plan._number_row(zero, cpu, capturing=False)[2])
+    moved = (0.9, 2.5, -0.0, torch.tensor(3.0), torch.tensor(7))  # the same numbers where other tensors stand
+    assert plan._number_row(moved, cpu, capturing=False) is not made
+    for k in range(plan._NUMBER_ROWS_SIZE + 4):  # bounded
+        plan._number_row((float(k), torch.tensor(1.0)), cpu, capturing=False)
+    assert len(plan._NUMBER_ROWS) == plan._NUMBER_ROWS_SIZE
+
+
+def test_a_scalar_row_is_the_values_rounded_to_float32_in_order():
+    values = (0.1, torch.tensor(1e-3, dtype=torch.float64), -0.0, 3, torch.tensor(7), torch.tensor(2.5))
+    want = torch.tensor([0.1, 1e-3, -0.0, 3.0, 7.0, 2.5], dtype=torch.float64).to(torch.float32)
+    for _ in range(2):  # made, then from the cached numbers
+        row = plan.scalar_row(values, torch.device("cpu"))
+        assert row.dtype == torch.float32 and torch.equal(row.view(torch.int32), want.view(torch.int32))

@@ -12,6 +12,8 @@ from Python numbers traced into the graph).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from torch.utils._pytree import tree_leaves, tree_map
@@ -49,6 +51,7 @@ def _drop_tables() -> list:
     bnbf.ops._GROUPS.clear()
     bnbf.functional._PLANS.clear()  # update_'s plans: their tables go with them
     bnbf.functional._LAST.clear()
+    sys.modules["bnbf.plan"]._NUMBER_ROWS.clear()  # the numbers beside a tensor lr and step
     return [torch.full((n,), -1, dtype=torch.int64, device="cuda") for n in (64, 128, 256, 512, 1024, 4096) * 8]
 
 
