@@ -729,9 +729,11 @@ def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
             raise not_capturable(f"the hyperparameter {name} is on {v.device}, the params on {device}")
 
 
-# The Python numbers among a step's scalars, as float32 rows on the device, by (device, numbers): a step with a
-# tensor lr or step then stacks its row from these and its tensors in one kernel, with no copy from the host (and a
-# captured step with no fill per number). Rows read by a captured step are held for good, as the launch tables are.
+# The Python numbers among a step's scalars, as float32 rows on the device, by (device, stream, where the tensors
+# stand, the numbers): a step with a tensor lr or step then stacks its row from these and its tensors in one kernel,
+# with no copy from the host (and a captured step with no fill per number). By stream: a row is uploaded and freed
+# on the stream that reads it, so no other stream reads it before its copy or after its memory is reused. Rows read
+# by a captured step are held for good, as the launch tables are.
 _NUMBER_ROWS: collections.OrderedDict = collections.OrderedDict()
 _NUMBER_ROWS_SIZE = 16
 _HELD_NUMBER_ROWS: dict = {}
@@ -739,23 +741,32 @@ _HELD_NUMBER_ROWS: dict = {}
 
 def _number_row(values: Any, device: torch.device, capturing: bool) -> tuple | None:
     """The numbers of ``values`` (0 where a tensor stands) as a float32 row on ``device``, unbound into its
-    elements: cached (a copy from the host at the first call of these numbers), None while capturing a CUDA graph
-    where the first call was not made before the capture (a copy cannot be captured)."""
+    elements: cached (a copy from the host at the first call of these numbers on this stream). While capturing a
+    CUDA graph, a row made on any stream before the capture (which begins with a synchronize, so its copy is done),
+    else None (a copy cannot be captured)."""
     # keyed by the numbers' exact bits (0.0 and -0.0 differ; a NaN matches itself) and where the tensors stand
     tensors = tuple(k for k, v in enumerate(values) if isinstance(v, Tensor))
     numbers = [0.0 if isinstance(v, Tensor) else v for v in values]
-    key = (device, tensors, array.array("d", numbers).tobytes())
+    what = (device, tensors, array.array("d", numbers).tobytes())
+    if capturing:
+        found = next(((k, e) for k, e in reversed(_NUMBER_ROWS.items()) if k[1:] == what), None)
+        if found is None:
+            return None
+        _HELD_NUMBER_ROWS[found[0]] = found[1]  # a replay reads it, whatever the cache evicts
+        return found[1][1]
+    key = (_stream_of(device), *what)
     entry = _NUMBER_ROWS.get(key)
     if entry is None:
-        if capturing:
-            return None
         row = as_scalar_row(numbers, device)
         entry = _NUMBER_ROWS[key] = row, row.unbind()
         if len(_NUMBER_ROWS) > _NUMBER_ROWS_SIZE:
             _NUMBER_ROWS.popitem(last=False)
-    elif capturing:
-        _HELD_NUMBER_ROWS[key] = entry  # a replay reads it, whatever the cache evicts
     return entry[1]
+
+
+def _stream_of(device: torch.device) -> int:
+    """The current stream's handle on a CUDA ``device`` (0 elsewhere)."""
+    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
 
 
 def scalar_row(values: Any, device: torch.device) -> Tensor:

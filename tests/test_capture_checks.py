@@ -92,3 +92,20 @@ def test_a_scalar_row_is_the_values_rounded_to_float32_in_order():
     for _ in range(2):  # made, then from the cached numbers
         row = plan.scalar_row(values, torch.device("cpu"))
         assert row.dtype == torch.float32 and torch.equal(row.view(torch.int32), want.view(torch.int32))
+
+
+def test_each_stream_has_its_number_rows_and_a_capture_takes_any_made_before_it(monkeypatch):
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    monkeypatch.setattr(plan, "_HELD_NUMBER_ROWS", {})
+    cpu = torch.device("cpu")
+    values = (0.9, torch.tensor(2.5))
+    monkeypatch.setattr(plan, "_stream_of", lambda device: 1)
+    on_one = plan._number_row(values, cpu, capturing=False)
+    monkeypatch.setattr(plan, "_stream_of", lambda device: 2)
+    on_two = plan._number_row(values, cpu, capturing=False)
+    # another stream uploads its own (reading stream 1's could precede its copy, or follow its memory's reuse)
+    assert on_two is not on_one and len(plan._NUMBER_ROWS) == 2
+    monkeypatch.setattr(plan, "_stream_of", lambda device: 3)  # a capture's own stream: a row made before it
+    assert plan._number_row(values, cpu, capturing=True) is on_two
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())  # evicted: the graph's row is still held
+    assert [e[1] for e in plan._HELD_NUMBER_ROWS.values()] == [on_two]
