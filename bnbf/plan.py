@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import _functorch
+from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
@@ -764,6 +765,13 @@ def _number_row(values: Any, device: torch.device, capturing: bool) -> tuple | N
     return entry[1]
 
 
+def _plain_scalars(values: Any) -> bool:
+    """Whether a row of cached numbers may join these scalars: their tensors are plain and no dispatch mode (such
+    as FakeTensorMode) is active, under which a cached row would be a tensor of the other kind (a fake row made
+    there, or a real one entering it)."""
+    return _dispatch_mode() is None and all(type(v) in _PLAIN_TYPES for v in values if isinstance(v, Tensor))
+
+
 def _stream_of(device: torch.device) -> int:
     """The current stream's handle on a CUDA ``device`` (0 elsewhere)."""
     return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
@@ -777,12 +785,10 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
     if torch.compiler.is_compiling():
         return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
     capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-    if not any(isinstance(v, Tensor) for v in values):
-        if not capturing:
-            return as_scalar_row(values, device)
-        numbers = None
-    else:
-        numbers = _number_row(values, device, capturing)
+    cached = any(isinstance(v, Tensor) for v in values) and _plain_scalars(values)
+    if not (capturing or cached):
+        return as_scalar_row(values, device)
+    numbers = _number_row(values, device, capturing) if cached else None
     parts = []
     for k, v in enumerate(values):
         if isinstance(v, Tensor):

@@ -109,3 +109,17 @@ def test_each_stream_has_its_number_rows_and_a_capture_takes_any_made_before_it(
     assert plan._number_row(values, cpu, capturing=True) is on_two
     monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())  # evicted: the graph's row is still held
     assert [e[1] for e in plan._HELD_NUMBER_ROWS.values()] == [on_two]
+
+
+def test_rows_made_under_fake_tensor_mode_and_outside_it_never_mix(monkeypatch):
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    cpu = torch.device("cpu")
+    with FakeTensorMode():
+        fake = plan.scalar_row((0.9, torch.tensor(2.5)), cpu)
+    real = plan.scalar_row((0.9, torch.tensor(2.5)), cpu)
+    with FakeTensorMode() as mode:
+        again = plan.scalar_row((0.9, mode.from_tensor(torch.tensor(2.5))), cpu)
+    assert isinstance(fake, FakeTensor) and isinstance(again, FakeTensor) and type(real) is torch.Tensor
+    assert torch.equal(real, torch.tensor([0.9, 2.5]))
