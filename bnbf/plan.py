@@ -55,6 +55,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     unaddressable,
 )
+from bnbf.kernels.direct_launch import _current_stream
 from bnbf.kernels.launcher import (
     _to_device,
     build_group,
@@ -774,7 +775,7 @@ def _plain_scalars(values: Any) -> bool:
 
 def _stream_of(device: torch.device) -> int:
     """The current stream's handle on a CUDA ``device`` (0 elsewhere)."""
-    return torch._C._cuda_getCurrentRawStream(device.index) if device.type == "cuda" else 0
+    return _current_stream(device.index) if device.type == "cuda" else 0
 
 
 def scalar_row(values: Any, device: torch.device) -> Tensor:
@@ -784,7 +785,7 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
     compile per value)."""
     if torch.compiler.is_compiling():
         return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
-    capturing = device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+    capturing = _capturing((device,))
     cached = any(isinstance(v, Tensor) for v in values) and _plain_scalars(values)
     if not (capturing or cached):
         return as_scalar_row(values, device)
