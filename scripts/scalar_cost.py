@@ -1,0 +1,115 @@
+"""What a step with tensor hyperparameters costs the device beside the step with Python numbers: kernel time per step
+(torch.profiler) of the same in-place 8-bit AdamW step (flat params, :func:`bnbf.flat_layout`) taken four ways:
+
+- ``numbers``: ``bnbf.update_`` with Python-number lr and step (the scalars go to the step kernel as arguments);
+- ``compiled``: ``torch.compile(fullgraph=True)`` of the same call with lr and step 0-d device tensors, the step
+  refilled every call (Inductor derives the scalars in one kernel; the step kernel reads them from a row);
+- ``captured``: the eager call with those tensors captured in a CUDA graph, timed per replay;
+- ``tensors``: the eager call with those tensors (each scalar derived by small torch ops, then stacked).
+
+    python scripts/scalar_cost.py [--sets gpt2_124M,big_1B] [--dtype bf16] [--steps 20]
+
+Prints, per set and way, the device time of a step, its kernel count and the three kernels that take the most.
+GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_step as bs  # noqa: E402
+import bnbf  # noqa: E402
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def device_time(fn, steps: int) -> tuple[float, float, list]:
+    """Device microseconds a call of ``fn`` takes, kernels a call, and the top three kernels' (name, us a call)."""
+    for i in range(3):
+        fn(i)
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for i in range(steps):
+            fn(i)
+        torch.cuda.synchronize()
+    per = collections.defaultdict(float)
+    count = 0
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            per[e.name[:40]] += e.device_time / steps
+            count += 1
+    top = sorted(per.items(), key=lambda kv: -kv[1])[:3]
+    return sum(per.values()), count / steps, top
+
+
+def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
+    device = torch.device("cuda")
+    shapes = bs.SETS[set_name]()
+    params = bs.make_tensors(shapes, dtype, device, 0.02, 0)
+    grads = bs.make_tensors(shapes, dtype, device, 0.01, 1)
+    layout = bnbf.flat_layout(params, bnbf.OptimSpec(rule="adamw"))
+    flat, flat_grads = layout.flatten(params), layout.flatten(grads)
+    state = layout.init_state(flat)
+    lr = torch.tensor(1e-3, device=device)
+    t = torch.tensor(1, device=device)
+    count = [100]
+
+    def numbers(i: int) -> None:
+        count[0] += 1
+        bnbf.update_(flat, flat_grads, state, {"lr": 1e-3, "weight_decay": 0.01}, count[0])
+
+    def tensors(i: int) -> None:
+        bnbf.update_(flat, flat_grads, state, {"lr": lr, "weight_decay": 0.01}, t)
+
+    step = torch.compile(
+        lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr, "weight_decay": 0.01}, t), fullgraph=True
+    )
+
+    def compiled(i: int) -> None:
+        count[0] += 1
+        t.fill_(count[0])
+        step(flat, flat_grads, state, lr, t)
+
+    for fn in (numbers, tensors, compiled):
+        for i in range(3):
+            fn(i)
+    side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(3):
+            tensors(i)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        tensors(0)
+    ways = {"numbers": numbers, "compiled": compiled, "captured": lambda i: graph.replay(), "tensors": tensors}
+    base = None
+    for name, fn in ways.items():
+        us, kernels, top = device_time(fn, steps)
+        base = base or us
+        names = "; ".join(f"{k} {v:.1f}" for k, v in top)
+        print(f"| {set_name} | {name} | {us:.1f} | {us / base:.3f} | {kernels:.0f} | {names} |", flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sets", default="gpt2_124M,big_1B")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--steps", type=int, default=20)
+    args = parser.parse_args()
+    print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
+    print("| set | way | device us a step | / numbers | kernels a step | top kernels (us a step) |")
+    print("|---|---|---|---|---|---|")
+    for set_name in args.sets.split(","):
+        run(set_name, DTYPES[args.dtype], args.steps)
+
+
+if __name__ == "__main__":
+    main()
