@@ -7,7 +7,12 @@ pass (``_grad_squares_kernel``) is compiled for each grad dtype and tile.
 
 ``--clip N`` compiles every variant with CLIP N (0, the default: no gradient clipping; 1 or 2). ``--dump DIR``
 writes each variant's TTIR and PTX without source locations, so that two trees' files can be compared with
-``diff -r`` (a change to a kernel's other modes must leave CLIP 0's code as it was).
+``diff -r`` (a change to a kernel's other modes must leave CLIP 0's code as it was). ``--loads`` prints, for each
+step variant, where ptxas put the loads that come before the first store in the whole-tile path (instruction
+indices, from the bundled cuobjdump): the first tile's, then the next tile's prefetch. A prefetch spread over
+hundreds of instructions went with a slower kernel on the H200 (benchmarks/results/2026-12-03_h200_session23.md).
+Under the Triton the GPU has (3.6.0 there: ``pip install --target DIR triton==3.6.0``, DIR first on PYTHONPATH)
+the SASS is the GPU's.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import subprocess
 import sys
+import tempfile
 
 import torch
 import triton
@@ -108,7 +115,26 @@ def _without_locations(text: str, kind: str) -> str:
     return re.sub(r"\$L__tmp\d+", "", "\n".join(x for x in text.splitlines() if not x.strip().startswith(skip)))
 
 
-def main(rules, clip=0, dump=None):
+def early_loads(k) -> list[int]:
+    """Instruction indices of the loads before the first store in the whole-tile path of the compiled kernel ``k``
+    (the code between the branch to the partial tiles and the first EXIT)."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(k.asm["cubin"])
+        f.flush()
+        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
+    code = [m.groups() for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
+    start = next(i for i, (_, ins) in enumerate(code) if re.search(r"@!?P\d BRA", ins))
+    loads = []
+    for at, ins in code[start:]:
+        if "STG" in ins or "EXIT" in ins:
+            break
+        if "LDG" in ins:
+            loads.append(int(at, 16) // 16)
+    return loads
+
+
+def main(rules, clip=0, dump=None, loads=False):
     for rule_name in rules:
         rule = bnbf.RULES[rule_name]
         modes = [(1, clip), (2, clip)] if rule.norms is not None else [(0, clip)]
@@ -123,7 +149,8 @@ def main(rules, clip=0, dump=None):
                         _dump(dump, name, k)
                         print(
                             f"{rule_name:9s} {fmt:7s} {str(dtype):9s} mode {mode} from_ptr {int(from_ptr)} "
-                            f"CLIP {clip_mode}: {len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared",
+                            f"CLIP {clip_mode}: {len(k.asm['cubin'])} B cubin, {k.metadata.shared} B shared"
+                            + (f"; early loads at {early_loads(k)}" if loads else ""),
                             flush=True,
                         )
     for dtype in (tl.float32, tl.bfloat16, tl.float16):
@@ -139,5 +166,6 @@ if __name__ == "__main__":
     parser.add_argument("rules", nargs="*", help="rule names (default: every registered rule)")
     parser.add_argument("--clip", type=int, default=0, choices=(0, 1, 2), help="the CLIP mode of every variant")
     parser.add_argument("--dump", help="write each variant's TTIR and PTX (no source locations) here")
+    parser.add_argument("--loads", action="store_true", help="where the whole-tile path's first loads stand")
     args = parser.parse_args()
-    main(args.rules or list(bnbf.RULES), args.clip, args.dump)
+    main(args.rules or list(bnbf.RULES), args.clip, args.dump, args.loads)
