@@ -117,14 +117,14 @@ def _without_locations(text: str, kind: str) -> str:
 
 def early_loads(k) -> list[int]:
     """Instruction indices of the loads before the first store in the whole-tile path of the compiled kernel ``k``
-    (the code between the branch to the partial tiles and the first EXIT)."""
+    (the code after the branch to the partial tiles; the whole kernel where it has none)."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(k.asm["cubin"])
         f.flush()
         sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
     code = [m.groups() for m in re.finditer(r"/\*([0-9a-f]{4})\*/\s+([^;]*);", sass)]
-    start = next(i for i, (_, ins) in enumerate(code) if re.search(r"@!?P\d BRA", ins))
+    start = next((i for i, (_, ins) in enumerate(code) if re.search(r"@!?P\d BRA", ins)), 0)
     loads = []
     for at, ins in code[start:]:
         if "STG" in ins or "EXIT" in ins:
