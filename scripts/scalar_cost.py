@@ -27,8 +27,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import benchmarks.bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
 
 def device_time(fn, steps: int) -> tuple[float, float, list]:
     """Device microseconds a call of ``fn`` takes, kernels a call, and the top three kernels' (name, us a call)."""
@@ -101,14 +99,14 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--sets", default="gpt2_124M,big_1B")
-    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--dtype", default="bf16", choices=sorted(bs.DTYPES))
     parser.add_argument("--steps", type=int, default=20)
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
     print("| set | way | device us a step | / numbers | kernels a step | top kernels (us a step) |")
     print("|---|---|---|---|---|---|")
     for set_name in args.sets.split(","):
-        run(set_name, DTYPES[args.dtype], args.steps)
+        run(set_name, bs.DTYPES[args.dtype], args.steps)
 
 
 if __name__ == "__main__":
