@@ -15,6 +15,9 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   ``size_asserts=False`` (its check of every input's size and stride at each call, which Dynamo's guards
   already make), the device kernels one call runs, and the graphs compiled during the timed steps (0);
   ``scripts/compile_host.py`` breaks the host time down further;
+- ``compile_numbers``: ``compile`` with lr and step as Python numbers changing every step (Dynamo's first
+  recompile makes them graph inputs; the step kernel takes them as arguments, as the eager step does);
+- ``compile_flat_numbers``: ``compile_numbers`` with flat params (as ``compile_flat``, below);
 - ``compile_packed``: ``compile`` with the state packed (``init_state(..., packed=True)``: 6 buffers in place
   of 396 state tensors); the note also gives the eager step of the packed state;
 - ``compile_flat``: ``compile`` with the params and grads flat too (:func:`bnbf.flat_layout`: 2 param buffers, 2
@@ -81,8 +84,9 @@ import bnbf  # noqa: E402
 
 HP = {"lr": 1e-3, "weight_decay": 0.01}
 ROWS = (
-    "eager", "compile", "compile_packed", "compile_flat", "compile_torch", "train", "train_packed", "train_flat",
-    "graph", "vmap", "vmap_packed", "vmap_flat", "vmap_graph", "paged", "mixed", "clip",
+    "eager", "compile", "compile_numbers", "compile_flat_numbers", "compile_packed", "compile_flat", "compile_torch",
+    "train", "train_packed", "train_flat", "graph", "vmap", "vmap_packed", "vmap_flat", "vmap_graph", "paged", "mixed",
+    "clip",
 )  # fmt: skip
 MEMBERS = 8
 
@@ -186,7 +190,7 @@ def _state_of(ctx, mode: str) -> tuple:
     return flat, layout.flatten(grads), layout.init_state(flat), params, grads
 
 
-def row_compile(ctx, mode: str = "per_param") -> dict:
+def row_compile(ctx, mode: str = "per_param", numbers: bool = False) -> dict:
     import torch._dynamo
 
     params, grads, state, leaf_params, leaf_grads = _state_of(ctx, mode)
@@ -198,7 +202,10 @@ def row_compile(ctx, mode: str = "per_param") -> dict:
         code = _step if asserts else _step_unchecked
         step = torch.compile(code, fullgraph=True, options={"size_asserts": asserts})
 
-        def fn(i: int, step=step) -> None:  # lr and step as 0-d tensors, a new lr every step: one graph
+        def fn(i: int, step=step) -> None:  # a new lr every step: one graph (numbers: from the second call)
+            if numbers:
+                step(params, grads, state, 1e-3 * 0.999**i, i)
+                return
             lr.fill_(1e-3 * 0.999**i)
             t.fill_(i)
             step(params, grads, state, lr, t)
@@ -211,7 +218,8 @@ def row_compile(ctx, mode: str = "per_param") -> dict:
         figures[asserts] = (ms, host, after - before, fn, code)
     ms, host, moved, fn, code = figures[True]
     ran = kernels(ctx.device, lambda: fn(4 + ctx.warmup + ctx.steps))
-    guards = _guard_ms(code, {"params": params, "grads": grads, "state": state, "lr": lr, "i": t})
+    scalars = {"lr": 1e-3 * 0.999**5, "i": 5} if numbers else {"lr": lr, "i": t}
+    guards = _guard_ms(code, {"params": params, "grads": grads, "state": state, **scalars})
     bare_ms, bare_host, bare_moved = figures[False][:3]
 
     # the eager step on the same tensors (Python-float hyperparameters, as the eager row)
@@ -255,6 +263,14 @@ def _compile_floor(ctx) -> str:
     step = torch.compile(_add_one, fullgraph=True)
     ms, host = timed(ctx.device, lambda i: step(x), ctx.warmup, ctx.steps)
     return f"{ms:.3f} ms (host {host:.3f})"
+
+
+def row_compile_numbers(ctx) -> dict:
+    return row_compile(ctx, numbers=True)
+
+
+def row_compile_flat_numbers(ctx) -> dict:
+    return row_compile(ctx, "flat", numbers=True)
 
 
 def row_compile_packed(ctx) -> dict:

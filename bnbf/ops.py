@@ -277,9 +277,9 @@ def _(params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zero
     return [torch.empty_like(p) for p in params], [torch.empty_like(s) for s in states]
 
 
-def traced_scalar_row(values, device: torch.device) -> Tensor:
-    """The step's scalars as one float32 row in a call traced by torch.compile, numbers traced as inputs
-    (SymInt/SymFloat) and tensors left unread on the host.
+def traced_scalar_row(values, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+    """The step's scalars as one row in a call traced by torch.compile, numbers traced as inputs (SymInt/SymFloat)
+    and tensors left unread on the host.
 
     Built as one elementwise expression (a ``where`` per scalar over an index) rather than a stack: Inductor
     lowers a stack of more than 8 scalars to one kernel per scalar (13 launches for AdamW on a GPU), and the
@@ -289,25 +289,50 @@ def traced_scalar_row(values, device: torch.device) -> Tensor:
         values: the scalars (Python numbers, SymInt/SymFloat, or 0-d tensors), as :func:`bnbf.plan._scalars`
             gives them.
         device: where the row goes.
+        dtype: float32 (what the kernels read), or float64 for a host row of numbers (:func:`host_numbers`).
 
     Returns:
-        A float32 tensor ``[len(values)]``; numbers rounded from float64 once, as :func:`torch.stack` of
-        ``torch.scalar_tensor(v, dtype=torch.float64).to(torch.float32)`` rounds them.
+        A tensor ``[len(values)]`` of ``dtype``; numbers rounded from float64 once, as :func:`torch.stack` of
+        ``torch.scalar_tensor(v, dtype=torch.float64).to(dtype)`` rounds them.
 
     Example:
         >>> traced_scalar_row((0.5, torch.tensor(2.0)), torch.device("cpu"))
         tensor([0.5000, 2.0000])
     """
     index = torch.arange(len(values), device=device)
-    row = torch.zeros(len(values), dtype=torch.float32, device=device)
+    row = torch.zeros(len(values), dtype=dtype, device=device)
     for k, v in enumerate(values):
         if isinstance(v, Tensor):
-            part = v.to(device=device, dtype=torch.float32).reshape(())
+            part = v.to(device=device, dtype=dtype).reshape(())
         else:  # a number added to a tensor: Dynamo keeps a float input a graph input ("tensorified"), where
             # scalar_tensor or full of it would make it a constant, one compile per value under Inductor
-            part = (torch.zeros((), dtype=torch.float64, device=device) + v).to(torch.float32)
+            part = (torch.zeros((), dtype=torch.float64, device=device) + v).to(dtype)
         row = torch.where(index == k, part, row)
     return row
+
+
+HOST = torch.device("cpu")
+
+
+def host_numbers(hp: Any, device: torch.device) -> Any:
+    """The scalars of a launch on ``device`` as its kernel takes them: a host row (float64 on the CPU: a traced
+    call whose scalars are all numbers, :func:`bnbf.plan._one_set`) as the Python floats an eager call passes, so
+    that a compiled step runs the kernel an eager step with numbers runs (arguments, not a row read on the
+    device); anything else as it is. Every launch (:func:`bnbf.kernels.launcher.launch_group`) and every reference
+    step's row (:func:`_as_row`) passes through here. The row is read on the host: no device synchronisation. A
+    CUDA graph captured with it would replay the numbers it was captured with, so capturing one raises."""
+    if not isinstance(hp, Tensor) or hp.dtype != torch.float64 or hp.device.type != "cpu":
+        return hp
+    if torch.compiler.is_compiling():
+        return hp  # the graph's op call reads it when it runs
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        from bnbf.kernels.launcher import not_capturable
+
+        raise not_capturable(
+            "lr and step must be 0-d tensors on the params' device to capture a compiled step in a CUDA graph "
+            "(Python numbers would be replayed as their captured values)"
+        )
+    return tuple(hp.tolist())
 
 
 def register_direct(op: Any, name: str, direct: Callable) -> None:
@@ -375,8 +400,10 @@ def _row_list(hp: Any) -> list:
 
 
 def _as_row(hp: Any, params: list) -> Tensor:
-    """The scalars as the op and the reference step take them: Python numbers (kernel arguments elsewhere) as one
-    float32 row on the params' device, as kernel arguments round them."""
+    """The scalars as the op and the reference step take them: Python numbers (kernel arguments elsewhere) and a
+    host row of them (:func:`host_numbers`) as one float32 row on the params' device, as kernel arguments round
+    them."""
+    hp = host_numbers(hp, params[0].device)
     return as_scalar_row(hp, params[0].device) if type(hp) is tuple else hp
 
 

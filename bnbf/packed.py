@@ -433,7 +433,7 @@ def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None
         ops._check_disjoint(p_in, b_in, _IN_PLACE)
     s_in = _group_views(b_in, g, meta.shapes)
     s_out = s_in if b_out is b_in else _group_views(b_out, g, meta.shapes)
-    reference_step(p_in, p_out, grads, s_in, s_out, hp, g.layout, skip_zeros, clip)
+    reference_step(p_in, p_out, grads, s_in, s_out, ops._as_row(hp, p_in), g.layout, skip_zeros, clip)
 
 
 def _parts(meta: PackedMeta, gi: int):

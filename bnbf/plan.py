@@ -804,8 +804,13 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
 def _one_set(values: tuple, device: torch.device) -> Any:
     """The scalars of a launch whose tensors all take one set, as :meth:`Plan.step` passes them: Python numbers as
     kernel arguments, else one float32 row on the device (no host synchronisation). Traced: the row as graph values
-    (:func:`bnbf.ops.traced_scalar_row`; a number read on the host would be a guarded constant, a compile a value)."""
+    (:func:`bnbf.ops.traced_scalar_row`; a number read on the host would be a guarded constant, a compile a value);
+    where every scalar is a number, a float64 row on the host, which the op reads as the numbers an eager call
+    passes (:func:`bnbf.ops.host_numbers`): the step kernel that takes them as arguments, faster than the one
+    reading a row (benchmarks/results/2026-12-03_h200_session23.md)."""
     if torch.compiler.is_compiling():
+        if not any(isinstance(v, Tensor) for v in values):
+            return ops.traced_scalar_row(values, ops.HOST, torch.float64)
         return ops.traced_scalar_row(values, device)
     if set(map(type, values)) <= _NUMBERS:
         return tuple(map(float, values))

@@ -2,14 +2,18 @@
 (torch.profiler) of the same in-place 8-bit AdamW step (flat params, :func:`bnbf.flat_layout`) taken four ways:
 
 - ``numbers``: ``bnbf.update_`` with Python-number lr and step (the scalars go to the step kernel as arguments);
-- ``compiled``: ``torch.compile(fullgraph=True)`` of the same call with lr and step 0-d device tensors, the step
-  refilled every call (Inductor derives the scalars in one kernel; the step kernel reads them from a row);
+- ``compiled_numbers``: ``torch.compile(fullgraph=True)`` of the same call with Python-number lr and step changing
+  every call (graph inputs from Dynamo's first recompile; the op reads their row on the host and the step kernel
+  takes them as arguments);
+- ``compiled``: the same compiled call with lr and step 0-d device tensors, the step refilled every call (Inductor
+  derives the scalars in one kernel; the step kernel reads them from a row);
 - ``captured``: the eager call with those tensors captured in a CUDA graph, timed per replay;
 - ``tensors``: the eager call with those tensors (each scalar derived by small torch ops, then stacked).
 
     python scripts/scalar_cost.py [--sets gpt2_124M,big_1B] [--dtype bf16] [--steps 20]
 
-Prints, per set and way, the device time of a step, its kernel count and the three kernels that take the most.
+Prints, per set and way, the device time of a step, its kernel count and the three kernels that take the most;
+``numbers_again``, last, times the first way again (the device's clock drifts within a run).
 GPU only.
 """
 
@@ -75,7 +79,15 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
         t.fill_(count[0])
         step(flat, flat_grads, state, lr, t)
 
-    for fn in (numbers, tensors, compiled):
+    step_numbers = torch.compile(
+        lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr, "weight_decay": 0.01}, t), fullgraph=True
+    )
+
+    def compiled_numbers(i: int) -> None:
+        count[0] += 1
+        step_numbers(flat, flat_grads, state, 1e-3 * 0.999 ** (count[0] % 50), count[0])
+
+    for fn in (numbers, tensors, compiled, compiled_numbers):
         for i in range(3):
             fn(i)
     side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
@@ -87,7 +99,14 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         tensors(0)
-    ways = {"numbers": numbers, "compiled": compiled, "captured": lambda i: graph.replay(), "tensors": tensors}
+    ways = {
+        "numbers": numbers,
+        "compiled_numbers": compiled_numbers,
+        "compiled": compiled,
+        "captured": lambda i: graph.replay(),
+        "tensors": tensors,
+        "numbers_again": numbers,  # the device's clock drifts within a run: the first way timed again, last
+    }
     base = None
     for name, fn in ways.items():
         us, kernels, top = device_time(fn, steps)

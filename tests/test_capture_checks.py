@@ -43,6 +43,17 @@ def test_routes_refuse_by_name_while_capturing(capturing):
         ops._refuse_capture(torch.device("cpu"), None)
 
 
+def test_a_host_row_of_numbers_is_refused_while_capturing(capturing):
+    """A compiled step whose scalars are all numbers gives the op a float64 row on the host (bnbf.plan._one_set),
+    read as kernel arguments: a captured graph would replay them, so a capture refuses it; a float32 row (tensor
+    hyperparameters, on the device) goes on as it is."""
+    host = torch.tensor([1e-3, 0.9], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="0-d tensors on the params' device to capture a compiled step"):
+        ops.host_numbers(host, CUDA)
+    row = torch.tensor([1e-3, 0.9])
+    assert ops.host_numbers(row, CUDA) is row
+
+
 def test_no_refusal_outside_a_capture(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)

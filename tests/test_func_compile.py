@@ -138,6 +138,46 @@ def test_python_numbers_under_inductor(kind, device):
     torch.testing.assert_close(got[0], want[0], rtol=1e-4, atol=1e-6)
 
 
+def _given_grads(params, grads, state, lr, t):  # the step alone: Inductor compiles no loss or grads of its own
+    bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, t)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True], ids=["per_param", "packed"])
+@pytest.mark.parametrize("rule", ["adamw", "lion", "lamb"])
+def test_compiled_numbers_reach_the_kernel_as_numbers(rule, packed, device, monkeypatch):
+    """Python numbers changing every call, under Inductor: the traced scalars reach the op as a float64 row on the
+    host, which it passes on as the Python floats an eager call passes (kernel arguments: the step kernel an eager
+    step with numbers runs, not the one reading a row on the device), and the step equals the eager one bit for
+    bit (LAMB: its norm pass too)."""
+    from bnbf import ops
+
+    seen = []  # what each launch (launcher) and reference step (ops) took, outside tracing
+    real = ops.host_numbers
+
+    def spy(hp, d):
+        out = real(hp, d)
+        if not torch.compiler.is_compiling():
+            seen.append(out)
+        return out
+
+    monkeypatch.setattr(launcher, "host_numbers", spy)
+    monkeypatch.setattr(ops, "host_numbers", spy)
+
+    def run(fn):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(37, 9, device=device), "b": torch.randn(9, device=device)}
+        grads = [tree_map(torch.randn_like, params) for _ in range(5)]
+        state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), packed=packed)
+        for t in range(1, 6):
+            fn(params, grads[t - 1], state, 3e-2 / t**0.7, t)
+        return params, state
+
+    got = run(torch.compile(_given_grads, fullgraph=True))
+    assert seen and all(type(hp) is tuple for hp in seen)
+    assert _equal(got, run(_given_grads))
+
+
 def test_aot_eager_functionalizes_the_in_place_step():
     compiled = torch.compile(_in_place_step, fullgraph=True, backend="aot_eager")
     assert _equal(_run(compiled, 8, "tensors", calls=2), _run(_in_place_step, 8, "tensors", calls=2))

@@ -34,6 +34,7 @@ from bnbf.kernels.step_kernel import (
     _step_kernel,
     _tensor_sums_kernel,
 )
+from bnbf.ops import host_numbers
 from bnbf.quant import dynamic_map
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, clipped_sums, tile_width
 from bnbf.rules import get_rule
@@ -270,6 +271,8 @@ def launch_group(
     ``_grad_squares_kernel`` (:func:`_fold_squares`), then runs its launches as without clipping, the grads
     scaled by the coefficient.
     """
+    if type(hp) is not tuple:
+        hp = host_numbers(hp, group.device)
     if not grads_placed:
         _place_grads(group, grads)
     grad_table = group.grad_table
