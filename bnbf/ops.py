@@ -30,7 +30,7 @@ from torch._C._functorch import TransformType
 
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import NATIVE, _overlap
-from bnbf.reference import FIRST_BLOCKS, reference_step
+from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, reference_step
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
 
@@ -378,12 +378,113 @@ def _step_pure(params, grads, states, hp, rule, bits, block_size, fmt, present, 
 
 
 _BUMP = getattr(torch._C, "_increment_version", None)
+
+
+# ---- two groups in one launch, traced --------------------------------------------------------------------------------
+
+
+def pairs(device: torch.device, device2: torch.device, hp: Any, clip: bool) -> bool:
+    """Whether a traced in-place call's two groups go to :func:`step_pair_`: one device and the scalars a host row
+    (Python numbers: the pair kernel takes them as arguments, as an eager plan's pair launch does), no clipping."""
+    return (
+        torch.compiler.is_compiling()
+        and device == device2
+        and not clip
+        and isinstance(hp, Tensor)
+        and hp.dtype == torch.float64
+        and hp.device.type == "cpu"
+    )
+
+
+def step_pair_(params, grads, states, params2, grads2, states2, hp: Tensor, layout: Layout, layout2: Layout,
+               skip_zeros: bool) -> None:  # fmt: skip
+    """Two groups' in-place step through one op call (a compiled step's per-param 8-bit states and the 32-bit
+    states of its small tensors): one launch of the pair kernel where :func:`bnbf.kernels.launcher.pair_of` takes
+    the two groups, as the eager step's plan launches them; else one launch each."""
+    _step_pair_op_(params, grads, states, params2, grads2, states2, hp, *layout, *layout2, skip_zeros)
+
+
+@torch.library.custom_op("bnbf::step_pair_", mutates_args=("params", "states", "params2", "states2"))
+def _step_pair_op_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    states: list[Tensor],
+    params2: list[Tensor],
+    grads2: list[Tensor],
+    states2: list[Tensor],
+    hp: Tensor,
+    rule: str,
+    bits: int,
+    block_size: int,
+    fmt: str,
+    present: int,
+    rule2: str,
+    bits2: int,
+    block_size2: int,
+    fmt2: str,
+    present2: int,
+    skip_zeros: bool,
+) -> None:
+    _step_pair_in_place(params, grads, states, params2, grads2, states2, hp, rule, bits, block_size, fmt, present,
+                        rule2, bits2, block_size2, fmt2, present2, skip_zeros)  # fmt: skip
+
+
+def _step_pair_in_place(params, grads, states, params2, grads2, states2, hp, *args) -> None:
+    """The pair op's kernel, also its direct one (:func:`register_direct`); :func:`_run_pair` bumps the versions."""
+    layouts = Layout(*args[:5]), Layout(*args[5:10])
+    _run_pair((params, grads, states), (params2, grads2, states2), hp, layouts, args[10])
+
+
+@_step_pair_op_.register_fake
+def _(params, grads, states, params2, grads2, states2, hp, *args) -> None:
+    return None
+
+
+# pairs of the groups of traced calls (bnbf.kernels.launcher.Pair: its compiled kernels and arguments), by the two
+# groups' ids; an entry is used only for the very groups it holds, which hold no caller tensor
+_PAIRS: collections.OrderedDict = collections.OrderedDict()
+_PAIR_CACHE_SIZE = 8
+
+
+def _run_pair(first: tuple, second: tuple, hp: Any, layouts: tuple, skip_zeros: bool) -> None:
+    device = first[0][0].device
+    _refuse_capture(device, OP_NOT_CAPTURABLE)
+    hp = host_numbers(hp, device)
+    if use_triton(first[0][0]) and type(hp) is tuple:
+        from bnbf.kernels.launcher import _place_grads, launch_pair, pair_of
+
+        with BUILD_LOCK:
+            a = _group(first[0], first[0], first[2], first[2], layouts[0])
+            b = _group(second[0], second[0], second[2], second[2], layouts[1])
+            key = id(a), id(b)
+            pair = _PAIRS.get(key)
+            if pair is None or {id(pair.a), id(pair.b)} != set(key):
+                pair = _PAIRS[key] = pair_of([a, b])
+                if len(_PAIRS) > _PAIR_CACHE_SIZE:
+                    _PAIRS.popitem(last=False)
+        if pair is not None and GRAD_CLIP.get() is None:
+            if _BUMP is not None:
+                for ts in (first[0], first[2], second[0], second[2]):
+                    _BUMP(ts)
+            with launch_lock(False):
+                _place_grads(a, first[1])
+                _place_grads(b, second[1])
+                launch_pair(pair, hp, skip_zeros)
+            return
+    for (params, grads, states), layout in zip((first, second), layouts):
+        if _BUMP is not None:
+            _BUMP(params)
+            _BUMP(states)
+        _run(params, params, grads, states, states, hp, layout, skip_zeros, False)
+
+
 UNBATCHED_IN_PLACE = (
     "bnbf: the in-place step under vmap cannot write {what}: it is not batched (one tensor shared by every member), "
     "so it cannot take each member's own step in place (torch's vmap refuses such in-place writes)"
 )
 register_direct(_step_op_, "step_", _step_in_place)
 register_direct(_step_op, "step", _step_pure)
+register_direct(_step_pair_op_, "step_pair_", _step_pair_in_place)
 
 
 def _members(tensors: list, dims: list, size: int) -> list[list[Tensor]]:
@@ -730,3 +831,15 @@ def in_place_vmap_rule(pure_rule: Callable, what: str) -> Callable:
 
 
 _step_op_.register_vmap(in_place_vmap_rule(_step_vmap, "a param or state field"))
+
+
+def _step_pair_vmap(info, in_dims, params, grads, states, params2, grads2, states2, hp, *args):
+    """``vmap`` of :func:`step_pair_` (a compiled ``vmap`` of ``update_``): each group's in-place batching rule."""
+    one = in_place_vmap_rule(_step_vmap, "a param or state field")
+    *layout, layout2, skip_zeros = args[:5], args[5:10], args[10]
+    one(info, (*in_dims[:3], in_dims[6]), params, grads, states, hp, *layout[0], skip_zeros, False)
+    one(info, (*in_dims[3:6], in_dims[6]), params2, grads2, states2, hp, *layout2, skip_zeros, False)
+    return None, None
+
+
+_step_pair_op_.register_vmap(_step_pair_vmap)

@@ -937,6 +937,7 @@ def _step_generic(
             check_capture_scalars(call.hparams, call.step, device)
     rows, clip = call_scalars(call, vmapped, skip_zeros, max_unorm, maximize)
     with torch.no_grad():
+        steps = []
         for (device, _, layout), idx in _groups(call.params, call.states):
             ss = [t for i in idx for t in call.states[i]]
             if vmapped:
@@ -945,8 +946,14 @@ def _step_generic(
                 continue
             ps = [call.params[i].detach() for i in idx]
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
-            gs = [call.grads[i].detach().contiguous() for i in idx]
-            ops.step_(work, gs, ss, rows[device], layout, skip_zeros, clip)
+            steps.append((ps, work, [call.grads[i].detach().contiguous() for i in idx], ss, layout, device))
+        if len(steps) == 2 and ops.pairs(steps[0][5], steps[1][5], rows[steps[0][5]], clip):
+            (_, work, gs, ss, layout, _), (_, work2, gs2, ss2, layout2, device) = steps
+            ops.step_pair_(work, gs, ss, work2, gs2, ss2, rows[device], layout, layout2, skip_zeros)
+        else:
+            for _, work, gs, ss, layout, device in steps:
+                ops.step_(work, gs, ss, rows[device], layout, skip_zeros, clip)
+        for ps, work, *_ in steps:
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)

@@ -1,7 +1,8 @@
 """What a step with tensor hyperparameters costs the device beside the step with Python numbers: kernel time per step
-(torch.profiler) of the same in-place 8-bit AdamW step (flat params, :func:`bnbf.flat_layout`) taken four ways:
+(torch.profiler) of the same in-place 8-bit AdamW step (flat params, :func:`bnbf.flat_layout`) taken five ways:
 
-- ``numbers``: ``bnbf.update_`` with Python-number lr and step (the scalars go to the step kernel as arguments);
+- ``numbers``: ``bnbf.update_`` with Python-number lr and step, new values every call (the scalars go to the step
+  kernel as arguments);
 - ``compiled_numbers``: ``torch.compile(fullgraph=True)`` of the same call with Python-number lr and step changing
   every call (graph inputs from Dynamo's first recompile; the op reads their row on the host and the step kernel
   takes them as arguments);
@@ -13,7 +14,8 @@
     python scripts/scalar_cost.py [--sets gpt2_124M,big_1B] [--dtype bf16] [--steps 20]
 
 Prints, per set and way, the device time of a step, its kernel count and the three kernels that take the most;
-``numbers_again``, last, times the first way again (the device's clock drifts within a run).
+``numbers_again`` and ``compiled_numbers_again``, last, time the first two ways again (the device's clock drifts
+within a run).
 GPU only.
 """
 
@@ -51,6 +53,11 @@ def device_time(fn, steps: int) -> tuple[float, float, list]:
     return sum(per.values()), count / steps, top
 
 
+def _lr(step: int) -> float:
+    """The Python-number ways' lr: a new value every step, as under a schedule (the same values in each way)."""
+    return 1e-3 * 0.999 ** (step % 50)
+
+
 def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
     device = torch.device("cuda")
     shapes = bs.SETS[set_name]()
@@ -65,7 +72,7 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
 
     def numbers(i: int) -> None:
         count[0] += 1
-        bnbf.update_(flat, flat_grads, state, {"lr": 1e-3, "weight_decay": 0.01}, count[0])
+        bnbf.update_(flat, flat_grads, state, {"lr": _lr(count[0]), "weight_decay": 0.01}, count[0])
 
     def tensors(i: int) -> None:
         bnbf.update_(flat, flat_grads, state, {"lr": lr, "weight_decay": 0.01}, t)
@@ -85,7 +92,7 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
 
     def compiled_numbers(i: int) -> None:
         count[0] += 1
-        step_numbers(flat, flat_grads, state, 1e-3 * 0.999 ** (count[0] % 50), count[0])
+        step_numbers(flat, flat_grads, state, _lr(count[0]), count[0])
 
     for fn in (numbers, tensors, compiled, compiled_numbers):
         for i in range(3):
@@ -105,7 +112,8 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
         "compiled": compiled,
         "captured": lambda i: graph.replay(),
         "tensors": tensors,
-        "numbers_again": numbers,  # the device's clock drifts within a run: the first way timed again, last
+        "numbers_again": numbers,  # the device's clock drifts within a run: the first two ways timed again, last
+        "compiled_numbers_again": compiled_numbers,
     }
     base = None
     for name, fn in ways.items():

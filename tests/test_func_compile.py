@@ -178,6 +178,31 @@ def test_compiled_numbers_reach_the_kernel_as_numbers(rule, packed, device, monk
     assert _equal(got, run(_given_grads))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_compiled_step_launches_its_two_groups_as_one(device, monkeypatch):
+    """With Python numbers, the traced in-place step's two groups (8-bit states, and the 32-bit states of a tensor
+    under min_8bit_size) reach the kernels through one op call and one launch of the pair kernel, as the eager
+    step's plan launches them, and the steps equal the eager ones bit for bit. The reference path steps them in
+    turn."""
+    launches = []
+    real = launcher.launch_pair
+    monkeypatch.setattr(launcher, "launch_pair", lambda *a, **k: launches.append(1) or real(*a, **k))
+
+    def run(fn):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(64, 300, device=device), "b": torch.randn(300, device=device)}
+        grads = [tree_map(torch.randn_like, params) for _ in range(5)]
+        state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
+        assert {s.layout.bits for s in state.values()} == {8, 32}
+        for t in range(1, 6):
+            fn(params, grads[t - 1], state, 3e-2 / t, t)
+        return params, state
+
+    got = run(torch.compile(_given_grads, fullgraph=True))
+    assert len(launches) == (5 if triton_mode() or device == "cuda" else 0)
+    assert _equal(got, run(_given_grads))
+
+
 def test_aot_eager_functionalizes_the_in_place_step():
     compiled = torch.compile(_in_place_step, fullgraph=True, backend="aot_eager")
     assert _equal(_run(compiled, 8, "tensors", calls=2), _run(_in_place_step, 8, "tensors", calls=2))
