@@ -836,8 +836,8 @@ _step_op_.register_vmap(in_place_vmap_rule(_step_vmap, "a param or state field")
 def _step_pair_vmap(info, in_dims, params, grads, states, params2, grads2, states2, hp, *args):
     """``vmap`` of :func:`step_pair_` (a compiled ``vmap`` of ``update_``): each group's in-place batching rule."""
     one = in_place_vmap_rule(_step_vmap, "a param or state field")
-    *layout, layout2, skip_zeros = args[:5], args[5:10], args[10]
-    one(info, (*in_dims[:3], in_dims[6]), params, grads, states, hp, *layout[0], skip_zeros, False)
+    layout, layout2, skip_zeros = args[:5], args[5:10], args[10]
+    one(info, (*in_dims[:3], in_dims[6]), params, grads, states, hp, *layout, skip_zeros, False)
     one(info, (*in_dims[3:6], in_dims[6]), params2, grads2, states2, hp, *layout2, skip_zeros, False)
     return None, None
 
