@@ -2,19 +2,20 @@
 on GPT-2 small's 148 tensors (8-bit AdamW, 396 state fields; ``--flat``: in 2 flat buffers), against the eager
 call, the kernel launch stubbed out.
 
-    TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile] [--flat]
+    TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile] [--flat] [--numbers]
     python scripts/compile_host.py --cuda        # on a GPU: the same rows (medians), launch stubbed out
 
 On the CPU, ``TRITON_INTERPRET=1`` sends CPU tensors through the custom op's Triton route (address tables,
 cached groups) as CUDA tensors go; the launch is stubbed out, so what is timed is host work only. Rows, in
-microseconds (the minimum over calls on the CPU, a shared machine; medians on a GPU):
+microseconds (the minimum over calls on the CPU, a shared machine; medians on a GPU). lr and step are 0-d tensors;
+``--numbers``: Python numbers changing every call (the compiled call's scalars then a host row, read by the op):
 
 - ``eager update_``: the cached plan's step (the bar);
 - ``compiled``: the whole compiled call;
 - ``guards``: the frame's guard check alone (Dynamo's guard manager over the inputs);
 - ``graph``: the compiled graph called directly (AOTAutograd's runtime wrapper, Inductor's code, the op);
-- ``graph, the op's step a no-op``: the same without ``bnbf.ops._run`` (what is left of the op is its
-  dispatch and version bumps);
+- ``graph, the op's step a no-op``: the same without ``bnbf.ops._run`` and ``_run_pair`` (what is left of the op
+  is its dispatch and version bumps);
 - ``frame``: compiled - guards - graph (Dynamo's frame: the transformed bytecode gathering the inputs);
 - ``compiled, no size asserts``: compiled with ``torch._inductor.config.size_asserts = False`` (Inductor
   checks every input's size and stride at each call by default);
@@ -68,18 +69,21 @@ def host_us(fn, n: int, cuda: bool) -> float:
 
 def graph_of(fn, call) -> tuple:
     """The compiled graph of ``fn`` (its frame's ``__compiled_fn``) and the arguments one call passes it."""
-    names = [k for k in fn.__globals__ if k.startswith("__compiled_fn")]
-    assert len(names) == 1, names
-    real, got = fn.__globals__[names[0]], {}
+    names = [k for k in fn.__globals__ if k.startswith("__compiled_fn")]  # two with numbers (see main)
+    reals, got = {k: fn.__globals__[k] for k in names}, {}
 
-    def spy(*a):
-        got["args"] = a
-        return real(*a)
+    def spy(name):
+        def called(*a):
+            got["fn"], got["args"] = reals[name], a
+            return reals[name](*a)
 
-    fn.__globals__[names[0]] = spy
-    call(0)
-    fn.__globals__[names[0]] = real
-    return real, got["args"]
+        return called
+
+    for k in names:
+        fn.__globals__[k] = spy(k)
+    call(3)
+    fn.__globals__.update(reals)
+    return got["fn"], got["args"]
 
 
 def main() -> None:
@@ -89,6 +93,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--flat", action="store_true", help="params, grads and state flat (bnbf.flat_layout)")
+    ap.add_argument("--numbers", action="store_true", help="lr and step as Python numbers changing every call")
     args = ap.parse_args()
     device = "cuda" if args.cuda else "cpu"
     if not args.cuda and os.environ.get("TRITON_INTERPRET") != "1":
@@ -112,29 +117,35 @@ def main() -> None:
         bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
 
     compiled = torch.compile(step, fullgraph=True)
-    call = lambda i: compiled(params, grads, state, lr, t)
-    call(0)  # compiles
+    scalars = (lambda i: (1e-3 * 0.999 ** (i % 50), i + 2)) if args.numbers else (lambda i: (lr, t))
+    call = lambda i: compiled(params, grads, state, *scalars(i))
+    call(0)  # compiles (numbers: again at the first change)
+    call(1)
     rows["compiled"] = host_us(call, args.calls, args.cuda)
     from torch._C._dynamo.eval_frame import _debug_get_cache_entry_list
 
-    (entry,) = _debug_get_cache_entry_list(step.__code__)
-    f_locals = {"params": params, "grads": grads, "state": state, "lr": lr, "i": t}
-    assert entry.guard_manager.check(f_locals)
+    entries = _debug_get_cache_entry_list(step.__code__)  # two with numbers: the first call's and the general one
+    f_locals = {"params": params, "grads": grads, "state": state, "lr": scalars(3)[0], "i": scalars(3)[1]}
+    (entry,) = [e for e in entries if e.guard_manager.check(f_locals)]
     rows["guards"] = host_us(lambda i: entry.guard_manager.check(f_locals), args.calls, args.cuda)
     graph, graph_args = graph_of(step, call)
     print(f"the graph takes {len(graph_args)} inputs")
     rows["graph"] = host_us(lambda i: graph(*graph_args), args.calls, args.cuda)
-    run, ops._run = ops._run, lambda *a: None
+    run, run_pair = ops._run, ops._run_pair
+    ops._run = ops._run_pair = lambda *a: None
     rows["graph, the op's step a no-op"] = host_us(lambda i: graph(*graph_args), args.calls, args.cuda)
-    ops._run = run
+    ops._run, ops._run_pair = run, run_pair
     rows["frame (compiled - guards - graph)"] = rows["compiled"] - rows["guards"] - rows["graph"]
 
     def step2(params, grads, state, lr, i):  # another code object: a compile of its own
         bnbf.update_(params, grads, state, {"lr": lr, "weight_decay": 0.01}, i)
 
     unchecked = torch.compile(step2, fullgraph=True, options={"size_asserts": False})
-    unchecked(params, grads, state, lr, t)
-    rows["compiled, no size asserts"] = host_us(lambda i: unchecked(params, grads, state, lr, t), args.calls, args.cuda)
+    unchecked(params, grads, state, *scalars(0))
+    unchecked(params, grads, state, *scalars(1))
+    rows["compiled, no size asserts"] = host_us(
+        lambda i: unchecked(params, grads, state, *scalars(i)), args.calls, args.cuda
+    )
 
     def floor(params, grads, state):
         states = [f for s in state.values() for f in s]
