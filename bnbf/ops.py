@@ -314,6 +314,12 @@ def traced_scalar_row(values, device: torch.device, dtype: torch.dtype = torch.f
 HOST = torch.device("cpu")
 
 
+def is_host_row(hp: Any) -> bool:
+    """Whether a call's scalars are a host row: float64 on the CPU, what :func:`bnbf.plan._one_set` makes of a traced
+    call's numbers (every other row is float32, on the params' device)."""
+    return isinstance(hp, Tensor) and hp.dtype == torch.float64 and hp.device.type == "cpu"
+
+
 def host_numbers(hp: Any, device: torch.device) -> Any:
     """The scalars of a launch on ``device`` as its kernel takes them: a host row (float64 on the CPU: a traced
     call whose scalars are all numbers, :func:`bnbf.plan._one_set`) as the Python floats an eager call passes, so
@@ -321,10 +327,8 @@ def host_numbers(hp: Any, device: torch.device) -> Any:
     device); anything else as it is. Every launch (:func:`bnbf.kernels.launcher.launch_group`) and every reference
     step's row (:func:`_as_row`) passes through here. The row is read on the host: no device synchronisation. A
     CUDA graph captured with it would replay the numbers it was captured with, so capturing one raises."""
-    if not isinstance(hp, Tensor) or hp.dtype != torch.float64 or hp.device.type != "cpu":
+    if not is_host_row(hp) or torch.compiler.is_compiling():  # traced: the graph's op call reads it when it runs
         return hp
-    if torch.compiler.is_compiling():
-        return hp  # the graph's op call reads it when it runs
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
         from bnbf.kernels.launcher import not_capturable
 
@@ -383,24 +387,12 @@ _BUMP = getattr(torch._C, "_increment_version", None)
 # ---- two groups in one launch, traced --------------------------------------------------------------------------------
 
 
-def pairs(device: torch.device, device2: torch.device, hp: Any, clip: bool) -> bool:
-    """Whether a traced in-place call's two groups go to :func:`step_pair_`: one device and the scalars a host row
-    (Python numbers: the pair kernel takes them as arguments, as an eager plan's pair launch does), no clipping."""
-    return (
-        torch.compiler.is_compiling()
-        and device == device2
-        and not clip
-        and isinstance(hp, Tensor)
-        and hp.dtype == torch.float64
-        and hp.device.type == "cpu"
-    )
-
-
 def step_pair_(params, grads, states, params2, grads2, states2, hp: Tensor, layout: Layout, layout2: Layout,
                skip_zeros: bool) -> None:  # fmt: skip
-    """Two groups' in-place step through one op call (a compiled step's per-param 8-bit states and the 32-bit
-    states of its small tensors): one launch of the pair kernel where :func:`bnbf.kernels.launcher.pair_of` takes
-    the two groups, as the eager step's plan launches them; else one launch each."""
+    """Two groups' in-place step through one op call (a traced step's 8-bit states and the 32-bit states of its
+    small tensors, on one device, scalars a host row: Python numbers, which the pair kernel takes as arguments; no
+    clipping): one launch of the pair kernel where :func:`bnbf.kernels.launcher.pair_of` takes the two groups, as
+    the eager step's plan launches them; else one launch each."""
     _step_pair_op_(params, grads, states, params2, grads2, states2, hp, *layout, *layout2, skip_zeros)
 
 

@@ -947,7 +947,8 @@ def _step_generic(
             ps = [call.params[i].detach() for i in idx]
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             steps.append((ps, work, [call.grads[i].detach().contiguous() for i in idx], ss, layout, device))
-        if len(steps) == 2 and ops.pairs(steps[0][5], steps[1][5], rows[steps[0][5]], clip):
+        devices = {entry[5] for entry in steps}
+        if len(steps) == 2 and len(devices) == 1 and not clip and ops.is_host_row(rows[steps[0][5]]):
             (_, work, gs, ss, layout, _), (_, work2, gs2, ss2, layout2, device) = steps
             ops.step_pair_(work, gs, ss, work2, gs2, ss2, rows[device], layout, layout2, skip_zeros)
         else:

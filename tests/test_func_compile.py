@@ -167,9 +167,9 @@ def test_compiled_numbers_reach_the_kernel_as_numbers(rule, packed, device, monk
     def run(fn):
         torch.manual_seed(0)
         params = {"w": torch.randn(37, 9, device=device), "b": torch.randn(9, device=device)}
-        grads = [tree_map(torch.randn_like, params) for _ in range(5)]
+        grads = [tree_map(torch.randn_like, params) for _ in range(3)]
         state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), packed=packed)
-        for t in range(1, 6):
+        for t in range(1, 4):  # numbers as constants, then as graph inputs (Dynamo's recompile), then reused
             fn(params, grads[t - 1], state, 3e-2 / t**0.7, t)
         return params, state
 
@@ -190,16 +190,17 @@ def test_a_compiled_step_launches_its_two_groups_as_one(device, monkeypatch):
 
     def run(fn):
         torch.manual_seed(0)
-        params = {"w": torch.randn(64, 300, device=device), "b": torch.randn(300, device=device)}
-        grads = [tree_map(torch.randn_like, params) for _ in range(5)]
+        # the smaller group's tiles within launcher.PAIR_SHARE of the larger's
+        params = {"w": torch.randn(64, 130, device=device), "b": torch.randn(130, device=device)}
+        grads = [tree_map(torch.randn_like, params) for _ in range(3)]
         state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
         assert {s.layout.bits for s in state.values()} == {8, 32}
-        for t in range(1, 6):
+        for t in range(1, 4):
             fn(params, grads[t - 1], state, 3e-2 / t, t)
         return params, state
 
     got = run(torch.compile(_given_grads, fullgraph=True))
-    assert len(launches) == (5 if triton_mode() or device == "cuda" else 0)
+    assert len(launches) == (3 if triton_mode() or device == "cuda" else 0)
     assert _equal(got, run(_given_grads))
 
 
