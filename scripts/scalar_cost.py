@@ -86,7 +86,7 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
         t.fill_(count[0])
         step(flat, flat_grads, state, lr, t)
 
-    step_numbers = torch.compile(
+    step_numbers = torch.compile(  # its own code object: Dynamo keeps these compiles apart from the tensors' way
         lambda p, g, s, lr, t: bnbf.update_(p, g, s, {"lr": lr, "weight_decay": 0.01}, t), fullgraph=True
     )
 
