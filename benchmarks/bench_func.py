@@ -24,6 +24,9 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   grad buffers and 6 state tensors in place of 148, 148 and 396); the note also gives the eager per-param step;
 - ``compile_torch``: torch's own AdamW on the same params, its step compiled (foreach, capturable, lr a 0-d
   tensor) against its eager fused and foreach steps: what "compiled as fast as eager" costs torch's optimizer;
+- ``compile_nn``: ``torch.compile(opt.step)`` of ``bnbf_nn.AdamW8bit`` with a ``LambdaLR`` scheduler (float lr
+  changing every step) against the same eager ``opt.step()`` and scheduler on the same params, synchronized and
+  back to back, with the graphs compiled during the timed steps (0);
 - ``train``: a whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (12 layers,
   768 wide, untied head: 163M params, 150 tensors), batch 8x256, ``torch.compile(fullgraph=True)`` against the
   same step eager and against the eager step written with ``loss.backward()`` on the module;
@@ -85,6 +88,7 @@ import bnbf  # noqa: E402
 HP = {"lr": 1e-3, "weight_decay": 0.01}
 ROWS = (
     "eager", "compile", "compile_numbers", "compile_flat_numbers", "compile_packed", "compile_flat", "compile_torch",
+    "compile_nn",
     "train", "train_packed", "train_flat", "graph", "vmap", "vmap_packed", "vmap_flat", "vmap_graph", "paged", "mixed",
     "clip",
 )  # fmt: skip
@@ -228,10 +232,11 @@ def row_compile(ctx, mode: str = "per_param", numbers: bool = False) -> dict:
 
     eager = median_ms(ctx.device, eager_fn, ctx.warmup, ctx.steps)
     # back to back (one synchronize after them all), as a training loop runs them: the host's work overlaps the
-    # device's wherever it is shorter than the step's kernels
-    first = 4 + ctx.warmup + ctx.steps + 1
-    b2b = _back_to_back(ctx, fn, ctx.steps, first)
-    eager_b2b = _back_to_back(ctx, eager_fn, ctx.steps, first)
+    # device's wherever it is shorter than the step's kernels. 10x the steps: the first call's host time, before
+    # the device starts, is spread over them (over 20 it added ~12 us a step to GPT-2's compiled step)
+    first, n_b2b = 4 + ctx.warmup + ctx.steps + 1, 10 * ctx.steps
+    b2b = _back_to_back(ctx, fn, n_b2b, first)
+    eager_b2b = _back_to_back(ctx, eager_fn, n_b2b, first)
     extra = ""
     if mode != "per_param":  # the bar's eager step: the per-param state's
         per_param = bnbf.init_state(leaf_params, bnbf.OptimSpec(rule="adamw"))
@@ -244,8 +249,9 @@ def row_compile(ctx, mode: str = "per_param", numbers: bool = False) -> dict:
     return {
         "ms": ms,
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
-        "note": f"{extra}eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); back to back compiled {b2b:.3f} "
-        f"ms, eager {eager_b2b:.3f} ({b2b / eager_b2b:.2f}x); host {host:.3f} ms a call, of which guards {guards}; "
+        "note": f"{extra}eager {eager:.3f} ms (compiled/eager {ms / eager:.2f}x); back to back ({n_b2b} calls) "
+        f"compiled {b2b:.3f} ms, eager {eager_b2b:.3f} ({b2b / eager_b2b:.2f}x); host {host:.3f} ms a call, of which "
+        f"guards {guards}; "
         f"torch.compile's floor (a one-op function) {_compile_floor(ctx)}; with inductor size_asserts=False "
         f"{bare_ms:.3f} ms (host {bare_host:.3f}); {ran}; dynamo stats moved by {moved}, {bare_moved} in the timed "
         "steps",
@@ -422,6 +428,42 @@ def row_compile_torch(ctx) -> dict:
         "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "param"),
         "note": f"compiled {ms:.3f} ms (host {host:.3f}); eager fused {fused_ms:.3f} ms (compiled/fused "
         f"{ms / fused_ms:.2f}x), eager foreach {foreach_ms:.3f} ms; first three calls (compiling) {compile_s:.0f} s",
+    }
+
+
+def row_compile_nn(ctx) -> dict:
+    """The adapter compiled as its users compile torch's optimizers: ``torch.compile(opt.step)``, a scheduler
+    stepping lr (a float) after each step; the same optimizer class eager beside it."""
+    import torch._dynamo
+
+    import bnbf_nn
+
+    leaves = _leaves(ctx)
+    ways = {}
+    for name in ("compiled", "eager"):
+        opt = bnbf_nn.AdamW8bit(leaves, **HP)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
+        step = torch.compile(opt.step) if name == "compiled" else opt.step
+
+        def fn(i: int, step=step, sched=sched) -> None:
+            step()
+            sched.step()
+
+        for i in range(1, 4):  # compiles here (a second time when the float lr first changes)
+            fn(i)
+        before = sum(torch._dynamo.utils.counters["stats"].values())
+        ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)
+        moved = sum(torch._dynamo.utils.counters["stats"].values()) - before
+        b2b = _back_to_back(ctx, fn, 10 * ctx.steps, 4 + ctx.warmup + ctx.steps)
+        ways[name] = ms, host, b2b, moved, fn
+    (ms, host, b2b, moved, fn), (e_ms, e_host, e_b2b, _, _) = ways["compiled"], ways["eager"]
+    ran = kernels(ctx.device, lambda: fn(10**4))
+    return {
+        "ms": ms,
+        "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit"),
+        "note": f"eager opt.step {e_ms:.3f} ms (compiled/eager {ms / e_ms:.2f}x); host {host:.3f} ms a call, eager "
+        f"{e_host:.3f}; back to back ({10 * ctx.steps} calls) compiled {b2b:.3f} ms, eager {e_b2b:.3f} "
+        f"({b2b / e_b2b:.2f}x); {ran}; dynamo stats moved by {moved} in the timed steps",
     }
 
 

@@ -4,6 +4,7 @@ call, the kernel launch stubbed out.
 
     TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile] [--flat] [--numbers]
     python scripts/compile_host.py --cuda        # on a GPU: the same rows (medians), launch stubbed out
+    python scripts/compile_host.py --cuda --launch   # the kernels launched (and run): host time with the launch
 
 On the CPU, ``TRITON_INTERPRET=1`` sends CPU tensors through the custom op's Triton route (address tables,
 cached groups) as CUDA tensors go; the launch is stubbed out, so what is timed is host work only. Rows, in
@@ -94,11 +95,13 @@ def main() -> None:
     ap.add_argument("--dtype", default="bf16")
     ap.add_argument("--flat", action="store_true", help="params, grads and state flat (bnbf.flat_layout)")
     ap.add_argument("--numbers", action="store_true", help="lr and step as Python numbers changing every call")
+    ap.add_argument("--launch", action="store_true", help="GPU: launch the kernels rather than stub them out")
     args = ap.parse_args()
     device = "cuda" if args.cuda else "cpu"
     if not args.cuda and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 on the CPU (the Triton route's host work)")
-    stub_launches()
+    if not (args.cuda and args.launch):
+        stub_launches()
     params = {n: torch.zeros(s, dtype=bs.DTYPES[args.dtype], device=device) for n, s in bs.SETS["gpt2_124M"]()}
     grads = {n: torch.zeros_like(v) for n, v in params.items()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
@@ -107,7 +110,8 @@ def main() -> None:
         params, grads = layout.flatten(params), layout.flatten(grads)
         state = layout.init_state(params)
     n_state = sum(len(s) for s in state.values())
-    print(f"{device}, torch {torch.__version__}, {len(params)} params, {n_state} state fields, {args.dtype}")
+    launches = "launched" if args.cuda and args.launch else "launch stubbed"
+    print(f"{device} torch {torch.__version__}, {len(params)} params, {n_state} fields, {args.dtype}, {launches}")
     lr, t = torch.tensor(1e-3, device=device), torch.tensor(1, device=device)
     rows = {}
     hp = {"lr": 1e-3, "weight_decay": 0.01}
@@ -165,6 +169,13 @@ def main() -> None:
             call(i)
         prof.disable()
         pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(40)
+        prof = cProfile.Profile()  # the eager call beside it
+        prof.enable()
+        for i in range(50):
+            bnbf.update_(params, grads, state, hp, i + 1)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(20)
         from torch.profiler import ProfilerActivity, profile
 
         with profile(activities=[ProfilerActivity.CPU]) as tprof:

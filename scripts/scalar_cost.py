@@ -11,11 +11,12 @@
 - ``captured``: the eager call with those tensors captured in a CUDA graph, timed per replay;
 - ``tensors``: the eager call with those tensors (each scalar derived by small torch ops, then stacked).
 
-    python scripts/scalar_cost.py [--sets gpt2_124M,big_1B] [--dtype bf16] [--steps 20]
+    python scripts/scalar_cost.py [--sets gpt2_124M,big_1B] [--dtype bf16] [--steps 20] [--launches]
 
 Prints, per set and way, the device time of a step, its kernel count and the three kernels that take the most;
 ``numbers_again`` and ``compiled_numbers_again``, last, time the first two ways again (the device's clock drifts
-within a run).
+within a run). ``--launches`` first prints how one eager and one compiled call with numbers launch: configuration
+key, grid, the compiled kernel's handle and every argument that differs (to tell a specialization from a value).
 GPU only.
 """
 
@@ -58,7 +59,71 @@ def _lr(step: int) -> float:
     return 1e-3 * 0.999 ** (step % 50)
 
 
-def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
+def compare_launches(ways: dict) -> None:
+    """Print how one call's launches differ between ``ways``: configuration key, grid, the compiled kernel's
+    handle (the same handle: the same Triton specialization) and each argument that differs (ints with their
+    remainder mod 16, which Triton specializes on)."""
+    import bnbf.kernels.launcher as launcher
+
+    real, seen = launcher.launch, {}
+
+    def recorder(name):
+        def rec(compiled, device, key, grid, args, dispatch):
+            real(compiled, device, key, grid, args, dispatch)
+            handle = compiled.get(key, (None, None))[1]
+            seen.setdefault(name, []).append((key, grid, handle, args))
+
+        return rec
+
+    for name, fn in ways.items():
+        launcher.launch = recorder(name)
+        try:
+            fn(0)
+        finally:
+            launcher.launch = real
+    torch.cuda.synchronize()
+    (a_name, a), (b_name, b) = seen.items()
+    print(f"launches: {a_name} {len(a)}, {b_name} {len(b)}")
+    for (ka, ga, ha, xa), (kb, gb, hb, xb) in zip(a, b):
+        same = f"key same {ka == kb} ({ka}), grid {ga} / {gb}, kernel handle same {ha == hb}"
+        print(f"  {same}, args {len(xa)} / {len(xb)}")
+        for i, (u, v) in enumerate(zip(xa, xb)):
+            if u != v:
+                mod = f" (mod 16: {u % 16} / {v % 16})" if isinstance(u, int) and isinstance(v, int) else ""
+                print(f"    arg {i}: {u!r} / {v!r}{mod}")
+
+
+def placement(numbers, compiled_numbers, flat, state, steps: int) -> None:  # noqa: ARG001 (flat, state: the key)
+    """Whether the eager and compiled numbers ways differ by their tables alone (one group: the 1.07B set): the
+    two groups' tables compared, the compiled way timed with the eager plan's tables, then the eager way with
+    its table copied to other addresses."""
+    from bnbf import functional, ops
+
+    pg = functional._LAST[id(flat), id(state)]().groups[0][1]  # the eager way's plan
+    cached = [g for g, _ in ops._GROUPS.values() if g.table.shape == pg.table.shape and g is not pg]
+    og = cached[-1]  # the op's most recently used group: the compiled numbers way's (it ran last)
+    for g in cached:
+        same = torch.equal(g.table, pg.table), torch.equal(g.grad_table, pg.grad_table)
+        print(f"placement: op group {'(the last) ' * (g is og)}table equal {same[0]}, grad table equal {same[1]}")
+
+    def timed(name, fn):
+        us = device_time(fn, steps)[0]
+        print(f"  {name}: {us:.1f} us (table at {pg.table.data_ptr() % 65536} / {og.table.data_ptr() % 65536})")
+
+    timed("numbers", numbers)
+    timed("compiled_numbers", compiled_numbers)
+    og.table, og.grad_table = pg.table, pg.grad_table  # the compiled way now launches with the eager tables
+    timed("compiled_numbers, the eager tables", compiled_numbers)
+    timed("numbers", numbers)
+    junk = []
+    for k in range(4):  # the eager table moved: allocations of other sizes between
+        junk.append(torch.empty(512 * (k + 1) + 128, dtype=torch.uint8, device=pg.table.device))
+        pg.table = og.table = pg.table.clone()
+        timed(f"numbers, table copy {k}", numbers)
+        timed("compiled_numbers, sharing it", compiled_numbers)
+
+
+def run(set_name: str, dtype: torch.dtype, steps: int, launches: bool = False) -> None:
     device = torch.device("cuda")
     shapes = bs.SETS[set_name]()
     params = bs.make_tensors(shapes, dtype, device, 0.02, 0)
@@ -97,6 +162,10 @@ def run(set_name: str, dtype: torch.dtype, steps: int) -> None:
     for fn in (numbers, tensors, compiled, compiled_numbers):
         for i in range(3):
             fn(i)
+    if launches:
+        compare_launches({"numbers": numbers, "compiled_numbers": compiled_numbers})
+        if len(bnbf.functional._LAST[id(flat), id(state)]().groups) == 1:
+            placement(numbers, compiled_numbers, flat, state, steps)
     side = torch.cuda.Stream()  # warm-up on a side stream, as torch.cuda.graphs asks
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -128,12 +197,13 @@ def main() -> None:
     parser.add_argument("--sets", default="gpt2_124M,big_1B")
     parser.add_argument("--dtype", default="bf16", choices=sorted(bs.DTYPES))
     parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--launches", action="store_true", help="first: how the eager and compiled launches differ")
     args = parser.parse_args()
     print(torch.cuda.get_device_name(), "torch", torch.__version__, "triton", __import__("triton").__version__)
     print("| set | way | device us a step | / numbers | kernels a step | top kernels (us a step) |")
     print("|---|---|---|---|---|---|")
     for set_name in args.sets.split(","):
-        run(set_name, bs.DTYPES[args.dtype], args.steps)
+        run(set_name, bs.DTYPES[args.dtype], args.steps, args.launches)
 
 
 if __name__ == "__main__":
