@@ -89,6 +89,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import inspect
 import itertools
 import operator
@@ -143,6 +144,7 @@ def _plain_step(opt: torch.optim.Optimizer) -> bool:
 
 
 _GRAD = operator.attrgetter("grad")
+_IS_NONE = functools.partial(operator.is_, None)
 _NUMBER = frozenset({float, int})
 _SCALAR = frozenset({float, int, bool, str, type(None)})
 _CONSTANT = _SCALAR | {tuple}
@@ -1168,7 +1170,8 @@ def _grads_of(params: list) -> tuple[list, bool]:
     if NATIVE is not None:
         return NATIVE.grads_of(params)
     grads = list(map(_GRAD, params))
-    return grads, None not in grads
+    # by identity: `None in grads` would call each tensor's __eq__ (~13 us apiece, 1.9 ms for GPT-2's 148)
+    return grads, not any(map(_IS_NONE, grads))
 
 
 def _set_steps(records: list, t: int) -> None:

@@ -316,6 +316,25 @@ def test_the_fast_path_runs_without_the_extension(monkeypatch, native):
 
 
 @surface
+def test_the_python_grads_of_finds_a_missing_grad_by_identity(monkeypatch):
+    """Without the extension, whether every param has a grad is asked by identity: ``None in grads`` called each
+    tensor's ``__eq__`` (1.9 ms of GPT-2's 2.5 ms eager step host time on the CPU)."""
+    monkeypatch.setattr(optim, "NATIVE", None)
+    params = _model()
+    _grads(params, 1)
+
+    def no_eq(self, other):
+        raise AssertionError("a tensor was compared with ==")
+
+    monkeypatch.setattr(torch.Tensor, "__eq__", no_eq)
+    grads, every = optim._grads_of(params)
+    assert every and all(g is p.grad for g, p in zip(grads, params))
+    params[1].grad = None
+    grads, every = optim._grads_of(params)
+    assert not every and grads[1] is None and grads[0] is params[0].grad
+
+
+@surface
 @pytest.mark.parametrize("family", ["AdamW", "Lion", "SGD", "LAMB"])
 def test_a_schedule_steps_as_the_functional_step_with_each_lr(family):
     """A new lr every step (a schedule), taken as the last step's validated settings with the lr replaced:
