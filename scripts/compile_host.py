@@ -5,6 +5,7 @@ call, the kernel launch stubbed out.
     TRITON_INTERPRET=1 python scripts/compile_host.py [--dtype bf16] [--calls 300] [--profile] [--flat] [--numbers]
     python scripts/compile_host.py --cuda        # on a GPU: the same rows (medians), launch stubbed out
     python scripts/compile_host.py --cuda --launch   # the kernels launched (and run): host time with the launch
+    python scripts/compile_host.py --nn [--cuda] [--profile]   # bnbf_nn.AdamW8bit: torch.compile(opt.step), eager
 
 On the CPU, ``TRITON_INTERPRET=1`` sends CPU tensors through the custom op's Triton route (address tables,
 cached groups) as CUDA tensors go; the launch is stubbed out, so what is timed is host work only. Rows, in
@@ -87,6 +88,39 @@ def graph_of(fn, call) -> tuple:
     return got["fn"], got["args"]
 
 
+def nn_rows(args, device: str) -> None:
+    """``--nn``: the host time of ``torch.compile(opt.step)`` of ``bnbf_nn.AdamW8bit`` with a ``LambdaLR``
+    scheduler, and of the eager ``opt.step()``, on GPT-2's 148 params (bf16, launches stubbed unless --launch)."""
+    import bnbf_nn
+
+    shapes = bs.SETS["gpt2_124M"]()
+    params = [torch.nn.Parameter(torch.zeros(s, dtype=bs.DTYPES[args.dtype], device=device)) for _, s in shapes]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    opt = bnbf_nn.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.999**s)
+    step = torch.compile(opt.step)
+
+    def call(i):
+        step()
+        sched.step()
+
+    for i in range(3):  # compiles (again when the lr first changes)
+        call(i)
+    eager = bnbf_nn.AdamW8bit(params, lr=1e-3, weight_decay=0.01)
+    eager.step()
+    print(f"| eager opt.step | {host_us(lambda i: eager.step(), args.calls, args.cuda):.0f} us |")
+    print(f"| compiled opt.step, then the scheduler's step | {host_us(call, args.calls, args.cuda):.0f} us |")
+    if args.profile:
+        prof = cProfile.Profile()
+        prof.enable()
+        for i in range(20):
+            call(i)
+        prof.disable()
+        pstats.Stats(prof).sort_stats("tottime").print_stats(20)
+        pstats.Stats(prof).sort_stats("cumulative").print_stats(30)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--cuda", action="store_true")
@@ -96,12 +130,15 @@ def main() -> None:
     ap.add_argument("--flat", action="store_true", help="params, grads and state flat (bnbf.flat_layout)")
     ap.add_argument("--numbers", action="store_true", help="lr and step as Python numbers changing every call")
     ap.add_argument("--launch", action="store_true", help="GPU: launch the kernels rather than stub them out")
+    ap.add_argument("--nn", action="store_true", help="bnbf_nn.AdamW8bit's step compiled with torch.compile")
     args = ap.parse_args()
     device = "cuda" if args.cuda else "cpu"
     if not args.cuda and os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1 on the CPU (the Triton route's host work)")
     if not (args.cuda and args.launch):
         stub_launches()
+    if args.nn:
+        return nn_rows(args, device)
     params = {n: torch.zeros(s, dtype=bs.DTYPES[args.dtype], device=device) for n, s in bs.SETS["gpt2_124M"]()}
     grads = {n: torch.zeros_like(v) for n, v in params.items()}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"))
