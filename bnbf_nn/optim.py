@@ -437,8 +437,6 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
         self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
-        self._traced_key: list | None = None  # (id(group), id(bucket)) of the last compiled step's jobs
-        self._traced_cache: list = []  # those jobs: the same list object while they stay (Dynamo guards on it)
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
@@ -579,8 +577,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         of the last step (or only a new number as lr: a schedule), no step hooks, profiler or tracing. Every
         group is checked, and its settings validated, before any steps; then each group is one plan step and
         one write of its params' step counts, as :meth:`_run` does."""
-        if _compiling():  # first: all that Dynamo traces of this frame (steps it compiles keep tensor counts,
-            return False  # which send the next eager step down the general path)
+        if _compiling():  # first: all that Dynamo traces of this frame (the compiled step is _traced_step)
+            return False
         fast = self._fast
         groups = self.param_groups
         mng = GlobalOptimManager._instance
@@ -644,31 +642,41 @@ class Optimizer8bit(torch.optim.Optimizer):
         """The step as torch.compile traces it: the bookkeeping (checks, new states, buckets) runs eagerly in
         :meth:`_traced_jobs`, and the traced part is each bucket's :func:`bnbf.update_` with the group's
         hyperparameters as Dynamo sees them (a tensor lr a graph input, a float lr a symbolic float after
-        Dynamo's first recompile, as for torch.optim) and the step counts as tensors, added to in the graph
-        (so a new step never recompiles)."""
+        Dynamo's first recompile, as for torch.optim). Where every setting is a number, the new step count
+        comes from :meth:`_traced_jobs` as a Python int, an input of the frame Dynamo resumes in (a symbolic int
+        after the recompile that a scheduled float lr makes too), so the compiled step is the eager one: the
+        same kernel with the same numbers, the counts ints in the state. With capturable=True,
+        differentiable=True or a tensor setting (a tensor lr: no recompile) the counts are 0-d tensors, added
+        to in the graph, as torch.optim's compiled steps keep them."""
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        for group, bucket in self._traced_jobs():
+        for group, bucket, t in self._traced_jobs():
             hp = self._hparams(group, bucket.override)
             kw = {k: bucket.override.get(k, group[k]) for k in _CALL}
-            steps = [r["step"] for r in bucket.records]
-            torch._foreach_add_(steps, 1)
+            ints = t is not None  # a symbolic int while tracing: Dynamo writes the counts after the graph runs
+            if not ints:
+                steps = [r["step"] for r in bucket.records]
+                torch._foreach_add_(steps, 1)
+                t = steps[0]
             grads = [p.grad for p in bucket.params]
             if group["differentiable"]:
                 with torch.enable_grad():
-                    bnbf.update_(bucket.params, grads, bucket.states, hp, steps[0], differentiable=True, **kw)
-            else:
-                bnbf.update_(bucket.params, grads, bucket.states, hp, steps[0], **kw)
+                    bnbf.update_(bucket.params, grads, bucket.states, hp, t, differentiable=True, **kw)
+                continue
+            bnbf.update_(bucket.params, grads, bucket.states, hp, t, **kw)
+            if ints:
+                for r in bucket.records:
+                    r["step"] = t
         return loss
 
     @torch.compiler.disable
     def _traced_jobs(self) -> list:
         """Eagerly, for :meth:`_traced_step`: every group checked and prepared as an eager step prepares it
-        (states for new grads, each record's step as a 0-d int64 tensor on its param's device, as with
-        capturable=True), and the (group, bucket) pairs to step, the same list while nothing changes (Dynamo
-        guards on it)."""
+        (states for new grads; step counts as ints, or as 0-d int64 tensors on the params' devices with
+        capturable=True, differentiable=True or a tensor setting such as a tensor lr), and a (group, bucket, new
+        step count) triple for each bucket to step, the count None where the counts are tensors."""
         jobs = []
         prepared = [self._prepare_group(group) for group in self.param_groups]
         for group, plan, grads, every in prepared:
@@ -683,9 +691,15 @@ class Optimizer8bit(torch.optim.Optimizer):
                     )
                 if bucket.call is None:
                     bucket.call = self._settings(g, bucket)
+                # tensor counts where an int would cost a compile: its second value recompiles (Dynamo's automatic
+                # dynamic), which a float lr's schedule pays anyway and a tensor lr never does
+                tensors = bucket.memo is None and self._tensor_settings(g, bucket)
+                modes = g["capturable"] or g["differentiable"] or tensors
                 for r, p in zip(bucket.records, bucket.params):
-                    if type(r["step"]) is int:
+                    if type(r["step"]) is int and modes:
                         r["step"] = torch.tensor(r["step"], dtype=torch.int64, device=p.device)
+                    elif type(r["step"]) is not int and not modes:  # tensor counts of a group that turned both off
+                        r["step"] = int(r["step"])
                 steps = [int(r["step"]) for r in bucket.records] if not bucket.uniform else ()
                 if steps and steps.count(steps[0]) != len(steps):
                     raise NotImplementedError(
@@ -693,11 +707,13 @@ class Optimizer8bit(torch.optim.Optimizer):
                         "grad in an earlier step) is not supported; step them eagerly"
                     )
                 bucket.uniform = True
-            jobs += pairs
-        key = [(id(g), id(b)) for g, b in jobs]
-        if key != self._traced_key:
-            self._traced_key, self._traced_cache = key, jobs
-        return self._traced_cache
+                jobs.append((g, bucket, None if modes else bucket.records[0]["step"] + 1))
+        return jobs
+
+    def _tensor_settings(self, group: dict, bucket: _Bucket) -> bool:
+        """Whether some setting of the bucket (its group's or an override) is a tensor."""
+        values = (*self._seen(group), *bucket.override.values())
+        return any(isinstance(v, Tensor) for v in torch.utils._pytree.tree_leaves(values))
 
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of

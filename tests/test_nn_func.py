@@ -11,8 +11,9 @@
   for bit, and without capturable=True capturing raises.
 - torch.compile: ``torch.compile(opt.step)`` of every family in a loop with an LR scheduler compiles no more
   graphs than torch.optim.AdamW in the same loop (Dynamo's CompileCounter), never again after the calls that
-  torch's compile too, and equals the eager capturable steps bit for bit (the counting backend runs the
-  traced graph as it is).
+  torch's compile too, and equals the eager steps bit for bit (the counting backend runs the traced graph as
+  it is), its step counts ints as the eager step keeps them; with a tensor lr or capturable=True it equals the
+  eager capturable steps, its counts tensors on the device; compiled and eager steps interleave.
 """
 
 from __future__ import annotations
@@ -238,18 +239,57 @@ def test_compiled_step_compiles_no_more_than_torchs_adamw(name, tensor_lr):
     assert ours[-1] <= ref[-1], f"{name}8bit compiled {ours} graphs by call, torch's AdamW {ref}"
     assert ours[-1] == ours[1], f"{name}8bit recompiled after its second call: {ours}"
     torch._dynamo.reset()
-    # the same steps eagerly, with tensor steps (what the compiled step keeps): equal bit for bit
-    torch.manual_seed(0)
-    eager_params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
-    opt = _make(name, eager_params, lr=as_lr(lr0), capturable=True)
+    # the same steps eagerly: equal bit for bit (with a tensor lr the compiled step keeps tensor step counts on
+    # the device, as capturable=True does: float32 bias corrections)
+    eager_params = _eager_loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr), capturable=tensor_lr), lr0)[0]
+    for p, q in zip(params, eager_params):
+        assert torch.equal(p, q), f"{name}8bit: the compiled steps differ from the eager ones"
+
+
+def _eager_loop(make, lr, steps=3, opt=None, params=None):
+    """``_compiled_loop``'s steps eagerly (the same seed and grads), or continuing ``opt`` over ``params``."""
+    if opt is None:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+        opt = make(params, lr)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    for _ in range(3):
-        for p in eager_params:
+    for _ in range(steps):
+        for p in params:
             p.grad = torch.randn_like(p)
         opt.step()
         sched.step()
-    for p, q in zip(params, eager_params):
-        assert torch.equal(p, q), f"{name}8bit: the compiled steps differ from the eager ones"
+    return params, opt
+
+
+@pytest.mark.parametrize("capturable", [False, True], ids=["int_steps", "capturable"])
+def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_steps(capturable):
+    """The compiled step keeps the counts as the eager step of the same group does (ints; 0-d int64 tensors with
+    capturable=True), so eager steps after compiled ones continue the same run: three compiled then two eager
+    steps equal five eager steps bit for bit."""
+    make = lambda ps, lr: _make("AdamW", ps, lr=lr, capturable=capturable)
+    params = _compiled_loop(make, 1e-3)[1]
+    torch._dynamo.reset()
+    ref, ref_opt = _eager_loop(make, 1e-3, steps=5)
+    torch.manual_seed(0)
+    again = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = make(again, 1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    step = torch.compile(opt.step, backend=CompileCounter())
+    for k in range(5):
+        for p in again:
+            p.grad = torch.randn_like(p)
+        (step if k < 3 else opt.step)()
+        sched.step()
+        if k == 2:  # after the compiled steps: the counts as the eager step keeps them
+            for p, q in zip(again, params):
+                assert torch.equal(p, q)
+            counts = [opt.state[p]["step"] for p in again]
+            assert all(isinstance(c, torch.Tensor) if capturable else type(c) is int for c in counts), counts
+            assert [int(c) for c in counts] == [3, 3]
+    torch._dynamo.reset()
+    for p, q in zip(again, ref):
+        assert torch.equal(p, q), "three compiled then two eager steps differ from five eager steps"
+    assert [int(opt.state[p]["step"]) for p in again] == [int(ref_opt.state[p]["step"]) for p in ref] == [5, 5]
 
 
 @functools.cache

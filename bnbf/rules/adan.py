@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
@@ -78,7 +79,7 @@ def scalars(h: AdanHparams, step: Number) -> AdanScalars:
         eps=h.eps,
         inv_bc3_sqrt=1 / (1 - b3**step) ** 0.5,
         decay=lr_wd * prox,
-        not_first=(step != 1).float() if hasattr(step, "dtype") else float(step != 1),
+        not_first=(step != 1).float() if isinstance(step, torch.Tensor) else 1 - 1 // step,  # unguarded when traced
         omb1=1 - b1,
         omb2=1 - b2,
         omb3=1 - b3,

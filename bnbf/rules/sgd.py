@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import NamedTuple
 
+import torch
 import triton
 import triton.language as tl
 
@@ -48,7 +49,8 @@ class SGDScalars(NamedTuple):
 
 
 def scalars(h: SGDHparams, step: Number) -> SGDScalars:
-    first = step == 1 if not hasattr(step, "dtype") else (step == 1).float()
+    # 1 // step: 1 at the first step, 0 after, with no comparison (a traced symbolic step stays unguarded)
+    first = (step == 1).float() if isinstance(step, torch.Tensor) else 1 // step
     return SGDScalars(
         lr=h.lr,
         wd=h.weight_decay,
