@@ -178,6 +178,41 @@ def test_compiled_numbers_reach_the_kernel_as_numbers(rule, packed, device, monk
     assert _equal(got, run(_given_grads))
 
 
+_EXTRA = {"sgd": {"momentum": 0.9}, "lars": {"momentum": 0.9}, "ademamix": {"t_alpha": 10, "t_beta3": 10}}
+
+
+@pytest.mark.parametrize("rule", sorted(bnbf.rules.RULES))
+def test_every_rule_compiles_with_a_python_number_step_that_changes(rule):
+    """Every rule's scalars traced from a Python-number step that changes every call (a symbolic int from
+    Dynamo's first recompile on): no graph break, two compiles at most and none after the second call, and the
+    eager steps bit for bit. A scalar that compares the step (SGD's and Adan's first-step flags) would put a
+    guard on its value, or break the graph."""
+    hp = {"lr": 1e-2, "weight_decay": 0.01, **_EXTRA.get(rule, {})}
+
+    def run(fn):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+        state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), hp)
+        for t in range(1, 5):
+            fn(params, tree_map(torch.randn_like, params), state, {**hp, "lr": hp["lr"] / t}, t)
+        return params, state
+
+    def step(params, grads, state, h, t):
+        bnbf.update_(params, grads, state, h, t)
+
+    cnt = CompileCounter()
+    graphs = []
+    compiled = torch.compile(step, fullgraph=True, backend=cnt)
+
+    def counted(*args):
+        compiled(*args)
+        graphs.append(cnt.frame_count)
+
+    got = run(counted)
+    assert graphs[-1] <= 2 and graphs[-1] == graphs[1], f"{rule}: graphs after each call {graphs}"
+    assert _equal(got, run(step)), f"{rule}: the compiled steps differ from the eager ones"
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_compiled_step_launches_its_two_groups_as_one(device, monkeypatch):
     """With Python numbers, the traced in-place step's two groups (8-bit states, and the 32-bit states of a tensor

@@ -55,7 +55,8 @@ def _ln(x):
 
 
 def _min(a, b):
-    return torch.minimum(a, torch.as_tensor(b, dtype=a.dtype)) if isinstance(a, torch.Tensor) else min(a, b)
+    # sym_min: a traced symbolic number stays unguarded (a comparison would guard, and on floats that fails)
+    return torch.minimum(a, torch.as_tensor(b, dtype=a.dtype)) if isinstance(a, torch.Tensor) else torch.sym_min(a, b)
 
 
 def _alpha(h: AdEMAMixHparams, step):
@@ -68,8 +69,11 @@ def _beta3(h: AdEMAMixHparams, step):
         return b3
     frac = step / h.t_beta3
     ln_b1, ln_b3 = _ln(b1), _ln(b3)
-    x = ln_b1 * ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)
-    return _min(x.exp() if isinstance(x, torch.Tensor) else math.exp(x), b3)
+    if isinstance(frac, torch.Tensor):
+        return _min((ln_b1 * ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)).exp(), b3)
+    # exp(ln b1 * y) as b1 ** y: a traced symbolic step stays symbolic through a power, where math.exp would
+    # make it a constant (a compile per step)
+    return _min(b1 ** (ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)), b3)
 
 
 class AdEMAMixScalars(NamedTuple):
