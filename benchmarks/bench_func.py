@@ -25,8 +25,9 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
 - ``compile_torch``: torch's own AdamW on the same params, its step compiled (foreach, capturable, lr a 0-d
   tensor) against its eager fused and foreach steps: what "compiled as fast as eager" costs torch's optimizer;
 - ``compile_nn``: ``torch.compile(opt.step)`` of ``bnbf_nn.AdamW8bit`` with a ``LambdaLR`` scheduler (float lr
-  changing every step) against the same eager ``opt.step()`` and scheduler on the same params, synchronized and
-  back to back, with the graphs compiled during the timed steps (0);
+  changing every step; a group of numbers steps eagerly inside the compiled call) against the same eager
+  ``opt.step()`` and scheduler on the same params, synchronized and back to back, with the graphs compiled
+  during the timed steps (0);
 - ``train``: a whole training step (forward, backward, ``update_``) of a GPT-2-small-shaped model (12 layers,
   768 wide, untied head: 163M params, 150 tensors), batch 8x256, ``torch.compile(fullgraph=True)`` against the
   same step eager and against the eager step written with ``loss.backward()`` on the module;
@@ -449,7 +450,7 @@ def row_compile_nn(ctx) -> dict:
             step()
             sched.step()
 
-        for i in range(1, 4):  # compiles here (a second time when the float lr first changes)
+        for i in range(1, 4):  # warm-up: Dynamo's frames (the step itself compiles no graph: numbers only)
             fn(i)
         before = sum(torch._dynamo.utils.counters["stats"].values())
         ms, host = timed(ctx.device, fn, ctx.warmup, ctx.steps, first=4)

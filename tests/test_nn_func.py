@@ -12,8 +12,9 @@
 - torch.compile: ``torch.compile(opt.step)`` of every family in a loop with an LR scheduler compiles no more
   graphs than torch.optim.AdamW in the same loop (Dynamo's CompileCounter), never again after the calls that
   torch's compile too, and equals the eager steps bit for bit (the counting backend runs the traced graph as
-  it is), its step counts ints as the eager step keeps them; with a tensor lr or capturable=True it equals the
-  eager capturable steps, its counts tensors on the device; compiled and eager steps interleave.
+  it is). A group whose settings are all numbers compiles no graph (its eager fused step runs in the compiled
+  call), its step counts ints; with a tensor lr or capturable=True the step is traced and equals the eager
+  capturable steps, its counts tensors on the device; compiled and eager steps interleave.
 """
 
 from __future__ import annotations
@@ -265,7 +266,8 @@ def _eager_loop(make, lr, steps=3, opt=None, params=None):
 def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_steps(capturable):
     """The compiled step keeps the counts as the eager step of the same group does (ints; 0-d int64 tensors with
     capturable=True), so eager steps after compiled ones continue the same run: three compiled then two eager
-    steps equal five eager steps bit for bit."""
+    steps equal five eager steps bit for bit. With numbers only, no graph is compiled: the step runs eagerly
+    within the compiled call (one fused launch either way, without torch's host work for each tensor input)."""
     make = lambda ps, lr: _make("AdamW", ps, lr=lr, capturable=capturable)
     params = _compiled_loop(make, 1e-3)[1]
     torch._dynamo.reset()
@@ -274,7 +276,8 @@ def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_st
     again = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
     opt = make(again, 1e-3)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    step = torch.compile(opt.step, backend=CompileCounter())
+    cnt = CompileCounter()
+    step = torch.compile(opt.step, backend=cnt)
     for k in range(5):
         for p in again:
             p.grad = torch.randn_like(p)
@@ -286,10 +289,37 @@ def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_st
             counts = [opt.state[p]["step"] for p in again]
             assert all(isinstance(c, torch.Tensor) if capturable else type(c) is int for c in counts), counts
             assert [int(c) for c in counts] == [3, 3]
+            assert (cnt.frame_count > 0) == capturable, f"{cnt.frame_count} graphs compiled"
     torch._dynamo.reset()
     for p, q in zip(again, ref):
         assert torch.equal(p, q), "three compiled then two eager steps differ from five eager steps"
     assert [int(opt.state[p]["step"]) for p in again] == [int(ref_opt.state[p]["step"]) for p in ref] == [5, 5]
+
+
+def test_compiled_step_after_eager_steps_compiles_nothing_and_continues_the_run():
+    """Eager steps first (they arm the adapter's fast path), then compiled ones: Dynamo runs ``opt.step``'s frame
+    eagerly (it holds no tensor) and would compile each callee of the fast path on its own; the fast path steps
+    aside inside a compiled call, so nothing is compiled, and two eager then three compiled steps equal five
+    eager steps bit for bit."""
+    make = lambda ps, lr: _make("AdamW", ps, lr=lr)
+    torch._dynamo.reset()
+    ref = _eager_loop(make, 1e-3, steps=5)[0]
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = make(params, 1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cnt = CompileCounter()
+    step = torch.compile(opt.step, backend=cnt)
+    for k in range(5):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        (opt.step if k < 2 else step)()
+        sched.step()
+    torch._dynamo.reset()
+    assert cnt.frame_count == 0, f"{cnt.frame_count} graphs compiled"
+    for p, q in zip(params, ref):
+        assert torch.equal(p, q), "two eager then three compiled steps differ from five eager steps"
+    assert [opt.state[p]["step"] for p in params] == [5, 5]
 
 
 @functools.cache
