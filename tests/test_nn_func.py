@@ -322,6 +322,35 @@ def test_compiled_step_after_eager_steps_compiles_nothing_and_continues_the_run(
     assert [opt.state[p]["step"] for p in params] == [5, 5]
 
 
+def test_compiled_step_of_a_plain_group_beside_a_capturable_one():
+    """One group of numbers (stepped eagerly inside the compiled call) and one capturable group with a tensor lr
+    (traced: one graph, never recompiled): both equal the eager steps bit for bit, their counts as eager keeps them."""
+
+    def run(compiled: bool):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        a, b = [torch.nn.Parameter(torch.randn(257))], [torch.nn.Parameter(torch.randn(4, 9))]
+        groups = [{"params": a}, {"params": b, "capturable": True, "lr": torch.tensor(2e-3)}]
+        opt = _make("AdamW", groups, lr=1e-3)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        cnt = CompileCounter()
+        step = torch.compile(opt.step, backend=cnt) if compiled else opt.step
+        for _ in range(4):
+            for p in a + b:
+                p.grad = torch.randn_like(p)
+            step()
+            sched.step()
+        return a + b, cnt.frame_count, [opt.state[p]["step"] for p in a + b]
+
+    (ours, graphs, counts), (ref, _, ref_counts) = run(True), run(False)
+    torch._dynamo.reset()
+    assert graphs == 1, f"{graphs} graphs compiled"
+    for p, q in zip(ours, ref):
+        assert torch.equal(p, q), "the compiled steps differ from the eager ones"
+    assert type(counts[0]) is int and isinstance(counts[1], torch.Tensor)
+    assert [int(c) for c in counts] == [int(c) for c in ref_counts] == [4, 4]
+
+
 @functools.cache
 def _torch_adamw_inductor_graphs(tensor_lr: bool) -> list[int]:
     make = lambda ps, lr: torch.optim.AdamW(ps, lr=torch.tensor(lr) if tensor_lr else lr)
