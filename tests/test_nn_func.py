@@ -262,6 +262,26 @@ def _eager_loop(make, lr, steps=3, opt=None, params=None):
     return params, opt
 
 
+def _interleaved(make, compiled_at, steps=5, after=None):
+    """``_eager_loop``'s run with the steps numbered in ``compiled_at`` (from 0) taken by ``torch.compile(opt.step)``
+    (a CompileCounter backend), ``after(k, params, opt, counter)`` called after each: the params, the optimizer
+    and the counter."""
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = make(params, 1e-3)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+    cnt = CompileCounter()
+    step = torch.compile(opt.step, backend=cnt)
+    for k in range(steps):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        (step if k in compiled_at else opt.step)()
+        sched.step()
+        if after is not None:
+            after(k, params, opt, cnt)
+    return params, opt, cnt
+
+
 @pytest.mark.parametrize("capturable", [False, True], ids=["int_steps", "capturable"])
 def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_steps(capturable):
     """The compiled step keeps the counts as the eager step of the same group does (ints; 0-d int64 tensors with
@@ -272,17 +292,8 @@ def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_st
     params = _compiled_loop(make, 1e-3)[1]
     torch._dynamo.reset()
     ref, ref_opt = _eager_loop(make, 1e-3, steps=5)
-    torch.manual_seed(0)
-    again = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
-    opt = make(again, 1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    cnt = CompileCounter()
-    step = torch.compile(opt.step, backend=cnt)
-    for k in range(5):
-        for p in again:
-            p.grad = torch.randn_like(p)
-        (step if k < 3 else opt.step)()
-        sched.step()
+
+    def after(k, again, opt, cnt):
         if k == 2:  # after the compiled steps: the counts as the eager step keeps them
             for p, q in zip(again, params):
                 assert torch.equal(p, q)
@@ -290,6 +301,8 @@ def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_st
             assert all(isinstance(c, torch.Tensor) if capturable else type(c) is int for c in counts), counts
             assert [int(c) for c in counts] == [3, 3]
             assert (cnt.frame_count > 0) == capturable, f"{cnt.frame_count} graphs compiled"
+
+    again, opt, _ = _interleaved(make, compiled_at=(0, 1, 2), after=after)
     torch._dynamo.reset()
     for p, q in zip(again, ref):
         assert torch.equal(p, q), "three compiled then two eager steps differ from five eager steps"
@@ -304,17 +317,7 @@ def test_compiled_step_after_eager_steps_compiles_nothing_and_continues_the_run(
     make = lambda ps, lr: _make("AdamW", ps, lr=lr)
     torch._dynamo.reset()
     ref = _eager_loop(make, 1e-3, steps=5)[0]
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
-    opt = make(params, 1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    cnt = CompileCounter()
-    step = torch.compile(opt.step, backend=cnt)
-    for k in range(5):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        (opt.step if k < 2 else step)()
-        sched.step()
+    params, opt, cnt = _interleaved(make, compiled_at=(2, 3, 4))
     torch._dynamo.reset()
     assert cnt.frame_count == 0, f"{cnt.frame_count} graphs compiled"
     for p, q in zip(params, ref):
