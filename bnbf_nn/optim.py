@@ -651,8 +651,7 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _traced_step(self, closure=None):
         """The step as torch.compile traces it. The bookkeeping (checks, new states, buckets) runs eagerly in
         :meth:`_traced_jobs`, which also steps eagerly every group whose settings are all numbers: its step is
-        already one fused launch, and tracing it would only add torch's host work for each of its tensors
-        (GPT-2's compiled step took 1.0 ms of host time against the eager step's 0.06: benchmarks/results).
+        already one fused launch, and tracing it would only add torch's host work for each of its tensors.
         The traced part is each remaining bucket's :func:`bnbf.update_`, for groups with capturable=True,
         differentiable=True or a tensor setting (a tensor lr: a graph input, no recompile), whose step counts
         are 0-d tensors added to in the graph, as torch.optim's compiled steps keep them."""

@@ -200,9 +200,11 @@ def test_capturable_state_dict_keeps_a_tensor_step_loaded_onto_the_device():
 # ---- torch.compile(opt.step) -------------------------------------------------------------------------------
 
 
-def _compiled_loop(make, lr, steps=3, inductor=False):
-    """The graphs compiled by each step of a compiled ``opt.step`` with an LR scheduler (counted by a CompileCounter
-    backend, or Dynamo's counters under Inductor), and the params."""
+def _loop(make, lr=1e-3, steps=3, compiled_at=None, inductor=False, after=None):
+    """``steps`` steps of ``make(params, lr)`` with an LR scheduler on seeded params and grads: the steps numbered
+    in ``compiled_at`` (from 0; default all) by ``torch.compile(opt.step)``, counted by a CompileCounter backend
+    (or Dynamo's counters under Inductor), the others eagerly; ``after(k, params, opt, graphs)`` called after
+    each. The graphs compiled after each step, the params and the optimizer."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters["stats"].clear()
     torch.manual_seed(0)
@@ -212,18 +214,21 @@ def _compiled_loop(make, lr, steps=3, inductor=False):
     cnt = CompileCounter()
     step = torch.compile(opt.step) if inductor else torch.compile(opt.step, backend=cnt)
     frames = []
-    for _ in range(steps):
+    for k in range(steps):
         for p in params:
             p.grad = torch.randn_like(p)
-        step()
+        (step if compiled_at is None or k in compiled_at else opt.step)()
         sched.step()
         frames.append(torch._dynamo.utils.counters["stats"]["unique_graphs"] if inductor else cnt.frame_count)
-    return frames, params
+        if after is not None:
+            after(k, params, opt, frames[-1])
+    torch._dynamo.reset()
+    return frames, params, opt
 
 
 @functools.cache
 def _torch_adamw_graphs(tensor_lr: bool) -> list[int]:
-    return _compiled_loop(lambda ps, lr: torch.optim.AdamW(ps, lr=torch.tensor(lr) if tensor_lr else lr), 1e-3)[0]
+    return _loop(lambda ps, lr: torch.optim.AdamW(ps, lr=torch.tensor(lr) if tensor_lr else lr))[0]
 
 
 @pytest.mark.parametrize("tensor_lr", [True, False], ids=["tensor_lr", "float_lr"])
@@ -236,50 +241,14 @@ def test_compiled_step_compiles_no_more_than_torchs_adamw(name, tensor_lr):
     lr0 = HPARAMS[name]["lr"]
     as_lr = (lambda v: torch.tensor(v)) if tensor_lr else (lambda v: v)
     ref = _torch_adamw_graphs(tensor_lr)
-    ours, params = _compiled_loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr)), lr0)
+    ours, params, _ = _loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr)), lr0)
     assert ours[-1] <= ref[-1], f"{name}8bit compiled {ours} graphs by call, torch's AdamW {ref}"
     assert ours[-1] == ours[1], f"{name}8bit recompiled after its second call: {ours}"
-    torch._dynamo.reset()
     # the same steps eagerly: equal bit for bit (with a tensor lr the compiled step keeps tensor step counts on
     # the device, as capturable=True does: float32 bias corrections)
-    eager_params = _eager_loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr), capturable=tensor_lr), lr0)[0]
+    eager_params = _loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr), capturable=tensor_lr), lr0, compiled_at=())[1]
     for p, q in zip(params, eager_params):
         assert torch.equal(p, q), f"{name}8bit: the compiled steps differ from the eager ones"
-
-
-def _eager_loop(make, lr, steps=3, opt=None, params=None):
-    """``_compiled_loop``'s steps eagerly (the same seed and grads), or continuing ``opt`` over ``params``."""
-    if opt is None:
-        torch.manual_seed(0)
-        params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
-        opt = make(params, lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    for _ in range(steps):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        opt.step()
-        sched.step()
-    return params, opt
-
-
-def _interleaved(make, compiled_at, steps=5, after=None):
-    """``_eager_loop``'s run with the steps numbered in ``compiled_at`` (from 0) taken by ``torch.compile(opt.step)``
-    (a CompileCounter backend), ``after(k, params, opt, counter)`` called after each: the params, the optimizer
-    and the counter."""
-    torch.manual_seed(0)
-    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
-    opt = make(params, 1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-    cnt = CompileCounter()
-    step = torch.compile(opt.step, backend=cnt)
-    for k in range(steps):
-        for p in params:
-            p.grad = torch.randn_like(p)
-        (step if k in compiled_at else opt.step)()
-        sched.step()
-        if after is not None:
-            after(k, params, opt, cnt)
-    return params, opt, cnt
 
 
 @pytest.mark.parametrize("capturable", [False, True], ids=["int_steps", "capturable"])
@@ -289,21 +258,19 @@ def test_compiled_step_keeps_the_eager_step_counts_and_interleaves_with_eager_st
     steps equal five eager steps bit for bit. With numbers only, no graph is compiled: the step runs eagerly
     within the compiled call (one fused launch either way, without torch's host work for each tensor input)."""
     make = lambda ps, lr: _make("AdamW", ps, lr=lr, capturable=capturable)
-    params = _compiled_loop(make, 1e-3)[1]
-    torch._dynamo.reset()
-    ref, ref_opt = _eager_loop(make, 1e-3, steps=5)
+    params = _loop(make)[1]
+    ref, ref_opt = _loop(make, steps=5, compiled_at=())[1:]
 
-    def after(k, again, opt, cnt):
+    def after(k, again, opt, graphs):
         if k == 2:  # after the compiled steps: the counts as the eager step keeps them
             for p, q in zip(again, params):
                 assert torch.equal(p, q)
             counts = [opt.state[p]["step"] for p in again]
             assert all(isinstance(c, torch.Tensor) if capturable else type(c) is int for c in counts), counts
             assert [int(c) for c in counts] == [3, 3]
-            assert (cnt.frame_count > 0) == capturable, f"{cnt.frame_count} graphs compiled"
+            assert (graphs > 0) == capturable, f"{graphs} graphs compiled"
 
-    again, opt, _ = _interleaved(make, compiled_at=(0, 1, 2), after=after)
-    torch._dynamo.reset()
+    _, again, opt = _loop(make, steps=5, compiled_at=(0, 1, 2), after=after)
     for p, q in zip(again, ref):
         assert torch.equal(p, q), "three compiled then two eager steps differ from five eager steps"
     assert [int(opt.state[p]["step"]) for p in again] == [int(ref_opt.state[p]["step"]) for p in ref] == [5, 5]
@@ -315,11 +282,9 @@ def test_compiled_step_after_eager_steps_compiles_nothing_and_continues_the_run(
     aside inside a compiled call, so nothing is compiled, and two eager then three compiled steps equal five
     eager steps bit for bit."""
     make = lambda ps, lr: _make("AdamW", ps, lr=lr)
-    torch._dynamo.reset()
-    ref = _eager_loop(make, 1e-3, steps=5)[0]
-    params, opt, cnt = _interleaved(make, compiled_at=(2, 3, 4))
-    torch._dynamo.reset()
-    assert cnt.frame_count == 0, f"{cnt.frame_count} graphs compiled"
+    ref = _loop(make, steps=5, compiled_at=())[1]
+    graphs, params, opt = _loop(make, steps=5, compiled_at=(2, 3, 4))
+    assert graphs[-1] == 0, f"{graphs[-1]} graphs compiled"
     for p, q in zip(params, ref):
         assert torch.equal(p, q), "two eager then three compiled steps differ from five eager steps"
     assert [opt.state[p]["step"] for p in params] == [5, 5]
@@ -328,36 +293,23 @@ def test_compiled_step_after_eager_steps_compiles_nothing_and_continues_the_run(
 def test_compiled_step_of_a_plain_group_beside_a_capturable_one():
     """One group of numbers (stepped eagerly inside the compiled call) and one capturable group with a tensor lr
     (traced: one graph, never recompiled): both equal the eager steps bit for bit, their counts as eager keeps them."""
-
-    def run(compiled: bool):
-        torch._dynamo.reset()
-        torch.manual_seed(0)
-        a, b = [torch.nn.Parameter(torch.randn(257))], [torch.nn.Parameter(torch.randn(4, 9))]
-        groups = [{"params": a}, {"params": b, "capturable": True, "lr": torch.tensor(2e-3)}]
-        opt = _make("AdamW", groups, lr=1e-3)
-        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
-        cnt = CompileCounter()
-        step = torch.compile(opt.step, backend=cnt) if compiled else opt.step
-        for _ in range(4):
-            for p in a + b:
-                p.grad = torch.randn_like(p)
-            step()
-            sched.step()
-        return a + b, cnt.frame_count, [opt.state[p]["step"] for p in a + b]
-
-    (ours, graphs, counts), (ref, _, ref_counts) = run(True), run(False)
-    torch._dynamo.reset()
-    assert graphs == 1, f"{graphs} graphs compiled"
+    make = lambda ps, lr: _make(
+        "AdamW", [{"params": ps[:1]}, {"params": ps[1:], "capturable": True, "lr": torch.tensor(2e-3)}], lr=lr
+    )
+    graphs, ours, opt = _loop(make, steps=4)
+    ref, ref_opt = _loop(make, steps=4, compiled_at=())[1:]
+    assert graphs[-1] == 1, f"{graphs[-1]} graphs compiled"
     for p, q in zip(ours, ref):
         assert torch.equal(p, q), "the compiled steps differ from the eager ones"
+    counts = [opt.state[p]["step"] for p in ours]
     assert type(counts[0]) is int and isinstance(counts[1], torch.Tensor)
-    assert [int(c) for c in counts] == [int(c) for c in ref_counts] == [4, 4]
+    assert [int(c) for c in counts] == [int(ref_opt.state[p]["step"]) for p in ref] == [4, 4]
 
 
 @functools.cache
 def _torch_adamw_inductor_graphs(tensor_lr: bool) -> list[int]:
     make = lambda ps, lr: torch.optim.AdamW(ps, lr=torch.tensor(lr) if tensor_lr else lr)
-    return _compiled_loop(make, 1e-3, steps=4, inductor=True)[0]
+    return _loop(make, steps=4, inductor=True)[0]
 
 
 @pytest.mark.parametrize("tensor_lr", [True, False], ids=["tensor_lr", "float_lr"])
@@ -372,9 +324,8 @@ def test_compiled_step_under_inductor_compiles_no_more_than_torchs_adamw(name, t
         pytest.skip("CPU-only run: two families keep it short (every family in the GPU run)")
     ref = _torch_adamw_inductor_graphs(tensor_lr)
     make = lambda ps, lr: _make(name, ps, lr=torch.tensor(lr) if tensor_lr else lr)
-    ours = _compiled_loop(make, HPARAMS[name]["lr"], steps=4, inductor=True)[0]
+    ours = _loop(make, HPARAMS[name]["lr"], steps=4, inductor=True)[0]
     assert ours[-1] <= ref[-1] and ours[-1] == ours[1], f"{name}8bit compiled {ours} graphs by call, torch's {ref}"
-    torch._dynamo.reset()
 
 
 def test_compiled_step_keeps_step_hooks():
