@@ -25,7 +25,7 @@ import warnings
 
 import pytest
 import torch
-from conftest import DEVICES, triton_mode
+from conftest import DEVICES, assert_untouched, snapshot, triton_mode
 from test_nn_optim import HPARAMS
 from torch._dynamo.testing import CompileCounter
 
@@ -304,6 +304,27 @@ def test_compiled_step_of_a_plain_group_beside_a_capturable_one():
     counts = [opt.state[p]["step"] for p in ours]
     assert type(counts[0]) is int and isinstance(counts[1], torch.Tensor)
     assert [int(c) for c in counts] == [int(ref_opt.state[p]["step"]) for p in ref] == [4, 4]
+
+
+def test_compiled_step_refuses_a_bad_setting_and_changes_nothing():
+    """A bad lr in the last group under a compiled step (stepped eagerly inside the compiled call) raises torch's
+    error before any group steps: every param, state tensor and step count as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    opt = _make("AdamW", [{"params": params[:1]}, {"params": params[1:]}], lr=1e-3)
+    step = torch.compile(opt.step, backend=CompileCounter())
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step()
+    before = snapshot(params, [opt.state[p] for p in params])
+    opt.param_groups[1]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate: -1.0"):
+        step()
+    torch._dynamo.reset()
+    assert_untouched(before, "params and states")
+    assert [opt.state[p]["step"] for p in params] == [2, 2]
 
 
 @functools.cache
