@@ -129,11 +129,11 @@ class AdEMAMixReference(torch.optim.Optimizer):
 
     @staticmethod
     def beta3_at(t, beta1, beta3, t_beta3):
-        if t_beta3 is None or t >= t_beta3:
+        if t_beta3 is None or t >= t_beta3 or beta3 == 0:
             return beta3
-        half_life = lambda b: math.log(0.5) / math.log(b) - 1.0
+        half_life = lambda b: (math.log(0.5) / math.log(b) if b > 0 else 0.0) - 1.0  # a β of 0: its limit, -1
         a = t / t_beta3
-        return 0.5 ** (1.0 / ((1.0 - a) * half_life(beta1) + a * half_life(beta3) + 1.0))
+        return min(0.5 ** (1.0 / ((1.0 - a) * half_life(beta1) + a * half_life(beta3) + 1.0)), beta3)
 
     @staticmethod
     def alpha_at(t, alpha, t_alpha):

@@ -279,6 +279,30 @@ def test_ademamix_warmup_schedules_matter(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("betas", [(0.0, 0.99, 0.999), (0.9, 0.99, 0.0), (0.0, 0.99, 0.0)], ids=str)
+def test_ademamix_beta3_warmup_with_a_zero_beta(device, betas):
+    """β1 or β3 of 0 with t_beta3: the paper's closed form takes ln 0 there (bitsandbytes raises a math
+    domain error), but β3(t) has a finite limit (β1 = 0: β3^(T/t); β3 = 0: 0). Numbers and 0-d tensor
+    hyperparameters both follow the reference through and past the warm-up (32-bit state), finite."""
+    row = ROW["ademamix-warmup"]
+    hp = {**hp_of(row, 0.01), "betas": betas, "t_beta3": 4}
+    p = {"w": init_params((65,), F32, device)}
+    ref = Ref(row, p, hp)
+    start = (p, bnbf.init_state(p, spec_of(row, 32), hp))
+    runs = {"numbers": start, "tensors": start}
+    t = STATE32[(F32, 32)]
+    for step in range(1, 7):
+        g = {"w": make_grad((65,), F32, device)}
+        ref.step(g)
+        for how, (q, s) in runs.items():
+            h, n = (hp, step) if how == "numbers" else (as_tensors(hp, device), torch.tensor(step, device=device))
+            runs[how] = bnbf.update(q, g, s, h, n)
+            change = runs[how][0]["w"] - p["w"]
+            assert bool(torch.isfinite(change).all()), f"{how}, step {step}: non-finite params"
+            assert_close_report(change, ref.p("w") - p["w"], t.atol, t.rtol, f"{how}, step {step}: param change")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_amsgrad_matters(device):
     """The amsgrad row is not vacuous: its maximum moves 20 steps' change (5 in the interpreter) by over
     NOT_VACUOUS times the parity test's tolerance, so the parity test would see the maximum ignored."""

@@ -50,8 +50,13 @@ class AdEMAMixHparams:
                 raise ValueError(f"Invalid {name} value: {v} (a positive number of steps, or None)")
 
 
-def _ln(x):
-    return x.log() if isinstance(x, torch.Tensor) else math.log(x)
+def _inv_ln(x):
+    # 1/ln x, and 1/ln 0 = -0.0: its limit, so that a β1 or β3 of 0 gives the warm-up's limit, not a log error or NaN
+    if isinstance(x, torch.Tensor):
+        return 1 / x.log()
+    if isinstance(x, (int, float)) and x == 0:
+        return -0.0
+    return 1 / math.log(x)
 
 
 def _min(a, b):
@@ -67,13 +72,17 @@ def _beta3(h: AdEMAMixHparams, step):
     b1, _, b3 = h.betas
     if h.t_beta3 is None:
         return b3
+    if isinstance(b3, (int, float)) and b3 == 0:
+        return b3  # min(·, 0); the formula below would divide by zero
     frac = step / h.t_beta3
-    ln_b1, ln_b3 = _ln(b1), _ln(b3)
-    if isinstance(frac, torch.Tensor):
-        return _min((ln_b1 * ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)).exp(), b3)
-    # exp(ln b1 * y) as b1 ** y: a traced symbolic step stays symbolic through a power, where math.exp would
-    # make it a constant (a compile per step)
-    return _min(b1 ** (ln_b3 / ((1 - frac) * ln_b3 + frac * ln_b1)), b3)
+    # ln β1·ln β3 / ((1 − f)·ln β3 + f·ln β1) written as 1 / ((1 − f)/ln β1 + f/ln β3): the same number, finite
+    # where β1 or β3 is 0 (there the paper's form takes log 0)
+    x = 1 / ((1 - frac) * _inv_ln(b1) + frac * _inv_ln(b3))
+    if isinstance(x, torch.Tensor):
+        return _min(x.exp(), b3)
+    # exp(x) as e ** x: a traced symbolic step stays symbolic through a power, where math.exp would make it a
+    # constant (a compile per step)
+    return _min(math.e**x, b3)
 
 
 class AdEMAMixScalars(NamedTuple):
