@@ -8,6 +8,11 @@ Overrides are keyed by the parameter object itself (held weakly), so they surviv
   when the parameter's state is created (its first step);
 - hyperparameters (``betas``, ``eps``, ``weight_decay``, ``momentum``, ``skip_zeros``, ``max_unorm``...)
   replace the group's value on every step, from the step after the override on;
+- overrides made through bitsandbytes' own ``GlobalOptimManager`` (``bitsandbytes.nn.StableEmbedding``'s
+  ``optim_bits=32``, say, when a model keeps bitsandbytes' layers) count too, as bitsandbytes' optimizers read
+  them: its module overrides, and its per-parameter ones (keyed by ``id(p)``, as bitsandbytes keys them; those
+  it keys by position, for ``register_parameters`` called after ``override_config``, are not read). They
+  rank below this manager's;
 - ``lr`` is relative to the group: it is the parameter's learning rate while the group's ``lr`` is at its
   starting value (``group["initial_lr"]``, which LR schedulers set, or the ``lr`` the group was created
   with), and every change to the group's ``lr`` (a scheduler's or your own) scales it by the same factor.
@@ -25,6 +30,7 @@ Example (bitsandbytes' own, with ``bnbf_nn`` for ``bnb.optim``)::
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -57,7 +63,14 @@ class GlobalOptimManager:
         self._configs: WeakIdKeyDictionary = WeakIdKeyDictionary()  # param -> {setting: value}
         self._modules: list[tuple[weakref.ref, str, dict]] = []  # (module, attribute, settings)
         # bumped on every change (never reset): optimizers rebuild their cached per-group plans
-        self.version = getattr(self, "version", 0) + 1
+        self._version = getattr(self, "_version", 0) + 1
+
+    @property
+    def version(self) -> Any:
+        """Changes whenever an override does, here or in bitsandbytes' manager (optimizers compare it to
+        rebuild their cached plans)."""
+        bnb = _bnb_manager()
+        return self._version if bnb is None else (self._version, _bnb_overrides_key(bnb))
 
     def register_parameters(self, params: Iterable[Any]) -> None:
         """Register parameters (tensors, or param-group dicts as an optimizer takes them).
@@ -94,31 +107,53 @@ class GlobalOptimManager:
                 raise TypeError(f"override_config takes tensors, got {type(p).__name__}")
         for p in tensors:
             self._configs.setdefault(p, {}).update(settings)
-        self.version += 1
+        self._version += 1
 
     def register_module_override(self, module: torch.nn.Module, param_name: str, config: Mapping) -> None:
         """Override settings for ``module.<param_name>``, whatever tensor that attribute holds when an optimizer
         creates its state (the module is held weakly)."""
         self._modules.append((weakref.ref(module), param_name, dict(config)))
-        self.version += 1
+        self._version += 1
 
     def configs_for(self, params: Iterable[torch.Tensor]) -> dict[int, dict]:
-        """``{id(p): settings}`` for those of ``params`` that have overrides (module overrides first, then
-        the parameter's own, which win)."""
+        """``{id(p): settings}`` for those of ``params`` that have overrides: bitsandbytes' manager's module
+        overrides, then its per-parameter ones, then this manager's module overrides, then the parameter's own
+        here (each later one wins)."""
         wanted = {id(p): p for p in params}
         out: dict[int, dict] = {}
-        alive = []
-        for ref, name, config in self._modules:
-            module = ref()
-            if module is None:
-                continue
-            alive.append((ref, name, config))
+
+        def by_module(module: Any, name: str, config: Mapping) -> None:
             t = getattr(module, name, None)
             if isinstance(t, torch.Tensor) and wanted.get(id(t)) is t:
                 out.setdefault(id(t), {}).update(config)
+
+        bnb = _bnb_manager()
+        if bnb is not None:
+            for module, name, config in bnb.module_weight_config_triple:
+                by_module(module, name, config)
+            for i in wanted.keys() & bnb.pid2config.keys():
+                out.setdefault(i, {}).update(bnb.pid2config[i])
+        alive = []
+        for ref, name, config in self._modules:
+            module = ref()
+            if module is not None:
+                alive.append((ref, name, config))
+                by_module(module, name, config)
         self._modules = alive
         for i, p in wanted.items():
             own = self._configs.get(p)
             if own:
                 out.setdefault(i, {}).update(own)
         return out
+
+
+def _bnb_manager() -> Any:
+    """bitsandbytes' manager where bitsandbytes is imported and its manager made (never imports it)."""
+    module = sys.modules.get("bitsandbytes.optim.optimizer")
+    manager = getattr(getattr(module, "GlobalOptimManager", None), "_instance", None)
+    return manager if hasattr(manager, "pid2config") and hasattr(manager, "module_weight_config_triple") else None
+
+
+def _bnb_overrides_key(bnb: Any) -> str:
+    # its overrides are plain dicts edited in place: their text changes with them (a few entries: cheap)
+    return repr((bnb.pid2config, [(id(m), name, c) for m, name, c in bnb.module_weight_config_triple]))

@@ -216,3 +216,62 @@ def test_bad_call_settings_fail_at_construction(cls, kw, exc, match):
 def test_lamb_group_with_max_unorm_fails_at_construction():
     with pytest.raises(ValueError, match="max_unorm does not combine with lamb"):
         bnbf_nn.LAMB8bit([{"params": make_params(), "max_unorm": 0.5}], lr=1e-3)
+
+
+class _BnbManager:
+    """bitsandbytes' GlobalOptimManager as bitsandbytes 0.50 keeps it: per-parameter overrides keyed by id(p),
+    module overrides as (module, attribute, config) triples."""
+
+    _instance = None
+
+    def __init__(self):
+        self.pid2config, self.index2config, self.module_weight_config_triple = {}, {}, []
+
+
+@pytest.fixture
+def bnb_manager(monkeypatch):
+    """A stand-in for bitsandbytes' manager where bitsandbytes is not installed (CI), the real one where it is."""
+    try:
+        from bitsandbytes.optim.optimizer import GlobalOptimManager
+    except ImportError:
+        import types
+
+        module = types.ModuleType("bitsandbytes.optim.optimizer")
+        module.GlobalOptimManager = _BnbManager
+        monkeypatch.setitem(__import__("sys").modules, "bitsandbytes.optim.optimizer", module)
+        monkeypatch.setattr(_BnbManager, "_instance", _BnbManager())
+        yield _BnbManager._instance
+        return
+    mng = GlobalOptimManager.get_instance()
+    mng.initialize()
+    yield mng
+    mng.initialize()
+
+
+def test_bitsandbytes_manager_overrides_count(bnb_manager):
+    """A model that keeps bitsandbytes' layers (StableEmbedding registers optim_bits=32 with bitsandbytes' own
+    manager) gets the same state from bnbf_nn as from bitsandbytes: its module and per-parameter overrides
+    apply, below bnbf_nn's own, and one made after a step applies from the next step."""
+    model, twin = MyModel(), MyModel()
+    twin.load_state_dict(model.state_dict())
+    bnb_manager.module_weight_config_triple.append((model.fc1, "weight", {"optim_bits": 32}))
+    bnb_manager.pid2config[id(model.fc2.weight)] = {"optim_bits": 32, "eps": 1e-3}
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(model.fc2.weight, "eps", 1e-2)
+    opt = bnbf_nn.AdamW8bit(model.parameters(), min_8bit_size=0)
+    grads = make_grads(list(model.parameters()), 2)
+    run_adapter(opt, list(model.parameters()), grads[:1])
+    assert opt.state[model.fc1.weight]["state1"].dtype == torch.float32
+    assert opt.state[model.fc2.weight]["state1"].dtype == torch.float32
+    assert opt.state[model.fc2.bias]["state1"].dtype == torch.uint8  # not overridden: 8-bit
+    configs = bnbf_nn.GlobalOptimManager.get_instance().configs_for([model.fc2.weight])
+    assert configs[id(model.fc2.weight)] == {"optim_bits": 32, "eps": 1e-2}  # bnbf_nn's own wins
+    # an override made after a step, through bitsandbytes' manager (the cached plans see it), against the same
+    # override through bnbf_nn's, on a twin without the others
+    ref = bnbf_nn.AdamW8bit(twin.parameters(), min_8bit_size=0)
+    run_adapter(ref, list(twin.parameters()), grads[:1])
+    bnb_manager.pid2config[id(model.fc2.bias)] = {"weight_decay": 0.5}
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(twin.fc2.bias, "weight_decay", 0.5)
+    run_adapter(opt, list(model.parameters()), grads[1:])
+    run_adapter(ref, list(twin.parameters()), grads[1:])
+    assert torch.equal(model.fc2.bias.detach(), twin.fc2.bias.detach())
+    assert not torch.equal(model.fc2.weight.detach(), twin.fc2.weight.detach())  # twin: 8-bit, eps 1e-8
