@@ -15,6 +15,7 @@ The optimizers are thin: they turn param groups into bnbf specs and hyperparamet
 
 import bnbf  # noqa: F401, I001  (first: it imports torch without torch's NumPy warning, see bnbf/__init__.py)
 from bnbf_nn import nn, optim
+from bnbf_nn._checkpoint import for_bitsandbytes
 from bnbf_nn.manager import GlobalOptimManager
 from bnbf_nn.nn import Embedding, StableEmbedding
 from bnbf_nn.optim import *  # noqa: F403  (the generated classes: Adam, Adam8bit, Adam32bit, ...)
@@ -26,6 +27,7 @@ __all__ = [
     "Embedding",
     "GlobalOptimManager",
     "StableEmbedding",
+    "for_bitsandbytes",
     "FAMILIES",
     "Optimizer1State",
     "Optimizer2State",

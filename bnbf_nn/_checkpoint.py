@@ -10,9 +10,10 @@ and centered buffers, Adam's amsgrad maximum) continue the numbering: RMSprop ke
 ``amsgrad=True`` keep ``max_exp_avg_sq`` in ``state3`` (``qmap3``, ``absmax3``).
 
 The same names, as views of the live state tensors (:func:`views`), are in ``optimizer.state[p]`` beside
-the bnbf state (:func:`record`). In a state dict ``step`` is a float32 tensor, as torch.optim writes it;
-:func:`read_step` also takes the ints of older checkpoints and of bitsandbytes'. Loading refuses absmax
-values that are negative, NaN or inf.
+the bnbf state (:func:`record`). In a state dict ``step`` is a float32 tensor, as torch.optim writes it
+(torch.distributed.checkpoint needs every leaf a tensor); :func:`read_step` also takes the ints of older
+checkpoints and of bitsandbytes', and :func:`for_bitsandbytes` writes ints for bitsandbytes to load.
+Loading refuses absmax values that are negative, NaN or inf.
 
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
 the only map bitsandbytes itself creates) or bnbf's power map (``"power"``, bnbf's default). Loading reads
@@ -188,6 +189,24 @@ def record(step: int, state: Any, family: Any) -> dict:
 
 def _fail(where: str, msg: str) -> None:
     raise ValueError(f"cannot load the optimizer state of {where}: {msg}")
+
+
+def for_bitsandbytes(state_dict: Mapping) -> dict:
+    """``state_dict`` with each param's ``step`` an int, as bitsandbytes writes it (a new dict; the tensors are
+    the same objects). bitsandbytes casts every tensor of a state it loads to the param's dtype, ``step``
+    included, and a bfloat16 or float16 step stops counting (bfloat16: from 256 on), so Adam's bias
+    correction freezes: pass a bnbf_nn state dict through this before bitsandbytes loads it.
+
+    Example::
+
+        torch.save(bnbf_nn.for_bitsandbytes(opt.state_dict()), path)  # then bitsandbytes' load_state_dict
+    """
+    state = {}
+    for key, entry in state_dict["state"].items():
+        if isinstance(entry, Mapping) and "step" in entry:
+            entry = {**entry, "step": read_step(entry, f"param {key!r}")}
+        state[key] = entry
+    return {**state_dict, "state": state}
 
 
 def read_step(entry: Mapping, where: str) -> int:

@@ -1041,7 +1041,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         # per sharded 8-bit state), so that a checkpoint saved on one mesh loads on any other
         portable = _checkpoint.portable([self.state[p]["state"] for p, _ in have])
         for (p, group), st in zip(have, portable):
-            quant = _checkpoint.pack(st, self.family.bnb_slots, group["max_unorm"])
+            # LAMB's and LARS's groups say 0 (their trust ratio stands for it), but bitsandbytes' classes clip at
+            # their default and then read the 32-bit state's scratch buffer: write it for them
+            quant = _checkpoint.pack(st, self.family.bnb_slots, group["max_unorm"] or self.family.max_unorm or 0.0)
             # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs every leaf
             # of a state entry to be a tensor to load it back
             step = torch.tensor(float(self.state[p]["step"]), dtype=torch.float32)
@@ -1055,10 +1057,17 @@ class Optimizer8bit(torch.optim.Optimizer):
             out = hook(self, out) or out
         return out
 
-    def load_state_dict(self, state_dict: Mapping) -> None:
+    def load_state_dict(self, state_dict: Mapping, move_to_device: bool = True) -> None:
         """Load a state dict of this class's family, ours or bitsandbytes' (8-bit codes are copied bit for bit,
         their format read from the qmap). Everything is checked first: on any error (another optimizer,
-        other shapes, missing or mistyped entries) a ``ValueError`` says what, and the optimizer is unchanged."""
+        other shapes, missing or mistyped entries) a ``ValueError`` says what, and the optimizer is unchanged.
+        ``move_to_device`` is bitsandbytes' argument: each state is built on its param's device, where the
+        kernels read it, so ``False`` (keep the states where the state dict holds them) is refused."""
+        if move_to_device is not True:
+            raise NotImplementedError(
+                f"{type(self).__name__}.load_state_dict(move_to_device={move_to_device!r}): bnbf_nn keeps each "
+                f"state on its param's device (its kernels read it there); pass move_to_device=True"
+            )
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             state_dict = hook(self, state_dict) or state_dict
         name = type(self).__name__
@@ -1233,6 +1242,22 @@ class _Buckets:
 # ---- bitsandbytes' base classes -------------------------------------------------------------------------
 
 
+def _as_bnb_reads(a: dict, family: Family, name: str) -> dict:
+    """Constructor arguments as bitsandbytes reads them: a two-state class's ``betas`` may be the string
+    ``"(b1, b2)"``, and AdEMAMix's ``t_alpha`` or ``t_beta3`` of 0 means no warm-up, as None does."""
+    a = dict(a)
+    if family.nstates == 2 and isinstance(a.get("betas"), str):
+        text = a["betas"]
+        try:
+            a["betas"] = tuple(float(b) for b in text.replace("(", "").replace(")", "").split(","))
+        except ValueError:
+            raise ValueError(f"{name}: betas {text!r} is not a tuple of numbers such as '(0.9, 0.999)'") from None
+    for key in ("t_alpha", "t_beta3"):
+        if type(a.get(key)) is int and a[key] == 0:
+            a[key] = None
+    return a
+
+
 def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_decay, **extra) -> tuple[Family, dict]:
     family = _BY_NAME.get(_BNB_NAMES.get(optimizer_name, ""))
     if family is None or family.nstates != nstates:
@@ -1240,7 +1265,8 @@ def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_dec
         raise ValueError(f"unknown optimizer_name {optimizer_name!r} for a {nstates}-state optimizer; known: {known}")
     rule = bnbf.RULES[family.rule]
     ours = {f.name for f in dataclasses.fields(rule.hparams)}
-    spelled = {"betas": tuple(betas), "eps": eps, "weight_decay": weight_decay, **extra}
+    read = _as_bnb_reads({"betas": betas, **extra}, family, optimizer_name)
+    spelled = {"betas": tuple(read.pop("betas")), "eps": eps, "weight_decay": weight_decay, **read}
     hp = {k: v for k, v in spelled.items() if k in ours and k not in dict(family.bnb_group)}
     hp.update(_from_bnb_group(family, spelled, ours))
     return family, {"lr": lr, **hp}
@@ -1431,7 +1457,7 @@ def _make_class(family: Family, bits: int | None, paged: bool = False, name: str
     def __init__(self, *args, **kwargs):
         a = sig.bind(self, *args, **kwargs)
         a.apply_defaults()
-        a = a.arguments
+        a = _as_bnb_reads(a.arguments, family, name)
         if bits is not None and a["optim_bits"] not in bits_ok:
             raise ValueError(
                 f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "

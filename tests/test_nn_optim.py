@@ -660,6 +660,33 @@ def test_bitsandbytes_args_object_wins():
     assert (partial.param_groups[0]["optim_bits"], partial.param_groups[0]["min_8bit_size"]) == (8, 7)
 
 
+@pytest.mark.parametrize("cls", ["AdamW8bit", "LAMB8bit", "AdEMAMix8bit", "Optimizer2State"])
+def test_betas_as_bitsandbytes_string(cls):
+    """bitsandbytes' two-state classes take betas as the string '(b1, b2)' (config files pass them so); a
+    string that is not numbers is refused in words that say it was a string."""
+    make = (lambda **kw: bnbf_nn.Optimizer2State("adam", make_params(), **kw)) if cls[0] == "O" else None
+    make = make or (lambda **kw: getattr(bnbf_nn, cls)(make_params(), **kw))
+    betas = "(0.8, 0.99, 0.999)" if cls.startswith("AdEMAMix") else "(0.8, 0.99)"
+    assert make(betas=betas).param_groups[0]["betas"] == tuple(float(b) for b in betas[1:-1].split(","))
+    with pytest.raises(ValueError, match="betas '0.9 0.99' is not a tuple of numbers"):
+        make(betas="0.9 0.99")
+
+
+@pytest.mark.parametrize("key", ["t_alpha", "t_beta3"])
+def test_ademamix_warmup_of_zero_means_none(key):
+    """bitsandbytes' AdEMAMix takes 0 for no warm-up (it tests the value's truth), as None."""
+    params = make_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = bnbf_nn.AdEMAMix8bit(params, **{key: 0})
+    ref = bnbf_nn.AdEMAMix8bit(twin)
+    assert opt.param_groups[0][key] is None
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads)
+    run_adapter(ref, twin, grads)
+    for p, q in zip(params, twin):
+        assert torch.equal(p.detach(), q.detach())
+
+
 def test_bnb_base_classes_take_every_documented_argument():
     """Optimizer2State's positional arguments through t_beta3, Optimizer1State's through is_paged, and the
     keyword-only block_wise: each lands where bitsandbytes documents it."""
