@@ -181,10 +181,50 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
     return relaid(state, family.bnb_slots, spec.paged)
 
 
-def record(step: int, state: Any, family: Any) -> dict:
+_VIEW = re.compile(r"(?:state|qmap|absmax)\d+")
+
+
+class Record(dict):
     """``optimizer.state[p]`` of bnbf_nn: ``step`` (int), ``state`` (the bnbf state NamedTuple the kernels
-    step) and bitsandbytes' names for the same tensors (:func:`views`)."""
-    return {"step": step, "state": state, **views(state, family.bnb_slots)}
+    step) and bitsandbytes' names for the same tensors (:func:`views`).
+
+    The kernels step ``state``, so a view replaced by another tensor (``rec["state1"] = t``, as loops that move
+    optimizer state do) would be left out of every later step. Instead ``t``'s values are written into the
+    state, where ``t`` has the view's shape, dtype and device, and any other tensor raises (a qmap, which
+    names the 8-bit format, only takes its own values)."""
+
+    __slots__ = ()
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        live = self.get(key)
+        if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
+            _write_view(key, live, value)
+        else:
+            dict.__setitem__(self, key, value)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        for key, value in dict(*args, **kwargs).items():
+            self[key] = value
+
+
+def _write_view(key: str, live: Tensor, value: Any) -> None:
+    what = f"optimizer.state[p][{key!r}] is a view of the state the optimizer steps"
+    where = lambda t: (t.shape, t.dtype, t.device)  # noqa: E731
+    if not isinstance(value, Tensor) or where(value) != where(live):
+        got = f"{tuple(value.shape)}, {value.dtype}, on {value.device}" if isinstance(value, Tensor) else type(value)
+        raise ValueError(
+            f"{what} ({tuple(live.shape)}, {live.dtype}, on {live.device}): assign a tensor of that shape, dtype and "
+            f"device (its values are written into the state), not ({got}); a state lives on its param's device"
+        )
+    if key.startswith("qmap"):
+        if not torch.equal(value, live):
+            raise ValueError(f"{what}: its qmap names the 8-bit format, which load_state_dict changes, not a write")
+        return
+    live.copy_(value)
+
+
+def record(step: int, state: Any, family: Any) -> Record:
+    return Record(step=step, state=state, **views(state, family.bnb_slots))
 
 
 def _fail(where: str, msg: str) -> None:

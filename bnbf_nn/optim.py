@@ -481,7 +481,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 s = rec["state"]
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
-                rec.update(_checkpoint.record(rec["step"], s, self.family))
+                self.state[p] = _checkpoint.record(rec["step"], s, self.family)
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
@@ -1204,11 +1204,11 @@ def _grads_of(params: list) -> tuple[list, bool]:
 
 def _set_steps(records: list, t: int) -> None:
     """Every record's step set to ``t`` in one call: the extension's set_each, or a C-level loop (a deque of
-    length 0 consumes the map)."""
+    length 0 consumes the map). Both pass by the records' ``__setitem__``, which guards only the views."""
     if NATIVE is not None:
         NATIVE.set_each(records, "step", t)
     else:
-        collections.deque(map(operator.setitem, records, itertools.repeat("step"), itertools.repeat(t)), maxlen=0)
+        collections.deque(map(dict.__setitem__, records, itertools.repeat("step"), itertools.repeat(t)), maxlen=0)
 
 
 @dataclasses.dataclass

@@ -229,6 +229,44 @@ def test_state_has_bitsandbytes_names_as_live_views(case):
                     flat[0] = before
 
 
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
+def test_replacing_a_view_writes_the_state(name):
+    """A loop that replaces ``optimizer.state[p]``'s tensors (``state[k] = v.to(device)``, bitsandbytes' own
+    ``to_gpu`` does so) writes the new values into the state the kernels step: the next step continues from
+    them, as from the same values written in place. A tensor the state cannot take (another dtype, shape or
+    device; a qmap of other values) raises and changes nothing, through ``update`` too."""
+    params, twin = make_params(), make_params()
+    opt, ref = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8), getattr(bnbf_nn, name)(twin, min_8bit_size=MIN8)
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+    for p, q in zip(params, twin):
+        rec = opt.state[p]
+        for k, v in list(rec.items()):
+            if isinstance(v, torch.Tensor) and not k.startswith("qmap"):
+                first = (0,) * v.dim()
+                new = v.clone()
+                new[first] += 1 if v.dtype == torch.uint8 else 0.25
+                rec[k] = new  # replaced: the values land in the state
+                with torch.no_grad():
+                    ref.state[q][k][first] = new[first]  # the twin: the same write, in place
+        assert all(rec[k] is v for k, v in opt.state[p].items())
+        before = [t.clone() for t in rec["state"]]
+        key = "state1"
+        bad = [rec[key].to(torch.float16 if rec[key].dtype != torch.float16 else torch.float32), rec[key][:1].clone()]
+        if "qmap1" in rec:
+            bad.append(rec["qmap1"].flip(0))
+        for value in bad:
+            target = "qmap1" if value.numel() == 256 and "qmap1" in rec and value.dtype == rec["qmap1"].dtype else key
+            with pytest.raises(ValueError, match="is a view of the state the optimizer steps"):
+                rec.update({target: value})
+        for a, b in zip(rec["state"], before):
+            assert_equal_report(a, b, f"{name}: state after a refused write")
+    run_adapter(opt, params, grads[1:])
+    run_adapter(ref, twin, grads[1:])
+    assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
+
+
 @pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdEMAMix32bit", "PagedLion", "PagedAdam8bit"])
 def test_paged_classes_on_the_cpu_step_as_unpaged(name):
     """On the CPU paged state is ordinary memory: a Paged* class, and ``is_paged=True`` on any class, steps

@@ -361,7 +361,8 @@ PyObject* own_grads_at(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
 }
 
 // set_each(dicts, key, value) -> None: dicts[i][key] = value for every i (each a dict): a step count written
-// into every param's state record in one call.
+// into every param's state record in one call, past a dict subclass's __setitem__ (bnbf_nn's records guard
+// only bitsandbytes' views with theirs, never the step).
 PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 3)) return nullptr;
   PyObject *dicts = args[0], *key = args[1], *value = args[2];
@@ -372,7 +373,7 @@ PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(dicts);
   PyObject** ds = PySequence_Fast_ITEMS(dicts);
   for (Py_ssize_t i = 0; i < n; ++i) {
-    const int rc = PyDict_CheckExact(ds[i]) ? PyDict_SetItem(ds[i], key, value) : PyObject_SetItem(ds[i], key, value);
+    const int rc = PyDict_Check(ds[i]) ? PyDict_SetItem(ds[i], key, value) : PyObject_SetItem(ds[i], key, value);
     if (rc != 0) return nullptr;
   }
   Py_RETURN_NONE;
