@@ -184,6 +184,7 @@ class Family:
     pageable: bool = False
     paged_classes: bool = False
     paged_takes_is_paged: bool = False
+    in_bitsandbytes: bool = True  # bitsandbytes.optim has the family's classes (Adan: its authors' arguments)
 
     def extra_args(self) -> tuple[tuple[str, Any], ...]:
         """The rule's hyperparameters bitsandbytes has no argument for (LAMB's clamp_value...), with the rule's
@@ -288,6 +289,7 @@ FAMILIES: tuple[Family, ...] = (
         ),
         torch_flags=("foreach", "fused"),
         pageable=True,  # positional as Lion's, but no Paged* classes (bitsandbytes has no Adan)
+        in_bitsandbytes=False,
     ),
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
@@ -1492,9 +1494,14 @@ def _make_class(family: Family, bits: int | None, paged: bool = False, name: str
     what = {None: "8-bit or 32-bit state (optim_bits, 32 by default)", 8: "8-bit state", 32: "32-bit state"}[bits]
     where = " in CUDA managed (paged) memory" if paged else ""
     need_lr = family.lr is None and sig.parameters["lr"].default is _P.empty
+    origin = (
+        f"bitsandbytes.optim.{name}'s arguments and defaults"
+        if family.in_bitsandbytes
+        else f"bitsandbytes' argument layout (bitsandbytes has no {family.name}; the defaults are its authors')"
+    )
     doc = (
-        f"{family.name} with {what}{where}: bitsandbytes.optim.{name}'s arguments and defaults, stepping with "
-        f"bnbf's {family.rule!r} rule.\n\nSignature: {name}{str(sig).replace('(self, ', '(')}\n\nArgs are "
+        f"{family.name} with {what}{where}: {origin}, stepping with bnbf's {family.rule!r} rule.\n\n"
+        f"Signature: {name}{str(sig).replace('(self, ', '(')}\n\nArgs are "
         f"bitsandbytes' and torch.optim's (see the module docstring of bnbf_nn.optim for what differs).\n\n"
         f"Example::\n\n    opt = bnbf_nn.{name}(model.parameters(){', lr=0.1' if need_lr else ''})\n"
         f"    loss.backward()\n    opt.step()\n    opt.zero_grad()\n"
