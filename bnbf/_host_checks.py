@@ -24,6 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import _functorch
+from torch._functorch import pyfunctorch
 from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
@@ -370,19 +371,44 @@ def hparam_tensors(h: Any, step: Any = None, max_unorm: Any = None) -> list[tupl
 
 def _tracked(t: Tensor, grad_mode: bool, fwd: bool) -> bool:
     """Whether ``t`` takes part in a derivative: wrapped by torch.func's grad/vjp/jacrev/jvp, requiring grad
-    under grad mode, or a forward-mode dual."""
+    under grad mode, or a forward-mode dual; through vmap's batched wrappers, whose own ``requires_grad`` and
+    wrapping say nothing of the tensor they batch."""
     if _functorch.is_gradtrackingtensor(t) or (grad_mode and t.requires_grad):
         return True
+    if _functorch.is_batchedtensor(t):
+        return _tracked(_functorch.get_unwrapped(t), grad_mode, fwd)
     return fwd and forward_ad.unpack_dual(t).tangent is not None
 
 
+def _unbatched(t: Tensor) -> Tensor:
+    while _functorch.is_batchedtensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
+
+
 def differentiated(tensors: list) -> bool:
-    """Whether any of ``tensors`` takes part in a derivative (see :func:`_tracked`); C-level checks first."""
+    """Whether any of ``tensors`` takes part in a derivative (see :func:`_tracked`); C-level checks first, and
+    under a torch.func transform the tensors vmap batches, a level of wrappers at a time."""
     grad_mode = torch.is_grad_enabled()
     fwd = forward_ad._current_level >= 0
     if fwd or (grad_mode and any(map(_REQUIRES_GRAD, tensors))):
         return any(_tracked(t, grad_mode, fwd) for t in tensors)
-    return _functorch.maybe_current_level() is not None and any(map(_functorch.is_gradtrackingtensor, tensors))
+    if _functorch.maybe_current_level() is None:
+        return False
+    if any(map(_functorch.is_gradtrackingtensor, tensors)):
+        return True
+    inner = list(map(_functorch.get_unwrapped, filter(_functorch.is_batchedtensor, tensors)))
+    return bool(inner) and differentiated(inner)
+
+
+def _traced_derivative() -> bool:
+    """Whether a call traced by torch.compile runs inside torch.func.grad/vjp/jacrev/jvp (the innermost
+    transform). Dynamo shows the tensors such a transform wraps without ``requires_grad``, so the transform is
+    what can be seen; its stack depth is a constant Dynamo guards on."""
+    if _functorch.get_dynamic_layer_stack_depth() == 0:
+        return False
+    interpreter = pyfunctorch.retrieve_current_functorch_interpreter()
+    return isinstance(interpreter, (pyfunctorch.GradInterpreter, pyfunctorch.JvpInterpreter))
 
 
 def check_not_differentiated(
@@ -401,16 +427,19 @@ def check_not_differentiated(
     an in-place step anyway.
     """
     hps = hparam_tensors(h, step, max_unorm)
-    if not differentiated([*params, *grads, *(t for _, t in hps)]):
+    fields = [(i, f) for i, s in enumerate(states) if is_state(s) for f in s]
+    if not differentiated([*params, *grads, *(t for _, t in hps), *(f for _, f in fields)]):
         return
     named = [("param", i, p) for i, p in enumerate(params)] + [("grad", i, g) for i, g in enumerate(grads)]
+    named += [("state", i, f) for i, f in fields]
     grad_mode = torch.is_grad_enabled()
     fwd = forward_ad._current_level >= 0
     names = None
     for kind, i, t in named:
         if not _tracked(t, grad_mode, fwd):
             continue
-        if in_place and not _functorch.is_gradtrackingtensor(t) and (kind == "grad" or (t.is_leaf and not fwd)):
+        base = _unbatched(t)
+        if in_place and not _functorch.is_gradtrackingtensor(base) and (kind == "grad" or (base.is_leaf and not fwd)):
             continue
         names = names or _names(tree)
         _refuse(f"{kind}{names[i]}", states, in_place)
@@ -604,6 +633,8 @@ def traced_hparams(
     hyperparameters, with the values of a traced call (or of per-member tensors under vmap) unread. ``states``: the
     states, or their layouts (a packed state's groups)."""
     if torch.compiler.is_compiling():
+        if _traced_derivative():
+            _refuse("the step, traced inside torch.func.grad/vjp/jvp,", states, in_place)
         grad_mode = torch.is_grad_enabled()
         for i in range(len(params)):
             t = grads[i]

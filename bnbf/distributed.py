@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
-from bnbf._host_checks import _flatten, _unflatten
+from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -529,6 +529,9 @@ def update_(
         return bnbf.update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
+    # the local shards carry no history: a gradient asked through DTensors is refused here, as for plain tensors
+    if not torch.compiler.is_compiling():  # traced: the core's traced checks see the transform
+        check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=True)
     lp, lg, ls, shards = _localize(params, grads, states)
     with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
         bnbf.update_(lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
@@ -556,6 +559,8 @@ def update(
         return bnbf.update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
+    if not torch.compiler.is_compiling():
+        check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=False)
     lp, lg, ls, shards = _localize(params, grads, states)
     with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
         new_p, new_s = bnbf.update(

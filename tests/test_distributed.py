@@ -255,7 +255,8 @@ def scenario_plumbing_exact():
         k: type(s)(*(t.clone() for t in bd._local_state(s, bd._shards(run.params[k])))) for k, s in run.state.items()
     }
     grads = run.grads()
-    new_p, new_s = bd.update(run.params, grads, run.state, {"lr": LR}, 2)
+    with torch.no_grad():  # the params require grad: the pure step refuses them under grad mode, as the core's does
+        new_p, new_s = bd.update(run.params, grads, run.state, {"lr": LR}, 2)
     with _first_blocks(run.params, local_p, local_s):
         bnbf.update_(local_p, {k: g.to_local() for k, g in grads.items()}, local_s, {"lr": LR}, 2)
     bd.update_(run.params, grads, run.state, {"lr": LR}, 2)
@@ -318,6 +319,14 @@ def scenario_errors():
         bd.load_state_dict_(run.state, saved)
     for k, s in run.state.items():
         assert all(torch.equal(t.to_local(), c) for t, c in zip(s, kept[k])), k
+    # a gradient asked through DTensors: the local shards the core steps carry no history, so it is refused (the
+    # pure step gave a result without history, silently)
+    with_history = {k: p.detach().requires_grad_() * 1.0 for k, p in run.params.items()}
+    for step_fn in (bd.update, bd.update_):
+        with pytest.raises(RuntimeError, match="not differentiable"):
+            step_fn(with_history, grads, run.state, {"lr": LR}, 1)
+    for k, p in run.params.items():
+        assert torch.equal(p.to_local(), before[k]), k
 
 
 def scenario_norms():

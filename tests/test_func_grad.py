@@ -270,7 +270,36 @@ ASKS = {
     ),
     "func.jvp param": lambda p, g, s, up: torch.func.jvp(lambda q: up(q, g, s, {"lr": 0.1}, 1)[0], (p.clone(),), (g,)),
     "forward-AD dual lr": lambda p, g, s, up: _dual(lambda lr: up(p, g, s, {"lr": lr}, 1)),
+    # vmap's batched wrappers hide what they batch: a gradient through vmap(update) gave zeros
+    "func.grad param through vmap": lambda p, g, s, up: torch.func.grad(
+        lambda q: torch.func.vmap(lambda a, b, c: up(a, b, c, {"lr": 0.1}, 1)[0])(q, *_two(g, s)).sum()
+    )(_two(p)[0]),
+    "eager param with history through vmap": lambda p, g, s, up: torch.func.vmap(
+        lambda a, b, c: up(a, b, c, {"lr": 0.1}, 1)
+    )(_two(p)[0].requires_grad_() * 1.0, *_two(g, s)),
+    # a state field is an input too: a gradient with respect to one gave zeros
+    "func.grad state": lambda p, g, s, up: torch.func.grad(
+        lambda f: up(p, g, _with_field(s, f), {"lr": 0.1}, 1)[0].sum()
+    )(s[_float_field(s)].clone()),
+    # traced by torch.compile, torch.func.grad's tensors do not show requires_grad: the transform is seen
+    "compiled func.grad param": lambda p, g, s, up: torch.compile(
+        lambda q: torch.func.grad(lambda x: up(x, g, s, {"lr": 0.1}, 1)[0].sum())(q), backend="eager", fullgraph=True
+    )(p.clone()),
 }
+
+
+def _two(*xs):
+    """Each of ``xs`` (a tensor or a state) stacked twice: a two-member ensemble for vmap."""
+    two = lambda t: torch.stack([t, t])
+    return tuple(type(x)._make(map(two, x)) if isinstance(x, tuple) else two(x) for x in xs)
+
+
+def _float_field(s) -> int:
+    return next(i for i, t in enumerate(s) if t.is_floating_point())
+
+
+def _with_field(s, f):
+    return type(s)._make(f if i == _float_field(s) else t for i, t in enumerate(s))
 
 
 def _dual(fn):
