@@ -1,7 +1,8 @@
 """How far 8-bit optimizer-state formats drift from fp32 AdamW (CPU simulation, plain torch).
 
-Reproduces the anchor figures' simulation ("the other side of the trade") and extends it to
-candidate fast formats. A 257x129 float32 parameter; gradient at step t is
+Reproduces the simulation behind the project's anchor (reference) drift figures (its results: section A of
+benchmarks/results/format_drift.md) and extends it to candidate fast formats. A 257x129 float32 parameter;
+gradient at step t is
     g_t = s_row * (mu + n_t),  s_row = 10**U(-3, 0) fixed per row,  mu ~ MU_SCALE * N(0, 1) fixed per element,
     n_t ~ N(0, 1) fresh each step.
 AdamW (lr 1e-3, betas (0.9, 0.999), eps 1e-8, weight_decay 0.01), 200 steps. In a quantized run, after every
