@@ -9,7 +9,7 @@ Usage (from the repository root)::
     python benchmarks/bench_step.py --smoke                   # tiny shapes on the CPU, checks the script
 
 Peers (bitsandbytes, torchao, FlashOptim) are used when importable, e.g. with ``PYTHONPATH=.peers/site``
-(the team's peer-wheel tool fills that folder); a peer that fails prints a note and is skipped.
+(the peers' wheels unpacked into that ignored folder); a peer that fails prints a note and is skipped.
 
 Method (the peers' published H200 anchor figures were measured this way): params ~N(0, 0.1^2), grads
 ~N(0, 0.01^2), lr 1e-3, weight decay 0.01; 5 warm-up steps, then the median of 20 timed steps, each between
