@@ -465,6 +465,17 @@ def _refuse(what: str, states: list, in_place: bool) -> None:
     )
 
 
+def _check_writable(param: Any, params: list) -> None:
+    """ValueError naming a param with a zero stride (an expanded tensor) before anything is written: an in-place
+    step would write one memory location for several elements, and torch refuses that only at the write."""
+    for i, p in enumerate(params):
+        if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
+            raise ValueError(
+                f"param{_names(param)[i]} has a zero stride (an expanded tensor): more than one element refers to "
+                f"a single memory location, so it cannot be stepped in place; pass a clone(), or use bnbf.update"
+            )
+
+
 def _check_no_overlap(param: Any, params: list, states: list) -> None:
     """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
     pair = _overlap(params, states)
@@ -561,6 +572,8 @@ def _prepare(
     params, grads, states, p_spec = _structures(param, grad, state)
     _check_leaves(param, params, states, grads)
     check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
+    if in_place:
+        _check_writable(param, params)
     rule = _rule_of(param, states)
     h = rule.make_hparams(hparams)
     _check_no_overlap(param, params, states)

@@ -651,6 +651,13 @@ class Plan:
                 names = names or _names(tree)
                 _check_grad(names[i], p, g)
                 raise AssertionError(f"unexpected grad at {names[i]}")  # _grads_ok and _check_grad disagree
+            # a subclass with its own dispatch: its data_ptr is not its data (0 for TwoTensor)
+            if type(g) not in _PLAIN_TYPES and type(g).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+                names = names or _names(tree)
+                raise TypeError(
+                    f"grad{names[i]} is a {type(g).__name__}, a tensor subclass that dispatches on its own: the "
+                    f"fused step cannot address its storage; pass a plain tensor"
+                )
         with torch.no_grad():
             return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
@@ -922,6 +929,18 @@ def _step_generic(
         new_p, new_s = update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
+        pairs = list(zip(_flatten(param)[0], _flatten(new_p)[0]))
+        pairs += [
+            (a, b)
+            for old, new in zip(_flatten(state, is_leaf=is_state)[0], _flatten(new_s, is_leaf=is_state)[0])
+            for a, b in zip(old, new)
+        ]
+        for old, new in pairs:  # all checked before any is written: a copy into another type may keep part of it
+            if type(new) is not type(old) and not {type(new), type(old)} <= _PLAIN_TYPES:
+                raise TypeError(
+                    f"the step of these {type(new).__name__} values cannot be written in place into a "
+                    f"{type(old).__name__}: params, grads and states must be of one tensor type (or use bnbf.update)"
+                )
         with torch.no_grad():
             for old, new in zip(_flatten(param)[0], _flatten(new_p)[0]):
                 old.copy_(new)

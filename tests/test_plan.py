@@ -278,3 +278,39 @@ def test_update__frees_a_dropped_models_cuda_memory():
     gc.collect()
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["update_", "plan"])
+def test_a_grad_subclass_with_its_own_dispatch_is_refused_in_place(device, how):
+    """A grad such as torch's TwoTensor (its own __torch_dispatch__; data_ptr 0) beside plain params: the fused step
+    cannot address it (it crashed the process: the kernel read address 0), and a copy of its step into the plain
+    param keeps only one of its halves. Refused, nothing written."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(257, device=device)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    grads["b"] = TwoTensor(grads["b"], 2 * grads["b"])
+    before = snapshot(params, state)
+    with pytest.raises(TypeError, match="TwoTensor"):
+        if how == "plan":
+            bnbf.plan(params, state).step(grads, {"lr": 0.1}, 1)
+        else:
+            bnbf.update_(params, grads, state, {"lr": 0.1}, 1)
+    assert_untouched(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_expanded_param_is_refused_in_place_before_any_write(device):
+    """A param with a zero stride (expanded) cannot be written in place; torch refuses at the write, after the
+    other params and states were stepped. Refused first, nothing written; the pure step takes it."""
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(1, device=device).expand(300)}
+    state = bnbf.init_state({k: p.clone() for k, p in params.items()}, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    grads = {k: torch.randn(300, device=device) for k in params}
+    before = snapshot(params, state)
+    with pytest.raises(ValueError, match=r"param\['b'\] has a zero stride"):
+        bnbf.update_(params, grads, state, {"lr": 0.1}, 1)
+    assert_untouched(before)
+    new_p, _ = bnbf.update(params, grads, state, {"lr": 0.1}, 1)
+    assert new_p["b"].is_contiguous() and not torch.equal(new_p["b"], params["b"])
