@@ -199,7 +199,8 @@ def storages(tree) -> set[int]:
 
 
 def init_params(shape, dtype, device):
-    """ANCHORS.md's conditions: params ~ N(0, 0.1^2) (grads: :func:`make_grad`, N(0, 0.01^2))."""
+    """The benchmarks' conditions (benchmarks/bench_step.py): params ~ N(0, 0.1^2) (grads: :func:`make_grad`,
+    N(0, 0.01^2))."""
     return (torch.randn(shape) * 0.1).to(dtype).to(device)
 
 
