@@ -69,8 +69,8 @@ class StableEmbedding(Embedding):
     Example:
         >>> emb = StableEmbedding(1000, 64)
         >>> out = emb(torch.tensor([[1, 2, 3]]))
-        >>> out.shape, round(out.mean().item(), 4)
-        (torch.Size([1, 3, 64]), 0.0)
+        >>> out.shape, bool(out.mean(-1).abs().max() < 1e-5)  # each row normalised; a rounded mean printed -0.0
+        (torch.Size([1, 3, 64]), True)
     """
 
     def __init__(self, *args, **kwargs) -> None:  # torch.nn.Embedding's arguments, as Embedding takes them
