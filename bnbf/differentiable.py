@@ -205,6 +205,15 @@ def update_(
     new_p, new_s = update(
         copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
     )
+    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
+        if any(a._base is not None and b.requires_grad for a, b in zip(s, n)):
+            # rows of one tensor (bnbf_nn's AdEMAMix stacks its first moments, bitsandbytes' layout): autograd
+            # refuses a second in-place write into rows once the first gave their base a history
+            raise NotImplementedError(
+                "differentiable=True through a state whose fields are rows of one tensor (bnbf_nn's AdEMAMix keeps "
+                "its two first moments so; a paged state on a GPU all its fields), with grads that carry a history: "
+                "not supported; the functional bnbf.update(..., differentiable=True) differentiates through the grads"
+            )
     for p, n in zip(params, _flatten(new_p)[0]):
         p.copy_(n)
     for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):

@@ -69,7 +69,7 @@ def test_fused_with_differentiable_is_refused_in_torchs_words():
 
 # ---- differentiable=True -----------------------------------------------------------------------------------
 
-DIFF_CASES = ["AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "Adan"]
+DIFF_CASES = ["AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "Adan", "LAMB", "LARS"]
 
 
 def _two_steps(name: str, p0, g, lr, **kw):
@@ -89,6 +89,24 @@ def test_differentiable_steps_have_the_true_gradients(name):
     lr = torch.tensor(HPARAMS[name]["lr"], dtype=torch.float64, requires_grad=True)
     # finite differences in float64 of the whole two-step map: params, grads and lr
     assert torch.autograd.gradcheck(lambda a, b, c: _two_steps(name, a, b, c), (p0, g, lr))
+
+
+def test_differentiable_ademamix_through_the_params_and_lr_and_a_clear_error_through_the_grads():
+    """bnbf_nn's AdEMAMix keeps its two first moments as rows of one tensor (bitsandbytes' layout): its
+    differentiable steps have the true gradients with respect to the initial params and lr (grads without
+    history), and grads that carry a history are refused in words, never a wrong or a torch-internal error."""
+    torch.manual_seed(0)
+    p0 = torch.randn(5, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(5, dtype=torch.float64)
+    lr = torch.tensor(HPARAMS["AdEMAMix"]["lr"], dtype=torch.float64, requires_grad=True)
+    assert torch.autograd.gradcheck(lambda a, c: _two_steps("AdEMAMix", a, g, c), (p0, lr))
+    p = p0.clone()
+    opt = _make("AdEMAMix", [p], bits=32, lr=lr, differentiable=True)
+    p.grad = g.clone().requires_grad_()
+    before = p.detach().clone()
+    with pytest.raises(NotImplementedError, match="rows of one tensor"):
+        opt.step()
+    assert torch.equal(p.detach(), before) and not opt.state[p]["state"].exp_avg.any()
 
 
 # torch's differentiable SGD with momentum cannot be differentiated here (its in-place buffer update trips
