@@ -47,11 +47,8 @@ fixed 1% of every tensor's elements get a zero gradient except on every 16th ste
 rare tokens sharing a block with frequent ones.
 
 Default run: 1200 steps of batch 64 (the bar's setting), 4 rules x 2 variants x 4 runs = 32 runs. On one
-H200 a step takes 3.1 ms (320 steps/s, bound by the forward/backward's many small kernels), a run 3.8 s:
-154 s for the whole process on a fresh machine, about 10 s of it bnbf's host-check build in the first run
-(built before this step in scripts/gpu_check.sh), so about 145 s there, inside its 150 s budget. Eager
-steps ran at 125 steps/s (host-bound), hence the CUDA graph; ``--amp`` (bf16 autocast) gives 407 steps/s
-but changes the numerics, so it is off.
+H200 a step is bound by the forward/backward's many small kernels, not the optimizer; eager steps are host-bound,
+hence the CUDA graph; ``--amp`` (bf16 autocast) is faster but changes the numerics, so it is off.
 If time is short, ``--reruns 0`` saves a quarter and ``--steps 600`` half; 1200 is the bar's setting.
 
 Hyperparameters (peak lr; the same for every format of a rule) are in ``rule_hparams``: AdamW 2e-3,

@@ -9,7 +9,7 @@
 # the call. TEST_BUDGET_S went 320 -> 300 and BENCH_BUDGET_S 120 -> 100 to make room, and the quality step gets
 # at most what is left of CALL_BUDGET_S (590) after the steps before it, less the profile's 50 s (skipped under
 # 30 s). After a suite of its usual 282-315 s that leaves it well under 150 s: it then stops at its budget and
-# the summary shows the rows it finished (rule by rule). For the whole quality table (about 150 s on an H200),
+# the summary shows the rows it finished (rule by rule). For the whole quality table,
 # use a call of its own: python benchmarks/quality.py --json $OUT/quality.json --markdown $OUT/quality.md
 #
 # Logs and results go to $OUT (else /tmp/gpu_check): tests.log, bench.log, bench.json, bench.md, rules.*,
