@@ -446,3 +446,24 @@ def test_max_grad_norm_with_differentiable():
     assert torch.autograd.gradcheck(second_step, (g64["a"].clone().requires_grad_(),))
     with pytest.raises(ValueError, match="Invalid max_grad_norm value: -1.0"):
         bnbf.update(params, grads, state, hp, 1, max_grad_norm=-1.0, differentiable=True)
+
+
+def test_vmap_of_meta_gradients_over_learning_rates_equals_a_loop():
+    """Per-member meta-gradients, ``vmap(grad(meta_loss))(lrs)``, through ``differentiable=True``: the batched lr is
+    not read as a number (``item()`` cannot read a batched tensor), and each member's gradient is the loop's."""
+    torch.manual_seed(0)
+    p, g = torch.randn(8, dtype=torch.float64), torch.randn(8, dtype=torch.float64)
+    s = bnbf.init_state(torch.zeros(8), bnbf.OptimSpec(rule="adamw", state_bits=32))
+    s = type(s)._make(t.double() for t in s)
+    lrs = torch.tensor([0.01, 0.05, 0.1], dtype=torch.float64)
+
+    def meta_loss(lr):
+        q, _ = bnbf.update(p, g, s, {"lr": lr, "betas": (0.9, 0.99)}, 3, differentiable=True)
+        return (q**2).sum()
+
+    loop = torch.stack([torch.func.grad(meta_loss)(lr) for lr in lrs])
+    torch.testing.assert_close(torch.func.vmap(torch.func.grad(meta_loss))(lrs), loop, rtol=1e-12, atol=0)
+    steps = torch.func.vmap(lambda lr: bnbf.update(p, g, s, {"lr": lr}, 1, differentiable=True)[0])(lrs)
+    torch.testing.assert_close(
+        steps, torch.stack([bnbf.update(p, g, s, {"lr": lr}, 1, differentiable=True)[0] for lr in lrs])
+    )

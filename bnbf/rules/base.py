@@ -165,13 +165,22 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
     if isinstance(x, Tensor):
         if x.numel() != 1:
             raise ValueError(f"Tensor {name} must be 1-element")  # torch's wording ("Tensor lr must be ...")
-        if x.device.type != "cpu":
+        if x.device.type != "cpu" or _batched(x):  # under vmap: a value per member, which item() cannot read
             return None
         return float(x)
     try:
         return float(x)
     except OverflowError:  # an int beyond float64: as unusable as inf
         return math.inf
+
+
+def _batched(x: Tensor) -> bool:
+    """Whether vmap batches ``x`` at some level of torch.func's wrappers (a grad wrapper may hold a batched tensor)."""
+    while not torch._C._functorch.is_batchedtensor(x):
+        if not torch._C._functorch.is_functorch_wrapped_tensor(x):
+            return False
+        x = torch._C._functorch.get_unwrapped(x)
+    return True
 
 
 def finite(v: float | None) -> bool:
