@@ -291,6 +291,7 @@ def unpack(
     bits = set()
     fmts = set()
     n, nblocks = param.numel(), math.ceil(param.numel() / BLOCK)
+    wide = param.dtype == torch.float64  # a differentiable optimizer's float64 params keep float64 32-bit state
     for key, kept in expected.items():
         k = key[5:]
         t = tensors.get(key)
@@ -299,7 +300,7 @@ def unpack(
         lead = (len(slots[int(k) - 1]),) if len(slots[int(k) - 1]) > 1 else ()
         if tuple(t.shape) != lead + tuple(param.shape):
             _fail(where, f"{key} has shape {tuple(t.shape)}, the parameter needs {lead + tuple(param.shape)}")
-        if t.dtype not in (torch.uint8, torch.float32):
+        if t.dtype not in (torch.uint8, torch.float32) and not (wide and t.dtype == torch.float64):
             _fail(where, f"{key} has dtype {t.dtype}; expected uint8 codes or float32 values")
         bits.add(8 if t.dtype == torch.uint8 else 32)
         if t.dtype != torch.uint8:
@@ -364,7 +365,11 @@ def unpack(
                     a = tensors["absmax" + key[5:]]
                     saved[n + "_absmax"] = _row_of(a, i) if stack else a
         return dist.load_state_dict_(state, saved)
-    if stacks:  # unpaged first, as new_state
+    if wide:  # as the optimizer makes it at its first step: float32 fields made float64, stacks laid out again
+        state = bnbf.init_state(param.detach().float(), spec, hparams)
+        state = type(state)._make(t.double() if t.is_floating_point() else t for t in state)
+        state = relaid(state, stacks, False) if stacks else state
+    elif stacks:  # unpaged first, as new_state
         state = relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)
     else:
         state = bnbf.init_state(param.detach(), spec, hparams)

@@ -109,6 +109,34 @@ def test_differentiable_ademamix_through_the_params_and_lr_and_a_clear_error_thr
     assert torch.equal(p.detach(), before) and not opt.state[p]["state"].exp_avg.any()
 
 
+@pytest.mark.parametrize("name", ["AdamW", "AdEMAMix"])
+def test_float64_differentiable_state_dict_round_trip(name):
+    """float64 params of a differentiable optimizer keep float64 32-bit state: its own state_dict loads back (it
+    was refused as 'expected float32 values'), and the loaded optimizer continues as the saved one does."""
+    torch.manual_seed(0)
+    leaves = [torch.randn(5, dtype=torch.float64, requires_grad=True) for _ in range(2)]
+    params = [p.clone() for p in leaves]  # non-leaves written in place with their history, as torch's idiom
+    twin = [p.clone() for p in leaves]
+    opt = _make(name, params, bits=32, differentiable=True)
+    grads = [[torch.randn(5, dtype=torch.float64) for _ in params] for _ in range(3)]
+    for gs in grads[:2]:
+        for p, g in zip(params, gs):
+            p.grad = g
+        opt.step()
+    with torch.no_grad():
+        for p, q in zip(params, twin):
+            q.copy_(p)
+    again = _make(name, twin, bits=32, differentiable=True)
+    again.load_state_dict(opt.state_dict())
+    for o, ps in ((opt, params), (again, twin)):
+        for p, g in zip(ps, grads[2]):
+            p.grad = g
+        o.step()
+    for p, q in zip(params, twin):
+        assert torch.equal(p.detach(), q.detach())
+    assert again.state[twin[0]]["state"].exp_avg.dtype == opt.state[params[0]]["state"].exp_avg.dtype
+
+
 # torch's differentiable SGD with momentum cannot be differentiated here (its in-place buffer update trips
 # autograd's version check): SGD's derivatives are checked by gradcheck above
 @pytest.mark.parametrize("torch_cls, name", [(torch.optim.AdamW, "AdamW"), (torch.optim.Adam, "Adam")])
