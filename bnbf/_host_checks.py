@@ -65,7 +65,7 @@ def _check_param(p: Any, where: str) -> None:
     if not isinstance(p, Tensor):
         raise TypeError(f"param{where} must be a Tensor, got {type(p).__name__}")
     if p.dtype not in _PARAM_DTYPES:
-        kind = "complex" if p.is_complex() else ("integer" if not p.is_floating_point() else "this")
+        kind = "complex" if p.is_complex() else ("integer" if not p.is_floating_point() else str(p.dtype)[6:])
         raise TypeError(
             f"param{where} has dtype {p.dtype}: {kind} params are not supported "
             f"(bnbf optimizes float32, float16 and bfloat16 params)"
@@ -200,10 +200,24 @@ def _structures(param: Any, grad: Any, state: Any, traced: bool = False) -> tupl
     if not params:
         raise ValueError("update needs at least one tensor")
     if g_spec != p_spec:
+        _none_leaf("grad", grad)
         raise ValueError(f"grad structure {g_spec} does not match param structure {p_spec}")
     if s_spec != p_spec:
+        _none_leaf("state", state)
         raise ValueError(f"state structure {s_spec} does not match param structure {p_spec}")
     return params, grads, states, p_spec
+
+
+def _none_leaf(what: str, tree: Any) -> None:
+    """ValueError naming a None where a param's grad or state should be (flattened, a None is no leaf at all, so
+    the structures differ in a way their printouts hide)."""
+    leaves = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or is_state(x))[0]
+    for path, leaf in leaves:
+        if leaf is None:
+            raise ValueError(
+                f"{what}{pytree.keystr(path)} is None: every param of the call needs a {what} (pass only the params "
+                f"that have one)"
+            )
 
 
 def _check_grad(name: str, p: Tensor, g: Any) -> None:
@@ -322,6 +336,10 @@ def _overlap(params: list, states: list) -> tuple[int, int] | None:
     tensors = [*params, *itertools.chain.from_iterable(states)]
     starts = list(map(Tensor.data_ptr, tensors))
     sizes = list(map(_NBYTES, tensors))
+    if 0 in starts:  # no storage at address 0 (a subclass with its own dispatch, as TwoTensor): the caller names it
+        bare = [k for k, (st, sz) in enumerate(zip(starts, sizes)) if st == 0 and sz]
+        if bare:
+            return bare[0], bare[0]
     if not all(map(Tensor.is_contiguous, params)):  # the states' fields are contiguous (checked)
         sizes = [s if t.is_contiguous() else _span(t) for t, s in zip(tensors, sizes)]
     # disjoint ranges <=> with starts and ends sorted on their own, the k-th end is at most the (k+1)-th start
@@ -476,14 +494,36 @@ def _check_writable(param: Any, params: list) -> None:
             )
 
 
+def _check_fields_addressable(param: Any, states: list) -> None:
+    """TypeError naming a state field of a tensor subclass with its own dispatch (torch's TwoTensor...) beside plain
+    params and grads: the kernels would read its data_ptr, which is not its data (0 for TwoTensor)."""
+    for i, s in enumerate(states):
+        for name, f in zip(type(s)._fields, s):
+            if type(f) not in _PLAIN_TYPES and type(f).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+                raise TypeError(
+                    f"state{_names(param)[i]}.{name} is a {type(f).__name__}, a tensor subclass that dispatches on "
+                    f"its own, beside plain params and grads: the fused step cannot address its storage; make the "
+                    f"state with bnbf.init_state"
+                )
+
+
 def _check_no_overlap(param: Any, params: list, states: list) -> None:
     """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
     pair = _overlap(params, states)
     if pair is None:
         return
+    _check_fields_addressable(param, states)  # subclass fields at address 0 overlap each other: say what they are
     names = _names(param)
     where = [(i, None) for i in range(len(params))]
     where += [(i, f) for i, s in enumerate(states) for f in type(s)._fields]
+    if pair[0] == pair[1]:
+        i, f = where[pair[0]]
+        t = params[i] if f is None else getattr(states[i], f)
+        what = "a meta tensor, which holds no data" if t.device.type == "meta" else f"a {type(t).__name__}"
+        raise TypeError(
+            f"{'param' if f is None else 'state'}{names[i]}{'' if f is None else '.' + f} has no storage the fused "
+            f"step can address: {what}"
+        )
     (i, fi), (j, fj) = where[pair[0]], where[pair[1]]
     if fi is None and fj is None:
         if params[i] is params[j]:

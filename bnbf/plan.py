@@ -43,6 +43,7 @@ from bnbf._host_checks import (
     _groups,
     _is_plain,
     _names,
+    _none_leaf,
     _overlap,
     _prepare,
     _prepare_traced,
@@ -644,6 +645,7 @@ class Plan:
         with non-contiguous ones copied."""
         grads, g_spec = _flatten(grad)
         if g_spec != self._spec:
+            _none_leaf("grad", grad)
             raise ValueError(f"grad structure {g_spec} does not match param structure {self._spec}")
         names = None
         for i, (p, g) in enumerate(zip(params, grads)):

@@ -314,3 +314,32 @@ def test_an_expanded_param_is_refused_in_place_before_any_write(device):
     assert_untouched(before)
     new_p, _ = bnbf.update(params, grads, state, {"lr": 0.1}, 1)
     assert new_p["b"].is_contiguous() and not torch.equal(new_p["b"], params["b"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule, hp", [("adamw", {}), ("sgd", {"momentum": 0.9})], ids=["two-fields", "one-field"])
+def test_state_fields_of_a_subclass_with_its_own_dispatch_are_named(device, rule, hp):
+    """A state whose fields are TwoTensors (no storage at their address) beside plain params and grads: a
+    TypeError naming the field, not 'the same state' (their addresses, 0, overlap), nor a kernel reading 0."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    p = torch.randn(300, device=device)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule=rule, state_bits=32), hp)
+    s = type(s)(*[TwoTensor(t.clone(), t.clone()) for t in s])
+    before = snapshot(p, s)
+    for step in (bnbf.update, bnbf.update_):
+        with pytest.raises(TypeError, match=rf"state\.{s._fields[0]} is a TwoTensor"):
+            step(p, torch.randn_like(p), s, {"lr": 0.1, **hp}, 1)
+    assert_untouched(before)
+
+
+def test_a_missing_grad_and_a_float64_param_are_named():
+    """A None grad for one param is named (the flattened structures differ in a way their printouts hide), and a
+    float64 param's error names its dtype."""
+    params = {"a": torch.randn(3), "b": torch.randn(3)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    for step in (bnbf.update, bnbf.update_):
+        with pytest.raises(ValueError, match=r"grad\['b'\] is None: every param of the call needs a grad"):
+            step(params, {"a": torch.randn(3), "b": None}, state, {}, 1)
+    with pytest.raises(TypeError, match="dtype torch.float64: float64 params are not supported"):
+        bnbf.init_state(torch.randn(3, dtype=torch.float64), bnbf.OptimSpec(rule="adamw"))
