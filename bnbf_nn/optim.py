@@ -439,6 +439,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         # what a bucket's settings are made from, the lr last (see _settings)
         self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
         self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
+        # bitsandbytes' spellings of this family's settings that are not its own keys (SGD's betas = (momentum,
+        # dampening)...): a group holding one is checked against the settings it spells (_check_bnb_spelling)
+        self._bnb_spelled = frozenset(k for k, _ in self.family.bnb_group if k not in self._hkeys)
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
@@ -754,11 +757,33 @@ class Optimizer8bit(torch.optim.Optimizer):
         for mu in mus:
             _distributed().check_step(group["params"], self._rule, mu)
 
+    def _check_bnb_spelling(self, group: Mapping) -> None:
+        """A group that holds bitsandbytes' spelling of a setting (set for bitsandbytes' optimizer: a momentum
+        schedule writing SGD's ``betas``) must agree with the setting bnbf_nn steps with, else it would be
+        ignored silently: ValueError naming both."""
+        want = _to_bnb_group(self.family, group)
+        for key in sorted(self._bnb_spelled & group.keys()):
+            names = dict(self.family.bnb_group)[key]
+            if not isinstance(names, tuple) or not any(isinstance(n, str) for n in names):
+                continue  # a placeholder bitsandbytes itself never reads (Adagrad's betas, Lion's eps)
+            try:
+                same = tuple(group[key]) == want[key]
+            except TypeError:  # not a sequence
+                same = False
+            if not same:
+                raise ValueError(
+                    f"param group holds bitsandbytes' {key}={group[key]!r}, which for {type(self).__name__} spells "
+                    f"{names!r}, but the group's own settings are {want[key]!r}: bnbf_nn steps with torch's names, "
+                    f"set those ({', '.join(n for n in names if isinstance(n, str))})"
+                )
+
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
         as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
         holds the very objects it was made from (numbers and tuples of them, which cannot change in place);
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
+        if self._bnb_spelled and not self._bnb_spelled.isdisjoint(group):
+            self._check_bnb_spelling(group)
         seen = self._seen(group)
         memo = bucket.memo
         if memo is not None:

@@ -15,6 +15,7 @@ import dataclasses
 import inspect
 import io
 import pickle
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -708,6 +709,33 @@ def test_betas_as_bitsandbytes_string(cls):
     assert make(betas=betas).param_groups[0]["betas"] == tuple(float(b) for b in betas[1:-1].split(","))
     with pytest.raises(ValueError, match="betas '0.9 0.99' is not a tuple of numbers"):
         make(betas="0.9 0.99")
+
+
+@pytest.mark.parametrize(
+    "cls, kw, spelled",
+    [
+        ("SGD8bit", dict(lr=0.1, momentum=0.9), (0.95, 0.0)),
+        ("RMSprop8bit", dict(lr=0.01), (0.5, 0.0)),
+        ("LARS8bit", dict(lr=0.1, momentum=0.9), (0.8, 0.0)),
+    ],
+)
+def test_a_group_in_bitsandbytes_spelling_is_read_or_refused(cls, kw, spelled):
+    """bitsandbytes' groups spell SGD's and LARS's momentum and dampening as ``betas`` (RMSprop's alpha and momentum
+    too), and a schedule written for bitsandbytes sets ``group["betas"]``. Where it agrees with the group's own
+    settings the step runs; where it does not, it would be ignored: refused in words, nothing written."""
+    params = make_params()
+    opt = getattr(bnbf_nn, cls)(params, **kw, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    group = opt.param_groups[0]
+    names = {"RMSprop8bit": ("alpha", "momentum")}.get(cls, ("momentum", "dampening"))
+    group["betas"] = tuple(group[n] for n in names)
+    run_adapter(opt, params, make_grads(params, 1, seed=2))
+    group["betas"] = spelled
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"bitsandbytes' betas={re.escape(repr(spelled))}.*set those \({names[0]}"):
+        run_adapter(opt, params, make_grads(params, 1, seed=3))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"] == 2 for p in params)
 
 
 @pytest.mark.parametrize("key", ["t_alpha", "t_beta3"])
