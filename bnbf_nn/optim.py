@@ -1123,6 +1123,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"{name}'s has {len(group['params'])}"
                 )
             ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
+            if not state_dict.get("bnbf"):  # bitsandbytes' own: a setting it fills with a constant says nothing
+                ours -= {k for k, how in self.family.bnb_group if not isinstance(how, (str, tuple))}
             new = {k: v for k, v in group.items() if k != "params"}
             new.update(
                 {

@@ -405,3 +405,23 @@ def test_checkpoints_with_int_steps_still_load():
     opt2 = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], min_8bit_size=MIN8)
     opt2.load_state_dict(sd)
     assert [r["step"] for r in opt2.state.values()] == [3] * len(SHAPES)
+
+
+def test_a_bitsandbytes_placeholder_setting_does_not_overwrite_ours():
+    """bitsandbytes' LARS groups hold eps 0.0, a constant it never reads; bnbf's LARS guards its trust ratio with
+    eps. A state dict of bitsandbytes' (no "bnbf" entry) keeps ours; one of ours restores our value."""
+    params = make_params(shapes=SHAPES)
+    opt = bnbf_nn.LARS8bit(params, lr=0.1, momentum=0.9, min_8bit_size=MIN8, eps=1e-6)
+    run_adapter(opt, params, make_grads(params, 1))
+    theirs = reload(opt.state_dict())
+    del theirs["bnbf"]
+    theirs["param_groups"][0]["eps"] = 0.0
+    twin = bnbf_nn.LARS8bit(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9, min_8bit_size=MIN8, eps=1e-6
+    )
+    twin.load_state_dict(theirs)
+    assert twin.param_groups[0]["eps"] == 1e-6
+    ours = reload(opt.state_dict())
+    ours["param_groups"][0]["eps"] = 1e-5
+    twin.load_state_dict(ours)
+    assert twin.param_groups[0]["eps"] == 1e-5
