@@ -296,7 +296,14 @@ def unpack(
         k = key[5:]
         t = tensors.get(key)
         if not isinstance(t, Tensor):
-            _fail(where, f"missing {key!r} (the {rule.name} state {[rule.states[j].name for j in kept]})")
+            # slots bitsandbytes never keeps: it accepts amsgrad, and RMSprop's momentum and centered, and ignores them
+            hint = (
+                "; a checkpoint of bitsandbytes' holds no such state (it ignores amsgrad and RMSprop's momentum "
+                "and centered): load it into an optimizer made without that option"
+                if int(k) > 2 or (rule.name == "rmsprop" and int(k) > 1)
+                else ""
+            )
+            _fail(where, f"missing {key!r} (the {rule.name} state {[rule.states[j].name for j in kept]}){hint}")
         lead = (len(slots[int(k) - 1]),) if len(slots[int(k) - 1]) > 1 else ()
         if tuple(t.shape) != lead + tuple(param.shape):
             _fail(where, f"{key} has shape {tuple(t.shape)}, the parameter needs {lead + tuple(param.shape)}")

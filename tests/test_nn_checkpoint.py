@@ -425,3 +425,15 @@ def test_a_bitsandbytes_placeholder_setting_does_not_overwrite_ours():
     ours["param_groups"][0]["eps"] = 1e-5
     twin.load_state_dict(ours)
     assert twin.param_groups[0]["eps"] == 1e-5
+
+
+def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
+    """bitsandbytes accepts amsgrad=True and ignores it, so its checkpoints hold no maximum (state3): loading one
+    into an optimizer with amsgrad=True is refused, saying so, with nothing changed."""
+    params = make_params(shapes=SHAPES)
+    opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    amsgrad = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True)
+    with pytest.raises(ValueError, match=r"missing 'state3'.*bitsandbytes' holds no such state.*amsgrad"):
+        amsgrad.load_state_dict(reload(opt.state_dict()))
+    assert not amsgrad.state
