@@ -433,7 +433,9 @@ def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
     params = make_params(shapes=SHAPES)
     opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
     run_adapter(opt, params, make_grads(params, 1))
-    amsgrad = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True)
+    amsgrad = bnbf_nn.AdamW8bit(
+        [torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True, min_8bit_size=MIN8
+    )
     with pytest.raises(ValueError, match=r"missing 'state3'.*bitsandbytes' holds no such state.*amsgrad"):
         amsgrad.load_state_dict(reload(opt.state_dict()))
     assert not amsgrad.state
