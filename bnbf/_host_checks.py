@@ -502,8 +502,8 @@ def _check_fields_addressable(param: Any, states: list) -> None:
             if type(f) not in _PLAIN_TYPES and type(f).__torch_dispatch__ is not Tensor.__torch_dispatch__:
                 raise TypeError(
                     f"state{_names(param)[i]}.{name} is a {type(f).__name__}, a tensor subclass that dispatches on "
-                    f"its own, beside plain params and grads: the fused step cannot address its storage; make the "
-                    f"state with bnbf.init_state"
+                    f"its own: the fused step cannot address its storage (bnbf.update and bnbf.update_ take such "
+                    f"states where the params and grads are of the subclass too)"
                 )
 
 

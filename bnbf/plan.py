@@ -136,6 +136,7 @@ class Plan:
     """
 
     def __init__(self, params: Any, state: Any):
+        _outside_transforms("made")
         leaves, spec = _flatten(params)
         states, s_spec = _flatten(state, is_leaf=is_state)
         _validate(params, leaves, states, spec, s_spec)
@@ -662,6 +663,18 @@ class Plan:
                 )
         with torch.no_grad():
             return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+def _outside_transforms(what: str) -> None:
+    """RuntimeError where a plan is made under a torch.func transform: a plan records the addresses of the tensors
+    it holds, and the tensors of vmap, grad or jvp have none ('Cannot access data pointer' from torch before). A
+    plan made outside steps under a transform through the generic path (:meth:`Plan._step`)."""
+    if _functorch.maybe_current_level() is not None:
+        raise RuntimeError(
+            f"a bnbf.plan cannot be {what} under a torch.func transform (vmap, grad, jvp...): it steps the addresses "
+            f"of the tensors it holds, which the transform's tensors do not have; use bnbf.update_ or bnbf.update "
+            f"there (with differentiable=True for gradients)"
+        )
 
 
 def _held(grads: list) -> Any:

@@ -343,3 +343,16 @@ def test_a_missing_grad_and_a_float64_param_are_named():
             step(params, {"a": torch.randn(3), "b": None}, state, {}, 1)
     with pytest.raises(TypeError, match="dtype torch.float64: float64 params are not supported"):
         bnbf.init_state(torch.randn(3, dtype=torch.float64), bnbf.OptimSpec(rule="adamw"))
+
+
+def test_a_plan_made_under_a_torch_func_transform_is_refused_in_words():
+    """A plan records its tensors' addresses, which vmap's and grad's tensors do not have: making one under a
+    transform raised torch's 'Cannot access data pointer'; now the error says what to use instead."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    params = {"w": torch.randn(3, 40)}
+    states = torch.func.vmap(lambda p: bnbf.init_state(p, spec))(params)
+    with pytest.raises(RuntimeError, match="cannot be made under a torch.func transform.*bnbf.update_"):
+        torch.func.vmap(lambda p, s: bnbf.plan(p, s))(params, states)
+    p, s = torch.randn(40), bnbf.init_state(torch.randn(40), spec)
+    with pytest.raises(RuntimeError, match="cannot be made under a torch.func transform"):
+        torch.func.grad(lambda q: (bnbf.plan([q], [s]), q.sum())[1])(p)
