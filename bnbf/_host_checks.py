@@ -635,9 +635,7 @@ def unaddressable(*groups: list) -> bool:
         return True
     for ts in groups:
         if not set(map(type, ts)) <= _PLAIN_TYPES and any(
-            getattr(type(t).__torch_dispatch__, "__func__", None) is not _OWN_DISPATCH
-            for t in ts
-            if isinstance(t, Tensor)
+            type(t).__torch_dispatch__ is not _OWN_DISPATCH for t in ts if isinstance(t, Tensor)
         ):
             return True
     return False

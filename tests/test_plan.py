@@ -356,3 +356,22 @@ def test_a_plan_made_under_a_torch_func_transform_is_refused_in_words():
     p, s = torch.randn(40), bnbf.init_state(torch.randn(40), spec)
     with pytest.raises(RuntimeError, match="cannot be made under a torch.func transform"):
         torch.func.grad(lambda q: (bnbf.plan([q], [s]), q.sum())[1])(p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_overlapping_views_of_a_plain_subclass_are_refused_in_place(device):
+    """A subclass without a dispatch of its own (``as_subclass``) has its storage where a plain tensor's is: it
+    takes the full checks, so two overlapping views of one such tensor are refused before any write (they went
+    the route of subclasses with their own dispatch, which skips the address checks, and were written twice)."""
+
+    class Sub(torch.Tensor):
+        pass
+
+    base = torch.randn(600, device=device)
+    params = {"a": base[:400].as_subclass(Sub), "b": base[200:].as_subclass(Sub)}
+    state = bnbf.init_state({k: torch.zeros(400, device=device) for k in params}, bnbf.OptimSpec(rule="adamw"))
+    grads = {k: torch.randn(400, device=device) for k in params}
+    before = snapshot(base, state)
+    with pytest.raises(ValueError, match=r"param\['a'\] and param\['b'\] overlap in memory"):
+        bnbf.update_(params, grads, state, {"lr": 0.1}, 1)
+    assert_untouched(before)
