@@ -1110,6 +1110,21 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
                 f"{name} uses rule {self._rule.name!r}"
             )
+        for key, entry in state_dict["state"].items():
+            # torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it): say so first, rather
+            # than fail on a setting of its groups
+            if (
+                type(key) is int
+                and isinstance(entry, Mapping)
+                and _checkpoint.QUANT_KEY not in entry
+                and "state1" not in entry
+            ):
+                named = sorted(k for k, v in entry.items() if isinstance(v, Tensor) and k != "step")
+                if named:
+                    raise ValueError(
+                        f"the state of param {key!r} holds {named}: torch.optim's layout (bitsandbytes' PytorchLARS "
+                        f"saves it), not bitsandbytes' state1/qmap1/absmax1 layout that {name} loads"
+                    )
         saved_groups = list(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(

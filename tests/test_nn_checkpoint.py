@@ -442,3 +442,23 @@ def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
     with pytest.raises(ValueError, match=r"missing 'state3'.*bitsandbytes' holds no such state.*amsgrad"):
         amsgrad.load_state_dict(theirs)
     assert not amsgrad.state
+
+
+def test_a_state_dict_in_torch_optims_layout_is_named():
+    """bitsandbytes' PytorchLARS is a plain torch optimizer: its state dict holds ``momentum_buffer`` (and clips with
+    max_unorm, which our LARS refuses). Loading one says what it is, not what its groups' settings break; nothing
+    changes."""
+    params = make_params(shapes=SHAPES)
+    opt = bnbf_nn.PytorchLARS(params, lr=0.01, momentum=0.9, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    before = reload(opt.state_dict())
+    theirs = {
+        "state": {i: {"momentum_buffer": torch.zeros(s)} for i, s in enumerate(SHAPES)},
+        "param_groups": [{**before["param_groups"][0], "max_unorm": 0.02}],
+    }
+    with pytest.raises(ValueError, match=r"param 0 holds \['momentum_buffer'\]: torch.optim's layout"):
+        opt.load_state_dict(theirs)
+    after = reload(opt.state_dict())
+    for k, entry in before["state"].items():
+        for f, v in entry[QUANT_KEY].items():
+            assert_equal_report(after["state"][k][QUANT_KEY][f], v, f"param {k} {f}")
