@@ -449,11 +449,12 @@ def check_not_differentiated(
     an in-place step anyway.
     """
     hps = hparam_tensors(h, step, max_unorm)
-    fields = [(i, f) for i, s in enumerate(states) if is_state(s) for f in s]
-    if not differentiated([*params, *grads, *(t for _, t in hps), *(f for _, f in fields)]):
+    # the states' fields in C-level calls (packed states pass layouts, which hold no tensors)
+    fields = itertools.chain.from_iterable(filter(State.__instancecheck__, states))
+    if not differentiated([*params, *grads, *(t for _, t in hps), *fields]):
         return
     named = [("param", i, p) for i, p in enumerate(params)] + [("grad", i, g) for i, g in enumerate(grads)]
-    named += [("state", i, f) for i, f in fields]
+    named += [("state", i, f) for i, s in enumerate(states) if is_state(s) for f in s]
     grad_mode = torch.is_grad_enabled()
     fwd = forward_ad._current_level >= 0
     names = None
@@ -486,6 +487,8 @@ def _refuse(what: str, states: list, in_place: bool) -> None:
 def _check_writable(param: Any, params: list) -> None:
     """ValueError naming a param with a zero stride (an expanded tensor) before anything is written: an in-place
     step would write one memory location for several elements, and torch refuses that only at the write."""
+    if all(map(Tensor.is_contiguous, params)):  # a contiguous tensor has no zero stride over more than one element
+        return
     for i, p in enumerate(params):
         if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
             raise ValueError(
@@ -494,12 +497,18 @@ def _check_writable(param: Any, params: list) -> None:
             )
 
 
+def own_dispatch(t: Tensor) -> bool:
+    """Whether ``t`` is of a tensor subclass with a ``__torch_dispatch__`` of its own (TwoTensor, FakeTensor,
+    DTensor...): its data_ptr is not its data. Subclasses made by ``as_subclass`` keep torch's."""
+    return type(t) not in _PLAIN_TYPES and type(t).__torch_dispatch__ is not _OWN_DISPATCH
+
+
 def _check_fields_addressable(param: Any, states: list) -> None:
     """TypeError naming a state field of a tensor subclass with its own dispatch (torch's TwoTensor...) beside plain
     params and grads: the kernels would read its data_ptr, which is not its data (0 for TwoTensor)."""
     for i, s in enumerate(states):
         for name, f in zip(type(s)._fields, s):
-            if type(f) not in _PLAIN_TYPES and type(f).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+            if own_dispatch(f):
                 raise TypeError(
                     f"state{_names(param)[i]}.{name} is a {type(f).__name__}, a tensor subclass that dispatches on "
                     f"its own: the fused step cannot address its storage (bnbf.update and bnbf.update_ take such "
@@ -634,9 +643,7 @@ def unaddressable(*groups: list) -> bool:
     if torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
         return True
     for ts in groups:
-        if not set(map(type, ts)) <= _PLAIN_TYPES and any(
-            type(t).__torch_dispatch__ is not _OWN_DISPATCH for t in ts if isinstance(t, Tensor)
-        ):
+        if not set(map(type, ts)) <= _PLAIN_TYPES and any(own_dispatch(t) for t in ts if isinstance(t, Tensor)):
             return True
     return False
 

@@ -205,7 +205,8 @@ def update_(
     new_p, new_s = update(
         copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
     )
-    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
+    new_states = _flatten(new_s, is_leaf=is_state)[0]
+    for s, n in zip(states, new_states):
         if any(a._base is not None and b.requires_grad for a, b in zip(s, n)):
             # rows of one tensor (bnbf_nn's AdEMAMix stacks its first moments, bitsandbytes' layout): autograd
             # refuses a second in-place write into rows once the first gave their base a history
@@ -216,7 +217,7 @@ def update_(
             )
     for p, n in zip(params, _flatten(new_p)[0]):
         p.copy_(n)
-    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
+    for s, n in zip(states, new_states):
         for a, b in zip(s, n):
             a.copy_(b)
     return param, state

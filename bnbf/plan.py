@@ -54,6 +54,7 @@ from bnbf._host_checks import (
     check_update_options,
     differentiated,
     hparam_tensors,
+    own_dispatch,
     unaddressable,
 )
 from bnbf.kernels.direct_launch import _current_stream
@@ -136,7 +137,7 @@ class Plan:
     """
 
     def __init__(self, params: Any, state: Any):
-        _outside_transforms("made")
+        _outside_transforms()
         leaves, spec = _flatten(params)
         states, s_spec = _flatten(state, is_leaf=is_state)
         _validate(params, leaves, states, spec, s_spec)
@@ -654,8 +655,7 @@ class Plan:
                 names = names or _names(tree)
                 _check_grad(names[i], p, g)
                 raise AssertionError(f"unexpected grad at {names[i]}")  # _grads_ok and _check_grad disagree
-            # a subclass with its own dispatch: its data_ptr is not its data (0 for TwoTensor)
-            if type(g) not in _PLAIN_TYPES and type(g).__torch_dispatch__ is not Tensor.__torch_dispatch__:
+            if own_dispatch(g):  # its data_ptr is not its data (0 for TwoTensor)
                 names = names or _names(tree)
                 raise TypeError(
                     f"grad{names[i]} is a {type(g).__name__}, a tensor subclass that dispatches on its own: the "
@@ -665,15 +665,15 @@ class Plan:
             return [g if g.is_contiguous() else g.contiguous() for g in grads]
 
 
-def _outside_transforms(what: str) -> None:
+def _outside_transforms() -> None:
     """RuntimeError where a plan is made under a torch.func transform: a plan records the addresses of the tensors
     it holds, and the tensors of vmap, grad or jvp have none ('Cannot access data pointer' from torch before). A
     plan made outside steps under a transform through the generic path (:meth:`Plan._step`)."""
     if _functorch.maybe_current_level() is not None:
         raise RuntimeError(
-            f"a bnbf.plan cannot be {what} under a torch.func transform (vmap, grad, jvp...): it steps the addresses "
-            f"of the tensors it holds, which the transform's tensors do not have; use bnbf.update_ or bnbf.update "
-            f"there (with differentiable=True for gradients)"
+            "a bnbf.plan cannot be made under a torch.func transform (vmap, grad, jvp...): it steps the addresses "
+            "of the tensors it holds, which the transform's tensors do not have; use bnbf.update_ or bnbf.update "
+            "there (with differentiable=True for gradients)"
         )
 
 
@@ -957,11 +957,8 @@ def _step_generic(
                     f"{type(old).__name__}: params, grads and states must be of one tensor type (or use bnbf.update)"
                 )
         with torch.no_grad():
-            for old, new in zip(_flatten(param)[0], _flatten(new_p)[0]):
+            for old, new in pairs:
                 old.copy_(new)
-            for old, new in zip(_flatten(state, is_leaf=is_state)[0], _flatten(new_s, is_leaf=is_state)[0]):
-                for a, b in zip(old, new):
-                    a.copy_(b)
         return
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)

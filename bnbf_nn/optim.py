@@ -440,8 +440,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
         self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
         # bitsandbytes' spellings of this family's settings that are not its own keys (SGD's betas = (momentum,
-        # dampening)...): a group holding one is checked against the settings it spells (_check_bnb_spelling)
-        self._bnb_spelled = frozenset(k for k, _ in self.family.bnb_group if k not in self._hkeys)
+        # dampening)...): a group holding one is checked against the settings it spells (_check_bnb_spelling;
+        # not the constants bitsandbytes never reads, Adagrad's betas and Lion's eps)
+        self._bnb_spelled = {
+            k: how
+            for k, how in self.family.bnb_group
+            if k not in self._hkeys and isinstance(how, tuple) and any(isinstance(n, str) for n in how)
+        }
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
@@ -762,10 +767,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         schedule writing SGD's ``betas``) must agree with the setting bnbf_nn steps with, else it would be
         ignored silently: ValueError naming both."""
         want = _to_bnb_group(self.family, group)
-        for key in sorted(self._bnb_spelled & group.keys()):
-            names = dict(self.family.bnb_group)[key]
-            if not isinstance(names, tuple) or not any(isinstance(n, str) for n in names):
-                continue  # a placeholder bitsandbytes itself never reads (Adagrad's betas, Lion's eps)
+        for key in sorted(self._bnb_spelled.keys() & group.keys()):
+            names = self._bnb_spelled[key]
             try:
                 same = tuple(group[key]) == want[key]
             except TypeError:  # not a sequence
@@ -782,7 +785,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
         holds the very objects it was made from (numbers and tuples of them, which cannot change in place);
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
-        if self._bnb_spelled and not self._bnb_spelled.isdisjoint(group):
+        if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):
             self._check_bnb_spelling(group)
         seen = self._seen(group)
         memo = bucket.memo

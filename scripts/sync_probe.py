@@ -24,7 +24,15 @@ import benchmarks.bench_func as bf  # noqa: E402
 import benchmarks.bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
-BLOCKING = ("Synchronize", "cudaMemcpy", "cudaHostAlloc", "cudaMallocHost", "cudaMalloc", "cudaFree", "cudaHostRegister")
+BLOCKING = (
+    "Synchronize",
+    "cudaMemcpy",
+    "cudaHostAlloc",
+    "cudaMallocHost",
+    "cudaMalloc",
+    "cudaFree",
+    "cudaHostRegister",
+)
 WAYS = [f"{m}-{c}-{s}" for m in ("flat", "per_param") for c in ("eager", "compiled") for s in ("numbers", "tensors")]
 
 
