@@ -241,6 +241,8 @@ def for_bitsandbytes(state_dict: Mapping) -> dict:
 
         torch.save(bnbf_nn.for_bitsandbytes(opt.state_dict()), path)  # then bitsandbytes' load_state_dict
     """
+    if not isinstance(state_dict, Mapping) or not isinstance(state_dict.get("state"), Mapping):
+        raise ValueError("for_bitsandbytes expects an optimizer state dict: a dict whose 'state' is a dict")
     state = {}
     for key, entry in state_dict["state"].items():
         if isinstance(entry, Mapping) and "step" in entry:

@@ -182,6 +182,12 @@ def test_for_bitsandbytes_writes_int_steps(dtype):
     again = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in ours], min_8bit_size=MIN8)
     again.load_state_dict(out)
     assert [r["step"] for r in again.state.values()] == [3001] * len(SHAPES)
+    for bad in ([], {"state": [1]}):
+        with pytest.raises(ValueError, match="expects an optimizer state dict"):
+            bnbf_nn.for_bitsandbytes(bad)
+    broken = {**out, "state": {0: {"step": torch.tensor(-1.0)}}}
+    with pytest.raises(ValueError, match="'step' must be a non-negative int"):
+        bnbf_nn.for_bitsandbytes(broken)
     bnb = pytest.importorskip("bitsandbytes.optim")
     for given, counted in ((sd, None), (out, 3003)):
         theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
