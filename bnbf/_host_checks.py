@@ -419,18 +419,20 @@ def differentiated(tensors: list) -> bool:
     return bool(inner) and differentiated(inner)
 
 
-# Dynamo folds the functorch stack depth into a guarded constant from torch 2.13 (2.11 refuses to trace the call)
-_DEPTH_TRACEABLE = torch.torch_version.TorchVersion(torch.__version__) >= (2, 13)
-
-
 def _traced_derivative() -> bool:
-    """Whether a call traced by torch.compile runs inside torch.func.grad/vjp/jacrev/jvp (the innermost
-    transform). Dynamo shows the tensors such a transform wraps without ``requires_grad``, so the transform is
-    what can be seen; its stack depth is a constant Dynamo guards on (False where this torch cannot trace it)."""
-    if not _DEPTH_TRACEABLE or _functorch.get_dynamic_layer_stack_depth() == 0:
+    """Whether a call traced by torch.compile runs inside torch.func.grad/vjp/jacrev/jvp, at any level of the
+    transforms (vmap's included: grad of a vmapped step). Dynamo shows the tensors such a transform wraps without
+    ``requires_grad``, so the transforms are what can be seen: Dynamo traces these calls and the stack's
+    ``lower()``, where torch 2.11 refuses the stack depth and the wrapper tests."""
+    if not torch._C._are_functorch_transforms_active():
         return False
     interpreter = pyfunctorch.retrieve_current_functorch_interpreter()
-    return isinstance(interpreter, (pyfunctorch.GradInterpreter, pyfunctorch.JvpInterpreter))
+    if isinstance(interpreter, (pyfunctorch.GradInterpreter, pyfunctorch.JvpInterpreter)):
+        return True
+    if interpreter.level() == 1:  # the outermost (levels count the stack); no pop/push nodes in the common graph
+        return False
+    with interpreter.lower():
+        return _traced_derivative()
 
 
 def check_not_differentiated(

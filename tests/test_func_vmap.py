@@ -493,6 +493,27 @@ def test_compiled_vmap_equals_eager_vmap(device, packed, in_place):
 
 
 @pytest.mark.usefixtures("fresh_dynamo")
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+def test_compiled_nested_vmap_is_not_taken_for_a_derivative(in_place):
+    """The traced check of a derivative looks below the innermost vmap for a grad transform: two vmaps (an
+    ensemble of ensembles) have none, and their compiled step equals the eager one bit for bit."""
+    p = torch.randn(2, 3, 300)
+    g = torch.randn(2, 3, 300)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    init = torch.vmap(torch.vmap(lambda q: bnbf.init_state(q, spec)))
+    step = bnbf.update_ if in_place else bnbf.update
+    fn = torch.vmap(torch.vmap(lambda q, gg, ss: step(q, gg, ss, {"lr": 0.01}, 1)))
+    want_p, want_s = p.clone(), init(p)
+    got_p, got_s = p.clone(), init(p)
+    eager = fn(want_p, g, want_s)
+    out = torch.compile(fn, backend="eager", fullgraph=True)(got_p, g, got_s)
+    if not in_place:
+        (want_p, want_s), (got_p, got_s) = eager, out
+    assert torch.equal(got_p, want_p) and all(map(torch.equal, got_s, want_s))
+    assert not torch.equal(got_p, p)
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
 @pytest.mark.parametrize("packed", [False, True], ids=["per-param", "packed"])
 def test_compiled_vmap_in_place_refuses_an_unbatched_param(packed):
     p, g = _stack()
