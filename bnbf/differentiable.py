@@ -164,6 +164,15 @@ def _make_hparams(rule: Any, hparams: Any) -> tuple[Any, Any]:
     return checked, h
 
 
+def _live(t: Any) -> Any:
+    """A state field that is a view (rows of one tensor: bnbf_nn's AdEMAMix stacks its first moments, a paged
+    state on a GPU all its fields) as a view of its base made now, under grad mode: autograd forbids writing
+    through a view made under no_grad (as states are made), and reading one would lose its base's history."""
+    if isinstance(t, Tensor) and t._base is not None:
+        return t._base.as_strided(t.size(), t.stride(), t.storage_offset())
+    return t
+
+
 def update_(
     param: Any,
     grad: Any,
@@ -201,23 +210,13 @@ def update_(
     params, p_spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
     copies_p = _unflatten([clone(p) for p in params], p_spec)
-    copies_s = _unflatten([type(s)._make(map(clone, s)) if is_state(s) else s for s in states], s_spec)
+    copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(
         copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
     )
-    new_states = _flatten(new_s, is_leaf=is_state)[0]
-    for s, n in zip(states, new_states):
-        if any(a._base is not None and b.requires_grad for a, b in zip(s, n)):
-            # rows of one tensor (bnbf_nn's AdEMAMix stacks its first moments, bitsandbytes' layout): autograd
-            # refuses a second in-place write into rows once the first gave their base a history
-            raise NotImplementedError(
-                "differentiable=True through a state whose fields are rows of one tensor (bnbf_nn's AdEMAMix keeps "
-                "its two first moments so; a paged state on a GPU all its fields), with grads that carry a history: "
-                "not supported; the functional bnbf.update(..., differentiable=True) differentiates through the grads"
-            )
     for p, n in zip(params, _flatten(new_p)[0]):
         p.copy_(n)
-    for s, n in zip(states, new_states):
+    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
         for a, b in zip(s, n):
-            a.copy_(b)
+            _live(a).copy_(b)  # each view made just before its write: an earlier row's write changed the base
     return param, state

@@ -297,7 +297,7 @@ def relaid(state: Any, stacks: tuple | None) -> Any:
     with torch.no_grad():
         for g in groups:
             names = [rule.states[j].name for j in g]
-            kinds = [(names, shape, torch.uint8 if layout.quantized else torch.float32)]
+            kinds = [(names, shape, old[names[0]]._local_tensor.dtype)]  # float64 differentiable state kept
             if layout.quantized:  # the scales' local [1, padded] rows, as init_state makes them
                 pad = tuple(old[names[0] + "_absmax"]._local_tensor.shape)
                 kinds.append(([n + "_absmax" for n in names], pad, torch.float32))

@@ -222,7 +222,8 @@ def relaid(state: Any, stacks: tuple | None = None, paged_: bool = False) -> Any
     """
     layout = type(state).layout
     first = state[0]
-    fields = _allocate(layout, tuple(first.shape), first.device, stacks, paged_)
+    # the codes' dtype kept: a differentiable float64 step's 32-bit state is float64 (float32 rows rounded it)
+    fields = _allocate(layout, tuple(first.shape), first.device, stacks, paged_, first.dtype)
     with torch.no_grad():
         for name, t in fields.items():
             t.copy_(getattr(state, name))
@@ -241,14 +242,22 @@ def stack_groups(layout: Layout, stacks: tuple | None) -> list[list[int]]:
     return groups
 
 
-def _allocate(layout: Layout, shape: tuple, device: torch.device, stacks: tuple | None, paged_: bool) -> dict:
+def _allocate(
+    layout: Layout,
+    shape: tuple,
+    device: torch.device,
+    stacks: tuple | None,
+    paged_: bool,
+    code_dtype: torch.dtype | None = None,
+) -> dict:
     """Uninitialised fields of a state of ``layout`` for a param of ``shape``: each stack's fields rows of
-    one tensor, all of it one managed allocation when paged (CUDA, large enough)."""
+    one tensor, all of it one managed allocation when paged (CUDA, large enough); ``code_dtype``: the fields'
+    dtype where not the layout's (uint8 codes, float32 values)."""
     rule = get_rule(layout.rule)
     groups = stack_groups(layout, stacks)
     numel = int(torch.Size(shape).numel())
     nblocks = -(-numel // max(layout.block_size, 1))
-    code_dtype = torch.uint8 if layout.quantized else torch.float32
+    code_dtype = code_dtype or (torch.uint8 if layout.quantized else torch.float32)
     wants: list[tuple[tuple[int, ...], torch.dtype]] = []
     for g in groups:
         wants.append(_rows_of(len(g), shape, code_dtype))
