@@ -1,12 +1,13 @@
 """Where the host time of the vmapped ensemble step goes (bench_func's ``vmap_flat`` set-up: 8 GPT-2-small-shaped
 members, flat params, stacked; bf16, 8-bit AdamW, Python-number lr and step).
 
-    python scripts/vmap_host.py [--cpu] [--members 8] [--calls 200]
+    python scripts/vmap_host.py [--cpu] [--members 8] [--calls 200] [--no-gc]
 
 Prints the median host microseconds of a call (no synchronize inside the timed calls) of ``vmap(bnbf.update)``
 (outputs fed back), ``vmap(bnbf.update_)``, and vmap of a function returning its inputs (torch.func's own floor),
 then the functions with the most own time over the calls under cProfile, and on CUDA the runtime calls
-torch.profiler counted in one call. ``--cpu`` needs ``TRITON_INTERPRET=1`` for the Triton route; its launches
+torch.profiler counted in one call. ``--no-gc``: Python's garbage collector off while timing (what its
+collections add to a call). ``--cpu`` needs ``TRITON_INTERPRET=1`` for the Triton route; its launches
 then run in the interpreter, so ``--cpu`` takes GPT-2's structure at tiny sizes (two layers of width 16).
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import os
 import pstats
 import statistics
@@ -45,6 +47,7 @@ def main() -> None:
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--members", type=int, default=8)
     ap.add_argument("--calls", type=int, default=200)
+    ap.add_argument("--no-gc", action="store_true")
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     shapes = bs.gpt2_shapes(vocab=64, ctx=16, d=16, layers=2) if args.cpu else bs.SETS["gpt2_124M"]()
@@ -77,7 +80,13 @@ def main() -> None:
     for name, fn in rows.items():
         for i in range(10):
             fn(i)
-        print(f"| {name} | {host_us(device, fn, args.calls):.0f} us |")
+        collections = sum(s["collections"] for s in gc.get_stats())
+        if args.no_gc:
+            gc.disable()
+        us = host_us(device, fn, args.calls)
+        gc.enable()
+        collections = sum(s["collections"] for s in gc.get_stats()) - collections
+        print(f"| {name} | {us:.0f} us | {collections} collections in {args.calls} calls |")
     for name in ("vmap(update), outputs fed back", "vmap(update_)"):
         prof = cProfile.Profile()
         prof.enable()

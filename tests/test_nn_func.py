@@ -92,6 +92,19 @@ def test_differentiable_steps_have_the_true_gradients(name):
     assert torch.autograd.gradcheck(lambda a, b, c: _two_steps(name, a, b, c), (p0, g, lr))
 
 
+def test_a_differentiable_step_reads_a_tensor_lr_without_warning():
+    """The range checks read a CPU tensor lr's value: one that requires grad (a meta-learned lr) gave torch's
+    "Converting a tensor with requires_grad=True to a scalar" warning at every step."""
+    p = torch.randn(5, requires_grad=True).clone()
+    lr = torch.tensor(0.1, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        opt = _make("AdamW", [p], bits=32, lr=lr, differentiable=True)
+        p.grad = torch.ones(5)
+        opt.step()
+        bnbf.update(p.detach(), p.grad, opt.state[p]["state"], {"lr": lr}, 2, differentiable=True)
+
+
 def test_differentiable_ademamix_keeps_float64_state_in_its_stacked_rows():
     """bnbf_nn's AdEMAMix keeps its two first moments as rows of one tensor (bitsandbytes' layout). Those rows
     were made float32 for a float64 param, so the differentiable step rounded its moments, and gradcheck with

@@ -326,6 +326,30 @@ def test_paged_state_is_managed_memory_and_steps_as_unpaged(name):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("name", ["PagedAdamW32bit", "PagedAdEMAMix32bit"])
+def test_a_differentiable_paged_step_has_the_unpaged_gradients(name):
+    """differentiable=True with paged state (managed memory; AdEMAMix's first moments rows of one tensor) and
+    grads that carry a history: the params and the gradients with respect to the initial params, grads and lr
+    equal the unpaged optimizer's bit for bit."""
+    torch.manual_seed(0)
+    p0 = torch.randn(BIG, device="cuda", requires_grad=True)
+    g = (torch.randn(BIG, device="cuda") * 0.1).requires_grad_()
+    lr = torch.tensor(1e-3, device="cuda", requires_grad=True)
+    outs = []
+    for cls in (getattr(bnbf_nn, name), getattr(bnbf_nn, name.removeprefix("Paged"))):
+        p = p0.clone()  # a non-leaf, written in place with its history
+        opt = cls([p], lr=lr, differentiable=True)
+        for k in range(2):
+            p.grad = g * (1.0 + k)
+            opt.step()
+        assert all(bnbf.paged.is_managed(t) for t in state_tensors(opt, p)) == name.startswith(cls.__name__)
+        outs.append((p.detach().clone(), *torch.autograd.grad((p * p).sum(), (p0, g, lr))))
+    for what, a, b in zip(("param", "d/dp0", "d/dg", "d/dlr"), *outs):
+        assert_equal_report(a, b, f"{name} {what}")
+    assert outs[0][2].abs().sum() > 0  # the gradient through the grads is there
+
+
+@pytest.mark.gpu
 def test_is_paged_on_any_class_and_through_the_functional_core():
     params = make([BIG], "cuda")
     opt = bnbf_nn.RMSprop8bit(params, 0.01, 0.9, is_paged=True)

@@ -167,7 +167,7 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
             raise ValueError(f"Tensor {name} must be 1-element")  # torch's wording ("Tensor lr must be ...")
         if x.device.type != "cpu" or _batched(x):  # under vmap: a value per member, which item() cannot read
             return None
-        return float(x)
+        return float(x.detach())  # a differentiable lr's value, read without torch's "requires_grad" warning
     try:
         return float(x)
     except OverflowError:  # an int beyond float64: as unusable as inf
