@@ -70,7 +70,8 @@ def test_fused_with_differentiable_is_refused_in_torchs_words():
 
 # ---- differentiable=True -----------------------------------------------------------------------------------
 
-DIFF_CASES = ["AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "Adan", "LAMB", "LARS", "AdEMAMix"]
+DIFF_CASES = ["Adam", "AdamW", "SGD", "Lion", "RMSprop", "Adagrad", "Adan", "LAMB", "LARS", "AdEMAMix"]
+assert set(DIFF_CASES) == {f.name for f in bnbf_nn.FAMILIES}, "every family is checked"
 
 
 def _two_steps(name: str, p0, g, lr, **kw):
