@@ -168,7 +168,7 @@ def _live(t: Any) -> Any:
     """A state field that is a view (rows of one tensor: bnbf_nn's AdEMAMix stacks its first moments, a paged
     state on a GPU all its fields) as a view of its base made now, under grad mode: autograd forbids writing
     through a view made under no_grad (as states are made), and reading one would lose its base's history."""
-    if isinstance(t, Tensor) and t._base is not None:
+    if isinstance(t, Tensor) and t._base is not None and not torch.compiler.is_compiling():  # traced: no _base
         return t._base.as_strided(t.size(), t.stride(), t.storage_offset())
     return t
 
@@ -214,9 +214,19 @@ def update_(
     new_p, new_s = update(
         copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
     )
+    new_states = _flatten(new_s, is_leaf=is_state)[0]
+    if torch.compiler.is_compiling():
+        for s, n in zip(states, new_states):
+            if any(a._base is not None and b.requires_grad for a, b in zip(s, n)):
+                # traced, a view's base is not reachable (_live), and writing stale views is autograd's error
+                raise NotImplementedError(
+                    "differentiable=True under torch.compile through a state whose fields are rows of one tensor "
+                    "(bnbf_nn's AdEMAMix keeps its two first moments so), with grads that carry a history: not "
+                    "supported; the eager step supports it"
+                )
     for p, n in zip(params, _flatten(new_p)[0]):
         p.copy_(n)
-    for s, n in zip(states, _flatten(new_s, is_leaf=is_state)[0]):
+    for s, n in zip(states, new_states):
         for a, b in zip(s, n):
             _live(a).copy_(b)  # each view made just before its write: an earlier row's write changed the base
     return param, state
