@@ -171,14 +171,22 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
     (:func:`bnbf.distributed.init_state`), its stacks as rows of one local tensor
     (:func:`bnbf.distributed.relaid`)."""
     if is_dtensor(param):
-        dist = distributed_module()
-        state = dist.init_state(param.detach(), spec, hparams)
-        return dist.relaid(state, family.bnb_slots) if family.bnb_slots else state
+        return restacked(distributed_module().init_state(param.detach(), spec, hparams), family)
     if not family.bnb_slots:
         return bnbf.init_state(param.detach(), spec, hparams)
     # made unpaged, then relaid into paged memory once: a paged first copy would stay in its managed chunk
     state = bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams)
-    return relaid(state, family.bnb_slots, spec.paged)
+    return restacked(state, family, spec.paged)
+
+
+def restacked(state: Any, family: Any, paged: bool = False) -> Any:
+    """A copy of ``state`` with the family's bitsandbytes stacks as rows of one tensor (the state itself where the
+    family has none): :func:`bnbf.state.relaid`, or :func:`bnbf.distributed.relaid` for a DTensor param's."""
+    if not family.bnb_slots:
+        return state
+    if is_dtensor(state[0]):
+        return distributed_module().relaid(state, family.bnb_slots)
+    return relaid(state, family.bnb_slots, paged)
 
 
 _VIEW = re.compile(r"(?:state|qmap|absmax)\d+")

@@ -754,10 +754,14 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_dist(self, group: dict, plan: _Buckets) -> None:
         """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
-        whole-tensor norms of params on several process groups)."""
+        capturable and differentiable steps, whole-tensor norms of params on several process groups)."""
         name = type(self).__name__
         if self.is_paged:
             raise NotImplementedError(f"{name}: paged state (is_paged=True) of DTensor params (FSDP2) is not supported")
+        if group["capturable"] or group["differentiable"]:  # before any state is made (_run_modes refuses too)
+            raise NotImplementedError(
+                f"{name}: capturable=True or differentiable=True on DTensor params (FSDP2) is not supported"
+            )
         mus = {group["max_unorm"]} | {c["max_unorm"] for c in plan.configs.values() if "max_unorm" in c}
         for mu in mus:
             _distributed().check_step(group["params"], self._rule, mu)
@@ -1031,7 +1035,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 # float64 params (gradcheck, torch.func): float64 state, stepped in float64 throughout
                 s = _checkpoint.new_state(p.detach().float(), spec, _detached(hp), self.family)
                 s = type(s)._make(t.double() if t.is_floating_point() else t for t in s)
-                s = relaid(s, self.family.bnb_slots, False) if self.family.bnb_slots else s
+                s = _checkpoint.restacked(s, self.family)
             else:
                 s = _checkpoint.new_state(p, spec, hp, self.family)
             self.state[p] = _checkpoint.record(step, s, self.family)

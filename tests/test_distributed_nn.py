@@ -283,7 +283,8 @@ def scenario_nn_lamb():
 
 
 def scenario_nn_refused():
-    """What has no sharded implementation (paged state) raises at step, before anything is written."""
+    """What has no sharded implementation (paged state, capturable and differentiable steps) raises at step, before
+    anything is written."""
     import bnbf_nn
 
     model = _fsdp_model()
@@ -294,6 +295,21 @@ def scenario_nn_refused():
         with pytest.raises(NotImplementedError, match=match):
             opt.step()
         assert not opt.state, cls.__name__
+    # capturable and differentiable steps: refused before any state is made (a float64 AdEMAMix param's state,
+    # made first, raised torch's "mixed torch.Tensor and DTensor" instead)
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    wide = torch.nn.Parameter(
+        distribute_tensor(torch.randn(8, 4, dtype=torch.float64, device=td.DEVICE), td.mesh(), [Shard(0)])
+    )
+    wide.grad = distribute_tensor(torch.randn(8, 4, dtype=torch.float64, device=td.DEVICE), td.mesh(), [Shard(0)])
+    cases = [(bnbf_nn.AdamW8bit, list(model.parameters()), {"capturable": True})]
+    cases += [(bnbf_nn.AdEMAMix32bit, ps, {"differentiable": True}) for ps in (list(model.parameters()), [wide])]
+    for cls, ps, kw in cases:
+        opt = cls(ps, lr=LR, min_8bit_size=MIN8, **kw)
+        with pytest.raises(NotImplementedError, match="capturable=True or differentiable=True on DTensor"):
+            opt.step()
+        assert not opt.state, (cls.__name__, kw)
     assert all(torch.equal(p.detach().to_local(), before[k]) for k, p in model.named_parameters())
 
 
