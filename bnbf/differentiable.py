@@ -165,11 +165,13 @@ def _make_hparams(rule: Any, hparams: Any) -> tuple[Any, Any]:
 
 
 def _live(t: Any) -> Any:
-    """A state field that is a view (rows of one tensor: bnbf_nn's AdEMAMix stacks its first moments, a paged
-    state on a GPU all its fields) as a view of its base made now, under grad mode: autograd forbids writing
+    """A state field or param that is a view (rows of one tensor: bnbf_nn's AdEMAMix stacks its first moments; a
+    param a slice of a flat buffer) as a view of its base made now, under grad mode: autograd forbids writing
     through a view made under no_grad (as states are made), and reading one would lose its base's history."""
     if isinstance(t, Tensor) and t._base is not None and not torch.compiler.is_compiling():  # traced: no _base
-        return t._base.as_strided(t.size(), t.stride(), t.storage_offset())
+        base = t._base
+        if base.dtype == t.dtype and base.device == t.device:  # else (a dtype view) the view as it is
+            return base.as_strided(t.size(), t.stride(), t.storage_offset())
     return t
 
 
@@ -209,7 +211,7 @@ def update_(
     clone = lambda t: t.clone() if isinstance(t, Tensor) else t
     params, p_spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
-    copies_p = _unflatten([clone(p) for p in params], p_spec)
+    copies_p = _unflatten([clone(_live(p)) for p in params], p_spec)
     copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(
         copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
@@ -225,7 +227,7 @@ def update_(
                     "supported; the eager step supports it"
                 )
     for p, n in zip(params, _flatten(new_p)[0]):
-        p.copy_(n)
+        _live(p).copy_(n)  # a param that is a view (rows of a flat buffer) written as the states' rows are
     for s, n in zip(states, new_states):
         for a, b in zip(s, n):
             _live(a).copy_(b)  # each view made just before its write: an earlier row's write changed the base

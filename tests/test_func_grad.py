@@ -504,3 +504,32 @@ def test_compiled_differentiable_update__through_stacked_rows():
     with pytest.raises(Exception, match="rows of one tensor") as info:  # noqa: PT011 - Dynamo wraps our error
         _stacked_rows_steps(True, True)
     assert "the eager step supports it" in str(info.value)
+
+
+def _flat_rows_step(no_grad_views: bool) -> torch.Tensor:
+    """A differentiable in-place SGD step of params that are slices of one buffer with a history (a flat layout's
+    views), made under grad mode or under no_grad; the gradient of a loss on the buffer after the step."""
+    torch.manual_seed(0)
+    p0 = torch.randn(10, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(10, dtype=torch.float64)
+    buf = p0 * 1.0
+    with torch.set_grad_enabled(not no_grad_views):
+        params = {"a": buf[:4], "b": buf[4:]}
+    hp = {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.5}
+    spec = bnbf.OptimSpec(rule="sgd", state_bits=32)
+    s = bnbf.init_state({k: v.detach().float() for k, v in params.items()}, spec, hp)
+    s = {k: type(x)._make(t.double() for t in x) for k, x in s.items()}
+    bnbf.update_(params, {"a": g[:4], "b": g[4:]}, s, hp, 1, differentiable=True)
+    return torch.autograd.grad((buf**2).sum(), p0)[0]
+
+
+def test_differentiable_update__of_param_views_made_under_no_grad():
+    """Params that are views made under no_grad (slices of a flat buffer) are read and written through views of
+    their base made under grad mode, as view state fields are: autograd refused the write ("A view was created in
+    no_grad mode"); the gradient equals the one through views made under grad mode, and the analytic one."""
+    want = _flat_rows_step(False)
+    torch.testing.assert_close(_flat_rows_step(True), want, rtol=0, atol=0)
+    # p1 = p0 - lr * (g + wd * p0): d/dp0 of sum(p1^2) = 2 * p1 * (1 - lr * wd)
+    torch.manual_seed(0)
+    p0, g = torch.randn(10, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
+    torch.testing.assert_close(want, 2 * (p0 - 0.1 * (g + 0.5 * p0)) * (1 - 0.05))
