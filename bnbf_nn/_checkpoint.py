@@ -164,19 +164,29 @@ def distributed_module() -> Any:
     return bnbf.distributed
 
 
-def new_state(param: Tensor, spec: Any, hparams: Any, family: Any) -> Any:
+def new_state(param: Tensor, spec: Any, hparams: Any, family: Any, wide: bool = False) -> Any:
     """A new bnbf state for ``param`` through :func:`bnbf.init_state`, with the family's bitsandbytes stacks
     (AdEMAMix's first moments) as rows of one tensor, so that :func:`views` can show them (a copy, at
     creation only). A DTensor param (FSDP2) gets the state of its local shard as DTensors
     (:func:`bnbf.distributed.init_state`), its stacks as rows of one local tensor
-    (:func:`bnbf.distributed.relaid`)."""
+    (:func:`bnbf.distributed.relaid`). ``wide``: a float64 param (a differentiable optimizer's) gets float64
+    32-bit state; otherwise :func:`bnbf.init_state` refuses it."""
     if is_dtensor(param):
         return restacked(distributed_module().init_state(param.detach(), spec, hparams), family)
-    if not family.bnb_slots:
+    return _fresh(param, spec, hparams, family.bnb_slots, spec.paged, wide)
+
+
+def _fresh(param: Tensor, spec: Any, hparams: Any, stacks: tuple | None, paged: bool, wide: bool) -> Any:
+    """:func:`new_state` of a plain param, its stacks ``stacks``. Made unpaged, then relaid into paged memory once
+    (a paged first copy would stay in its managed chunk); ``wide`` (a float64 param): made for a float32 twin
+    (bnbf.init_state takes no float64 param), its fields cast, then laid out (relaid keeps their dtype)."""
+    if wide:
+        state = bnbf.init_state(param.detach().float(), dataclasses.replace(spec, paged=False), hparams)
+        state = type(state)._make(t.double() if t.is_floating_point() else t for t in state)
+        return relaid(state, stacks, False) if stacks else state
+    if not stacks:
         return bnbf.init_state(param.detach(), spec, hparams)
-    # made unpaged, then relaid into paged memory once: a paged first copy would stay in its managed chunk
-    state = bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams)
-    return restacked(state, family, spec.paged)
+    return relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)
 
 
 def restacked(state: Any, family: Any, paged: bool = False) -> Any:
@@ -382,14 +392,7 @@ def unpack(
                     a = tensors["absmax" + key[5:]]
                     saved[n + "_absmax"] = _row_of(a, i) if stack else a
         return dist.load_state_dict_(state, saved)
-    if wide:  # as the optimizer makes it at its first step: float32 fields made float64, stacks laid out again
-        state = bnbf.init_state(param.detach().float(), spec, hparams)
-        state = type(state)._make(t.double() if t.is_floating_point() else t for t in state)
-        state = relaid(state, stacks, False) if stacks else state
-    elif stacks:  # unpaged first, as new_state
-        state = relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)
-    else:
-        state = bnbf.init_state(param.detach(), spec, hparams)
+    state = _fresh(param, spec, hparams, stacks, paged, wide)  # as the optimizer makes it at its first step
     with torch.no_grad():
         for key, kept in expected.items():
             k = key[5:]

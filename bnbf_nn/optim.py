@@ -1031,13 +1031,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             spec = self._spec(group, cfg)
             hp = self._hparams(group, cfg)
             step = _new_step(0, p, group)
-            if p.dtype == torch.float64 and group["differentiable"]:
-                # float64 params (gradcheck, torch.func): float64 state, stepped in float64 throughout
-                s = _checkpoint.new_state(p.detach().float(), spec, _detached(hp), self.family)
-                s = type(s)._make(t.double() if t.is_floating_point() else t for t in s)
-                s = _checkpoint.restacked(s, self.family)
-            else:
-                s = _checkpoint.new_state(p, spec, hp, self.family)
+            wide = p.dtype == torch.float64 and group["differentiable"]  # (gradcheck, torch.func): float64 state
+            s = _checkpoint.new_state(p, spec, _detached(hp) if wide else hp, self.family, wide)
             self.state[p] = _checkpoint.record(step, s, self.family)
             new = True
         if new:
