@@ -510,9 +510,9 @@ def update(
         max_grad_norm: if given (a number >= 0 or a 0-d tensor), the grads are clipped to this global norm as
             :func:`clip_grad_norm` (``torch.nn.utils.clip_grad_norm_``) clips them, inside the step: the total
             norm is taken over every grad of the call from our own pass over them (one launch per group, or
-            LARS's norm pass; float32 per tile, float64 beyond: within a few float32 ulps of torch's total), and
-            the step scales each grad element by ``min(1, max_norm / (total + 1e-6))`` as it loads it, in
-            float32 (see :func:`_grad_clip`).
+            LARS's norm pass; float32 per tile of W elements, float64 beyond: within (W/2 + 1) float32 ulps of
+            the float64 total), and the step scales each grad element by ``min(1, max_norm / (total + 1e-6))``
+            as it loads it, in float32 (see :func:`_grad_clip`).
 
     Returns:
         ``(new_params, new_state)`` in the input structures: bit for bit what separate :func:`bnbf.update`
@@ -1293,7 +1293,8 @@ def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
       product, the bits of a float32 grad clipped by that coefficient with torch's multiply).
 
     The total adds the same squares in another order than ``torch._foreach_norm``: its bits may differ from
-    torch's by a few float32 ulps (tests/tolerances.py, ``folded_total_ulps``), and so may the coefficient's.
+    torch's by up to (W/2 + 1) float32 ulps for tiles of W elements (tests/tolerances.py,
+    ``folded_total_ulps``), and so may the coefficient's.
     Calls whose norms a distributed reduction sums across shards (``bnbf.distributed``) take torch's total
     (``torch._foreach_norm`` per (device, dtype)) and the kernels the coefficient from it.
 

@@ -144,8 +144,9 @@ def update(
             params and states. Without it, asking for such a derivative raises (never a silent zero).
         max_grad_norm: if given, the grads are clipped to this global norm, as
             ``torch.nn.utils.clip_grad_norm_`` clips them, inside the step: the total norm from one pass of ours
-            over the grads (LARS: its own norm pass; within a few float32 ulps of torch's total), each grad
-            scaled by the coefficient as the kernels load it (see :func:`bnbf.compose.update`).
+            over the grads (LARS: its own norm pass; within (W/2 + 1) float32 ulps of the float64 total, for
+            tiles of W elements), each grad scaled by the coefficient as the kernels load it (see
+            :func:`bnbf.compose.update`).
 
     The state tree may mix rules, bit widths, formats and block sizes (:func:`init_state` with a tree or a
     callable of specs), and ``hparams`` may be ``{rule_name: mapping}``, a callable ``(path, param) ->

@@ -57,8 +57,10 @@ FSDP2. DTensor params (``fully_shard``) are stepped through :mod:`bnbf.distribut
 state of its local shard, as DTensors, and steps its shards in one core call per bucket; ``state_dict()``
 (which every rank must call) writes the mesh-independent layout, so DCP's ``get_state_dict``/
 ``set_state_dict`` and plain ``dcp.save``/``dcp.load`` of it load on any mesh, or unsharded
-(docs/DESIGN.md, "Beyond one GPU"). Paged state, AdEMAMix, and norm rules over params on several process
-groups raise ``NotImplementedError`` at step, before anything is written.
+(docs/DESIGN.md, "Beyond one GPU"). AdEMAMix's stacked state is sharded like the others. Paged state,
+``capturable``/``differentiable`` steps, a compiled ``step`` of a group with a tensor setting, and norm rules
+over sharded params beside params of another process group or unsharded ones raise ``NotImplementedError`` at
+step, before anything is written.
 
 Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
 ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's

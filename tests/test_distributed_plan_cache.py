@@ -137,3 +137,48 @@ def test_flat_layout_refuses_dtensor_params(mesh):
     p = distribute_tensor(torch.randn(8, 4), mesh, [Shard(0)])
     with pytest.raises(TypeError, match="leaf 'w' is a DTensor"):
         bnbf.flat_layout({"w": p}, bnbf.OptimSpec())
+
+
+def test_norm_rules_refuse_sharded_beside_unsharded_params_before_writing(mesh):
+    """LAMB's per-tensor norms of a sharded param need an all-reduce over its process group: one call holding a
+    sharded and an unsharded param has no single group to reduce over, so it raises with everything unchanged."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    torch.manual_seed(0)
+    spec = bnbf.OptimSpec(rule="lamb", state_bits=32)
+    hp = {"lr": 1e-2}
+    ps = {"sharded": _rank0_shard(torch.randn(16, 4), mesh), "plain": torch.randn(6, 4)}
+    gs = {"sharded": _rank0_shard(torch.randn(16, 4), mesh), "plain": torch.randn(6, 4)}
+    state = bd.init_state(ps, spec, hp)
+    local = lambda t: t._local_tensor if hasattr(t, "_local_tensor") else t  # noqa: E731
+    before = [local(t).clone() for t in torch.utils._pytree.tree_leaves((ps, state))]
+    with pytest.raises(NotImplementedError, match="same process group"):
+        bd.check_step(ps, "lamb")
+    with pytest.raises(NotImplementedError, match="same process group"):
+        bd.update_(ps, gs, state, hp, 1)
+    after = [local(t) for t in torch.utils._pytree.tree_leaves((ps, state))]
+    assert all(torch.equal(a, b) for a, b in zip(after, before))
+    bd.check_step(ps, "adamw")  # no norms: nothing to refuse
+
+
+def test_compiled_step_with_a_tensor_lr_refuses_dtensor_params_before_writing(mesh):
+    """bnbf_nn's compiled step traces groups with a tensor setting, which DTensor params cannot take (their step is
+    bnbf.distributed's): it raises, with the params, the state and the step counts as they were. A group whose
+    settings are numbers is stepped eagerly inside the compiled call, as on one device."""
+    import bnbf_nn
+
+    torch.manual_seed(0)
+    full = torch.randn(512, 4)
+    p = torch.nn.Parameter(_rank0_shard(full, mesh))
+    p.grad = _rank0_shard(torch.randn(512, 4), mesh)
+    opt = bnbf_nn.AdamW8bit([p], lr=torch.tensor(1e-2), weight_decay=0.0, min_8bit_size=0)
+    before = p._local_tensor.clone()
+    step = torch.compile(opt.step, backend="eager")
+    with pytest.raises(NotImplementedError, match="torch.compile of step on DTensor"):
+        step()
+    assert torch.equal(p._local_tensor, before)
+    assert all(int(s["step"]) == 0 for s in opt.state.values())
+    opt.param_groups[0]["lr"] = 1e-2
+    step()  # numbers: the eager step inside the compiled call
+    torch.testing.assert_close(before - p._local_tensor, 1e-2 * torch.sign(p.grad._local_tensor), atol=1e-4, rtol=0)

@@ -47,3 +47,23 @@ def test_torch_func_section_runs(capsys):
     views = scope["layout"].unflatten(scope["flat"])  # the steps moved the leaves, through the buffers
     assert not torch.equal(views["0.weight"], dict(scope["model"].named_parameters())["0.weight"])
     exec(compile(blocks[4], "README.md capture", "exec"), scope)
+
+
+@pytest.mark.surface
+def test_migration_block_runs_and_resolves_bitsandbytes_names():
+    """The "Migrating from bitsandbytes" block: both imports run, and the names a bitsandbytes user's code reaches
+    through them (``bnb.optim.*``, ``bnb.nn.*``) are bnbf_nn's."""
+    (block,) = _section_blocks("## Migrating from bitsandbytes")
+    scope: dict = {}
+    exec(compile(block, "README.md migrating", "exec"), scope)
+    import bnbf_nn
+
+    bnb = scope["bnb"]
+    assert scope["AdamW8bit"] is bnbf_nn.AdamW8bit
+    assert bnb.optim.AdamW8bit is bnbf_nn.AdamW8bit and bnb.optim.PagedAdamW8bit is bnbf_nn.PagedAdamW8bit
+    assert bnb.optim.GlobalOptimManager is bnbf_nn.GlobalOptimManager
+    assert bnb.nn.StableEmbedding is bnbf_nn.StableEmbedding
+    w = torch.nn.Parameter(torch.ones(4))
+    w.grad = torch.ones(4)
+    bnb.optim.AdamW8bit([w], lr=0.1, weight_decay=0.0).step()
+    torch.testing.assert_close(w.detach(), torch.full((4,), 0.9))  # Adam's first step: lr times the grad's sign
