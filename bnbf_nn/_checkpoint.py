@@ -25,6 +25,7 @@ are not tested here with any map but the dynamic one, so write checkpoints meant
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
 import math
@@ -202,14 +203,47 @@ def restacked(state: Any, family: Any, paged: bool = False) -> Any:
 _VIEW = re.compile(r"(?:state|qmap|absmax)\d+")
 
 
-class Record(dict):
+# Bumped by every edit of an optimizer's ``state`` or of a param's record made from outside bnbf_nn (bnbf_nn
+# writes its own with dict's methods): the optimizers' cached plans and fast step are valid while it is unchanged,
+# so a reset state (``opt.state.clear()``, ``del opt.state[p]``) or a step count set by hand is seen at the next step.
+EDITS = [0]
+
+
+def _edited(method: Any) -> Any:
+    @functools.wraps(method)
+    def edit(self: Any, *args: Any, **kwargs: Any) -> Any:
+        EDITS[0] += 1
+        return method(self, *args, **kwargs)
+
+    return edit
+
+
+class _Counted:
+    """The edits of a dict (besides ``__setitem__`` and ``update``, which each class counts itself) that count in
+    :data:`EDITS`."""
+
+    __slots__ = ()
+
+    def __ior__(self, other: Any) -> Any:
+        self.update(other)
+        return self
+
+    __delitem__ = _edited(dict.__delitem__)
+    clear = _edited(dict.clear)
+    pop = _edited(dict.pop)
+    popitem = _edited(dict.popitem)
+    setdefault = _edited(dict.setdefault)
+
+
+class Record(_Counted, dict):
     """``optimizer.state[p]`` of bnbf_nn: ``step`` (int), ``state`` (the bnbf state NamedTuple the kernels
     step) and bitsandbytes' names for the same tensors (:func:`views`).
 
     The kernels step ``state``, so a view replaced by another tensor (``rec["state1"] = t``, as loops that move
     optimizer state do) would be left out of every later step. Instead ``t``'s values are written into the
     state, where ``t`` has the view's shape, dtype and device, and any other tensor raises (a qmap, which
-    names the 8-bit format, only takes its own values)."""
+    names the 8-bit format, only takes its own values). Any other edit (a step count set, the record cleared)
+    counts in :data:`EDITS`."""
 
     __slots__ = ()
 
@@ -218,11 +252,28 @@ class Record(dict):
         if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
             _write_view(key, live, value)
         else:
+            EDITS[0] += 1
             dict.__setitem__(self, key, value)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
         for key, value in dict(*args, **kwargs).items():
             self[key] = value
+
+
+class States(_Counted, collections.defaultdict):
+    """``optimizer.state`` of bnbf_nn: torch's ``defaultdict(dict)`` whose edits count in :data:`EDITS`."""
+
+    def __init__(self, *args: Any) -> None:
+        super().__init__(dict, *args)
+
+    def __reduce__(self) -> Any:  # pickled as torch's defaultdict(dict), which is what __setstate__ receives
+        return (collections.defaultdict, (dict,), None, None, iter(self.items()))
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        EDITS[0] += 1
+        dict.update(self, *args, **kwargs)
+
+    __setitem__ = _edited(dict.__setitem__)
 
 
 def _write_view(key: str, live: Tensor, value: Any) -> None:

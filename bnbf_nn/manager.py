@@ -93,14 +93,17 @@ class GlobalOptimManager:
 
         Args:
             parameters: a tensor or an iterable of tensors.
-            key, value: one setting (``"optim_bits"``, ``"lr"``, ``"betas"``...) and its value.
+            key, value: one setting (``"optim_bits"``, ``"lr"``, ``"betas"``...) and its value (None: no
+                override, as bitsandbytes skips it).
             key_value_dict: several settings at once (instead of ``key``/``value``).
         """
         if key is not None and key_value_dict is not None:
             raise ValueError("give either key and value or key_value_dict, not both")
-        settings = {key: value} if key is not None else dict(key_value_dict or {})
-        if not settings:
+        if key is None and key_value_dict is None:
             raise ValueError("override_config needs key and value, or key_value_dict")
+        settings = {key: value} if key is not None else dict(key_value_dict)
+        # a None value overrides nothing, as in bitsandbytes (whose override_config skips it)
+        settings = {k: v for k, v in settings.items() if v is not None}
         tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)
         for p in tensors:  # all checked before any is changed
             if not isinstance(p, torch.Tensor):

@@ -89,6 +89,7 @@ of ``optimizer.state`` that are not params (not ints, which it reserves for para
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import functools
@@ -366,7 +367,7 @@ def _tensor_steps(bucket: Any, capturable: bool) -> None:
     for r, p in zip(bucket.records, bucket.params):
         step = r["step"]
         if type(step) is int or (capturable and step.device != p.device):
-            r["step"] = torch.tensor(int(step), dtype=torch.int64, device=p.device if capturable else "cpu")
+            _put(r, "step", torch.tensor(int(step), dtype=torch.int64, device=p.device if capturable else "cpu"))
 
 
 def _detached(v: Any) -> Any:
@@ -405,6 +406,13 @@ def _from_bnb_group(family: Family, saved: Mapping, ours: set) -> dict:
     return out
 
 
+# bitsandbytes' Optimizer8bit methods that its step calls per parameter (or per step), which subclasses override
+_BNB_HOOKS = frozenset(
+    {"get_config", "init_state", "update_step", "check_overrides", "to_gpu", "prefetch_state", "fill_qmap",
+     "get_state_buffer"}
+)  # fmt: skip
+
+
 class Optimizer8bit(torch.optim.Optimizer):
     """Base of every bnbf_nn optimizer: a ``torch.optim.Optimizer`` that steps with :func:`bnbf.plan`.
 
@@ -420,6 +428,18 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     family: Family
 
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        # a subclass overriding one of bitsandbytes' per-param hooks expects it to be called: bnbf_nn's step is
+        # one fused call per group and never calls them, so the override would be ignored silently
+        hooks = sorted(_BNB_HOOKS & vars(cls).keys())
+        if hooks:
+            raise TypeError(
+                f"{cls.__name__} defines {hooks}, bitsandbytes' per-parameter hook(s), which bnbf_nn never calls "
+                "(its step is one fused call per param group): set per-parameter settings with "
+                "GlobalOptimManager.override_config or param groups instead"
+            )
+        super().__init_subclass__(**kwargs)
+
     def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
         if not isinstance(is_paged, bool):
             raise TypeError(f"is_paged must be a bool, got {is_paged!r}")
@@ -432,6 +452,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         defaults = {**_STORAGE, "optim_bits": optim_bits, **_CALL, **_MODES, **defaults}
         self._check_group(defaults)  # before torch.optim reads params: bad settings say so, whatever params are
         super().__init__(params, defaults)
+        self.state = _checkpoint.States(self.state)
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
 
@@ -481,6 +502,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         lr0 = state.pop("_lr0", [])
         state.setdefault("is_paged", False)  # pickled before paged optimizers existed
         super().__setstate__(state)
+        self.state = _checkpoint.States(self.state)
         for group in [self.defaults, *self.param_groups]:  # pickled before a bnbf.update_ option existed
             for key, off in {**_CALL, **_MODES}.items():
                 group.setdefault(key, off)
@@ -493,7 +515,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 s = rec["state"]
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
-                self.state[p] = _checkpoint.record(rec["step"], s, self.family)
+                _put(self.state, p, _checkpoint.record(rec["step"], s, self.family))
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
@@ -608,14 +630,17 @@ class Optimizer8bit(torch.optim.Optimizer):
             groups is not fast.groups
             or len(groups) != len(fast.jobs)
             or self.state is not fast.state
+            or _checkpoint.EDITS[0] != fast.edits
             or mng is not fast.mng
             or mng.version != fast.version
             or not _plain_step(self)  # step hooks or a profiler: torch's wrapper (_fast_jobs: torch has them)
         ):
             return False
         ready = []
-        for group, (kept, params, n, bucket, records, plan) in zip(groups, fast.jobs):
-            if group is not kept or group["params"] is not params or len(params) != n or bucket.memo is None:
+        for group, (kept, params, identities, bucket, records, plan) in zip(groups, fast.jobs):
+            if group is not kept or group["params"] is not params or bucket.memo is None:
+                return False
+            if not _same_params(params, identities):
                 return False
             call = self._settings(group, bucket)  # the memoized check (a schedule's new lr validated), raising first
             t = records[0]["step"]
@@ -654,11 +679,13 @@ class Optimizer8bit(torch.optim.Optimizer):
                 return None
             if type(bucket.records[0]["step"]) is not int:
                 return None
-            out.append((group, plan.params, plan.nparams, bucket, bucket.records, bucket.plan))
+            if plan.edits != _checkpoint.EDITS[0]:
+                return None
+            out.append((group, plan.params, plan.identities, bucket, bucket.records, bucket.plan))
         if None in _GLOBAL_HOOKS:
             return None
         mng = GlobalOptimManager.get_instance()
-        return _Fast(self.param_groups, self.state, mng, mng.version, tuple(out))
+        return _Fast(self.param_groups, self.state, _checkpoint.EDITS[0], mng, mng.version, tuple(out))
 
     def _traced_step(self, closure=None):
         """The step as torch.compile traces it. The bookkeeping (checks, new states, buckets) runs eagerly in
@@ -711,7 +738,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                     bucket.call = self._settings(g, bucket)
                 for r, p in zip(bucket.records, bucket.params):
                     if type(r["step"]) is int:
-                        r["step"] = torch.tensor(r["step"], dtype=torch.int64, device=p.device)
+                        _put(r, "step", torch.tensor(r["step"], dtype=torch.int64, device=p.device))
                 steps = [int(r["step"]) for r in bucket.records] if not bucket.uniform else ()
                 if steps and steps.count(steps[0]) != len(steps):
                     raise NotImplementedError(
@@ -785,6 +812,24 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"{names!r}, but the group's own settings are {want[key]!r}: bnbf_nn steps with torch's names, "
                     f"set those ({', '.join(n for n in names if isinstance(n, str))})"
                 )
+
+    def _own_spelling(self, cfg: dict) -> dict:
+        """A manager override in bnbf_nn's names: bitsandbytes' spelling of this family's settings (SGD's
+        ``betas`` = (momentum, dampening)...) read as bitsandbytes reads it, beside the settings' own names only
+        where they agree (ValueError naming both)."""
+        for key in self._bnb_spelled.keys() & cfg.keys():
+            names, value = self._bnb_spelled[key], cfg[key]
+            if not isinstance(value, (tuple, list)) or len(value) != len(names):
+                raise ValueError(f"GlobalOptimManager override {key}={value!r} must be a pair {names!r}")
+            spelled = {n: v for n, v in zip(names, value) if isinstance(n, str)}
+            clash = {n: cfg[n] for n in spelled.keys() & cfg.keys() if cfg[n] != spelled[n]}
+            if clash:
+                raise ValueError(
+                    f"GlobalOptimManager override {key}={value!r} spells {names!r} for {type(self).__name__}, "
+                    f"but the override also sets {clash!r}"
+                )
+            cfg = {**{k: v for k, v in cfg.items() if k != key}, **spelled}
+        return cfg
 
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
@@ -895,7 +940,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                         sub.params, [grads[k] for k in keep], sub.states, call[0], sub.records[0]["step"] + 1, **call[1]
                     )
                     for r in sub.records:
-                        r["step"] += 1
+                        _put(r, "step", r["step"] + 1)
                 return
             bucket.uniform = True  # until a step leaves some of its params out
         if bucket.plan is None:
@@ -917,7 +962,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         capturable = group["capturable"]
         if not (capturable or group["differentiable"]):  # tensor steps of a group that turned both off (or of
             for r in records:  # compiled steps): ints again, one read each
-                r["step"] = int(r["step"])
+                _put(r, "step", int(r["step"]))
             self._run(group, bucket, grads, call)
             return
         _tensor_steps(bucket, capturable)
@@ -955,7 +1000,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         mng = GlobalOptimManager.get_instance()
         params = group["params"]
         _check_unique(params)  # also for a params list edited in place after add_param_group
-        configs = mng.configs_for(params)
+        if type(self.state) is not _checkpoint.States:  # replaced by a plain dict: its edits must count too
+            self.state = _checkpoint.States(self.state)
+        edits = _checkpoint.EDITS[0]
+        configs = {i: self._own_spelling(cfg) for i, cfg in mng.configs_for(params).items()}
         allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
@@ -978,9 +1026,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                     idx, [params[i] for i in idx], [self.state[params[i]] for i in idx], cfg, len(idx) == len(params)
                 )
             )
-        plan = _Buckets(
-            params, len(params), self.state, mng.version, made, sum(map(len, buckets.values())) == len(params), configs
-        )
+        complete = sum(map(len, buckets.values())) == len(params)
+        plan = _Buckets(params, self.state, mng.version, _identities(params), edits, made, complete, configs)
         plan.dist = any(map(_checkpoint.is_dtensor, params))
         if self.is_paged:
             plan.ranges = bnbf.paged.ranges_of(t for b in made for s in b.states for t in s)
@@ -1035,7 +1082,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             step = _new_step(0, p, group)
             wide = p.dtype == torch.float64 and group["differentiable"]  # (gradcheck, torch.func): float64 state
             s = _checkpoint.new_state(p, spec, _detached(hp) if wide else hp, self.family, wide)
-            self.state[p] = _checkpoint.record(step, s, self.family)
+            _put(self.state, p, _checkpoint.record(step, s, self.family))
             new = True
         if new:
             plan = self._plan(group)
@@ -1161,6 +1208,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             groups.append(new)
             id_map.update({k: (p, new) for k, p in zip(saved["params"], group["params"])})
         configs = GlobalOptimManager.get_instance().configs_for([p for g in groups for p in g["params"]])
+        configs = {i: self._own_spelling(cfg) for i, cfg in configs.items()}
         state: defaultdict = defaultdict(dict)
         for key, entry in state_dict["state"].items():
             if key not in id_map:
@@ -1179,7 +1227,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             step = _new_step(step, p, group)
             s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged)
             state[p] = _checkpoint.record(step, s, self.family)
-        self.state = state
+        self.state = _checkpoint.States(state)
         self.param_groups = groups
         self._init_caches()
         self._lr0 = {id(g): g.get("initial_lr", g["lr"]) for g in groups}
@@ -1235,9 +1283,10 @@ class _Fast(typing.NamedTuple):
 
     groups: list  # optimizer.param_groups, the very list
     state: Any  # optimizer.state
+    edits: int  # _checkpoint.EDITS
     mng: GlobalOptimManager
     version: int  # the manager's version
-    jobs: tuple  # per group: (the group, its params list, its length, its one bucket, its records, its plan)
+    jobs: tuple  # per group: (the group, its params list, their _identities, its one bucket, its records, its plan)
 
 
 def _grads_of(params: list) -> tuple[list, bool]:
@@ -1248,6 +1297,25 @@ def _grads_of(params: list) -> tuple[list, bool]:
     grads = list(map(_GRAD, params))
     # by identity: `None in grads` would call each tensor's __eq__ (~13 us apiece, 1.9 ms for GPT-2's 148)
     return grads, not any(map(_IS_NONE, grads))
+
+
+_put = dict.__setitem__  # bnbf_nn's own writes of records and states: not edits (_checkpoint.EDITS)
+
+
+def _identities(params: list) -> Any:
+    """What :func:`_same_params` compares a params list with: the very tensors (each held by the cache that keeps
+    this, so an equal address is the same object)."""
+    if NATIVE is not None:
+        pairs = zip(map(id, params), map(id, map(type, params)))
+        return array.array("Q", itertools.chain.from_iterable(pairs)).tobytes()
+    return list(map(id, params))
+
+
+def _same_params(params: list, identities: Any) -> bool:
+    """Whether ``params`` holds the tensors it held (a list edited in place, ``group["params"][0] = q``, does not)."""
+    if NATIVE is not None:
+        return NATIVE.same_objects(params, identities)
+    return list(map(id, params)) == identities
 
 
 def _set_steps(records: list, t: int) -> None:
@@ -1261,14 +1329,15 @@ def _set_steps(records: list, t: int) -> None:
 
 @dataclasses.dataclass
 class _Buckets:
-    """A group's cached buckets, valid while the group's params list (the same list object, of the same
-    length: change a group's params by assigning a new list), the optimizer's states and the manager's
-    overrides are the ones it was built from."""
+    """A group's cached buckets, valid while the group's params list (the same list, holding the same tensors),
+    the optimizer's states (the same dict, no state or record edited from outside: :data:`_checkpoint.EDITS`)
+    and the manager's overrides are the ones it was built from."""
 
     params: list
-    nparams: int
     state_obj: Any
     mng_version: int
+    identities: Any  # of the params (_identities)
+    edits: int  # _checkpoint.EDITS when built
     buckets: list[_Bucket]
     complete: bool  # every param of the group has state
     configs: dict
@@ -1281,9 +1350,10 @@ class _Buckets:
     def valid(self, opt: Optimizer8bit, params: list) -> bool:
         return (
             self.state_obj is opt.state
+            and self.edits == _checkpoint.EDITS[0]
             and self.mng_version == GlobalOptimManager.get_instance().version
             and self.params is params
-            and self.nparams == len(params)
+            and _same_params(params, self.identities)
         )
 
 

@@ -168,10 +168,14 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
         if x.device.type != "cpu" or _batched(x):  # under vmap: a value per member, which item() cannot read
             return None
         return float(x.detach())  # a differentiable lr's value, read without torch's "requires_grad" warning
+    if isinstance(x, (str, bytes)):  # float() would parse "1e-3" (a YAML config's lr), which the step cannot use
+        raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(x).__name__} {x!r}")
     try:
         return float(x)
     except OverflowError:  # an int beyond float64: as unusable as inf
         return math.inf
+    except (TypeError, ValueError):
+        raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(x).__name__}") from None
 
 
 def _batched(x: Tensor) -> bool:

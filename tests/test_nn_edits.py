@@ -1,0 +1,207 @@
+"""What users of torch.optim (and bitsandbytes) edit between steps reaches bnbf_nn's next step, although it caches a
+plan per param group: a params list edited in place, optimizer state reset (``opt.state.clear()``, ``del
+opt.state[p]``, ``opt.state[p] = {}``...), one param's step count set by hand. Each case runs the same edits on
+torch.optim.AdamW, the independent reference, and on bnbf_nn.AdamW32bit (32-bit state: torch's math within
+``STATE32``); bnbf_nn's 8-bit class must take the same route (steps and which params move). Also the settings
+bitsandbytes users pass that bnbf_nn read wrongly: string numbers, ``override_config(p, key, None)``,
+bitsandbytes' ``betas`` spelling in an override."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+import pytest
+import torch
+from tolerances import STATE32
+
+import bnbf_nn
+
+pytestmark = pytest.mark.surface  # the step's caches and checks: the reference pass covers them
+
+HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+TOL = STATE32[(torch.float32, 32)]
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager():
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+    yield
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+
+
+def _params(n: int = 3) -> list[torch.nn.Parameter]:
+    gen = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(40, 8, generator=gen)) for _ in range(n)]
+
+
+def _run(make, edit, steps: int = 6, at: int = 3):
+    """``steps`` steps of ``make(params)`` with fixed grads, ``edit(opt, params, spare)`` applied after step ``at``;
+    the params and spare tensors afterwards, and each param's step count."""
+    params, (spare,) = _params(), _params(1)
+    opt = make(params)
+    gen = torch.Generator().manual_seed(1)
+    for i in range(1, steps + 1):
+        for p in (*params, spare):
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+        if i == at:
+            edit(opt, params, spare)
+    counts = [int(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else None for p in (*params, spare)]
+    return [p.detach() for p in (*params, spare)], counts
+
+
+def _torch_step(edit):
+    def fixed(opt, params, spare):  # torch keeps a tensor step: the same edit, in torch's type
+        edit(opt, params, spare, step=lambda v: torch.tensor(float(v)))
+
+    return fixed
+
+
+def _ours(edit):
+    return lambda opt, params, spare: edit(opt, params, spare, step=int)
+
+
+def _swap_in_place(opt, params, spare, step):
+    opt.param_groups[0]["params"][1] = spare  # the removed param stops, the new one starts at step 1
+
+
+def _clear_all(opt, params, spare, step):
+    opt.state.clear()
+
+
+def _del_one(opt, params, spare, step):
+    del opt.state[params[0]]
+
+
+def _empty_one(opt, params, spare, step):
+    opt.state[params[1]] = {}
+
+
+def _clear_record(opt, params, spare, step):
+    opt.state[params[2]].clear()
+
+
+def _new_dict(opt, params, spare, step):
+    opt.state = defaultdict(dict)
+
+
+def _first_count(opt, params, spare, step):
+    opt.state[params[0]]["step"] = step(0)  # the others stay at their counts
+
+
+def _second_count(opt, params, spare, step):
+    opt.state[params[1]]["step"] = step(1)
+
+
+EDITS = [_swap_in_place, _clear_all, _del_one, _empty_one, _clear_record, _new_dict, _first_count, _second_count]
+
+
+@pytest.mark.parametrize("edit", EDITS, ids=lambda f: f.__name__.strip("_"))
+def test_an_edit_between_steps_reaches_the_next_step_as_in_torch(edit):
+    want, want_counts = _run(lambda ps: torch.optim.AdamW(ps, **HP), _torch_step(edit))
+    got, counts = _run(lambda ps: bnbf_nn.AdamW32bit(ps, **HP), _ours(edit))
+    assert counts == want_counts
+    init = _params() + _params(1)
+    for g, w, p0 in zip(got, want, init):
+        torch.testing.assert_close(g - p0, w - p0, atol=TOL.atol, rtol=TOL.rtol)
+    # the 8-bit class: the same counts, and the same params move
+    got8, counts8 = _run(lambda ps: bnbf_nn.AdamW8bit(ps, **HP, min_8bit_size=0), _ours(edit))
+    assert counts8 == want_counts
+    assert [torch.equal(g, p0) for g, p0 in zip(got8, init)] == [torch.equal(w, p0) for w, p0 in zip(want, init)]
+
+
+def test_a_reset_state_is_in_the_next_state_dict():
+    params = _params()
+    opt = bnbf_nn.AdamW8bit(params, **HP, min_8bit_size=0)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.step()
+    opt.step()
+    opt.state.clear()
+    opt.step()
+    saved = opt.state_dict()["state"]
+    assert sorted(saved) == [0, 1, 2] and all(float(s["step"]) == 1.0 for s in saved.values())
+
+
+@pytest.mark.parametrize("where", ["constructor", "add_param_group", "override"])
+def test_string_numbers_are_refused_with_nothing_changed(where):
+    """A YAML config's ``lr: 1e-3`` is a string: torch raises TypeError; so does bnbf_nn, naming the setting."""
+    params = _params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    if where == "constructor":
+        with pytest.raises(TypeError, match="lr must be a number or a 1-element tensor, got str"):
+            bnbf_nn.AdamW8bit(params, lr="1e-3")
+        return
+    opt = bnbf_nn.AdamW8bit(params[:2], lr=1e-3)
+    opt.step()
+    before = [p.detach().clone() for p in params]
+    if where == "add_param_group":
+        with pytest.raises(TypeError, match="weight_decay must be a number"):
+            opt.add_param_group({"params": [params[2]], "weight_decay": "0.1"})
+        assert len(opt.param_groups) == 1
+    else:
+        bnbf_nn.GlobalOptimManager.get_instance().override_config(params[1], "eps", "1e-6")
+        with pytest.raises(TypeError, match="eps.* must be a number"):
+            opt.step()
+    opt2_steps = [int(opt.state[p]["step"]) for p in params[:2]]
+    assert opt2_steps == [1, 1]
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def test_override_of_none_overrides_nothing():
+    """bitsandbytes' override_config skips a None value; so does bnbf_nn's (it raised at step)."""
+    a, b = _params(), _params()
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(a[0], "lr", None)
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(a[1], key_value_dict={"betas": None, "eps": None})
+    runs = []
+    for ps in (a, b):
+        opt = bnbf_nn.AdamW8bit(ps, **HP, min_8bit_size=0)
+        for p in ps:
+            p.grad = torch.ones_like(p)
+        opt.step()
+        runs.append([p.detach() for p in ps])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+
+
+@pytest.mark.parametrize(
+    "cls, bnb_kw, own_kw",
+    [
+        (bnbf_nn.SGD8bit, {"betas": (0.5, 0.1)}, {"momentum": 0.5, "dampening": 0.1}),
+        (bnbf_nn.RMSprop8bit, {"betas": (0.8, 0.3)}, {"alpha": 0.8, "momentum": 0.3}),
+        (bnbf_nn.LARS8bit, {"betas": (0.5, 0.0)}, {"momentum": 0.5, "dampening": 0.0}),
+    ],
+)
+def test_bitsandbytes_betas_spelling_in_an_override(cls, bnb_kw, own_kw):
+    """bitsandbytes' SGD, RMSprop and LARS read an override's ``betas`` as their momentum (and dampening or
+    alpha): the same step as the override in torch's names."""
+    runs = []
+    for kw in (bnb_kw, own_kw):
+        bnbf_nn.GlobalOptimManager.get_instance().initialize()
+        ps = _params(2)
+        bnbf_nn.GlobalOptimManager.get_instance().override_config(ps[0], key_value_dict=kw)
+        opt = cls(ps, lr=1e-2, momentum=0.9, min_8bit_size=0)
+        gen = torch.Generator().manual_seed(2)
+        for _ in range(3):
+            for p in ps:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs.append([p.detach() for p in ps])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    ps = _params(1)
+    clash = {**bnb_kw, next(iter(own_kw)): 0.95}
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(ps[0], key_value_dict=clash)
+    opt = cls(ps, lr=1e-2, momentum=0.9)
+    ps[0].grad = torch.ones_like(ps[0])
+    with pytest.raises(ValueError, match="also sets"):
+        opt.step()
+
+
+@pytest.mark.parametrize("hook", ["get_config", "update_step", "init_state"])
+@pytest.mark.parametrize("base", [bnbf_nn.Optimizer2State, bnbf_nn.Optimizer1State, bnbf_nn.AdamW8bit])
+def test_a_subclass_overriding_a_bitsandbytes_hook_is_refused(base, hook):
+    """bitsandbytes routes per-param settings through hooks such as get_config; bnbf_nn never calls them, so a
+    subclass that overrides one is refused where it is defined, not silently ignored at every step."""
+    with pytest.raises(TypeError, match=f"defines \\['{hook}'\\].* never calls"):
+        type("Custom", (base,), {hook: lambda self, *a: None})
+    type("Fine", (base,), {"helper": lambda self: None})  # other methods are the subclass's own business
