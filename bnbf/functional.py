@@ -363,7 +363,7 @@ def _last_plan(param: Any, state: Any) -> tuple | None:
 
 
 def dequantize_state(state: Any) -> Any:
-    """Float32 view of a state: ``{"exp_avg": ..., "exp_avg_sq": ...}`` per tensor (torch.optim's names).
+    """Float32 copies of a state's moments: ``{"exp_avg": ..., "exp_avg_sq": ...}`` per tensor (torch.optim's names).
 
     For a pytree of states, returns the same structure with a dict in place of each state.
     """

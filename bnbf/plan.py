@@ -130,7 +130,7 @@ class Plan:
     Attributes:
         params: the planned param tensors, in leaf order.
         states: their states, in the same order.
-        rule: the rule module (``bnbf.RULES[name]``) of the states.
+        rule: the :class:`~bnbf.rules.base.Rule` (``bnbf.RULES[name]``) of the states.
         groups: ``(pick, group)`` per kernel launch: the group's address table and task list
             (:class:`bnbf.kernels.launcher.Group`) and how its grads are picked from the flat list
             (``None``: all of them, in order); empty on the generic path.

@@ -263,7 +263,7 @@ def zero_code(fmt: str, signed: bool) -> int:
 # below 1e-5 of the block's absmax, where a code step is 50-140% of the value (nearest rounding in the power
 # format too, below code position 8). In the step, stochastic rounding keeps a quantized EMA from sticking at a
 # code (a second moment stuck 10-30x below its value, a first moment that never decays to 0); with it the
-# power format's floor suffices (the property search of tests/test_zero_point.py, 150 random examples per format).
+# power format's floor suffices (the property search of tests/test_zero_point.py, every rule and format).
 POWER_CEIL_BELOW = 8.0
 POWER_FLOOR = 4  # so a first moment held a few codes up by rounding over a second moment at the floor stays small
 DYNAMIC_CEIL_BELOW = 1e-5

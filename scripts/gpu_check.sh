@@ -12,7 +12,7 @@
 # the summary shows the rows it finished (rule by rule). For the whole quality table,
 # use a call of its own: python benchmarks/quality.py --json $OUT/quality.json --markdown $OUT/quality.md
 #
-# Logs and results go to $OUT (else /tmp/gpu_check): tests.log, bench.log, bench.json, bench.md, rules.*,
+# Logs and results go to $OUT (else .gpu_check in the repository, ignored by git): tests.log, bench.log, bench.json, bench.md, rules.*,
 # quality.log, quality.json, quality.md, profile.log. Exits non-zero if the tests failed (or timed out) or the
 # benchmark produced nothing; the benchmarks run even when the tests fail. The whole suite took 282-315 s in 14
 # xdist workers (2026-11-30). Knobs (environment): BIG_BUDGET_S (default 45), TEST_BUDGET_S (300), TEST_WORKERS
@@ -22,7 +22,7 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-/tmp/gpu_check}
+OUT=${OUT:-.gpu_check}
 mkdir -p "$OUT"
 if [ -d .peers/site ]; then
   export PYTHONPATH="$PWD/.peers/site${PYTHONPATH:+:$PYTHONPATH}"

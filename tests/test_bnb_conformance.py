@@ -311,3 +311,24 @@ def test_optimizer32bit(entry, dtype, device):
         with torch.no_grad():
             p_ref.copy_(p_ref.to(dtype).float())
             p.copy_(p_ref)
+
+
+@pytest.mark.surface
+@pytest.mark.parametrize("name", ["RMSprop8bit", "Adagrad8bit"])
+def test_bitsandbytes_signed_map_checkpoints_of_nonnegative_state_are_refused(name):
+    """bitsandbytes quantizes RMSprop's and Adagrad's non-negative state with its signed map, whose codes bnbf's
+    unsigned state cannot take: load_state_dict raises, naming the map, and changes nothing."""
+    torch.manual_seed(0)
+    p = torch.nn.Parameter(torch.randn(64, 80))
+    theirs = getattr(bnb.optim, name)([p], lr=1e-3)
+    p.grad = torch.randn_like(p)
+    theirs.step()
+    q = torch.nn.Parameter(p.detach().clone())
+    q.grad = torch.randn_like(q)
+    ours = getattr(bnbf_nn, name)([q], lr=1e-3)
+    ours.step()
+    before = {k: v.clone() for k, v in ours.state[q].items() if isinstance(v, torch.Tensor)}
+    with pytest.raises(ValueError, match="signed dynamic map"):
+        ours.load_state_dict(theirs.state_dict())
+    assert all(torch.equal(ours.state[q][k], v) for k, v in before.items())
+    assert ours.state[q]["step"] == 1

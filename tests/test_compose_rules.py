@@ -1,7 +1,7 @@
 """Rules registered at run time (issue 13): validated at registration, and the README's composing examples run.
 
-- every example of the README's section on composing rules runs as written (both CPU passes: under
-  ``TRITON_INTERPRET=1`` its AdaBelief math runs in the Triton kernel);
+- every example of the README's section on composing rules runs as written (the reference pass and CUDA; under
+  ``TRITON_INTERPRET=1`` the AdaBelief tests below run its math in the Triton kernel);
 - that AdaBelief, 32-bit state, against a float64 AdaBelief written from the paper (Zhuang et al., 2020,
   Algorithm 2 with decoupled decay); with 8-bit state, within bitsandbytes' bar of the 32-bit one after a step;
 - each malformed declaration raises at ``register_rule``, naming the rule and the problem, and registers

@@ -30,8 +30,8 @@ constexpr float kDynamicCeilBelow = 1e-5f;      // torch compares a float32 tens
 constexpr float kCeil = 0.5f - 0x1p-17f;         // _CEIL
 constexpr double kPowerMargin = 1.0 - 0x1p-16;  // POWER_MARGIN; 127 and 255 times it are exact in float32
 
-// x86-64-v4 (AVX-512 with BW/VL/DQ): the dynamic format's 4M values in 5.2 ms (6.3 with a select chain per
-// decade), v3 (AVX2) 6.5; the baseline (SSE2) does not vectorize (the select chain, ~42 ms)
+// clones for AVX-512 (x86-64-v4) and AVX2 (v3): the baseline (SSE2) cannot vectorize the dynamic format's
+// select chain, several times slower
 #if defined(__x86_64__) && defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 12
 #define BNBF_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #elif defined(__x86_64__) && defined(__GNUC__)
