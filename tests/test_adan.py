@@ -8,7 +8,7 @@ from the paper and the authors' implementation (sail-sg/Adan), not from bnbf:
 - the first step's ``neg_pre_grad`` (no previous gradient: the difference is 0);
 - ``bnbf_nn.Adan``/``Adan32bit``/``Adan8bit`` against the reference, with the authors' argument names;
 - bad hyperparameters rejected with the authors' (torch's) wording, nothing written;
-- the zero point (tests/test_zero_point.py's property) for Adan's 8-bit state.
+- the zero point for Adan's 8-bit state: tests/test_zero_point.py's property, which covers every rule.
 
 ``ROWS`` are Adan's rows as tests/optim_table.py writes them (the proximal decay, and ``no_prox``), for
 the table-driven tests (they are in ``optim_table.ROWS``). In the Triton interpreter
@@ -17,17 +17,13 @@ the table-driven tests (they are in ``optim_table.ROWS``). In the Triton interpr
 
 from __future__ import annotations
 
-import importlib
 import inspect
 import math
-import os
 import re
 
 import pytest
 import torch
 from conftest import DEVICES, assert_untouched, init_params, make_grad, snapshot
-from hypothesis import given, settings
-from hypothesis import strategies as st
 from optim_table import ADAN_ROWS, ADAN_STATES, AdanReference, Bad, Row  # noqa: F401
 from resync import Ref, _check_param, _check_states, assert_within_code_gap, run_resync
 from tolerances import DTYPES, NOT_VACUOUS, STATE8, STATE32, STATE_ULPS, assert_close_report, half_ulp
@@ -327,26 +323,3 @@ def test_bad_hparams_rejected_with_the_authors_wording(device, bad):
 def test_no_prox_must_be_a_bool():
     with pytest.raises(TypeError, match="no_prox must be a bool, got int"):
         bnbf.hparams_for("adan", {"no_prox": 1})
-
-
-# ------------------------------------------------------------------------------------------------
-# the zero point (tests/test_zero_point.py's property, for Adan)
-
-
-@pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("fmt", ["power", "dynamic"])
-def test_no_8bit_step_outgrows_32bit(device, fmt):
-    """No element's 8-bit step exceeds max(2 x the 32-bit rule's largest step, 4 lr) on test_zero_point's
-    hostile gradient sequences, with its budget of examples and steps (one example in the interpreter, where
-    its 2 took 30-40 s per format for Adan's four states)."""
-    zp = importlib.import_module("test_zero_point")
-    examples, max_steps, _ = zp._budget(device)
-    if INTERP and device == "cpu" and "BNBF_ZERO_POINT_EXAMPLES" not in os.environ:
-        examples = 1
-
-    @settings(max_examples=examples)
-    @given(grads=zp.sequences(max_steps), block=st.sampled_from([64, 128, 256]))
-    def check(grads, block):
-        zp._check(ROW["adan"], grads, fmt, block, device)
-
-    check()
