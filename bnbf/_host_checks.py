@@ -72,6 +72,25 @@ def _check_param(p: Any, where: str) -> None:
         )
     if p.layout != torch.strided:
         raise TypeError(f"param{where} must be a dense (strided) tensor, got layout {p.layout}")
+    _check_lazy(p, f"param{where}")
+
+
+def _lazy(t: Tensor) -> bool:
+    """A tensor whose memory is not its values: a lazily negated view (the negative bit: ``x.conj().imag``) or an
+    efficient zero tensor (no memory at all); the kernels would read or write the memory as it is."""
+    return t.is_neg() or t._is_zerotensor()
+
+
+def _check_lazy(t: Tensor, what: str) -> None:
+    if torch.compiler.is_compiling():  # traced values: the compiled graph's inputs are materialized for its ops
+        return
+    if t._is_zerotensor():
+        raise TypeError(f"{what} is an efficient zero tensor, which has no memory to read: pass torch.zeros_like(it)")
+    if t.is_neg():
+        raise TypeError(
+            f"{what} has its negative bit set (a lazily negated view, such as x.conj().imag): its memory holds the "
+            f"negated values; pass {what.split('[')[0]}.resolve_neg()"
+        )
 
 
 def _check_present(rule: Any, h: Any, states: list) -> None:
@@ -94,13 +113,14 @@ def _layout(s: Any) -> Layout:
 
 def _check_step(step: Any) -> None:
     if isinstance(step, Tensor):
-        if step.numel() != 1 or step.is_floating_point() or step.is_complex() or step.dtype == torch.bool:
-            raise TypeError(f"step must be an int or a 0-d integer tensor, got {step.dtype} {tuple(step.shape)}")
+        # int32 or int64: a narrower count wraps (the step hashes step % 2**24, 0 in int16)
+        if step.numel() != 1 or step.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
         if step.device.type == "cpu" and not torch.compiler.is_compiling() and int(step) < 1:  # traced: unread
             raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
         return
     if isinstance(step, bool) or not isinstance(step, int):
-        raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+        raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {type(step).__name__}")
     if step < 1:
         raise ValueError(f"Invalid step: {step} (steps count from 1)")
 
@@ -167,6 +187,7 @@ def _states_ok(params: list, states: list) -> bool:
         return (
             set(map(_DTYPE, params)) <= _PARAM_DTYPE_SET
             and set(map(_LAYOUT, params)) == _STRIDED
+            and not any(map(_lazy, params))
             and list(map(_SHAPE_DTYPE, fields)) == expected
             and (
                 set(map(_DEVICE, fields)) <= {devices[0]}
@@ -187,6 +208,7 @@ def _grads_ok(params: list, grads: list) -> bool:
         and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
         and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
         and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
+        and not any(map(_lazy, grads))
     )
 
 
@@ -232,6 +254,7 @@ def _check_grad(name: str, p: Tensor, g: Any) -> None:
         raise TypeError(f"grad{name} has dtype {g.dtype} but the param has dtype {p.dtype}")
     if g.device != p.device:
         raise ValueError(f"grad{name} is on {g.device} but the param is on {p.device}")
+    _check_lazy(g, f"grad{name}")
 
 
 def _check_state(name: str, p: Tensor, s: Any) -> None:
@@ -486,10 +509,22 @@ def _refuse(what: str, states: list, in_place: bool) -> None:
     )
 
 
-def _check_writable(param: Any, params: list) -> None:
-    """ValueError naming a param with a zero stride (an expanded tensor) before anything is written: an in-place
-    step would write one memory location for several elements, and torch refuses that only at the write."""
-    if all(map(Tensor.is_contiguous, params)):  # a contiguous tensor has no zero stride over more than one element
+def _check_writable(param: Any, params: list, states: list = ()) -> None:
+    """Before anything is written, what an in-place step cannot write: inference tensors outside inference mode
+    (torch's error, which the kernels would not raise), and params whose elements share memory (a zero stride, or
+    strides that make rows overlap: one memory location would hold only one of its elements' steps)."""
+    if not torch.is_inference_mode_enabled():
+        fields = [t for st in states for t in st]
+        if any(map(Tensor.is_inference, params)) or any(map(Tensor.is_inference, fields)):
+            names = _names(param)
+            named = [(f"param{n}", p) for n, p in zip(names, params)]
+            named += [(f"state{n}.{f}", t) for n, st in zip(names, states) for f, t in zip(st._fields, st)]
+            where = next(w for w, t in named if t.is_inference())
+            raise RuntimeError(
+                f"Inplace update to inference tensor outside InferenceMode is not allowed: {where} was made under "
+                f"torch.inference_mode(); step inside it, or clone() the tensor outside it"
+            )
+    if all(map(Tensor.is_contiguous, params)):  # a contiguous tensor's elements never share memory
         return
     for i, p in enumerate(params):
         if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
@@ -497,6 +532,22 @@ def _check_writable(param: Any, params: list) -> None:
                 f"param{_names(param)[i]} has a zero stride (an expanded tensor): more than one element refers to "
                 f"a single memory location, so it cannot be stepped in place; pass a clone(), or use bnbf.update"
             )
+        if _overlaps_itself(p):
+            raise ValueError(
+                f"param{_names(param)[i]} has strides {p.stride()} for shape {tuple(p.shape)}, by which its elements "
+                f"may share memory, so it cannot be stepped in place; pass a clone(), or use bnbf.update"
+            )
+
+
+def _overlaps_itself(t: Tensor) -> bool:
+    """Whether ``t``'s strides may map two elements to one address: each stride, in increasing order, must exceed
+    the largest offset the smaller ones reach (a sufficient test of no overlap, exact for the usual layouts)."""
+    reach = 0
+    for st, n in sorted((st, n) for st, n in zip(t.stride(), t.shape) if n > 1):
+        if st <= reach:
+            return True
+        reach += st * (n - 1)
+    return False
 
 
 def own_dispatch(t: Tensor) -> bool:
@@ -624,7 +675,7 @@ def _prepare(
     _check_leaves(param, params, states, grads)
     check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
     if in_place:
-        _check_writable(param, params)
+        _check_writable(param, params, states)
     rule = _rule_of(param, states)
     h = rule.make_hparams(hparams)
     _check_no_overlap(param, params, states)
@@ -715,7 +766,7 @@ def traced_hparams(
         h = traced if batched else rule.make_hparams(hparams)  # a member's value is unread
     _check_present(rule, h, states)
     if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
-        raise TypeError(f"step must be an int or a 0-d integer tensor, got {type(step).__name__}")
+        raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {type(step).__name__}")
     return h
 
 

@@ -167,7 +167,7 @@ def resolve_hparams(hparams: Any, step: Any) -> Any:
     """Evaluate the schedules in ``hparams`` at ``step``.
 
     A hyperparameter given as a callable of the step (or a tuple such as ``betas`` with callables in it) is
-    called once with ``step`` (an int or a 0-d integer tensor, passed as given: a schedule written with
+    called once with ``step`` (an int or a 0-d int32/int64 tensor, passed as given: a schedule written with
     tensor ops then returns a 0-d tensor on the step's device, which the core reads without a host
     synchronisation and which compiles no new kernel).
 

@@ -23,14 +23,17 @@ from torch import Tensor
 
 from bnbf._host_checks import (
     _check_grad,
+    _check_no_overlap,
     _check_present,
     _check_step,
+    _check_writable,
     _flatten,
     _hparams_traced,
     _names,
     _structures,
     _unflatten,
     check_update_options,
+    unaddressable,
 )
 from bnbf.reference import step_math
 from bnbf.rules import get_rule
@@ -60,7 +63,7 @@ def update(
             their fields may be float64 (e.g. ``tree_map(torch.Tensor.double, state)``) for float64 params.
         hparams: a mapping with torch.optim's names or the rule's hparams dataclass; Python numbers or 0-d
             tensors, which may require grad (meta-gradients).
-        step: 1-based index of this update (int or 0-d integer tensor).
+        step: 1-based index of this update (int or 0-d int32/int64 tensor).
         skip_zeros, max_unorm, maximize: as for :func:`bnbf.update`.
 
     Returns:
@@ -211,6 +214,12 @@ def update_(
     clone = lambda t: t.clone() if isinstance(t, Tensor) else t
     params, p_spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
+    fields = [t for s in states if is_state(s) for t in s]
+    if all(isinstance(t, Tensor) for t in params + fields) and not unaddressable(params, fields):
+        # as the in-place step without differentiable=True: a param listed twice would lose one of its steps, a
+        # state field that is a param would overwrite it
+        _check_no_overlap(param, params, states)
+        _check_writable(param, params, states)
     copies_p = _unflatten([clone(_live(p)) for p in params], p_spec)
     copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(

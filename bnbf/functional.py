@@ -129,7 +129,7 @@ def update(
             :class:`bnbf.packed.PackedState` (``init_state(..., packed=True)``), returned as one.
         hparams: a mapping with torch.optim's names (``lr``, ``betas``, ``eps``, ``weight_decay``...) or
             the rule's hparams dataclass; Python numbers or 0-d tensors. Missing keys take defaults.
-        step: 1-based index of this update (int or 0-d integer tensor), for bias correction.
+        step: 1-based index of this update (int or 0-d int32/int64 tensor), for bias correction.
         skip_zeros: (a bool) gradient elements that are exactly 0 leave their param element and states unchanged
             (sparse updates such as embedding rows; for 8-bit states "unchanged" is up to requantization
             with the block's new absmax).

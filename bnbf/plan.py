@@ -38,10 +38,12 @@ from bnbf._host_checks import (
     _check_no_overlap,
     _check_present,
     _check_step,
+    _check_writable,
     _flatten,
     _grads_ok,
     _groups,
     _is_plain,
+    _lazy,
     _names,
     _none_leaf,
     _overlap,
@@ -154,6 +156,8 @@ class Plan:
         fails (the generic path then steps, or raises the precise error)."""
         if not _plannable(params) or not _states_ok(params, states) or _overlap(params, states) is not None:
             return None
+        if any(t.is_inference() for s in states for t in s):  # the generic path's checks refuse them
+            return None
         if len({type(s).layout.rule for s in states}) != 1:
             return None
         self = cls.__new__(cls)
@@ -262,7 +266,7 @@ class Plan:
                 device (non-contiguous grads are copied).
             hparams: a mapping with torch.optim's names or the rule's hparams dataclass; Python numbers
                 or 0-d tensors (changing them never compiles a kernel).
-            step: 1-based index of this update (int or 0-d integer tensor).
+            step: 1-based index of this update (int or 0-d int32/int64 tensor).
             skip_zeros, max_unorm, maximize: as for :func:`bnbf.update`.
 
         Raises:
@@ -366,6 +370,7 @@ class Plan:
                 and set(map(type, grads)) <= _PLAIN_TYPES
                 and list(map(_GRAD_META, grads)) == self._grad_meta
                 and all(map(Tensor.is_contiguous, grads))
+                and not any(map(_lazy, grads))
             )
         except RuntimeError:  # is_contiguous of a sparse compressed tensor
             return False
@@ -694,6 +699,8 @@ def _plannable(params: list) -> bool:
         and not any(p.requires_grad and not p.is_leaf for p in params)
         and all(map(use_triton, params))
         and all(map(Tensor.is_contiguous, params))
+        # inference tensors: the generic path's checks refuse an in-place step of them outside inference mode
+        and not any(map(Tensor.is_inference, params))
     )
 
 
@@ -705,6 +712,7 @@ def _validate(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> 
         raise ValueError(f"state structure {s_spec} does not match param structure {spec}")
     _check_leaves(tree, params, states)
     _check_no_overlap(tree, params, states)
+    _check_writable(tree, params, states)  # a plan steps in place
     _rule_of(tree, states)
 
 

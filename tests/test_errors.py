@@ -277,12 +277,14 @@ def test_invalid_step(setup, fn, step, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
-@pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor"])
+@pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor", torch.uint8, torch.int8, torch.int16])
 def test_non_integer_step(setup, fn, step, device):
     p, g, s = setup
     if step == "float_tensor":
         step = torch.tensor(2.0, device=device)
-    expect_error(fn, TypeError, "step must be an int or a 0-d integer tensor", p, g, s, step=step)
+    elif isinstance(step, torch.dtype):  # a count that wraps (the step hashes step % 2**24, which is 0 there)
+        step = torch.tensor(2, dtype=step, device=device)
+    expect_error(fn, TypeError, "step must be an int or a 0-d int32/int64 tensor", p, g, s, step=step)
 
 
 def test_invalid_spec():

@@ -261,7 +261,7 @@ def test_vmap_update_makes_no_batched_op_per_tensor():
             return bnbf.update(q, r, u, {"lr": 0.01}, 1)
 
     got = torch.vmap(step)(p, g, s)
-    assert seen.names and set(seen.names) <= {"__get__", "is_contiguous"}  # metadata only
+    assert seen.names and set(seen.names) <= {"__get__", "is_contiguous", "is_neg", "_is_zerotensor"}  # metadata
     for b in range(B):
         assert _same(_member(got, b), bnbf.update(_member(p, b), _member(g, b), _member(s, b), {"lr": 0.01}, 1))
 

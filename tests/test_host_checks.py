@@ -93,6 +93,9 @@ def grad_cases():
         ("sparse csr", lambda g: [torch.randn(3, 4).to_sparse_csr(), *g[1:]], (RuntimeError, "sparse gradients")),
         *[("mkldnn", lambda g: [torch.randn(3, 4).to_mkldnn(), *g[1:]], (RuntimeError, "layout torch._mkldnn"))]
         * torch.backends.mkldnn.is_available(),  # strided-looking (contiguous, a shape) but no data pointer
+        # memory that is not the values: a negative bit (x.conj().imag), an efficient zero tensor (address 0)
+        ("negated", lambda g: [torch._neg_view(g[0]), *g[1:]], (TypeError, r"grad\[0\] has its negative bit set")),
+        ("zero tensor", lambda g: [torch._efficientzerotensor(3, 4), *g[1:]], (TypeError, "efficient zero tensor")),
         ("not a tensor", lambda g: [g[0], None, *g[2:]], (ValueError, r"grad\[1\] is None")),
         ("a number", lambda g: [*g[:-1], 1.0], (ValueError, "grad structure")),
         ("a dict", lambda g: dict(enumerate(g)), (ValueError, "grad structure")),

@@ -33,7 +33,8 @@ bool nargs_is(Py_ssize_t nargs, Py_ssize_t want) {
 
 bool is_seq(PyObject* obj) { return PyList_Check(obj) || PyTuple_Check(obj); }
 
-// Whether each grad is a plain, dense, contiguous tensor with its param's shape, dtype and device (params: a
+// Whether each grad is a plain, dense, contiguous tensor with its param's shape, dtype and device, whose memory
+// holds its values (no negative bit, not an efficient zero tensor) (params: a
 // plan's checked params); with `want` (n_want native uint64), *moved tells whether the grads' addresses differ.
 bool grads_fit(PyObject* params, PyObject* grads, const uint64_t* want, Py_ssize_t n_want, bool* moved) {
   if (!is_seq(params) || !is_seq(grads)) return false;
@@ -47,7 +48,7 @@ bool grads_fit(PyObject* params, PyObject* grads, const uint64_t* want, Py_ssize
     const at::Tensor* g = plain_tensor(gs[i]);
     if (p == nullptr || g == nullptr) return false;
     if (g->layout() != c10::kStrided || g->scalar_type() != p->scalar_type() || g->device() != p->device() ||
-        g->sizes() != p->sizes() || !g->is_contiguous()) {
+        g->sizes() != p->sizes() || !g->is_contiguous() || g->is_neg() || g->_is_zerotensor()) {
       return false;
     }
     if (want != nullptr && !differs) differs = reinterpret_cast<uintptr_t>(g->const_data_ptr()) != want[i];
