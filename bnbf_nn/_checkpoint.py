@@ -296,6 +296,22 @@ def record(step: int, state: Any, family: Any) -> Record:
     return Record(step=step, state=state, **views(state, family.bnb_slots))
 
 
+def _check_values(where: str, key: str, t: Tensor, nonneg: bool) -> None:
+    """A 32-bit state's values: finite, and non-negative for a second moment (the step divides by its root; a
+    step zeroes the states of a non-finite gradient, so no step writes NaN or inf)."""
+    if is_dtensor(t):
+        t = t.to_local()
+    bad = ~torch.isfinite(t) | (t < 0) if nonneg else ~torch.isfinite(t)
+    if bool(bad.any()):
+        i = int(bad.reshape(-1).nonzero()[0])
+        what = "negative, NaN or inf" if nonneg else "NaN or inf"
+        _fail(
+            where,
+            f"{key} holds {int(bad.sum())} values that are {what} (first at flat index {i}: "
+            f"{t.reshape(-1)[i].item()!r})",
+        )
+
+
 def _fail(where: str, msg: str) -> None:
     raise ValueError(f"cannot load the optimizer state of {where}: {msg}")
 
@@ -382,6 +398,7 @@ def unpack(
             _fail(where, f"{key} has dtype {t.dtype}; expected uint8 codes or float32 values")
         bits.add(8 if t.dtype == torch.uint8 else 32)
         if t.dtype != torch.uint8:
+            _check_values(where, key, t, nonneg=not any(rule.states[j].signed for j in kept))
             continue
         q, a = tensors.get("qmap" + k), tensors.get("absmax" + k)
         if not isinstance(q, Tensor) or q.dtype != torch.float32 or tuple(q.shape) != (256,):

@@ -292,6 +292,15 @@ BAD = {
     "negative absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(0, -0.5) or sd, "negative, NaN or inf"),
     "NaN absmax": (lambda sd, _: _entry(sd)["absmax2"].__setitem__(1, float("nan")) or sd, "negative, NaN or inf"),
     "inf absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(-1, float("inf")) or sd, "negative, NaN or inf"),
+    # 32-bit moments as no step writes them: a NaN turns the params NaN, a negative second moment's root is NaN
+    "NaN 32-bit moment": (
+        lambda sd, _: _entry(sd, 1)["state1"].view(-1).__setitem__(3, float("nan")) or sd,
+        r"state1 holds 1 values that are NaN or inf",
+    ),
+    "negative 32-bit second moment": (
+        lambda sd, _: _entry(sd, 1)["state2"].view(-1).__setitem__(0, -1.0) or sd,
+        r"state2 holds 1 values that are negative, NaN or inf",
+    ),
 }
 
 
