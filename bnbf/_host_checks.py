@@ -48,6 +48,7 @@ NATIVE = _native()
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_DTYPE_SET = set(_PARAM_DTYPES)
 _STRIDED = {torch.strided}
+_NESTED = operator.attrgetter("is_nested")
 _SHAPE = operator.attrgetter("shape")
 _DTYPE = operator.attrgetter("dtype")
 _DEVICE = operator.attrgetter("device")
@@ -70,8 +71,9 @@ def _check_param(p: Any, where: str) -> None:
             f"param{where} has dtype {p.dtype}: {kind} params are not supported "
             f"(bnbf optimizes float32, float16 and bfloat16 params)"
         )
-    if p.layout != torch.strided:
-        raise TypeError(f"param{where} must be a dense (strided) tensor, got layout {p.layout}")
+    if p.layout != torch.strided or p.is_nested:
+        got = "a nested tensor" if p.is_nested else f"layout {p.layout}"
+        raise TypeError(f"param{where} must be a dense (strided) tensor, got {got}")
     _check_lazy(p, f"param{where}")
 
 
@@ -196,7 +198,7 @@ def _states_ok(params: list, states: list) -> bool:
             )
             and all(map(Tensor.is_contiguous, fields))
         )
-    except (AttributeError, TypeError):  # a state field that is not a Tensor
+    except (AttributeError, TypeError, RuntimeError):  # a state field that is not a Tensor; a nested tensor's shape
         return False
 
 
@@ -205,6 +207,7 @@ def _grads_ok(params: list, grads: list) -> bool:
     return (
         all(map(isinstance, grads, itertools.repeat(Tensor)))
         and set(map(_LAYOUT, grads)) == _STRIDED
+        and not any(map(_NESTED, grads))  # strided, but no shape to read
         and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
         and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
         and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
@@ -246,8 +249,11 @@ def _check_grad(name: str, p: Tensor, g: Any) -> None:
     """Raise the precise error for a grad that does not fit its (valid) param; return if it does."""
     if not isinstance(g, Tensor):
         raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
-    if g.is_sparse or g.layout != torch.strided:
-        raise RuntimeError(f"bnbf does not support sparse gradients (grad{name} has layout {g.layout})")
+    if g.is_nested:
+        raise RuntimeError(f"bnbf does not support nested gradients (grad{name} is a nested tensor)")
+    if g.layout != torch.strided:
+        kind = "sparse gradients" if g.is_sparse or "sparse" in str(g.layout) else "gradients of a non-strided layout"
+        raise RuntimeError(f"bnbf does not support {kind} (grad{name} has layout {g.layout})")
     if g.shape != p.shape:
         raise ValueError(f"grad{name} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
     if g.dtype != p.dtype:

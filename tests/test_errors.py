@@ -88,6 +88,28 @@ def test_sparse_grad(setup, fn):
     expect_error(fn, RuntimeError, "does not support sparse gradients", p, g.to_sparse(), s)
 
 
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_grads_and_settings_the_step_cannot_read_are_named(fn):
+    """A nested or mkldnn grad, a complex or bool tensor lr: each error says what the input is (they raised torch's
+    internal error, or called an mkldnn tensor sparse)."""
+    p = torch.randn(2, 16)
+    s = bnbf.init_state(p, spec(bits=32))
+    g = torch.randn(2, 16)
+    nested = torch.nested.nested_tensor([torch.randn(16), torch.randn(16)])
+    cases = [(nested, "does not support nested gradients")]
+    if torch.backends.mkldnn.is_available():
+        cases.append((g.to_mkldnn(), "non-strided layout .*mkldnn"))
+    snap = snapshot(p, s)  # (such grads cannot be cloned for a snapshot of their own)
+    for bad, match in cases:
+        with pytest.raises(RuntimeError, match=match):
+            fn(p, bad, s, {}, 2)
+        assert_untouched(snap, match)
+    for lr in (torch.tensor(0.1 + 0.5j), torch.tensor(True)):
+        expect_error(fn, TypeError, f"lr must be a real number, got a {lr.dtype} tensor", p, g, s, {"lr": lr})
+    with pytest.raises(TypeError, match="got a nested tensor"):
+        bnbf.init_state(nested, spec())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_error_names_the_key(device, fn):
