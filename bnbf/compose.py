@@ -47,12 +47,15 @@ from bnbf._dispatch import NORM_REDUCE, use_triton
 from bnbf._host_checks import (
     NATIVE,
     _check_grad,
+    _check_no_overlap,
     _check_present,
     _check_step,
+    _check_writable,
     _groups,
     _prepare,
     differentiated,
     hparam_tensors,
+    unaddressable,
 )
 from bnbf.plan import _cached, _confirmed, _one_set, _scalars, group_rows, packed_rows, rows_layout
 from bnbf.reference import GRAD_CLIP, GradClip, clip_coefficient
@@ -473,13 +476,13 @@ def _sub(parts: _Parts, leaves: list, idx: list[int]) -> dict:
 
 
 def _one_rule_tree(state: Any) -> bool:
-    """Whether every state of the tree is for one rule (the core's own case)."""
-    if type(state) is dict:
-        leaves = list(state.values())
-    else:
-        leaves = pytree.tree_leaves(state, is_leaf=is_state)
+    """Whether every state of the tree is for one rule (the core's own case). Every state counts, at any depth:
+    the core sends a tree of several rules back here (MixedRulesError), so a rule missed would loop forever."""
     # by class, not by leaf: a tree's states are of a few classes (GPT-2's 148: 140 -> 10 us a call, 2-core CPU)
-    rules = {kind.layout.rule for kind in set(map(type, leaves)) if issubclass(kind, State)}
+    kinds = set(map(type, state.values())) if type(state) is dict else None
+    if kinds is None or not all(issubclass(kind, State) for kind in kinds):  # not a flat dict of states
+        kinds = set(map(type, pytree.tree_leaves(state, is_leaf=is_state)))
+    rules = {kind.layout.rule for kind in kinds if issubclass(kind, State)}
     return len(rules) <= 1
 
 
@@ -1229,6 +1232,10 @@ def apply_updates(params: Any, updates: Any) -> Any:
 def apply_updates_(params: Any, updates: Any) -> Any:
     """:func:`apply_updates` written into ``params`` in place (the sum in float32, one rounding); returns them.
 
+    Every leaf is checked before the first param is written, as :func:`bnbf.update_` checks its params: a param
+    listed twice, params sharing memory, a param that cannot be written in place (expanded, an inference tensor,
+    sparse) raise with nothing written.
+
     Example:
         >>> p = {"w": torch.ones(2)}
         >>> _ = apply_updates_(p, {"w": torch.full((2,), -0.5)})
@@ -1236,9 +1243,28 @@ def apply_updates_(params: Any, updates: Any) -> Any:
         tensor([0.5000, 0.5000])
     """
     ps, us, _ = _flatten_updates(params, updates)
+    _check_apply_in_place(params, ps, us)
     with torch.no_grad():
         torch._foreach_add_(ps, us)  # in-place add computes in the promoted dtype (float32), then rounds
     return params
+
+
+def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
+    """What :func:`apply_updates_` cannot write, refused before the first param is: ``torch._foreach_add_``
+    writes param after param, so a later leaf's error would come with the earlier ones stepped. The params are
+    checked as ``update_`` checks its own (its checks and words): dense, writable (no inference tensor, no
+    elements sharing memory), none listed twice, no two sharing memory."""
+    if torch.compiler.is_compiling():  # traced: an error at trace time writes nothing, the graph runs whole
+        return
+    if set(map(_LAYOUT, ps)) != {torch.strided} or any(p.is_nested for p in ps):
+        for (k, _), p in zip(pytree.tree_flatten_with_path(params)[0], ps):
+            if p.layout != torch.strided or p.is_nested:  # dense += sparse: torch raises after the earlier adds
+                got = "a nested tensor" if p.is_nested else f"layout {p.layout}"
+                raise TypeError(f"param{pytree.keystr(k)} must be a dense (strided) tensor, got {got}")
+    if unaddressable(ps, us) or any(p.device.type == "meta" for p in ps):  # no addresses to compare
+        return
+    _check_writable(params, ps)
+    _check_no_overlap(params, ps, [])
 
 
 # ---- clipping ------------------------------------------------------------------------------------------------

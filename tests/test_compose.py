@@ -121,6 +121,50 @@ def test_updates_and_apply_errors_modify_nothing():
     assert_untouched(snap)
 
 
+@pytest.mark.surface
+def test_apply_updates_in_place_checks_everything_before_writing():
+    """apply_updates_ wrote param after param, so a param listed twice took the update twice,
+    overlapping views took both on the shared part, and a bad leaf raised with the earlier params written.
+    Now each is refused before anything is written, aliasing in update_'s own words."""
+    first, base = torch.zeros(4), torch.zeros(6)
+    snap = snapshot(first, base)
+    ones = torch.ones(4)
+    with pytest.raises(ValueError, match=r"param\[1\] and param\[2\] are the same tensor") as twice:
+        compose.apply_updates_([first, base, base], [ones, torch.ones(6), torch.ones(6)])
+    views = {"x": first, "a": base[:4], "b": base[2:]}
+    with pytest.raises(ValueError, match=r"param\['a'\] and param\['b'\] overlap in memory") as overlap:
+        compose.apply_updates_(views, {k: ones for k in views})
+    # update_ refuses the same trees with the same words
+    for tree, err in (([first, base, base], twice), (views, overlap)):
+        state = bnbf.init_state(tree, bnbf.OptimSpec(rule="sgd", state_bits=32))
+        with pytest.raises(ValueError) as core:
+            bnbf.update_(tree, torch.utils._pytree.tree_map(torch.ones_like, tree), state, {"lr": 0.1}, 1)
+        assert str(core.value) == str(err.value)
+    with pytest.raises(ValueError, match=r"param\[1\] has a zero stride"):  # torch's add_ raised after param[0]
+        compose.apply_updates_([first, torch.zeros(1).expand(4)], [ones, ones])
+    with pytest.raises(ValueError, match=r"param\['c'\]\[0\] and param\['d'\]\['e'\] overlap in memory"):
+        compose.apply_updates_({"c": [base[:4]], "d": {"e": base[3:5]}}, {"c": [ones], "d": {"e": ones[:2]}})
+    with torch.inference_mode():
+        made_there = torch.zeros(4)
+    with pytest.raises(RuntimeError, match=r"param\[1\] was made under torch.inference_mode\(\)"):
+        compose.apply_updates_([first, made_there], [ones, ones])
+    with pytest.raises(TypeError, match=r"param\[1\] must be a dense \(strided\) tensor, got layout torch.sparse_coo"):
+        compose.apply_updates_([first, torch.zeros(4).to_sparse()], [ones, ones])
+    assert_untouched(snap)
+
+
+def test_apply_updates_in_place_takes_what_does_not_alias():
+    """What shares no written memory is applied, as torch's ``p + u``: one update for two params, an update that
+    is its own param, an expanded update, interleaved strided params (no element in common), empty leaves."""
+    u, w, p = torch.randn(5), torch.randn(5, 2), torch.randn(5)
+    params = [torch.randn(5), torch.randn(5), p, w[:, 0], w[:, 1], torch.randn(5), torch.zeros(0)]
+    updates = [u, u, p, torch.randn(5), torch.randn(5), torch.randn(1).expand(5), torch.zeros(0)]
+    want = [x + y for x, y in zip(params, updates)]
+    assert compose.apply_updates_(params, updates) is params
+    for i, (got, ref) in enumerate(zip(params, want)):
+        assert_equal_report(got, ref, f"param {i} vs torch's p + u")
+
+
 # ---- 2. clipping ---------------------------------------------------------------------------------------------
 
 
@@ -435,6 +479,78 @@ def test_one_rule_tree_goes_straight_to_the_core(monkeypatch):
     monkeypatch.setattr(bnbf, "update", lambda p, *a, **k: seen.append(p) or real(p, *a, **k))
     compose.update(params, _grads(params), state, {"lr": 1e-3}, 1)
     assert len(seen) == 1 and seen[0] is params  # the caller's own tree: the core's fast path and error names
+
+
+def _nested_mixed(device):
+    params = {
+        "enc": {"w": torch.randn(300).to(device), "b": torch.randn(7).to(device)},
+        "head": [torch.randn(5, 5).to(device), torch.randn(1).to(device)],
+    }
+    specs = {"enc": bnbf.OptimSpec(rule="adamw", min_8bit_size=256), "head": bnbf.OptimSpec(rule="lion")}
+    return params, specs
+
+
+def test_nested_mixed_tree_with_one_mapping_equals_its_subtrees(device):
+    """A nested tree of two rules with one flat mapping looked like one rule to compose (it read
+    only the top dict's values), which sent it to the core, whose MixedRulesError sent it back: RecursionError.
+    Each subtree is now stepped with its rule and the mapping, bit for bit its own call, pure and in place."""
+    tree_map = torch.utils._pytree.tree_map
+    params, specs = _nested_mixed(device)
+    grads = tree_map(lambda p: torch.randn_like(p) * 0.1, params)
+    state = compose.init_state(params, specs)
+    hp = {"lr": 1e-3, "weight_decay": 0.1}  # both rules take these
+    want = {k: bnbf.update(params[k], grads[k], state[k], hp, 2) for k in params}
+    want_p, want_s = {k: w[0] for k, w in want.items()}, {k: w[1] for k, w in want.items()}
+    snap = snapshot(params, grads, state)
+    for fn in (bnbf.update, compose.update):  # the core hands the tree to compose
+        got_p, got_s = fn(params, grads, state, hp, 2)
+        _eq_tree(got_p, want_p, f"{fn.__module__}.update: params vs each subtree's own call")
+        _eq_tree(got_s, want_s, f"{fn.__module__}.update: states vs each subtree's own call")
+    assert_untouched(snap)
+    u, got_s = compose.updates(params, grads, state, hp, 2)
+    _eq_tree(got_s, want_s, "updates' states")
+    for fn in (bnbf.update_, compose.update_):
+        in_p, in_s = tree_map(torch.clone, params), tree_map(torch.clone, state)
+        assert fn(in_p, grads, in_s, hp, 2) == (in_p, in_s)
+        _eq_tree(in_p, want_p, f"{fn.__module__}.update_: params")
+        _eq_tree(in_s, want_s, f"{fn.__module__}.update_: states")
+
+
+_A32 = bnbf.OptimSpec(rule="adamw", state_bits=32)
+_LION, _SGD = bnbf.OptimSpec(rule="lion", state_bits=32), bnbf.OptimSpec(rule="sgd", state_bits=32)
+# (params, spec prefix) of other shapes: nested lists and tuples, dicts several levels deep, a top dict holding a
+# leaf beside a subtree, one leaf
+_SHAPES = {
+    "lists": (lambda r: [[r(3), r(2)], [r(4)]], [[_A32, _LION], _SGD]),
+    "tuples": (lambda r: (r(3), (r(2), [r(4)])), (_A32, (_LION, _SGD))),
+    "deep dicts": (
+        lambda r: {"a": {"b": {"c": {"d": r(3)}}, "e": (r(2),)}, "f": r(4)},
+        {"a": {"b": _A32, "e": _SGD}, "f": _LION},
+    ),
+    "leaf beside a subtree": (lambda r: {"x": r(3), "y": {"z": r(2)}}, {"x": _A32, "y": _LION}),
+    "one leaf": (lambda r: r(3), _A32),
+}
+
+
+@pytest.mark.parametrize("shape", list(_SHAPES))
+def test_mixed_trees_of_any_shape_with_one_mapping(shape):
+    """Whatever the nesting, a tree of mixed rules with one mapping steps (no RecursionError), each leaf as its
+    own call bit for bit, pure and in place."""
+    tree_map, leaves_of = torch.utils._pytree.tree_map, torch.utils._pytree.tree_leaves
+    states_of = lambda t: leaves_of(t, is_leaf=bnbf.state.is_state)
+    make, spec = _SHAPES[shape]
+    params = make(lambda n: torch.randn(n))
+    grads = tree_map(torch.randn_like, params)
+    state = compose.init_state(params, spec)
+    want = [bnbf.update(*leaf, {"lr": 1e-2}, 1) for leaf in zip(leaves_of(params), leaves_of(grads), states_of(state))]
+    in_p, in_s = tree_map(torch.clone, params), tree_map(torch.clone, state)
+    for fn, (got_p, got_s) in (
+        ("update", bnbf.update(params, grads, state, {"lr": 1e-2}, 1)),
+        ("update_", bnbf.update_(in_p, grads, in_s, {"lr": 1e-2}, 1)),
+    ):
+        for k, (p, s) in enumerate(zip(leaves_of(got_p), states_of(got_s))):
+            _eq_tree(p, want[k][0], f"{fn}: param {k} vs its own call")
+            _eq_tree(list(s), list(want[k][1]), f"{fn}: state {k} vs its own call")
 
 
 def test_mixed_errors_raise_before_writing(device):
