@@ -12,6 +12,8 @@ the Triton kernels live in :mod:`bnbf.kernels.codec`.
 from __future__ import annotations
 
 import functools
+import math
+import weakref
 
 import torch
 from torch import Tensor
@@ -106,10 +108,91 @@ def _check_block_size(block_size: int) -> None:
 
 
 def _check_code(code: Tensor, device: torch.device) -> None:
+    """Refuse a map that the encoders cannot search: not a 1-D float32 tensor of 256 finite values in ascending
+    order (both encoders find the nearest value by binary search), or on another device than the data."""
+    if not isinstance(code, Tensor):
+        raise TypeError(f"code must be a tensor, got {type(code).__name__}")
     if code.dtype != torch.float32 or code.numel() != 256 or code.dim() != 1:
-        raise ValueError(f"code must be a float32 tensor of 256 values, got {code.dtype} {tuple(code.shape)}")
+        raise ValueError(f"code must be a 1-D float32 tensor of 256 values, got {code.dtype} {tuple(code.shape)}")
     if code.device != device:
         raise ValueError(f"code is on {code.device} but the tensor is on {device}")
+    if code.device.type == "meta":  # no values to check
+        return
+    if code.device.type == "cpu":  # cheap enough to check at every call
+        if not _sorted_finite_cpu(code):
+            raise ValueError(_map_problem(code))
+        return
+    # elsewhere reading the map back costs a host sync: a map is checked once per version of its values
+    stamp = _map_stamp(code)
+    entry = _SORTED_MAPS.get(id(code))
+    if stamp is not None and entry is not None and entry[0]() is code and entry[1] == stamp:
+        return
+    problem = _map_problem(code)
+    if problem is not None:
+        raise ValueError(problem)
+    if stamp is not None:
+        key = id(code)
+        _SORTED_MAPS[key] = (weakref.ref(code, functools.partial(_forget_map, key)), stamp)
+
+
+# Non-CPU maps found valid, by id: a weak reference (no map kept alive) and the map's version counter and address
+# when checked. An in-place change bumps the version, so the map is checked again.
+_SORTED_MAPS: dict[int, tuple[weakref.ref, tuple[int, int]]] = {}
+
+
+def _forget_map(key: int, ref: weakref.ref) -> None:
+    entry = _SORTED_MAPS.get(key)
+    if entry is not None and entry[0] is ref:
+        del _SORTED_MAPS[key]
+
+
+def _map_stamp(code: Tensor) -> tuple[int, int] | None:
+    try:
+        return code._version, code.data_ptr()
+    except RuntimeError:  # an inference tensor has no version counter: checked at every call
+        return None
+
+
+def _sorted_finite_cpu(code: Tensor) -> bool:
+    try:
+        a = code.detach().resolve_neg().numpy()
+    except (RuntimeError, TypeError):  # a tensor numpy cannot view
+        return _map_problem(code) is None
+    # sorted with finite ends: finite throughout (a NaN fails the comparison)
+    return bool((a[1:] >= a[:-1]).all()) and math.isfinite(a[0]) and math.isfinite(a[-1])
+
+
+def _map_problem(code: Tensor) -> str | None:
+    """Why ``code`` cannot be searched (not finite, not ascending), or None."""
+    v = code.detach().cpu()
+    bad = (~torch.isfinite(v)).nonzero()
+    if bad.numel():
+        i = int(bad[0])
+        return f"code must hold finite values, but code[{i}] = {v[i].item()}"
+    down = (v[1:] < v[:-1]).nonzero()
+    if down.numel():
+        i = int(down[0])
+        return (
+            f"code must be sorted in ascending order (the encoder searches it), but code[{i + 1}] = "
+            f"{v[i + 1].item()!r} < code[{i}] = {v[i].item()!r}"
+        )
+    return None
+
+
+def _check_finite(x: Tensor, absmax: Tensor) -> None:
+    """Refuse ``x`` with a NaN or an infinity, found through its blocks' absmax (NaN or inf there)."""
+    if math.isfinite(absmax.sum().item()):  # one host read; a sum that overflows is looked at below
+        return
+    bad = ~torch.isfinite(absmax)
+    if not bool(bad.any()):
+        return
+    flat = x.detach().reshape(-1)
+    i = int((~torch.isfinite(flat)).nonzero()[0])
+    raise ValueError(
+        f"quantize_blockwise needs finite values, but x holds {flat[i].item()} at flat index {i} "
+        f"({int(bad.sum())} block(s) affected): 8-bit codes cannot represent it; replace non-finite values "
+        f"first (e.g. torch.nan_to_num)"
+    )
 
 
 # --------------------------------------------------------------------------------------------------
@@ -128,10 +211,24 @@ def _blocks(x: Tensor, block_size: int) -> tuple[Tensor, Tensor, int]:
     return blocks, absmax, n
 
 
+# Below the normal range (absmax < 2**-126) 1 / absmax can overflow: such a block is scaled up by 2**24 first,
+# which is exact, so it gets the codes of the same block scaled into the normal range.
+_TINY = torch.finfo(torch.float32).tiny
+SUBNORMAL_LIFT = 2.0**24
+
+
 def quantize_blockwise_reference(x: Tensor, code: Tensor, block_size: int = 256) -> tuple[Tensor, Tensor]:
-    """Nearest-code block-wise quantization in plain torch (the oracle for the kernels)."""
+    """Nearest-code block-wise quantization in plain torch (the oracle for the kernels).
+
+    A block holding a NaN gets absmax NaN, one holding an infinity absmax inf (their codes mean nothing):
+    :func:`quantize_blockwise` refuses such input."""
     blocks, absmax, n = _blocks(x, block_size)
-    scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
+    scaled = absmax
+    if not absmax.min().item() >= _TINY:  # some block is zero, subnormal or NaN: else no extra pass
+        factor = torch.where(absmax < _TINY, SUBNORMAL_LIFT, 1.0)
+        blocks = blocks * factor[:, None]
+        scaled = absmax * factor
+    scale = torch.where(scaled > 0, 1.0 / scaled, torch.zeros_like(scaled))
     normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)
     return _nearest(normed, code)[:n].to(torch.uint8).view(x.shape), absmax
 
@@ -174,6 +271,16 @@ def quantize_blockwise(x: Tensor, code: Tensor | None = None, block_size: int = 
     Returns:
         ``(codes, absmax)``: uint8 codes of ``x``'s shape, float32 absmax of ``ceil(numel / block_size)``.
 
+    Raises:
+        ValueError: ``x`` holds a NaN or an infinity. A block's codes are fractions of its absmax and cannot
+            represent either (the block's absmax would be NaN or inf, and the whole block would decode as
+            NaN): replace them first, e.g. with ``torch.nan_to_num``. The check reads the absmax back, so
+            on a GPU the call waits for its kernel. Also raised for a ``code`` that is not a 1-D float32
+            tensor of 256 finite values in ascending order.
+
+    Blocks whose absmax is subnormal (below 2**-126) are scaled exactly into the normal range first, so they
+    get the codes of the same values scaled up by a power of two.
+
     Example:
         >>> codes, absmax = quantize_blockwise(torch.randn(1000))
         >>> y = dequantize_blockwise(codes, absmax)
@@ -184,13 +291,18 @@ def quantize_blockwise(x: Tensor, code: Tensor | None = None, block_size: int = 
     if x.numel() == 0:
         raise ValueError("quantize_blockwise needs a non-empty tensor")
     arithmetic = code is None
-    code = dynamic_map(True, x.device) if code is None else code
-    _check_code(code, x.device)
+    if code is None:
+        code = dynamic_map(True, x.device)  # the library's own map: sorted
+    else:
+        _check_code(code, x.device)
     if use_triton(x):
         from bnbf.kernels.codec import quantize_blockwise_triton
 
-        return quantize_blockwise_triton(x.contiguous(), code, block_size, arithmetic)
-    return quantize_blockwise_reference(x, code, block_size)
+        codes, absmax = quantize_blockwise_triton(x.contiguous(), code, block_size, arithmetic)
+    else:
+        codes, absmax = quantize_blockwise_reference(x, code, block_size)
+    _check_finite(x, absmax)
+    return codes, absmax
 
 
 def dequantize_blockwise(
@@ -200,7 +312,10 @@ def dequantize_blockwise(
     block_size: int = 256,
     dtype: torch.dtype = torch.float32,
 ) -> Tensor:
-    """Values of ``codes`` under ``code`` scaled by their block's ``absmax``, as ``dtype``."""
+    """Values of ``codes`` under ``code`` scaled by their block's ``absmax``, as ``dtype``.
+
+    Raises ValueError for a ``code`` that is not a 1-D float32 tensor of 256 finite values in ascending order
+    (the maps :func:`quantize_blockwise` takes), or an ``absmax`` of the wrong dtype or length."""
     _check_block_size(block_size)
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
@@ -210,8 +325,10 @@ def dequantize_blockwise(
             f"absmax must be float32 with {nblocks} values for {codes.numel()} codes in blocks of "
             f"{block_size}, got {absmax.dtype} with {absmax.numel()}"
         )
-    code = dynamic_map(True, codes.device) if code is None else code
-    _check_code(code, codes.device)
+    if code is None:
+        code = dynamic_map(True, codes.device)
+    else:
+        _check_code(code, codes.device)
     if use_triton(codes):
         from bnbf.kernels.codec import dequantize_blockwise_triton
 

@@ -509,3 +509,177 @@ def test_kernel_state_encoder_matches_reference(device, fmt, signed):
         f"x={x[off][:4].tolist()}: kernel {got[off][:4].tolist()} reference {r[off][:4].tolist()} away from a "
         f"rounding threshold"
     )
+
+
+# ------------------------------------------------------------------------------------------------
+# input checks: non-finite values and the map
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")], ids=["nan", "inf", "-inf"])
+@pytest.mark.parametrize("explicit_code", [False, True], ids=["default_map", "explicit_map"])
+def test_quantize_refuses_non_finite(device, bad, explicit_code):
+    # a block's codes are fractions of its absmax: a NaN or inf would decode as NaN (or as a finite value)
+    x = torch.linspace(-2.0, 3.0, 300, device=device)
+    x[261] = bad  # in the second, partial block
+    before = x.clone()
+    code = signed_map().to(device) if explicit_code else None
+    with pytest.raises(ValueError, match=r"needs finite values, but x holds .* at flat index 261"):
+        bnbf.quantize_blockwise(x, code=code)
+    assert_equal_report(x, before, "input after a refused call")
+    with pytest.raises(ValueError, match="needs finite values"):
+        bnbf.quantize_blockwise(x.to(torch.bfloat16).view(20, 15).t(), code=code)  # non-contiguous, 16-bit
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_kernel_absmax_propagates_nan(device):
+    # the public check reads NaN from absmax: the kernel must not drop a NaN from its max as a plain max does
+    needs_kernel(device)
+    from bnbf.kernels.codec import quantize_blockwise_triton
+    from bnbf.quant import quantize_blockwise_reference
+
+    x = torch.randn(3 * 64, device=device)
+    x[70] = float("nan")
+    x[150] = float("inf")
+    for arithmetic in (True, False):
+        _, absmax = quantize_blockwise_triton(x, signed_map().to(device), 64, arithmetic)
+        _, ref = quantize_blockwise_reference(x.cpu(), signed_map(), 64)
+        assert torch.isnan(absmax[1]) and torch.isnan(ref[1])  # NaN payloads differ: compared as NaN
+        assert_equal_report(absmax.cpu()[[0, 2]], ref[[0, 2]], "kernel absmax of non-finite blocks vs reference")
+        assert torch.isinf(absmax[2])
+
+
+def bad_maps() -> dict:
+    m = signed_map()
+    swapped = m.clone()
+    swapped[[100, 101]] = swapped[[101, 100]]
+    with_nan = m.clone()
+    with_nan[200] = float("nan")
+    with_inf = m.clone()
+    with_inf[255] = float("inf")
+    return {
+        "descending": (m.flip(0), "sorted in ascending order"),
+        "shuffled": (m[torch.randperm(256, generator=torch.Generator().manual_seed(0))], "sorted in ascending order"),
+        "one_swap": (swapped, r"code\[101\] = .* < code\[100\]"),
+        "nan": (with_nan, r"finite values, but code\[200\] = nan"),
+        "inf": (with_inf, r"finite values, but code\[255\] = inf"),
+        "2d": (m.view(16, 16), "1-D float32 tensor of 256 values"),
+        "short": (m[:255], "1-D float32 tensor of 256 values"),
+        "float64": (m.double(), "1-D float32 tensor of 256 values"),
+    }
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", list(bad_maps()))
+def test_bad_code_map_refused(device, name):
+    code, message = bad_maps()[name]
+    code = code.to(device)
+    x = torch.randn(300, device=device)
+    codes, absmax = bnbf.quantize_blockwise(x)
+    snap = [t.clone() for t in (x, code, codes, absmax)]
+    with pytest.raises(ValueError, match=message):
+        bnbf.quantize_blockwise(x, code=code)
+    with pytest.raises(ValueError, match=message):
+        bnbf.dequantize_blockwise(codes, absmax, code=code)
+    for t, before in zip((x, code, codes, absmax), snap):
+        assert_equal_report(t, before, f"input after a refused call ({name})")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_code_map_checked_again_after_in_place_change(device):
+    code = signed_map().to(device)
+    x = torch.randn(300, device=device)
+    codes, absmax = bnbf.quantize_blockwise(x, code=code)
+    bnbf.dequantize_blockwise(codes, absmax, code=code)
+    code.copy_(code.flip(0))  # the same tensor, no longer sorted
+    with pytest.raises(ValueError, match="sorted in ascending order"):
+        bnbf.quantize_blockwise(x, code=code)
+    with pytest.raises(ValueError, match="sorted in ascending order"):
+        bnbf.dequantize_blockwise(codes, absmax, code=code)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_code_map_check_keeps_no_map_alive(device):
+    import gc
+    import weakref
+
+    code = signed_map().to(device)
+    bnbf.quantize_blockwise(torch.randn(10, device=device), code=code)
+    ref = weakref.ref(code)
+    del code
+    gc.collect()
+    assert ref() is None, "the map check holds a reference to the caller's map"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_map_with_repeated_values_accepted(device):
+    # sorted, not strictly: maps of fewer bits are padded with zeros (create_dynamic_map's total_bits)
+    code = bnbf.create_dynamic_map(signed=True, max_exponent_bits=3, total_bits=5).to(device)
+    assert int((code == 0).sum()) > 1
+    x = torch.randn(300, device=device)
+    codes, absmax = bnbf.quantize_blockwise(x, code=code)
+    dq = bnbf.dequantize_blockwise(codes, absmax, code=code)
+    assert float((dq.cpu() - x.cpu()).abs().max()) < 0.2 * float(absmax.max())
+
+
+# ------------------------------------------------------------------------------------------------
+# blocks below float32's normal range
+
+
+def subnormal_blocks() -> torch.Tensor:
+    """Blocks of 64 whose absmax spans float32's subnormal range (1/absmax overflows below ~2.9e-39), its
+    boundary, and one normal block; each with zeros, sign changes and magnitudes down to the least subnormal."""
+    g = torch.Generator().manual_seed(5)
+    tops = [1.4e-45, 3e-44, 1e-42, 1e-40, 2.5e-39, 2.9e-39, 3e-39, 1e-38, 1.1754942e-38, 1.1754944e-38, 1e-3]
+    blocks = []
+    for top in tops:
+        v = torch.randn(64, generator=g, dtype=torch.float64)
+        v = v * torch.exp(torch.rand(64, generator=g, dtype=torch.float64) * -12.0)  # down many decades
+        v = v / v.abs().max() * top
+        v[5] = 0.0
+        blocks.append(v)
+    return torch.cat(blocks).float()
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("explicit_code", [False, True], ids=["default_map", "explicit_map"])
+def test_subnormal_blocks_round_trip(device, dtype, explicit_code):
+    if kernel_runs(device) and device == "cpu" and dtype == torch.bfloat16:
+        pytest.skip("Triton's interpreter converts subnormal bfloat16 to float32 wrongly (compiled kernels: exactly)")
+    x = subnormal_blocks().to(dtype)
+    n, block = x.numel(), 64
+    m = signed_map()
+    code = m.to(device) if explicit_code else None
+    codes, absmax = bnbf.quantize_blockwise(x.to(device), code=code, block_size=block)
+    codes, absmax = codes.cpu().long(), absmax.cpu()
+
+    # float64 oracle: absmax, and the nearest map value to x / absmax (either code where x / absmax sits
+    # within MIDPOINT_REL of a midpoint)
+    x64 = x.double()
+    am64 = x64.view(-1, block).abs().amax(1)
+    assert_equal_report(absmax.double(), am64, "absmax of subnormal blocks")
+    xn = (x64.view(-1, block) / am64.where(am64 > 0, 1.0)[:, None]).reshape(-1)  # bf16 flushes the least to 0
+    c = m.double()
+    hi = torch.searchsorted(c, xn).clamp(1, 255)
+    lo = hi - 1
+    d_lo, d_hi = (xn - c[lo]).abs(), (c[hi] - xn).abs()
+    nearest = torch.where(d_hi < d_lo, hi, lo)
+    tie = (d_lo - d_hi).abs() <= MIDPOINT_REL * (c[hi] + c[lo]).abs() / 2
+    ok = (codes == nearest) | (tie & ((codes == lo) | (codes == hi)))
+    if not bool(ok.all()):
+        i = int((~ok).nonzero()[0])
+        raise AssertionError(
+            f"{int((~ok).sum())} of {n} codes are not the nearest: flat {i} x={x64[i].item()!r} "
+            f"absmax={am64[i // block].item()!r} code {codes[i].item()} nearest {nearest[i].item()}"
+        )
+
+    # like any other block: the codes of the same values scaled into the normal range by a power of two
+    scaled, _ = bnbf.quantize_blockwise((x.float() * 2.0**100).to(device), code=code, block_size=block)
+    assert_equal_report(codes, scaled.cpu().long(), "codes of subnormal blocks vs the same blocks scaled by 2**100")
+
+    # decoding: map value times absmax, rounded once to float32 (subnormal results included)
+    dq = bnbf.dequantize_blockwise(codes.to(torch.uint8).to(device), absmax.to(device), code=code, block_size=block)
+    expected = (c[codes].view(-1, block) * am64[:, None]).reshape(-1).float()
+    assert_equal_report(dq.cpu(), expected, "dequantized subnormal blocks")
+    assert bool((dq.cpu()[x == 0] == 0).all()), "an exact zero must dequantize to exactly 0"

@@ -299,6 +299,15 @@ def encode_search(x, code_ptr):
     return tl.where(tl.abs(c_hi - x) < tl.abs(x - c_lo), hi, lo)
 
 
+FLOAT32_TINY: tl.constexpr = tl.constexpr(float(torch.finfo(torch.float32).tiny))
+SUBNORMAL_LIFT: tl.constexpr = tl.constexpr(quant.SUBNORMAL_LIFT)
+
+
+@triton.jit
+def _max_with_nan(a, b):
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
 @triton.jit
 def _quantize_kernel(
     x_ptr,
@@ -314,9 +323,13 @@ def _quantize_kernel(
     offs = row[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    absmax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
-    xn = x * scale[:, None]
+    # NaN-propagating, as torch.amax: the caller refuses a block holding a NaN by its absmax
+    absmax = tl.reduce(tl.abs(x), 1, _max_with_nan)
+    # below the normal range 1 / absmax can overflow: such a block is first scaled up by SUBNORMAL_LIFT (exact)
+    lift = tl.where(absmax < FLOAT32_TINY, SUBNORMAL_LIFT, 1.0)
+    scaled = absmax * lift
+    scale = tl.where(scaled > 0, 1.0 / tl.where(scaled > 0, scaled, 1.0), 0.0)
+    xn = (x * lift[:, None]) * scale[:, None]
     if ARITHMETIC:
         q = encode_dynamic(xn, True)
     else:
