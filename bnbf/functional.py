@@ -438,7 +438,13 @@ def _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, max
     if max_grad_norm is not None:
         raise ValueError("max_grad_norm is not supported with a packed state; clip the grads before the step")
     if not _shared(hparams):
-        raise ValueError("a packed state takes one mapping of hyperparameters for every leaf (no per-leaf ones)")
+        resolved = _compose().resolve_hparams(hparams, step) if isinstance(hparams, Mapping) else hparams
+        if resolved is hparams or not _shared(resolved):  # per-leaf (or per-rule) mappings, not schedules
+            raise ValueError(
+                "a packed state takes one mapping of hyperparameters for every leaf (no per-leaf ones; schedules, "
+                "callables of the step, are fine)"
+            )
+        hparams = resolved
     if not in_place or torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
         return packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=in_place)
     # eager in place: the per-param views of the buffers stepped by update_'s plan (the per-param state's

@@ -297,6 +297,20 @@ def test_bad_input_raises_and_modifies_nothing(mutate, error, match, in_place):
     assert_untouched(snap)
 
 
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_schedule_steps_a_packed_state_as_its_value(in_place):
+    """A schedule (a callable of the step) in the one mapping a packed state takes is its value at the step, as for
+    the per-param state (it was refused as a per-leaf mapping)."""
+    p, g, s = _bad_inputs()
+    step = bnbf.update_ if in_place else bnbf.update
+    runs = []
+    for lr in (lambda t: 0.05 * t, 0.1):
+        q, st = tree_map(torch.clone, p), bnbf.PackedState([b.clone() for b in s.buffers], s.meta)
+        new_p, new_s = step(q, g, st, {"lr": lr, "betas": (0.9, lambda t: 0.999)}, 2)
+        runs.append(tree_leaves((new_p, new_s.unpack())))  # the buffers' padding is unspecified
+    assert all(torch.equal(a, b) for a, b in zip(*runs))
+
+
 def test_options_a_packed_state_does_not_take_are_refused():
     p, g, s = _bad_inputs()
     snap = snapshot(p, g, s.buffers)
