@@ -502,6 +502,14 @@ def check_not_differentiated(
             _refuse(f"the hyperparameter {name}", states, in_place)
 
 
+def check_clip_not_differentiated(max_grad_norm: Any, state: Any, *, in_place: bool) -> None:
+    """:func:`check_not_differentiated` for ``max_grad_norm`` (a tensor the clipping reads before the core's own
+    checks see the clipped grads, which carry no history through the fused clip)."""
+    tracked = isinstance(max_grad_norm, Tensor) and differentiated([max_grad_norm])
+    if tracked and _tracked(max_grad_norm, torch.is_grad_enabled(), forward_ad._current_level >= 0):
+        _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
+
+
 def _refuse(what: str, states: list, in_place: bool) -> None:
     fix = f"pass differentiable=True to bnbf.{'update_' if in_place else 'update'} to differentiate through the step"
     if any(_layout(s).quantized for s in states):

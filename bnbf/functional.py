@@ -29,6 +29,7 @@ from bnbf._host_checks import (
     _prepare,
     _prepare_traced,
     _unflatten,
+    check_clip_not_differentiated,
     unaddressable,
 )
 from bnbf.differentiable import update as differentiable_update
@@ -181,6 +182,7 @@ def update(
         )
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if max_grad_norm is not None or not _shared(hparams):
+        check_clip_not_differentiated(max_grad_norm, state, in_place=False)
         return _compose().update(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
     leaves = _flatten(param)[0]
     if any(map(is_dtensor, leaves)):
@@ -280,6 +282,7 @@ def update_(
         )
     if max_grad_norm is not None or not _shared(hparams):
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+        check_clip_not_differentiated(max_grad_norm, state, in_place=True)
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
     if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
         hit = _last_plan(param, state)

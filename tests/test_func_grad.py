@@ -533,3 +533,21 @@ def test_differentiable_update__of_param_views_made_under_no_grad():
     torch.manual_seed(0)
     p0, g = torch.randn(10, dtype=torch.float64), torch.randn(10, dtype=torch.float64)
     torch.testing.assert_close(want, 2 * (p0 - 0.1 * (g + 0.5 * p0)) * (1 - 0.05))
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_gradient_through_max_grad_norm_needs_differentiable(bits, in_place):
+    """max_grad_norm as a tensor that requires grad, without differentiable=True: the step raises in the words of
+    every other refusal (it returned params carrying a gradient, even with 8-bit state), with nothing written."""
+    p = torch.randn(64, 4).requires_grad_(False)
+    g = torch.randn(64, 4)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0))
+    clip = torch.tensor(0.5, requires_grad=True)
+    before = [p.clone(), *[t.clone() for t in s]]
+    step = bnbf.update_ if in_place else bnbf.update
+    with pytest.raises(RuntimeError, match="max_grad_norm .*" + ("8-bit" if bits == 8 else "differentiable=True")):
+        step(p, g, s, {"lr": 0.01}, 1, max_grad_norm=clip)
+    assert all(torch.equal(a, b) for a, b in zip([p, *s], before))
+    with torch.no_grad():  # no gradient asked: the clip's value is read
+        step(p, g, s, {"lr": 0.01}, 1, max_grad_norm=clip)
