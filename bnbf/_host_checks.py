@@ -14,6 +14,7 @@ was built at install time (:data:`NATIVE`), each is one compiled call over all t
 
 from __future__ import annotations
 
+import array
 import dataclasses
 import functools
 import itertools
@@ -45,6 +46,14 @@ def _native() -> Any:
 
 
 NATIVE = _native()
+
+
+def packed_identities(objs: list) -> bytes:
+    """(address, type address) of each object as native uint64: what ``NATIVE.same_objects`` compares a list
+    with (the very objects, while whoever keeps this keeps them alive)."""
+    return array.array("Q", itertools.chain.from_iterable(zip(map(id, objs), map(id, map(type, objs))))).tobytes()
+
+
 _PARAM_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _PARAM_DTYPE_SET = set(_PARAM_DTYPES)
 _STRIDED = {torch.strided}
@@ -77,10 +86,11 @@ def _check_param(p: Any, where: str) -> None:
     _check_lazy(p, f"param{where}")
 
 
-def _lazy(t: Tensor) -> bool:
-    """A tensor whose memory is not its values: a lazily negated view (the negative bit: ``x.conj().imag``) or an
-    efficient zero tensor (no memory at all); the kernels would read or write the memory as it is."""
-    return t.is_neg() or t._is_zerotensor()
+def _any_lazy(ts: list) -> bool:
+    """Whether a tensor's memory is not its values: a lazily negated view (the negative bit: ``x.conj().imag``) or
+    an efficient zero tensor (no memory at all); the kernels would read or write the memory as it is. C-level maps:
+    the pure step checks every leaf each call."""
+    return any(map(Tensor.is_neg, ts)) or any(map(Tensor._is_zerotensor, ts))
 
 
 def _check_lazy(t: Tensor, what: str) -> None:
@@ -189,7 +199,7 @@ def _states_ok(params: list, states: list) -> bool:
         return (
             set(map(_DTYPE, params)) <= _PARAM_DTYPE_SET
             and set(map(_LAYOUT, params)) == _STRIDED
-            and not any(map(_lazy, params))
+            and not _any_lazy(params)
             and list(map(_SHAPE_DTYPE, fields)) == expected
             and (
                 set(map(_DEVICE, fields)) <= {devices[0]}
@@ -211,7 +221,7 @@ def _grads_ok(params: list, grads: list) -> bool:
         and list(map(_SHAPE, grads)) == list(map(_SHAPE, params))
         and list(map(_DTYPE, grads)) == list(map(_DTYPE, params))
         and list(map(_DEVICE, grads)) == list(map(_DEVICE, params))
-        and not any(map(_lazy, grads))
+        and not _any_lazy(grads)
     )
 
 

@@ -25,7 +25,6 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 
 from __future__ import annotations
 
-import array
 import collections
 import contextlib
 import dataclasses
@@ -55,6 +54,7 @@ from bnbf._host_checks import (
     _prepare,
     differentiated,
     hparam_tensors,
+    packed_identities,
     unaddressable,
 )
 from bnbf.plan import _cached, _confirmed, _one_set, _scalars, group_rows, packed_rows, rows_layout
@@ -826,7 +826,7 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
     ps, ss = parts.params, parts.states
     packed = b""
     if parts.form != "by_rule":
-        packed = array.array("Q", itertools.chain.from_iterable((id(h), id(type(h))) for h in parts.raw)).tobytes()
+        packed = packed_identities(parts.raw)
     entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
     with _CHECKED_LOCK:

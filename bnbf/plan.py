@@ -33,6 +33,7 @@ from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import (
     _SHAPE_DTYPE,
     NATIVE,
+    _any_lazy,
     _check_grad,
     _check_leaves,
     _check_no_overlap,
@@ -43,7 +44,6 @@ from bnbf._host_checks import (
     _grads_ok,
     _groups,
     _is_plain,
-    _lazy,
     _names,
     _none_leaf,
     _overlap,
@@ -57,6 +57,7 @@ from bnbf._host_checks import (
     differentiated,
     hparam_tensors,
     own_dispatch,
+    packed_identities,
     unaddressable,
 )
 from bnbf.kernels.direct_launch import _current_stream
@@ -167,8 +168,7 @@ class Plan:
         self._setup(params, states, spec)
         self._pids, self._sids, self._types = list(map(id, params)), list(map(id, states)), list(map(type, states))
         if NATIVE is not None:  # (address, type address) of every param then every state, packed
-            objs = [*params, *states]
-            self._objs = array.array("Q", _CHAIN(zip(map(id, objs), map(id, map(type, objs))))).tobytes()
+            self._objs = packed_identities([*params, *states])
         return self
 
     def _setup(self, params: list, states: list, spec: Any) -> None:
@@ -370,7 +370,7 @@ class Plan:
                 and set(map(type, grads)) <= _PLAIN_TYPES
                 and list(map(_GRAD_META, grads)) == self._grad_meta
                 and all(map(Tensor.is_contiguous, grads))
-                and not any(map(_lazy, grads))
+                and not _any_lazy(grads)
             )
         except RuntimeError:  # is_contiguous of a sparse compressed tensor
             return False

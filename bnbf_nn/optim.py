@@ -89,7 +89,6 @@ of ``optimizer.state`` that are not params (not ints, which it reserves for para
 
 from __future__ import annotations
 
-import array
 import collections
 import dataclasses
 import functools
@@ -110,7 +109,7 @@ from torch import Tensor
 
 import bnbf
 import bnbf.paged
-from bnbf._host_checks import NATIVE, _check_present, check_update_options
+from bnbf._host_checks import NATIVE, _check_present, check_update_options, packed_identities
 from bnbf.plan import not_capturable
 from bnbf.state import present_mask, relaid
 from bnbf_nn import _checkpoint
@@ -1305,10 +1304,7 @@ _put = dict.__setitem__  # bnbf_nn's own writes of records and states: not edits
 def _identities(params: list) -> Any:
     """What :func:`_same_params` compares a params list with: the very tensors (each held by the cache that keeps
     this, so an equal address is the same object)."""
-    if NATIVE is not None:
-        pairs = zip(map(id, params), map(id, map(type, params)))
-        return array.array("Q", itertools.chain.from_iterable(pairs)).tobytes()
-    return list(map(id, params))
+    return packed_identities(params) if NATIVE is not None else list(map(id, params))
 
 
 def _same_params(params: list, identities: Any) -> bool:
