@@ -297,8 +297,9 @@ def record(step: int, state: Any, family: Any) -> Record:
 
 
 def _check_values(where: str, key: str, t: Tensor, nonneg: bool) -> None:
-    """A 32-bit state's values: finite, and non-negative for a second moment (the step divides by its root; a
-    step zeroes the states of a non-finite gradient, so no step writes NaN or inf)."""
+    """A 32-bit state's values or block scales: finite, and non-negative for a second moment or a scale (the step
+    divides by a second moment's root; it zeroes the states of a non-finite gradient, so no step writes NaN or
+    inf)."""
     if is_dtensor(t):
         t = t.to_local()
     bad = ~torch.isfinite(t) | (t < 0) if nonneg else ~torch.isfinite(t)
@@ -408,14 +409,7 @@ def unpack(
             _fail(where, f"absmax{k} must be float32 of shape {lead + (nblocks,)} for {n} elements, got {got}")
         if is_dtensor(a):  # a DTensor param's scales, replicated (portable): every rank checks all of them
             a = a.full_tensor()
-        bad = ~torch.isfinite(a) | (a < 0)
-        if bool(bad.any()):
-            i = int(bad.reshape(-1).nonzero()[0])
-            _fail(
-                where,
-                f"absmax{k} holds {int(bad.sum())} values that are negative, NaN or inf (first at flat index {i}: "
-                f"{a.reshape(-1)[i].item()!r}); block scales are finite and non-negative",
-            )
+        _check_values(where, f"absmax{k}", a, nonneg=True)  # a negative scale flips its block's sign
         signed = rule.states[kept[0]].signed
         match = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, signed))]
         if not match:
