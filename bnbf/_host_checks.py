@@ -533,10 +533,11 @@ def _refuse(what: str, states: list, in_place: bool) -> None:
     )
 
 
-def _check_writable(param: Any, params: list, states: list = ()) -> None:
+def _check_writable(param: Any, params: list, states: list = (), pure: str = "bnbf.update") -> None:
     """Before anything is written, what an in-place step cannot write: inference tensors outside inference mode
     (torch's error, which the kernels would not raise), and params whose elements share memory (a zero stride, or
-    strides that make rows overlap: one memory location would hold only one of its elements' steps)."""
+    strides that make rows overlap: one memory location would hold only one of its elements' steps). ``pure``:
+    the out-of-place twin the error suggests."""
     if not torch.is_inference_mode_enabled():
         fields = [t for st in states for t in st]
         if any(map(Tensor.is_inference, params)) or any(map(Tensor.is_inference, fields)):
@@ -554,12 +555,12 @@ def _check_writable(param: Any, params: list, states: list = ()) -> None:
         if any(st == 0 and n > 1 for st, n in zip(p.stride(), p.shape)):
             raise ValueError(
                 f"param{_names(param)[i]} has a zero stride (an expanded tensor): more than one element refers to "
-                f"a single memory location, so it cannot be stepped in place; pass a clone(), or use bnbf.update"
+                f"a single memory location, so it cannot be stepped in place; pass a clone(), or use {pure}"
             )
         if _overlaps_itself(p):
             raise ValueError(
                 f"param{_names(param)[i]} has strides {p.stride()} for shape {tuple(p.shape)}, by which its elements "
-                f"may share memory, so it cannot be stepped in place; pass a clone(), or use bnbf.update"
+                f"may share memory, so it cannot be stepped in place; pass a clone(), or use {pure}"
             )
 
 

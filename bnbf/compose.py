@@ -1263,7 +1263,7 @@ def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
                 raise TypeError(f"param{pytree.keystr(k)} must be a dense (strided) tensor, got {got}")
     if unaddressable(ps, us) or any(p.device.type == "meta" for p in ps):  # no addresses to compare
         return
-    _check_writable(params, ps)
+    _check_writable(params, ps, pure="bnbf.apply_updates")
     _check_no_overlap(params, ps, [])
 
 
