@@ -94,6 +94,7 @@ import dataclasses
 import functools
 import inspect
 import itertools
+import math
 import operator
 import sys
 import typing
@@ -1125,10 +1126,13 @@ class Optimizer8bit(torch.optim.Optimizer):
             # of a state entry to be a tensor to load it back
             step = torch.tensor(float(self.state[p]["step"]), dtype=torch.float32)
             state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
+        # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
+        # whose lr was changed by hand would otherwise resume with its overrides at their starting values
+        lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
         out = {
             "state": state,
             "param_groups": groups,
-            "bnbf": {"optimizer": type(self).__name__, "rule": self._rule.name},
+            "bnbf": {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": lr0},
         }
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
@@ -1206,6 +1210,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 raise ValueError(f"param group {gi} of the state dict: {e}") from None
             groups.append(new)
             id_map.update({k: (p, new) for k, p in zip(saved["params"], group["params"])})
+        lr0 = _saved_lr0(origin, groups)
         configs = GlobalOptimManager.get_instance().configs_for([p for g in groups for p in g["params"]])
         configs = {i: self._own_spelling(cfg) for i, cfg in configs.items()}
         state: defaultdict = defaultdict(dict)
@@ -1229,9 +1234,29 @@ class Optimizer8bit(torch.optim.Optimizer):
         self.state = _checkpoint.States(state)
         self.param_groups = groups
         self._init_caches()
-        self._lr0 = {id(g): g.get("initial_lr", g["lr"]) for g in groups}
+        self._lr0 = {id(g): v for g, v in zip(groups, lr0)}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+
+def _saved_lr0(origin: Mapping, groups: list) -> list:
+    """Each group's starting lr (what lr overrides are relative to) as bnbf_nn's state_dict saved it; where the
+    state dict has none (bitsandbytes', older ones), the group's ``initial_lr`` or its ``lr``."""
+    lr0 = origin.get("lr0")
+    if lr0 is None:
+        return [g.get("initial_lr", g["lr"]) for g in groups]
+
+    def ok(v: Any) -> bool:
+        if isinstance(v, Tensor):
+            return v.numel() == 1
+        return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+
+    if not isinstance(lr0, (list, tuple)) or len(lr0) != len(groups) or not all(map(ok, lr0)):
+        raise ValueError(
+            f"the state dict's bnbf['lr0'] (each group's starting lr) must be a list of {len(groups)} non-negative "
+            f"numbers, got {lr0!r}"
+        )
+    return [deepcopy(v) for v in lr0]
 
 
 # the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed

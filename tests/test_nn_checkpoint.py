@@ -288,6 +288,7 @@ BAD = {
     "not a state dict": (lambda sd, _: {"state": {}}, "'state' and 'param_groups'"),
     "group not a dict": (lambda sd, _: sd.update(param_groups=[["params"]]) or sd, "a list of dicts"),
     "state not a dict": (lambda sd, _: sd.update(state=[1]) or sd, "'state' must be a dict"),
+    "bad starting lr": (lambda sd, _: sd["bnbf"].update(lr0=["1e-3"]) or sd, r"bnbf\['lr0'\]"),
     # a negative block scale flips its block's sign; NaN or inf turns the next step's params into NaN
     "negative absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(0, -0.5) or sd, "negative, NaN or inf"),
     "NaN absmax": (lambda sd, _: _entry(sd)["absmax2"].__setitem__(1, float("nan")) or sd, "negative, NaN or inf"),
@@ -407,6 +408,28 @@ def test_plain_dcp_round_trip_of_state_dict(tmp_path):
     run_adapter(opt2, twin, grads[2:])
     for i, (p, q) in enumerate(zip(params, twin)):
         assert_equal_report(q.detach(), p.detach(), f"param {i} continued after dcp.load")
+
+
+def test_a_resumed_lr_override_stays_relative_to_the_starting_lr():
+    """An lr override is relative to the group's starting lr. With no scheduler (no initial_lr) and the group's lr
+    halved by hand, the override is halved too; a resumed optimizer must keep it halved, as the run that went on
+    does (the starting lr used to be lost: the resumed override stepped at its full value)."""
+    params = make_params(shapes=SHAPES)
+    grads = make_grads(params, 3)
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    for ps in (params, twin):
+        bnbf_nn.GlobalOptimManager.get_instance().override_config(ps[1], "lr", 1e-3)
+    opt = bnbf_nn.AdamW32bit(params, lr=1e-2)
+    run_adapter(opt, params, grads[:1])
+    opt.param_groups[0]["lr"] = 5e-3
+    resumed = bnbf_nn.AdamW32bit(twin, lr=1e-2)
+    resumed.load_state_dict(reload(opt.state_dict()))
+    for p, q in zip(params, twin):
+        q.data.copy_(p.data)
+    run_adapter(opt, params, grads[1:])
+    run_adapter(resumed, twin, grads[1:])
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal_report(q.detach(), p.detach(), f"param {i} resumed")
 
 
 def test_checkpoints_with_int_steps_still_load():
