@@ -29,6 +29,7 @@ import collections
 import dataclasses
 import functools
 import math
+import numbers
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -341,8 +342,10 @@ def read_step(entry: Mapping, where: str) -> int:
     step = entry.get("step")
     if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
         step = step.item()
-    if isinstance(step, float) and step.is_integer():
+    if isinstance(step, numbers.Integral) and not isinstance(step, bool):  # numpy's ints, as converted checkpoints hold
         step = int(step)
+    if isinstance(step, numbers.Real) and not isinstance(step, (int, bool)) and float(step).is_integer():
+        step = int(float(step))
     if isinstance(step, bool) or not isinstance(step, int) or step < 0:
         _fail(where, f"'step' must be a non-negative int, got {entry.get('step')!r}")
     return step

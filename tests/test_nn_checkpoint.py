@@ -13,6 +13,7 @@ import copy
 import io
 import warnings
 
+import numpy
 import pytest
 import torch
 from test_nn_optim import MIN8, make_grads, make_params, run_adapter
@@ -432,14 +433,16 @@ def test_a_resumed_lr_override_stays_relative_to_the_starting_lr():
         assert_equal_report(q.detach(), p.detach(), f"param {i} resumed")
 
 
-def test_checkpoints_with_int_steps_still_load():
-    """Checkpoints written before ``step`` became a tensor (and bitsandbytes' own) hold a Python int."""
+@pytest.mark.parametrize("number", [int, numpy.int64, numpy.float32])
+def test_checkpoints_with_int_steps_still_load(number):
+    """Checkpoints written before ``step`` became a tensor (and bitsandbytes' own) hold a Python int; converted
+    ones may hold numpy's integral numbers (they were refused as "must be a non-negative int")."""
     params = make_params(shapes=SHAPES)
     opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
     run_adapter(opt, params, make_grads(params, 3))
     sd = reload(opt.state_dict())
     for entry in sd["state"].values():
-        entry["step"] = int(entry["step"].item())
+        entry["step"] = number(int(entry["step"].item()))
     opt2 = bnbf_nn.AdamW8bit([torch.nn.Parameter(p.detach().clone()) for p in params], min_8bit_size=MIN8)
     opt2.load_state_dict(sd)
     assert [r["step"] for r in opt2.state.values()] == [3] * len(SHAPES)
