@@ -1010,8 +1010,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             cfg = configs.get(id(p), {})
             unknown = sorted(set(cfg) - allowed)
             if unknown:
+                # bitsandbytes ignores these per param (they are its optimizer's); say so rather than "not a setting"
+                own = sorted({"is_paged", "block_wise", "args"} & set(unknown))
+                hint = f" ({own}: arguments of the optimizer as a whole, not per-parameter settings)" if own else ""
                 raise ValueError(
-                    f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}; "
+                    f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}{hint}; "
                     f"known: {sorted(allowed)}"
                 )
             if "state" in self.state.get(p, {}):

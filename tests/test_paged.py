@@ -64,6 +64,19 @@ def test_paged_is_a_bool():
         bnbf_nn.AdamW8bit(make([SMALL], "cpu"), is_paged=None)
 
 
+def test_an_is_paged_override_says_it_is_the_optimizers():
+    """bitsandbytes pages an optimizer's state as a whole and ignores an ``is_paged`` override; bnbf_nn refuses it,
+    saying it is the optimizer's argument (it said only "not a setting of PagedAdamW8bit")."""
+    params = make([SMALL, SMALL], "cpu")
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[0], "is_paged", False)
+    opt = bnbf_nn.PagedAdamW8bit(params)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=r"\['is_paged'\]: arguments of the optimizer as a whole"):
+        opt.step()
+    assert not opt.state
+
+
 def test_paged_changes_nothing_on_the_cpu():
     p = torch.randn(BIG)
     a = bnbf.init_state(p, bnbf.OptimSpec(rule="ademamix", min_8bit_size=0, paged=True))
