@@ -119,6 +119,7 @@ from bnbf_nn.manager import GlobalOptimManager
 __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
 
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
+_ORIGIN = "bnbf"  # each saved group's copy of the state dict's "bnbf" entry (see state_dict)
 _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
 # torch.optim's meanings, on every class: step count and lr on the device (capturable), a step autograd records
 _MODES = {"capturable": False, "differentiable": False}
@@ -1132,11 +1133,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
-        out = {
-            "state": state,
-            "param_groups": groups,
-            "bnbf": {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": lr0},
-        }
+        origin = {"optimizer": type(self).__name__, "rule": self._rule.name}
+        for packed, v in zip(groups, lr0):
+            # again in each group: torch.distributed.checkpoint's get_state_dict keeps only "state" and
+            # "param_groups", and without it a checkpoint of another rule loaded where its state names agree
+            packed[_ORIGIN] = {**origin, "lr0": v}
+        out = {"state": state, "param_groups": groups, "bnbf": {**origin, "lr0": lr0}}
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
         return out
@@ -1161,7 +1163,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             isinstance(g, Mapping) for g in state_dict["param_groups"]
         ):
             raise ValueError(f"{name}.load_state_dict: 'state' must be a dict and 'param_groups' a list of dicts")
-        origin = state_dict.get("bnbf") or {}
+        origin = state_dict.get("bnbf") or _origin_in_groups(state_dict["param_groups"])
         if origin.get("rule", self._rule.name) != self._rule.name:
             raise ValueError(
                 f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
@@ -1195,14 +1197,14 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"{name}'s has {len(group['params'])}"
                 )
             ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
-            if not state_dict.get("bnbf"):  # bitsandbytes' own: a setting it fills with a constant says nothing
+            if not origin:  # bitsandbytes' own: a setting it fills with a constant says nothing
                 ours -= {k for k, how in self.family.bnb_group if not isinstance(how, (str, tuple))}
             new = {k: v for k, v in group.items() if k != "params"}
             new.update(
                 {
                     k: deepcopy(v)
                     for k, v in saved.items()
-                    if k in ours or k not in {"params", *_STORAGE, *_BNB_GROUP_KEYS, *_BNB_2STATE_KEYS}
+                    if k in ours or k not in {"params", _ORIGIN, *_STORAGE, *_BNB_GROUP_KEYS, *_BNB_2STATE_KEYS}
                 }
             )
             new.update(_from_bnb_group(self.family, saved, ours))
@@ -1212,7 +1214,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             except (ValueError, TypeError) as e:
                 raise ValueError(f"param group {gi} of the state dict: {e}") from None
             groups.append(new)
-            id_map.update({k: (p, new) for k, p in zip(saved["params"], group["params"])})
+            id_map.update({k: (p, new, saved) for k, p in zip(saved["params"], group["params"])})
         lr0 = _saved_lr0(origin, groups)
         configs = GlobalOptimManager.get_instance().configs_for([p for g in groups for p in g["params"]])
         configs = {i: self._own_spelling(cfg) for i, cfg in configs.items()}
@@ -1223,12 +1225,23 @@ class Optimizer8bit(torch.optim.Optimizer):
                     state[key] = entry
                     continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
-            p, group = id_map[key]
+            p, group, saved = id_map[key]
             where = f"param {key} (shape {tuple(p.shape)})"
             if not isinstance(entry, Mapping):
                 raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
             cfg = configs.get(id(p), {})
             want = self._spec(group, cfg).layout_for(p.numel()).bits
+            held = {k: saved[k] for k in ("optim_bits", "min_8bit_size") if type(saved.get(k)) is int}
+            if origin and held:
+                # the bits its saved group gave it: torch.distributed.checkpoint loads 8-bit codes into a 32-bit
+                # state's float32 template (casting them), so the tensors alone no longer tell
+                had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
+                if had != want:
+                    _checkpoint._fail(
+                        where,
+                        f"the checkpoint holds {had}-bit state but this optimizer keeps {want}-bit state for it "
+                        f"(check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
+                    )
             hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
             step = _checkpoint.read_step(entry, where)
             step = _new_step(step, p, group)
@@ -1240,6 +1253,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._lr0 = {id(g): v for g, v in zip(groups, lr0)}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+
+def _origin_in_groups(saved_groups: Any) -> dict:
+    """The state dict's ``bnbf`` entry as its groups repeat it (a state dict that passed through
+    ``get_state_dict`` has lost the top-level one); empty where a group lacks it (bitsandbytes', older ones)."""
+    found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
+    if not found or not all(isinstance(o, Mapping) for o in found):
+        return {}
+    return {**found[0], "lr0": [o.get("lr0") for o in found]}
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:

@@ -427,6 +427,40 @@ def scenario_nn_dcp():
         assert (p - final[k]).abs().mean() < STATE8[(torch.float32, 8)].mean_abs, k
 
 
+def scenario_nn_dcp_keeps_origin():
+    """get_state_dict keeps only "state" and "param_groups" of a state dict: what the top-level "bnbf" entry says
+    (the rule, each group's starting lr) must reach load_state_dict through the groups. An AdamW8bit checkpoint
+    loaded through set_state_dict into Lion8bit (same state names) or AdamW32bit (DCP casts the codes into the
+    float32 template) is refused, and a hand-set lr resumes with the group's starting lr."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    import bnbf_nn
+
+    path = os.environ["BNBF_TEST_CKPT"] + "_origin"
+    model = _fsdp_model()
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    opt.param_groups[0]["lr"] = LR / 2  # by hand, no scheduler: the starting lr stays LR
+    _backward(model, 1)
+    opt.step()
+    msd, osd = get_state_dict(model, opt)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+    model.zero_grad(set_to_none=True)  # else get_state_dict does not make the other optimizers' states (templates)
+    for cls, match in ((bnbf_nn.Lion8bit, "rule 'adamw'"), (bnbf_nn.AdamW32bit, "holds 8-bit state but")):
+        other = cls(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        _, osd = get_state_dict(model, other)
+        dcp.load({"optim": osd}, checkpoint_id=path)
+        try:  # not pytest.raises: its failure is a BaseException, which would end the rank, not this scenario
+            set_state_dict(model, other, model_state_dict={}, optim_state_dict=osd)
+        except ValueError as e:
+            assert match in str(e), (cls.__name__, str(e))
+        else:
+            raise AssertionError(f"the AdamW8bit checkpoint loaded into {cls.__name__}")
+    model, resumed, _ = _loaded_from(path, lambda ps: bnbf_nn.AdamW8bit(ps, lr=LR, min_8bit_size=MIN8))
+    assert resumed.param_groups[0]["lr"] == LR / 2 and "bnbf" not in resumed.param_groups[0]
+    assert resumed.state_dict()["bnbf"]["lr0"] == [LR]
+
+
 def scenario_nn_ddp_unchanged():
     """DDP: plain params and all-reduced grads; AdamW8bit on every rank equals the unsharded run bit for bit."""
     import bnbf_nn

@@ -268,10 +268,16 @@ def _entry(sd, i=0):
     return sd["state"][i][QUANT_KEY]
 
 
+def _as_bitsandbytes(sd: dict) -> dict:
+    """``sd`` as bitsandbytes writes it: without bnbf's "bnbf" entry, at the top and repeated in each group."""
+    groups = [{k: v for k, v in g.items() if k != "bnbf"} for g in sd["param_groups"]]
+    return {**{k: v for k, v in sd.items() if k != "bnbf"}, "param_groups": groups}
+
+
 BAD = {
     "another optimizer": (lambda sd, lion: lion, "rule 'lion'"),
     "bitsandbytes-layout dict of another optimizer": (
-        lambda sd, lion: {k: v for k, v in lion.items() if k != "bnbf"},
+        lambda sd, lion: _as_bitsandbytes(lion),
         "missing 'state2'",
     ),
     "missing absmax": (lambda sd, _: (_entry(sd).pop("absmax1"), sd)[1], "absmax1 must be"),
@@ -454,8 +460,7 @@ def test_a_bitsandbytes_placeholder_setting_does_not_overwrite_ours():
     params = make_params(shapes=SHAPES)
     opt = bnbf_nn.LARS8bit(params, lr=0.1, momentum=0.9, min_8bit_size=MIN8, eps=1e-6)
     run_adapter(opt, params, make_grads(params, 1))
-    theirs = reload(opt.state_dict())
-    del theirs["bnbf"]
+    theirs = _as_bitsandbytes(reload(opt.state_dict()))
     theirs["param_groups"][0]["eps"] = 0.0
     twin = bnbf_nn.LARS8bit(
         [torch.nn.Parameter(p.detach().clone()) for p in params], lr=0.1, momentum=0.9, min_8bit_size=MIN8, eps=1e-6
@@ -478,7 +483,7 @@ def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
         [torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True, min_8bit_size=MIN8
     )
     theirs = reload(opt.state_dict())  # as bitsandbytes' AdamW8bit(amsgrad=True) saves: the flag, no maximum
-    del theirs["bnbf"]
+    theirs = _as_bitsandbytes(theirs)
     theirs["param_groups"][0]["amsgrad"] = True
     with pytest.raises(ValueError, match=r"missing 'state3'.*bitsandbytes' holds no such state.*amsgrad"):
         amsgrad.load_state_dict(theirs)
