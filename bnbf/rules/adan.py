@@ -55,7 +55,8 @@ class AdanScalars(NamedTuple):
     inv_bc3_sqrt: Number  # 1 / sqrt(1 - β3^t)
     # the decay's share of p: lr·wd/(1 + lr·wd), or lr·wd with no_prox. Applied as p - decay·p: as p·(1 - decay)
     # the float32 factor keeps a decay of 6e-6 to 0.5%, and p came out 2 ulps apart with float and with 0-d
-    # tensor hyperparameters
+    # tensor hyperparameters. Taken with the update, p − (decay·p + u): p rounded after its decay rounds by nearly
+    # the same amount every step, and drifted from the float64 reference
     decay: Number
     not_first: Number  # 0.0 at the first step: there is no previous gradient, the difference is 0
     # 1 - beta in double precision (see adam.py)
@@ -96,7 +97,7 @@ def adan_math(p, g, s, hp, nrm):
     u = g + h.b2 * diff
     n = h.b3 * n + h.omb3 * u * u
     denom = tl.sqrt(n) * h.inv_bc3_sqrt + h.eps
-    p = (p - h.decay * p) - fast_div(h.step_size * m + h.step_size_diff * d, denom)
+    p = p - (h.decay * p + fast_div(h.step_size * m + h.step_size_diff * d, denom))
     return p, (m, n, d, -g)
 
 
@@ -107,7 +108,7 @@ def adan_reference(p, g, states, h: AdanScalars):
     d = h.b2 * d + h.omb2 * diff
     u = g + h.b2 * diff
     n = h.b3 * n + h.omb3 * u * u
-    p = (p - h.decay * p) - (h.step_size * m + h.step_size_diff * d) / (n.sqrt() * h.inv_bc3_sqrt + h.eps)
+    p = p - (h.decay * p + (h.step_size * m + h.step_size_diff * d) / (n.sqrt() * h.inv_bc3_sqrt + h.eps))
     return p, [m, n, d, -g]
 
 
