@@ -773,7 +773,10 @@ def _plain_items(h: Any) -> tuple | None:
     values = h.values()
     types = tuple(map(type, values))
     if set(types) <= _PLAIN_TYPES:  # the usual dict: equal items of equal types differ only in a zero's sign
-        return (tuple(h.items()), types, tuple(map(math.copysign, itertools.repeat(1.0), values)))
+        try:
+            return (tuple(h.items()), types, tuple(map(math.copysign, itertools.repeat(1.0), values)))
+        except OverflowError:  # an int beyond float64 has no float sign: the keys below hold it (validation refuses)
+            pass
     out = []
     for k, v in h.items():
         t = type(v)

@@ -278,6 +278,39 @@ def test_one_hparams_dict_edited_between_calls(device):
     expect_error(bnbf.update_, ValueError, re.escape("Invalid learning rate: -1.0"), p, g, s, hparams=hp)
 
 
+BIG = 2**1100  # an int beyond float64
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize(
+    ("hparams", "exc", "match"),
+    [
+        ({"lr": BIG}, ValueError, "Invalid learning rate: 1358298529"),
+        ({"betas": (BIG, 0.999)}, ValueError, "Invalid beta parameter at index 0: 1358298529"),
+        ({"weight_decay": -BIG}, ValueError, "Invalid weight_decay value: -1358298529"),
+        ({"amsgrad": BIG}, TypeError, "amsgrad must be a bool, got int"),
+        ({"adamw": {"lr": BIG}}, ValueError, "Invalid learning rate: 1358298529"),  # by rule: bnbf.compose
+    ],
+    ids=["lr", "betas", "weight_decay", "amsgrad", "by-rule"],
+)
+def test_int_beyond_float64_refused_in_torch_wording(setup, fn, hparams, exc, match):
+    """The validated-hparams caches key a number by its float sign, which such an int has not: they raised a
+    bare OverflowError ("int too large to convert to float") instead of the value's own error."""
+    p, g, s = setup
+    expect_error(fn, exc, re.escape(match), p, g, s, hparams=hparams)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name", ["t_alpha", "t_beta3"])
+def test_ademamix_warmup_beyond_float32_refused(device, name):
+    """The warm-ups' lengths are refused beyond float32 as every hyperparameter is: a t_alpha beyond float64 raised
+    OverflowError in the step's division (such a t_beta3 was taken, a warm-up that never ends)."""
+    p = torch.randn(300, device=device)
+    s = bnbf.init_state(p, spec(rule="ademamix", bits=32))
+    expect_error(bnbf.update_, ValueError, f"Invalid {name} value: 1358298529", p, p * 0.01, s, hparams={name: BIG})
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_unknown_hparam(setup, fn):

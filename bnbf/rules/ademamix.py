@@ -23,7 +23,17 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_lr, check_nonneg, check_weight_decay
+from bnbf.rules.base import (
+    Number,
+    Rule,
+    StateSlot,
+    check_betas,
+    check_eps,
+    check_lr,
+    check_nonneg,
+    check_weight_decay,
+    finite,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -46,7 +56,8 @@ class AdEMAMixHparams:
         check_nonneg(self.alpha, "alpha")
         for name in ("t_alpha", "t_beta3"):
             v = getattr(self, name)
-            if v is not None and (not isinstance(v, int) or v < 1):
+            # beyond float32 as every hyperparameter (beyond float64 the warm-ups' divisions raised OverflowError)
+            if v is not None and (not isinstance(v, int) or v < 1 or not finite(v)):
                 raise ValueError(f"Invalid {name} value: {v} (a positive number of steps, or None)")
 
 

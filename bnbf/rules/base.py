@@ -100,7 +100,10 @@ class Rule:
             # a dict of plain numbers (the usual call, every step) validates once; never keyed by tensors,
             # whose equality would read their values
             if all(map(_is_plain, hparams.values())):
-                key = (self.hparams, *hparams.items(), *_exact(hparams.values()))
+                try:
+                    key = (self.hparams, *hparams.items(), *_exact(hparams.values()))
+                except OverflowError:  # an int beyond float64 has no float sign: validated (refused) uncached
+                    return self._make_hparams(hparams)
                 hit = _HPARAMS.get(key)
                 if hit is None:
                     hit = self._make_hparams(hparams)
