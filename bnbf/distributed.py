@@ -761,7 +761,8 @@ def state_dict(state: Any) -> Any:
     Returns:
         The structure of ``state`` with a dict ``{field: tensor}`` per state: codes and float32 states
         shaped like the param (DTensors with its placements where it is one), and per 8-bit slot the
-        ``numel / block_size`` scales of the unsharded tensor's blocks (replicated).
+        ``numel / block_size`` scales of the unsharded tensor's blocks (replicated); and under ``"layout"``
+        the state's class name (rule, bits, format, block size), which :func:`load_state_dict_` checks.
 
     Example (on each rank)::
 
@@ -773,13 +774,13 @@ def state_dict(state: Any) -> Any:
         layout = type(s).layout
         like = _param_like(s)
         if not isinstance(like, DTensor) or not layout.quantized:
-            out.append(dict(zip(s._fields, s)))
+            out.append({**dict(zip(s._fields, s)), LAYOUT_KEY: layout.class_name})
             continue
         sh = _shards(like, f" [{i}]")
         local = _local_state(s, sh)
         bs = layout.block_size
         local_b, global_b = _element_blocks(sh.start, sh.count, bs, like.device)
-        entry = {}
+        entry = {LAYOUT_KEY: layout.class_name}
         for slot in layout.slots():
             scales = getattr(s, slot.name + "_absmax")
             pieces = scales.full_tensor() if sh.sharded else scales.to_local()  # [W, padded]: every shard's scales
@@ -795,19 +796,32 @@ def state_dict(state: Any) -> Any:
     return pytree.tree_unflatten(out, spec)
 
 
+# each entry's layout (rule, bits, format, block size): DCP matches tensors by name and casts them into the
+# template's dtype, so an AdamW checkpoint would load into Lion's same-named state, or its codes into floats
+LAYOUT_KEY = "layout"
+
+
 def _is_entry(x: Any) -> bool:
-    return isinstance(x, dict) and all(isinstance(v, Tensor) for v in x.values())
+    return isinstance(x, dict) and all(isinstance(v, Tensor) for k, v in x.items() if k != LAYOUT_KEY)
 
 
 def _check_entry(i: str, s: Any, e: Any) -> None:
-    """A loaded entry has the fields of state ``s`` in their global shapes (``i``: its path, for messages)."""
-    if not isinstance(e, dict) or set(e) != set(s._fields):
+    """A loaded entry has the fields of state ``s`` in their global shapes, and its layout where it names one
+    (``i``: its path, for messages)."""
+    fields = set(e) - {LAYOUT_KEY} if isinstance(e, dict) else None
+    if fields != set(s._fields):
         raise ValueError(
             f"saved{i} must be a dict with the keys {list(s._fields)}, got "
             + (f"the keys {list(e)}" if isinstance(e, dict) else type(e).__name__)
         )
     like = _param_like(s)
     layout = type(s).layout
+    if e.get(LAYOUT_KEY, layout.class_name) != layout.class_name:
+        raise ValueError(
+            f"saved{i} is a {e[LAYOUT_KEY]!r} state, state{i} a {layout.class_name!r} one: a checkpoint loads "
+            f"into states of its rule, bits, format and block size (dcp.load may already have written into the "
+            f"state's own tensors: make the state again before stepping it)"
+        )
     for name, t in zip(s._fields, s):
         want = torch.Size([_blocks(like.numel(), layout.block_size)]) if name.endswith("_absmax") else like.shape
         got = e[name].shape

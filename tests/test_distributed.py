@@ -391,7 +391,10 @@ def scenario_odd_sizes():
         assert p.to_local().dtype == full[k].dtype
 
     sharded = {k: {n: v.full_tensor() for n, v in d.items()} for k, d in bd.dequantize_state(state).items()}
-    saved = {k: {n: v.full_tensor() for n, v in d.items()} for k, d in bd.state_dict(state).items()}
+    saved = {
+        k: {n: v if n == bd.LAYOUT_KEY else v.full_tensor() for n, v in d.items()}
+        for k, d in bd.state_dict(state).items()
+    }
     plain = bnbf.init_state({k: v.clone() for k, v in full.items()}, spec)
     bd.load_state_dict_(plain, saved)
     for k, d in bnbf.dequantize_state(plain).items():
@@ -703,3 +706,40 @@ def test_scenario(results, name):
 def test_scenario_two_gpus(results_gpu, name):
     """The same on two GPUs with nccl: the compiled Triton kernels on the local shards."""
     _report(results_gpu, name)
+
+
+@pytest.mark.parametrize(
+    "other",
+    [
+        {"rule": "lion"},  # the same state names (exp_avg, exp_avg_absmax): DCP filled them from AdamW's
+        {"rule": "adamw", "state_bits": 32},  # DCP cast the codes into the float32 template
+        {"rule": "adamw", "state_format": "dynamic"},  # the codes decoded with the other map
+    ],
+    ids=["lion", "32bit", "dynamic"],
+)
+def test_checkpoint_of_another_layout_refused(tmp_path, other):
+    """An 8-bit AdamW checkpoint saved through DCP, loaded (one process) into the template of a state of another
+    rule, bit width or format: load_state_dict_ used to take it silently, since DCP matches tensors by name and
+    casts them into the template's dtype. Now the entry's layout is saved with it and compared."""
+    import torch.distributed.checkpoint as dcp
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    params = {"w": torch.randn(300, 20), "b": torch.randn(20)}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    state = bnbf.init_state(params, spec)
+    bnbf.update_(params, {k: torch.randn_like(p) for k, p in params.items()}, state, {"lr": 1e-3}, 1)
+    dcp.save({"optim": bd.state_dict(state)}, checkpoint_id=str(tmp_path), no_dist=True)
+
+    same = bnbf.init_state(params, spec)
+    sd = bd.state_dict(same)
+    dcp.load({"optim": sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    bd.load_state_dict_(same, sd)  # its own layout loads
+    assert all(torch.equal(a, b) for k in params for a, b in zip(same[k], state[k]))
+
+    wrong = bnbf.init_state(params, bnbf.OptimSpec(**{"min_8bit_size": 256, **other}))
+    sd = bd.state_dict(wrong)
+    dcp.load({"optim": sd}, checkpoint_id=str(tmp_path), no_dist=True)
+    with pytest.raises(ValueError, match=r"saved\['w'\] is a 'adamw_state_8bit_power_b256_s3' state, state\['w'\] a '"):
+        bd.load_state_dict_(wrong, sd)
