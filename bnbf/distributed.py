@@ -749,6 +749,11 @@ def _global_scales(pieces: Tensor, sh: _Shards, numel: int, block_size: int) -> 
     return out
 
 
+# each entry's layout (rule, bits, format, block size): DCP matches tensors by name and casts them into the
+# template's dtype, so an AdamW checkpoint would load into Lion's same-named state, or its codes into floats
+LAYOUT_KEY = "layout"
+
+
 def state_dict(state: Any) -> Any:
     """The mesh-independent form of ``state`` for ``torch.distributed.checkpoint`` (module docstring).
 
@@ -794,11 +799,6 @@ def state_dict(state: Any) -> Any:
             )
         out.append(entry)
     return pytree.tree_unflatten(out, spec)
-
-
-# each entry's layout (rule, bits, format, block size): DCP matches tensors by name and casts them into the
-# template's dtype, so an AdamW checkpoint would load into Lion's same-named state, or its codes into floats
-LAYOUT_KEY = "layout"
 
 
 def _is_entry(x: Any) -> bool:

@@ -119,7 +119,7 @@ from bnbf_nn.manager import GlobalOptimManager
 __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
 
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
-_ORIGIN = "bnbf"  # each saved group's copy of the state dict's "bnbf" entry (see state_dict)
+_ORIGIN = "bnbf"  # in each saved group: the optimizer, rule and the group's starting lr (see state_dict)
 _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
 # torch.optim's meanings, on every class: step count and lr on the device (capturable), a step autograd records
 _MODES = {"capturable": False, "differentiable": False}
@@ -1133,12 +1133,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
-        origin = {"optimizer": type(self).__name__, "rule": self._rule.name}
         for packed, v in zip(groups, lr0):
-            # again in each group: torch.distributed.checkpoint's get_state_dict keeps only "state" and
-            # "param_groups", and without it a checkpoint of another rule loaded where its state names agree
-            packed[_ORIGIN] = {**origin, "lr0": v}
-        out = {"state": state, "param_groups": groups, "bnbf": {**origin, "lr0": lr0}}
+            # in the groups: torch.distributed.checkpoint's get_state_dict keeps only "state" and "param_groups",
+            # and without it a checkpoint of another rule loaded where its state names agree
+            packed[_ORIGIN] = {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": v}
+        out = {"state": state, "param_groups": groups}
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
         return out
@@ -1163,7 +1162,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             isinstance(g, Mapping) for g in state_dict["param_groups"]
         ):
             raise ValueError(f"{name}.load_state_dict: 'state' must be a dict and 'param_groups' a list of dicts")
-        origin = state_dict.get("bnbf") or _origin_in_groups(state_dict["param_groups"])
+        # bnbf_nn's state dicts before the groups held it kept it at the top (without lr0)
+        origin = _origin_in_groups(state_dict["param_groups"]) or state_dict.get("bnbf") or {}
         if origin.get("rule", self._rule.name) != self._rule.name:
             raise ValueError(
                 f"this state dict is from {origin.get('optimizer')} (rule {origin['rule']!r}); "
@@ -1256,8 +1256,8 @@ class Optimizer8bit(torch.optim.Optimizer):
 
 
 def _origin_in_groups(saved_groups: Any) -> dict:
-    """The state dict's ``bnbf`` entry as its groups repeat it (a state dict that passed through
-    ``get_state_dict`` has lost the top-level one); empty where a group lacks it (bitsandbytes', older ones)."""
+    """The optimizer and rule that saved the groups, and each group's starting lr (``lr0``: a list); empty where
+    a group lacks them (bitsandbytes' state dicts, older ones of bnbf_nn)."""
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
@@ -1278,7 +1278,7 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
 
     if not isinstance(lr0, (list, tuple)) or len(lr0) != len(groups) or not all(map(ok, lr0)):
         raise ValueError(
-            f"the state dict's bnbf['lr0'] (each group's starting lr) must be a list of {len(groups)} non-negative "
+            f"the state dict's bnbf['lr0'] (each param group's starting lr) must be {len(groups)} non-negative "
             f"numbers, got {lr0!r}"
         )
     return [deepcopy(v) for v in lr0]

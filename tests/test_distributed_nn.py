@@ -428,8 +428,8 @@ def scenario_nn_dcp():
 
 
 def scenario_nn_dcp_keeps_origin():
-    """get_state_dict keeps only "state" and "param_groups" of a state dict: what the top-level "bnbf" entry says
-    (the rule, each group's starting lr) must reach load_state_dict through the groups. An AdamW8bit checkpoint
+    """get_state_dict keeps only "state" and "param_groups" of a state dict: what the groups' "bnbf" entries say
+    (the rule, each group's starting lr) reaches load_state_dict. An AdamW8bit checkpoint
     loaded through set_state_dict into Lion8bit (same state names) or AdamW32bit (DCP casts the codes into the
     float32 template) is refused, and a hand-set lr resumes with the group's starting lr."""
     import torch.distributed.checkpoint as dcp
@@ -458,7 +458,7 @@ def scenario_nn_dcp_keeps_origin():
             raise AssertionError(f"the AdamW8bit checkpoint loaded into {cls.__name__}")
     model, resumed, _ = _loaded_from(path, lambda ps: bnbf_nn.AdamW8bit(ps, lr=LR, min_8bit_size=MIN8))
     assert resumed.param_groups[0]["lr"] == LR / 2 and "bnbf" not in resumed.param_groups[0]
-    assert resumed.state_dict()["bnbf"]["lr0"] == [LR]
+    assert resumed.state_dict()["param_groups"][0]["bnbf"]["lr0"] == LR
 
 
 def scenario_nn_ddp_unchanged():

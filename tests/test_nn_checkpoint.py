@@ -269,7 +269,8 @@ def _entry(sd, i=0):
 
 
 def _as_bitsandbytes(sd: dict) -> dict:
-    """``sd`` as bitsandbytes writes it: without bnbf's "bnbf" entry, at the top and repeated in each group."""
+    """``sd`` as bitsandbytes writes it: without bnbf's "bnbf" entry in each group (and at the top, where older
+    bnbf_nn state dicts kept it)."""
     groups = [{k: v for k, v in g.items() if k != "bnbf"} for g in sd["param_groups"]]
     return {**{k: v for k, v in sd.items() if k != "bnbf"}, "param_groups": groups}
 
@@ -295,7 +296,7 @@ BAD = {
     "not a state dict": (lambda sd, _: {"state": {}}, "'state' and 'param_groups'"),
     "group not a dict": (lambda sd, _: sd.update(param_groups=[["params"]]) or sd, "a list of dicts"),
     "state not a dict": (lambda sd, _: sd.update(state=[1]) or sd, "'state' must be a dict"),
-    "bad starting lr": (lambda sd, _: sd["bnbf"].update(lr0=["1e-3"]) or sd, r"bnbf\['lr0'\]"),
+    "bad starting lr": (lambda sd, _: sd["param_groups"][0]["bnbf"].update(lr0="1e-3") or sd, r"bnbf\['lr0'\]"),
     # a negative block scale flips its block's sign; NaN or inf turns the next step's params into NaN
     "negative absmax": (lambda sd, _: _entry(sd)["absmax1"].__setitem__(0, -0.5) or sd, "negative, NaN or inf"),
     "NaN absmax": (lambda sd, _: _entry(sd)["absmax2"].__setitem__(1, float("nan")) or sd, "negative, NaN or inf"),
