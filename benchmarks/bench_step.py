@@ -16,7 +16,8 @@ Method (the peers' published H200 anchor figures were measured this way): params
 two CUDA events after a device synchronize (so a step's host-side launch cost counts). "GB/s" is effective
 bandwidth: the fewest bytes the step must move (read p and g, write p, read and write every state byte once)
 over its time; "% copy" compares it with a device-to-device copy measured in the same run.
-benchmarks/README.md gives the byte model.
+benchmarks/README.md gives the byte model. "Step transient" (CUDA only) is the allocator's peak during one more
+step less what was allocated before it: the memory a step needs beyond params, grads and state.
 """
 
 from __future__ import annotations
@@ -450,6 +451,16 @@ def run_one(
         for i in range(warmup + 1, warmup + steps + 1):
             timer.time(functools.partial(step, i))
     times = timer.results_ms()
+    # memory the step allocates beyond what lives across steps (params, grads, state): one more step,
+    # measured from the allocator's peak; None on the CPU (no allocator statistics there)
+    transient = None
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        with torch.no_grad():
+            step(warmup + steps + 1)
+        torch.cuda.synchronize(device)
+        transient = torch.cuda.max_memory_allocated(device) - before
     finite = all(bool(torch.isfinite(p).all()) for p in params.values())
     sbytes = state_nbytes(get_state())
     del step, get_state, params
@@ -460,6 +471,7 @@ def run_one(
         "ms_min": min(times),
         "host_ms": host,
         "state_bytes": sbytes,
+        "transient_bytes": transient,
         "finite": finite,
     }
 
@@ -506,6 +518,7 @@ def bench_group(
             "model_bytes": nbytes,
             "state_bytes": res["state_bytes"],
             "state_bytes_per_param": res["state_bytes"] / numel,
+            "transient_bytes": res["transient_bytes"],
             "numel": numel,
             "byte_model": cand.kind,
             "finite": res["finite"],
@@ -519,6 +532,7 @@ def bench_group(
         print(
             f"{set_name:>16} {dname:>4} {rule:>6} {cand.name:>14}: {res['ms']:9.3f} ms {gbs:7.0f} GB/s "
             f"{row['pct_copy']:5.1f}% copy {row['state_bytes_per_param']:6.3f} B/p ({row['wall_s']:.1f} s)"
+            + (f" transient {res['transient_bytes'] / 2**20:.1f} MiB" if res["transient_bytes"] is not None else "")
             + (f" host {res['host_ms']:.3f} ms" if res["host_ms"] is not None else "")
             + ("" if res["finite"] else "  NON-FINITE PARAMS"),
             flush=True,
@@ -574,18 +588,19 @@ def markdown(rows: list[dict], meta: dict) -> str:
         )
     lines += [
         "",
-        "| set | params | rule | candidate | ms | GB/s | % copy | state B/param | vs torch |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| set | params | rule | candidate | ms | GB/s | % copy | state B/param | step transient MiB | vs torch |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         if r["candidate"] == "bnbf_vs_torch":
             lines.append(
-                f"| {r['set']} | {r['dtype']} | {r['rule']} | bnbf_vs_torch | | | | | **{fmt_num(r['speedup'])}×** |"
+                f"| {r['set']} | {r['dtype']} | {r['rule']} | bnbf_vs_torch | | | | | | **{fmt_num(r['speedup'])}×** |"
             )
             continue
         lines.append(
             f"| {r['set']} | {r['dtype']} | {r['rule']} | {r['candidate']} | {fmt_num(r['ms'])} | "
             f"{r['gbs']:.0f} | {r['pct_copy']:.1f} | {r['state_bytes_per_param']:.3f} | "
+            f"{'—' if r.get('transient_bytes') is None else format(r['transient_bytes'] / 2**20, '.1f')} | "
             f"{fmt_num(r['vs_torch'])}{'×' if r['vs_torch'] else ''} |" + ("" if r["finite"] else " NON-FINITE PARAMS")
         )
     if meta["notes"]:

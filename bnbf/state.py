@@ -193,11 +193,11 @@ def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None) -> tuple:
         elif initial[j] == 0:
             codes.fill_(zero_code(layout.format, slot.signed))
             fields[slot.name + "_absmax"].zero_()
-        else:
-            full = torch.full(param.shape, float(initial[j]), dtype=torch.float32, device=param.device)
-            c, a = quantize_state_reference(full, layout.format, slot.signed, layout.block_size)
-            codes.copy_(c)
-            fields[slot.name + "_absmax"].copy_(a)
+        else:  # every block of a constant holds the same code and absmax: one element's, without a float32 copy
+            one = torch.full((1,), float(initial[j]), dtype=torch.float32, device=param.device)
+            c, a = quantize_state_reference(one, layout.format, slot.signed, layout.block_size)
+            codes.fill_(c.reshape(()))
+            fields[slot.name + "_absmax"].fill_(a.reshape(()))
     return state_class(layout)(**fields)
 
 

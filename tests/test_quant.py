@@ -24,6 +24,7 @@ from tolerances import (
 
 import bnbf
 from bnbf.kernels.codec import encode_dynamic, encode_dynamic_rounded, encode_power_scaled, power_root_scale
+from bnbf.quant import quantize_state_reference
 
 # A kernel code may differ from the reference's (by one code) only where x / absmax lies this close,
 # relatively, to the midpoint of two codes: about 16 float32 ulps, room for x * (1/absmax) vs x / absmax
@@ -683,3 +684,16 @@ def test_subnormal_blocks_round_trip(device, dtype, explicit_code):
     expected = (c[codes].view(-1, block) * am64[:, None]).reshape(-1).float()
     assert_equal_report(dq.cpu(), expected, "dequantized subnormal blocks")
     assert bool((dq.cpu()[x == 0] == 0).all()), "an exact zero must dequantize to exactly 0"
+
+
+@pytest.mark.parametrize("fmt", ["power", "dynamic"])
+@pytest.mark.parametrize("numel", [1, 257, 4097])
+@pytest.mark.parametrize("value", [0.1, 3.7, 1e-30])
+def test_a_constant_initial_state_is_the_quantized_constant(fmt, numel, value):
+    """Adagrad's ``sum`` starts at initial_accumulator_value: built from one element's code and absmax (no float32
+    copy of the param), it must equal quantizing the constant tensor block by block."""
+    spec = bnbf.OptimSpec(rule="adagrad", state_format=fmt, min_8bit_size=1)
+    state = bnbf.init_state(torch.zeros(numel), spec, {"initial_accumulator_value": value})
+    codes, absmax = quantize_state_reference(torch.full((numel,), value), fmt, False, 256)
+    assert torch.equal(state.sum, codes.reshape(state.sum.shape))
+    assert torch.equal(state.sum_absmax, absmax.reshape(state.sum_absmax.shape))
