@@ -20,6 +20,7 @@ from bnbf import _cpu_codec
 from bnbf._dispatch import NORM_REDUCE
 from bnbf.quant import dequantize_state_reference, quantize_state_reference, state_dither
 from bnbf.rules import get_rule
+from bnbf.rules.base import norm_of
 
 # Set by bnbf.distributed around a step of shards: {param's data_ptr: the global index of its first block}, so a
 # shard's stochastic rounding draws the dither of the unsharded tensor's blocks it holds (read here and by the
@@ -181,7 +182,7 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
         if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
             zero = torch.zeros_like(p)
             d = (new_p - p) / lr
-            pnorm, unorm = (x.sqrt() for x in _reduced([torch.where(counted, x * x, zero).sum() for x in (p, d)]))
+            pnorm, unorm = (norm_of(x) for x in _reduced([torch.where(counted, x * x, zero).sum() for x in (p, d)]))
             limit = max_unorm * pnorm
             scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
             new_p = p + scale * (new_p - p)

@@ -242,6 +242,13 @@ def check_flag(x: Any, name: str) -> None:
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
 
 
+def norm_of(sum_sq: Tensor) -> Tensor:
+    """``sum_sq.sqrt()`` whose derivative at 0 is 0, not inf: a torch.where that picks another value where a norm
+    is 0 (a zero-initialized bias, a dead layer's gradient) would otherwise turn inf · 0 into NaN meta-gradients."""
+    nonzero = sum_sq != 0
+    return torch.where(nonzero, torch.where(nonzero, sum_sq, 1).sqrt(), 0)
+
+
 def as_scalar_row(values: Sequence[Number], device: torch.device) -> Tensor:
     """Pack a rule's scalars into one float32 row on ``device`` without a host synchronisation: the Python
     numbers go up in one copy from pinned memory (a copy from pageable memory, as ``torch.tensor(x,

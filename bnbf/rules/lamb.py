@@ -20,7 +20,7 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.adam import AdamMomentsHparams
-from bnbf.rules.base import Number, Rule, StateSlot, _value, finite
+from bnbf.rules.base import Number, Rule, StateSlot, _value, finite, norm_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,8 +105,8 @@ def lamb_norm_terms_ref(p, g, states, h: LambScalars):
 
 def lamb_reference(p, g, states, h: LambScalars, sums):
     u, m, v = _direction_ref(p, g, states, h)
-    w_norm = sums[0].sqrt().clamp(max=h.clamp_value)
-    u_norm = sums[1].sqrt()
+    w_norm = norm_of(sums[0]).clamp(max=h.clamp_value)
+    u_norm = norm_of(sums[1])
     ok = (w_norm > 0) & (u_norm > 0) & (h.adam == 0)
     ratio = torch.where(ok, w_norm / u_norm.clamp_min(1e-30), torch.ones_like(w_norm))
     return p - h.step_size * ratio * u, [m, v]

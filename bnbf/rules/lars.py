@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, finite
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, finite, norm_of
 from bnbf.rules.sgd import SGDHparams, SGDScalars, momentum_step, momentum_step_reference, present
 from bnbf.rules.sgd import scalars as sgd_scalars
 
@@ -68,7 +68,7 @@ def lars_norm_terms_ref(p, g, states, h: LarsScalars):
 
 
 def lars_reference(p, g, states, h: LarsScalars, sums):
-    p_norm, g_norm = sums[0].sqrt(), sums[1].sqrt()
+    p_norm, g_norm = norm_of(sums[0]), norm_of(sums[1])
     ok = (p_norm > 0) & (g_norm > 0)
     local = torch.where(ok, h.trust * p_norm / (g_norm + h.wd * p_norm + h.eps), torch.ones_like(p_norm))
     step, buf = momentum_step_reference(local * (g + h.wd * p), states[0], h)
