@@ -503,7 +503,10 @@ def check_not_differentiated(
         if not _tracked(t, grad_mode, fwd):
             continue
         base = _unbatched(t)
-        if in_place and not _functorch.is_gradtrackingtensor(base) and (kind == "grad" or (base.is_leaf and not fwd)):
+        # a dual grad's tangent would be dropped (torch.optim's steps carry it into the param): refused
+        dual = fwd and forward_ad.unpack_dual(base).tangent is not None
+        exempt = (kind == "grad" and not dual) or (base.is_leaf and not fwd)
+        if in_place and not _functorch.is_gradtrackingtensor(base) and exempt:
             continue
         names = names or _names(tree)
         _refuse(f"{kind}{names[i]}", states, in_place)

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor
 from torch._C import _functorch
+from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from bnbf import ops
@@ -155,7 +156,7 @@ class Plan:
         """A plan for :func:`bnbf.update_`'s cache: it holds weak references only and trusts the caller to
         pass the planned objects (:meth:`_same`). None where the direct path does not apply or a check
         fails (the generic path then steps, or raises the precise error)."""
-        if not _plannable(params) or not _states_ok(params, states) or _overlap(params, states) is not None:
+        if not _plannable(params, states) or not _states_ok(params, states) or _overlap(params, states) is not None:
             return None
         if any(t.is_inference() for s in states for t in s):  # the generic path's checks refuse them
             return None
@@ -180,7 +181,7 @@ class Plan:
         presents = {type(s).layout.present for s in states}
         self._present = presents.pop() if len(presents) == 1 else -1  # -1: mixed, refused by the first step
         self._checked_h = None  # the last hparams whose state slots matched the states
-        self._direct = _plannable(params)
+        self._direct = _plannable(params, states)
         self.groups: list = []
         self._pair = None
         # the dither's first block of each param (shards of larger tensors, bnbf.distributed), baked into the tables
@@ -274,7 +275,7 @@ class Plan:
                 anything is written.
         """
         # traced by torch.compile: the generic path (the compiled checks are opaque to Dynamo)
-        if self._direct and not torch.compiler.is_compiling():
+        if self._direct and not torch.compiler.is_compiling() and forward_ad._current_level < 0:
             self._confirmed()
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
@@ -286,6 +287,8 @@ class Plan:
         grad or one a step would refuse, or where this plan has no such call (no extension, the generic path,
         shards, a clip in force): the caller then takes :meth:`step`. Nothing is written."""
         if NATIVE is None or not self._hold or not self._direct or torch.compiler.is_compiling():
+            return None
+        if forward_ad._current_level >= 0:  # duals: the generic path's checks see them
             return None
         if self._first_blocks is not None or FIRST_BLOCKS.get() is not None or GRAD_CLIP.get() is not None:
             return None
@@ -388,7 +391,12 @@ class Plan:
         maximize: Any,
     ) -> None:
         # under a torch.func transform the generic path's checks refuse a gradient asked for through the step
-        if not self._direct or torch.compiler.is_compiling() or _functorch.maybe_current_level() is not None:
+        if (
+            not self._direct
+            or torch.compiler.is_compiling()
+            or _functorch.maybe_current_level() is not None
+            or forward_ad._current_level >= 0  # duals: the direct launch would drop their tangents
+        ):
             _step_generic(
                 _unflatten(params, self._spec),
                 grad,
@@ -688,15 +696,17 @@ def _held(grads: list) -> Any:
     return grads if GRAD_CLIP.get() is not None else ()
 
 
-def _plannable(params: list) -> bool:
+def _plannable(params: list, states: list) -> bool:
     """Whether params can take the direct launch: plain tensors (other subclasses read their metadata
     differently), contiguous, on a device the Triton kernels run on, outside tracing."""
     return (
         not torch.compiler.is_compiling()
         and _functorch.maybe_current_level() is None  # torch.func's wrappers have no storage to address
+        and forward_ad._current_level < 0
         and all(map(_is_plain, params))
-        # a param with history: the generic path's checks refuse it under grad mode (the step would cut it)
+        # a param or state with history: the generic path's checks refuse it under grad mode (the step would cut it)
         and not any(p.requires_grad and not p.is_leaf for p in params)
+        and not any(t.requires_grad for s in states if is_state(s) for t in s)
         and all(map(use_triton, params))
         and all(map(Tensor.is_contiguous, params))
         # inference tensors: the generic path's checks refuse an in-place step of them outside inference mode

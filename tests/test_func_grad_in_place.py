@@ -1,0 +1,61 @@
+"""``update_`` (and a plan's step) asked for a derivative it cannot give, on both paths: the fused launch the GPU
+takes (the interpreter pass) stepped forward-mode duals and states with history silently, dropping the tangents
+or giving wrong derivatives, where the reference path raised. Each case raises the error naming
+``differentiable=True`` with nothing written, also after earlier plain steps of the same tensors (a cached plan)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.autograd.forward_ad as fwAD
+from conftest import DEVICES, assert_untouched, snapshot
+
+import bnbf
+
+SPEC = bnbf.OptimSpec(rule="adamw", state_bits=32)
+HP = {"lr": 0.1, "weight_decay": 0.5}
+
+
+def _setup(device: str, warm: bool):
+    gen = torch.Generator().manual_seed(0)
+    params = {"w": torch.randn(300, generator=gen).to(device), "b": torch.randn(7, generator=gen).to(device)}
+    grads = {k: torch.randn(v.shape, generator=gen).to(device) for k, v in params.items()}
+    state = bnbf.init_state(params, SPEC)
+    if warm:  # a plan for these very tensors is cached now
+        bnbf.update_(params, grads, state, HP, 1)
+    return params, grads, state
+
+
+def _refused(call, *trees):
+    before = snapshot(*trees)
+    with pytest.raises(RuntimeError, match="differentiable=True"):
+        call()
+    assert_untouched(before)
+
+
+@pytest.mark.parametrize("warm", [False, True], ids=["first", "after-steps"])
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["update_", "plan"])
+def test_dual_param_or_grad_is_refused(device, how, warm):
+    params, grads, state = _setup(device, warm)
+    for dual in ("param", "grad"):
+        with fwAD.dual_level():
+            p = dict(params)
+            g = dict(grads)
+            if dual == "param":
+                p["b"] = fwAD.make_dual(params["b"], torch.ones_like(params["b"]))
+            else:
+                g["b"] = fwAD.make_dual(grads["b"], torch.ones_like(grads["b"]))
+            if how == "update_":
+                _refused(lambda p=p, g=g: bnbf.update_(p, g, state, HP, 2), params, grads, state)
+            else:
+                plan = bnbf.plan(p, state)
+                _refused(lambda plan=plan, g=g: plan.step(g, HP, 2), params, grads, state)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_state_with_history_is_refused_in_place(device):
+    params, grads, state = _setup(device, warm=True)
+    leaf = torch.zeros(300, device=device, requires_grad=True)
+    tracked = {"w": type(state["w"])(leaf * 1.0, state["w"].exp_avg_sq), "b": state["b"]}
+    _refused(lambda: bnbf.update_(params, grads, tracked, HP, 2), params, grads, tracked)
