@@ -200,7 +200,9 @@ def _counted(finite: Tensor, g: Tensor, skip_zeros: bool) -> Tensor:
 
 def _reduced(sums: list) -> list:
     """Per-tensor sums, summed across the shards of a sharded tensor where bnbf.distributed asks for it."""
-    reduce = NORM_REDUCE.get()
+    # traced only in the differentiable step (the kernels' op is opaque to Dynamo), which bnbf.distributed never
+    # runs; Dynamo cannot read a ContextVar
+    reduce = None if torch.compiler.is_compiling() else NORM_REDUCE.get()
     if reduce is None:
         return sums
     both = torch.stack(sums)

@@ -291,20 +291,34 @@ def test_fake_tensors_never_reach_a_kernel():
     assert [(t.shape, t.dtype) for t in tree_leaves(new_s)] == [(t.shape, t.dtype) for t in tree_leaves(state)]
 
 
-def test_a_compiled_meta_gradient_through_differentiable_steps():
+# the rules' reference math with a tensor step (SGD's first-step buffer, Nesterov) and the norm passes (LAMB, LARS,
+# max_unorm), each of which once broke the graph
+_DIFF_CASES = {
+    "adamw": ("adamw", {}, {}),
+    "sgd-momentum": ("sgd", {"momentum": 0.9, "dampening": 0.1}, {}),
+    "sgd-nesterov": ("sgd", {"momentum": 0.9, "nesterov": True}, {}),
+    "lars-momentum": ("lars", {"momentum": 0.9}, {}),
+    "lamb": ("lamb", {}, {}),
+    "adamw-max_unorm": ("adamw", {}, {"max_unorm": 0.01}),
+}
+
+
+@pytest.mark.parametrize("case", list(_DIFF_CASES))
+def test_a_compiled_meta_gradient_through_differentiable_steps(case):
     """torch.func.grad of a loss after two ``update(..., differentiable=True)`` steps, compiled whole: one graph
-    for every lr and step, equal to the eager meta-gradient."""
+    for every lr and step (the first step's included), equal to the eager meta-gradient."""
+    rule, hp, kw = _DIFF_CASES[case]
     gen = torch.Generator().manual_seed(0)
     x = torch.randn(8, 4, generator=gen)
     y = x @ torch.randn(4, generator=gen)
     p0 = torch.randn(4, generator=gen)
-    s0 = bnbf.init_state(p0, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    s0 = bnbf.init_state(p0, bnbf.OptimSpec(rule=rule, state_bits=32), hp)
     loss = lambda p: ((x @ p - y) ** 2).mean()
 
     def meta(lr, t):
         p, s = p0, s0
         for k in range(2):
-            p, s = bnbf.update(p, torch.func.grad(loss)(p), s, {"lr": lr}, t + k, differentiable=True)
+            p, s = bnbf.update(p, torch.func.grad(loss)(p), s, {**hp, "lr": lr}, t + k, differentiable=True, **kw)
         return loss(p)
 
     cnt = CompileCounter()

@@ -80,8 +80,13 @@ def momentum_step_reference(d, buf, h):
     """:func:`momentum_step` in torch; ``buf`` is None when no momentum buffer is kept."""
     if buf is None:
         return d, None
-    buf = d.clone() if bool(h.first) else h.momentum * buf + h.one_minus_damp * d
-    return (d + h.momentum * buf if bool(h.nesterov) else buf), buf
+    if isinstance(h.first, torch.Tensor):  # a tensor step: no host read (and no data-dependent branch to trace)
+        buf = torch.where(h.first != 0, d, h.momentum * buf + h.one_minus_damp * d)
+    else:
+        buf = d.clone() if h.first else h.momentum * buf + h.one_minus_damp * d
+    if isinstance(h.nesterov, torch.Tensor):
+        return torch.where(h.nesterov != 0, d + h.momentum * buf, buf), buf
+    return (d + h.momentum * buf if h.nesterov else buf), buf
 
 
 @triton.jit
