@@ -15,6 +15,7 @@ was built at install time (:data:`NATIVE`), each is one compiled call over all t
 from __future__ import annotations
 
 import array
+import bisect
 import dataclasses
 import functools
 import itertools
@@ -397,6 +398,55 @@ def _overlap(params: list, states: list) -> tuple[int, int] | None:
     return min(found) if found else None
 
 
+def _grad_overlap(params: list, grads: list, states: list) -> tuple[int, int] | None:
+    """``(j, k)``: grad ``j`` shares memory with position ``k`` of ``[*params, *fields of the states]``, which an
+    in-place step writes, else None. A grad that is exactly its own param (same address and layout) is read and
+    written element by element and counts as apart; grads may share memory with each other (read only). Params
+    and states are apart (:func:`_overlap`)."""
+    written = [*params, *itertools.chain.from_iterable(states)]
+    g_starts = list(map(Tensor.data_ptr, grads))
+    # the usual case first, as _overlap's: every range (self-aliased grads left out) apart from every other
+    others = [g for g, a, b in zip(grads, g_starts, map(Tensor.data_ptr, params)) if a != b]
+    tensors = [*written, *others]
+    starts = list(map(Tensor.data_ptr, tensors))
+    ends = [a + (n if t.is_contiguous() else _span(t)) for a, n, t in zip(starts, map(_NBYTES, tensors), tensors)]
+    if not any(map(operator.lt, sorted(starts)[1:], sorted(ends))):
+        return None
+    owner = [p.device for p in params] + [p.device for p, s in zip(params, states) for _ in s]
+    spans = sorted((t.data_ptr(), t.data_ptr() + _span(t), k) for k, t in enumerate(written) if t.numel())
+    ends = [e for _, e, _ in spans]  # disjoint ranges sorted by start: their ends are sorted too
+    for j, g in enumerate(grads):
+        if not g.numel():
+            continue
+        p = params[j]
+        if g.data_ptr() == p.data_ptr() and g.stride() == p.stride() and g.dtype == p.dtype:
+            continue  # the grad is its own param (read before the write, element by element)
+        start, end = g.data_ptr(), g.data_ptr() + _span(g)
+        i = bisect.bisect_right(ends, start)
+        while i < len(spans) and spans[i][0] < end:
+            k = spans[i][2]
+            if owner[k] == g.device and _share_memory(written[k], g):
+                return j, k
+            i += 1
+    return None
+
+
+def _check_grads_apart(param: Any, params: list, grads: list, states: list) -> None:
+    """ValueError naming a grad that shares memory with a param or state an in-place step writes: the fused step
+    reads and writes them at once, so the result would depend on the order the kernels run in."""
+    pair = _grad_overlap(params, grads, states)
+    if pair is None:
+        return
+    j, k = pair
+    names = _names(param)
+    where = [f"param{names[i]}" for i in range(len(params))]
+    where += [f"state{names[i]}.{f}" for i, s in enumerate(states) for f in type(s)._fields]
+    raise ValueError(
+        f"grad{names[j]} shares memory with {where[k]}, which this in-place step writes: the step would read it "
+        f"while writing it (pass a copy of the grad, or use bnbf.update)"
+    )
+
+
 # ---- gradients asked for through a step that is not differentiable -------------------------------------------
 
 _REQUIRES_GRAD = operator.attrgetter("requires_grad")
@@ -707,6 +757,8 @@ def _prepare(
     rule = _rule_of(param, states)
     h = rule.make_hparams(hparams)
     _check_no_overlap(param, params, states)
+    if in_place:
+        _check_grads_apart(param, params, grads, states)
     _check_present(rule, h, states)
     _check_step(step)
     return _Call(params, grads, states, p_spec, rule, h, step)

@@ -36,6 +36,7 @@ from bnbf._host_checks import (
     NATIVE,
     _any_lazy,
     _check_grad,
+    _check_grads_apart,
     _check_leaves,
     _check_no_overlap,
     _check_present,
@@ -300,6 +301,8 @@ class Plan:
         or their grads between the two calls). ``options``: skip_zeros, max_unorm, maximize as for
         :meth:`step`."""
         grads, at = ((), True) if held is True else held
+        if at is not True:  # the grads moved since the tables were made
+            _check_grads_apart(self._tree, self._params, grads, self._states)
         self._checked_step(
             self._params,
             self._states,
@@ -482,7 +485,13 @@ class Plan:
             if listed:  # the dict the grads came from, for the precise error
                 grad = dict(zip(self._keys, grad))
                 tree = grad if tree is None else tree
-            return self._checked_grads(params, tree, grad), None
+            grads, at = self._checked_grads(params, tree, grad), None
+        if at is None:
+            at = array.array("Q", map(Tensor.data_ptr, grads)).tobytes()
+            if at == self._grad_at:
+                return grads, True
+        if at is not True:  # grads elsewhere than the tables have them (checked apart when the tables were made)
+            _check_grads_apart(tree if tree is not None else dict(zip(self._keys, grads)), params, grads, states)
         return grads, at
 
     def _prepare_sets(
