@@ -52,6 +52,9 @@ from bnbf._host_checks import (
     _check_writable,
     _groups,
     _prepare,
+    _traced_derivative,
+    check_clip_not_differentiated,
+    check_not_differentiated,
     differentiated,
     hparam_tensors,
     packed_identities,
@@ -139,21 +142,34 @@ def _broadcast(tree: Any, keypaths: list, is_leaf: Callable[[Any], bool], what: 
 # ---- schedules -----------------------------------------------------------------------------------------------
 
 
+def _is_schedule(v: Any) -> bool:
+    """Whether a hyperparameter value is a schedule (a callable of the step). ``callable`` asked last: Dynamo
+    cannot trace it on a dict, a tensor or a tuple, which the tests before it answer."""
+    return not isinstance(v, (Tensor, Mapping, tuple, list)) and type(v) not in _PLAIN and callable(v)
+
+
 class _Resolver:
     """Evaluates each schedule (a callable hyperparameter) once per call, however many leaves share it."""
 
     def __init__(self, step: Any):
         self.step = step
         self.memo: dict[int, tuple[Callable, Any]] = {}  # id -> (fn, value): fn held so that its id stays its own
+        self.traced: list[tuple[Callable, Any]] = []  # the same, traced: found by ``is``
 
     def value(self, v: Any) -> Any:
-        if callable(v) and not isinstance(v, Tensor):
+        if _is_schedule(v):
+            if torch.compiler.is_compiling():  # id() would guard on the object's identity: a new one recompiles
+                hit = next((x for x in self.traced if x[0] is v), None)
+                if hit is None:
+                    hit = (v, v(self.step))
+                    self.traced.append(hit)
+                return hit[1]
             hit = self.memo.get(id(v))
             if hit is None:
                 hit = self.memo[id(v)] = (v, v(self.step))
             return hit[1]
-        if type(v) is tuple and any(map(callable, v)):
-            return tuple(map(self.value, v))
+        if type(v) is tuple and any(_is_schedule(x) for x in v):
+            return tuple(self.value(x) for x in v)
         return v
 
     def mapping(self, h: Any) -> Any:
@@ -161,7 +177,7 @@ class _Resolver:
         validated hyperparameters keeps working)."""
         if not isinstance(h, Mapping):
             return h
-        if not any(callable(v) or (type(v) is tuple and any(map(callable, v))) for v in h.values()):
+        if not any(_is_schedule(v) or (type(v) is tuple and any(_is_schedule(x) for x in v)) for v in h.values()):
             return h
         return {k: self.value(v) for k, v in h.items()}
 
@@ -230,9 +246,7 @@ def is_shared_hparams(hparams: Any) -> bool:
         isinstance(hparams, Mapping)
         and not _by_rule(hparams)
         and not any(
-            isinstance(v, Mapping)
-            or (callable(v) and not isinstance(v, Tensor))
-            or (type(v) is tuple and any(map(callable, v)))
+            isinstance(v, Mapping) or _is_schedule(v) or (type(v) is tuple and any(_is_schedule(x) for x in v))
             for v in hparams.values()
         )
     )
@@ -255,8 +269,8 @@ def _per_leaf_hparams(
     ``raw``, if given, receives each leaf's object before its schedules are evaluated, for the callable, by-rule
     and flat tree forms (what :class:`_Partition` recognises a call's partition by)."""
     given = None  # each leaf's object, for the callable and flat tree forms
-    if callable(hparams) and not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams):
-        given, form = list(map(hparams, names, params)), "callable"
+    if not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams) and callable(hparams):
+        given, form = [hparams(name, p) for name, p in zip(names, params)], "callable"
     elif _by_rule(hparams):
         missing = sorted(set(rules) - set(hparams))
         if missing:
@@ -272,13 +286,18 @@ def _per_leaf_hparams(
         return [h] * len(params), ""
     elif flat and type(hparams) is dict and len(hparams) == len(names):
         # a dict of mappings by param name in the params' order: read as the callable form (no pytree walk)
-        given, form = _values_of(hparams, tuple(names)), "tree"
+        # traced: the dict's own order (Dynamo cannot trace the native lookup)
+        given = _values_of(hparams, tuple(names)) if not torch.compiler.is_compiling() else None
+        if given is None and torch.compiler.is_compiling() and tuple(hparams) == tuple(names):
+            given = list(hparams.values())
+        form = "tree"
     if given is None:
         return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")], ""
     out = []
     seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping given for many leaves is read once
+    traced: list | None = [] if torch.compiler.is_compiling() else None  # the same by ``is``: ids guard, recompile
     for name, h in zip(names, given):
-        hit = seen.get(id(h))
+        hit = seen.get(id(h)) if traced is None else next((x for x in traced if x[0] is h), None)
         if hit is not None and hit[0] is h:
             out.append(hit[1])
             continue
@@ -289,8 +308,12 @@ def _per_leaf_hparams(
                 f"the hparams callable returned {type(h).__name__} for {name!r}; expected a mapping, "
                 f"a rule's hparams dataclass or None"
             )
-        seen[id(h)] = (h, r.mapping(h))  # h held: its id stays its own for the call
-        out.append(seen[id(h)][1])
+        hit = (h, r.mapping(h))  # h held: its id stays its own for the call
+        if traced is None:
+            seen[id(h)] = hit
+        else:
+            traced.append(hit)
+        out.append(hit[1])
     if raw is not None:
         raw.extend(given)
     return out, form
@@ -333,6 +356,25 @@ def _hkey(v: Any) -> Any:
     except TypeError:
         return ("id", id(v))
     return (type(v), v)
+
+
+def _traced_key(v: Any, seen: list) -> Any:
+    """:func:`_hkey` for a traced call: a tensor (or another object) keyed by its place among the call's distinct
+    ones, found by ``is``, which Dynamo answers while tracing; ``id()`` would make a guard on each input's identity,
+    so a new lr tensor each step would compile again."""
+    if type(v) in _PLAIN:
+        return _number_key(v)
+    if type(v) in (tuple, list):
+        return (type(v), tuple(_traced_key(x, seen) for x in v))
+    if isinstance(v, Mapping):
+        return ("map", tuple((str(k), _traced_key(v[k], seen)) for k in sorted(v, key=str)))
+    if v is None:
+        return None
+    for j, x in enumerate(seen):
+        if x is v:
+            return ("object", j)
+    seen.append(v)
+    return ("object", len(seen) - 1)
 
 
 # ---- init_state ------------------------------------------------------------------------------------------
@@ -459,13 +501,22 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
     hps, form = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), raw, names is paths)
     groups: dict[tuple, list[int]] = {}
     keys: dict[int, Any] = {}  # id(mapping) -> its key: a mapping shared by many leaves is keyed once
+    traced: list | None = [] if torch.compiler.is_compiling() else None  # the call's tensors, for _traced_key
     for i, (rule, h) in enumerate(zip(rules, hps)):
-        k = keys.get(id(h))
-        if k is None:
-            k = keys[id(h)] = _group_key(h)
+        if traced is not None:  # keys without id(): Dynamo guards on the id of each input it is asked for
+            k = _traced_key(h, traced)
+        else:
+            k = keys.get(id(h))
+            if k is None:
+                k = keys[id(h)] = _group_key(h)
         groups.setdefault((rule, k), []).append(i)
-    # every group's hyperparameters are validated before anything runs: a bad one raises with nothing written
-    validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
+    # every group's hyperparameters are validated before anything runs: a bad one raises with nothing written.
+    # Traced, the core validates each group's mapping without reading a value (building the dataclass would read
+    # them, and Dynamo cannot trace it); an error at trace time runs nothing either
+    if torch.compiler.is_compiling():
+        validated = [(hps[idx[0]], idx) for idx in groups.values()]
+    else:
+        validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
     flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
     return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form)
 
@@ -473,6 +524,50 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
 def _sub(parts: _Parts, leaves: list, idx: list[int]) -> dict:
     names = parts.names
     return {names[i]: leaves[i] for i in idx}
+
+
+def differentiable_update(
+    params: Any,
+    grads: Any,
+    state: Any,
+    hparams: Any,
+    step: Any,
+    *,
+    skip_zeros: bool = False,
+    max_unorm: Any = 0.0,
+    maximize: bool = False,
+) -> tuple[Any, Any]:
+    """``bnbf.update(..., differentiable=True)`` of the composing forms (:func:`update`'s hparams forms: schedules,
+    ``{rule: mapping}``, a callable ``(path, param) -> mapping``, a tree of mappings; states of several rules).
+
+    The forms are resolved as the default step resolves them (:func:`_per_leaf_hparams`, schedules evaluated once
+    a call) and the leaves grouped by (rule, hyperparameters), tensors by identity (never read), then each group
+    takes one differentiable step (:func:`bnbf.differentiable.update`, which validates its hyperparameters on
+    detached values): bit for bit the steps of separate calls on each group, derivatives through every tensor,
+    a schedule's output included. Pure, so a group that raises leaves nothing changed; the in-place step
+    (:func:`bnbf.differentiable.update_`) computes every group through here before it writes.
+    """
+    from bnbf import differentiable  # bnbf.differentiable sends these forms here
+
+    rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
+    rules = [type(s).layout.rule for s in ss]
+    hps, _ = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), None, names is paths)
+    groups: dict[tuple, list[int]] = {}
+    traced: list = []  # _traced_key's tensors: keyed by identity, with no id() for Dynamo to guard on
+    for i, (rule, h) in enumerate(zip(rules, hps)):
+        groups.setdefault((rule, _traced_key(h, traced)), []).append(i)
+    new_p: list = [None] * len(ps)
+    new_s: list = [None] * len(ps)
+    for idx in groups.values():
+        pick = lambda leaves: {names[i]: leaves[i] for i in idx}  # noqa: B023 - used at once
+        out_p, out_s = differentiable.update(
+            pick(ps), pick(gs), pick(ss), hps[idx[0]], step, skip_zeros=skip_zeros, max_unorm=max_unorm,
+            maximize=maximize,
+        )  # fmt: skip
+        for i in idx:
+            new_p[i] = out_p[names[i]]
+            new_s[i] = out_s[names[i]]
+    return rebuild(new_p), rebuild(new_s)
 
 
 def _one_rule_tree(state: Any) -> bool:
@@ -539,7 +634,7 @@ def _with_clipping(fn, max_grad_norm, params, grads, state, *rest):
     """``fn(params, grads, state, *rest)`` (the pure or the in-place step), inside the clipping context of
     ``max_grad_norm`` where the kernels apply it, else on clipped copies of the grads (:func:`_grad_clip`)."""
     if max_grad_norm is not None:
-        clip, grads = _grad_clip(grads, max_grad_norm)
+        clip, grads = _grad_clip(grads, max_grad_norm, detach=fn is _update_)
         if clip is not None:
             with _clipping(clip):
                 return fn(params, grads, state, *rest)
@@ -617,7 +712,8 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
     _check_options(parts, max_unorm)
     if _planned_update_(parts, step, opts):
         return params, state
-    if len(parts.groups) > 1:
+    # traced: no addresses to compare, and a check that raises at trace time leaves the graph unrun
+    if len(parts.groups) > 1 and not torch.compiler.is_compiling():
         _check_before_writing(parts, step)
     for h, idx in parts.groups:
         bnbf.update_(
@@ -848,7 +944,7 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     False, with nothing written, on any difference: the caller then splits the call afresh."""
     if type(params) is not dict or type(grads) is not dict or type(state) is not dict or not params:
         return False
-    if len(state) != len(params):
+    if len(state) != len(params) or torch.compiler.is_compiling():  # traced: no ids (the split's traced route)
         return False
     pv, sv = params.values(), state.values()
     entry = _PARTITIONS.get(
@@ -856,7 +952,7 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     )
     if entry is None or isinstance(opts["max_unorm"], Tensor):
         return False
-    if torch.compiler.is_compiling() or torch._C._functorch.maybe_current_level() is not None:
+    if torch._C._functorch.maybe_current_level() is not None:  # traced calls returned above
         return False
     keys = entry.keys
     ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
@@ -1149,7 +1245,10 @@ def updates(
 
     Args:
         params, grads, state, hparams, step: as :func:`update` (mixed rules and every hparams form too).
-        **options: ``skip_zeros``, ``max_unorm``, ``maximize``, ``max_grad_norm``, as :func:`update`.
+        **options: ``skip_zeros``, ``max_unorm``, ``maximize``, ``max_grad_norm``, as :func:`update`;
+            ``differentiable=True`` as for :func:`bnbf.update` (32-bit state): the step in differentiable ops, ``u``
+            keeping the history of every input (float64 params give float64 updates). Without it, a param or grad
+            that takes part in a derivative raises (the step runs on detached copies), as the core's step does.
 
     Returns:
         ``(updates, new_state)``: float32 tensors in the structure of ``params``, and the new states.
@@ -1163,17 +1262,21 @@ def updates(
     """
     flat, treespec = pytree.tree_flatten_with_path(params)
     clip, max_grad_norm = None, options.pop("max_grad_norm", None)
+    differentiable = options.pop("differentiable", False)
+    if differentiable is not False:
+        if differentiable is not True:
+            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        return _differentiable_updates(flat, treespec, params, grads, state, hparams, step, max_grad_norm, options)
+    ps, g_leaves = _updates_leaves(flat, treespec, grads)
+    tensors = all(isinstance(p, Tensor) for p in ps) and all(isinstance(g, Tensor) for g in g_leaves)
+    if tensors and _asked([*ps, *g_leaves]):
+        _refuse_updates(params, ps, g_leaves, state)  # the step below runs on detached copies
+    if isinstance(max_grad_norm, Tensor) and _asked([max_grad_norm]):
+        _refuse_updates(params, [], [], state, max_grad_norm)
     if max_grad_norm is not None:  # the norm of the grads as given (16-bit ones have 16-bit norms, as torch's)
         clip, grads = _grad_clip(grads, max_grad_norm)
-    g_leaves, g_spec = pytree.tree_flatten(grads)
-    if g_spec != treespec:
-        raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
-    ps = [p for _, p in flat]
-    for (k, p), g in zip(flat, g_leaves):
-        # the casts below would hide a grad of another dtype than its param's: checked here, the rest by the core
-        if isinstance(p, Tensor) and isinstance(g, Tensor) and g.dtype != p.dtype:
-            raise TypeError(f"grad{pytree.keystr(k)} has dtype {g.dtype} but the param has dtype {p.dtype}")
-    if all(isinstance(p, Tensor) for p in ps) and all(isinstance(g, Tensor) for g in g_leaves):
+        g_leaves = pytree.tree_leaves(grads)
+    if tensors:
         with torch.no_grad():
             p32 = _as_float32([p.detach() for p in ps])
             g32 = _as_float32([g.detach() for g in g_leaves])
@@ -1185,6 +1288,63 @@ def updates(
         )
     with torch.no_grad():
         u = torch._foreach_sub(pytree.tree_leaves(new), p32)
+    return pytree.tree_unflatten(u, treespec), new_state
+
+
+def _updates_leaves(flat: list, treespec: Any, grads: Any) -> tuple[list, list]:
+    """The params' and grads' leaves of an :func:`updates` call, their structures and dtypes checked."""
+    g_leaves, g_spec = pytree.tree_flatten(grads)
+    if g_spec != treespec:
+        raise ValueError(f"grad structure {g_spec} does not match param structure {treespec}")
+    for (k, p), g in zip(flat, g_leaves):
+        # the casts would hide a grad of another dtype than its param's: checked here, the rest by the core
+        if isinstance(p, Tensor) and isinstance(g, Tensor) and g.dtype != p.dtype:
+            raise TypeError(f"grad{pytree.keystr(k)} has dtype {g.dtype} but the param has dtype {p.dtype}")
+    return [p for _, p in flat], g_leaves
+
+
+def _refuse_updates(params: Any, ps: list, gs: list, state: Any, max_grad_norm: Any = None) -> None:
+    """The core's refusal of a derivative asked through a step that is not differentiable, for :func:`updates`,
+    which steps detached float32 copies (the core would not see what is asked): it names the leaf, the option
+    and this function."""
+    states = pytree.tree_leaves(state, is_leaf=is_state)
+    try:
+        if max_grad_norm is not None:
+            check_clip_not_differentiated(max_grad_norm, state, in_place=False)
+        elif not torch.compiler.is_compiling():  # the leaf's name from the eager checks; traced, the error below
+            check_not_differentiated(params, ps, gs, None, None, None, states, in_place=False)
+    except RuntimeError as e:
+        raise RuntimeError(str(e).replace("to bnbf.update to", "to bnbf.updates to")) from None
+    raise RuntimeError(
+        "a derivative is asked through bnbf.updates, which is not differentiable by default: pass "
+        "differentiable=True to bnbf.updates (32-bit state), or step detached tensors under torch.no_grad()"
+    )
+
+
+def _differentiable_updates(
+    flat: list, treespec: Any, params: Any, grads: Any, state: Any, hparams: Any, step: Any, max_grad_norm: Any,
+    options: dict,
+) -> tuple[Any, Any]:  # fmt: skip
+    """:func:`updates` with ``differentiable=True``: the step of ``bnbf.update(..., differentiable=True)`` (every
+    hparams form, mixed rules) on the params and grads widened to float32 by differentiable casts (exact), and
+    ``u = new - p`` in that dtype; float64 params stay float64 (gradcheck). Every tensor keeps its history."""
+    ps, g_leaves = _updates_leaves(flat, treespec, grads)
+    if max_grad_norm is not None:  # clipped as given, as the default path clips (16-bit grads: 16-bit norms)
+        _check_max_grad_norm(max_grad_norm)
+        grads = clip_grad_norm(grads, max_grad_norm)[0]
+        g_leaves = pytree.tree_leaves(grads)
+    widen = lambda t: t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
+    wide, g_wide = list(map(widen, ps)), list(map(widen, g_leaves))
+    new, new_state = bnbf.update(
+        pytree.tree_unflatten(wide, treespec),
+        pytree.tree_unflatten(g_wide, treespec),
+        state,
+        hparams,
+        step,
+        differentiable=True,
+        **options,
+    )
+    u = [n - p for n, p in zip(pytree.tree_leaves(new), wide)]
     return pytree.tree_unflatten(u, treespec), new_state
 
 
@@ -1218,13 +1378,19 @@ def apply_updates(params: Any, updates: Any) -> Any:
         updates: float tensors of the params' shapes in the same structure (e.g. from :func:`updates`).
 
     Returns:
-        New params in the structure and dtypes of ``params``.
+        New params in the structure and dtypes of ``params``; where a derivative is asked through a param or an
+        update (as ``optax.apply_updates``), the same values computed in differentiable ops.
 
     Example:
         >>> apply_updates({"w": torch.ones(2, dtype=torch.bfloat16)}, {"w": torch.full((2,), -0.25)})
         {'w': tensor([0.7500, 0.7500], dtype=torch.bfloat16)}
     """
     ps, us, treespec = _flatten_updates(params, updates)
+    if _asked([*ps, *us]):
+        # p + u in ops torch.func and autograd differentiate (the _foreach ops do not under torch.func): the same
+        # elementwise sum in the promoted dtype, then the one rounding
+        out = [p + u for p, u in zip(ps, us)]
+        return pytree.tree_unflatten([o if o.dtype == p.dtype else o.to(p.dtype) for o, p in zip(out, ps)], treespec)
     with torch.no_grad():
         # a 16-bit param plus a float32 update promotes to float32: one rounding, into the param dtype, after
         out = torch._foreach_add([p.detach() for p in ps], us)
@@ -1276,7 +1442,8 @@ def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
 def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     """torch.nn.utils.clip_grad_norm_'s total norm (the same ops, so the same bits), and the grads' indices by
     (device, dtype)."""
-    if len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:  # the usual tree: one group
+    # the usual tree: one group (traced: the loop below, which Dynamo traces and which gives the same ops)
+    if not torch.compiler.is_compiling() and len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:
         by = {(gs[0].device, gs[0].dtype): range(len(gs))}
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)), norm_type), by
     by: dict[tuple, list[int]] = {}
@@ -1300,7 +1467,7 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
     check_nonneg(max_grad_norm, "max_grad_norm")
 
 
-def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
+def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[GradClip | None, Any]:
     """Gradient clipping for one call of :func:`update` / :func:`update_` with ``max_grad_norm``.
 
     Returns ``(clip, grads)``. Eager calls on plain tensors get a folded :class:`bnbf.reference.GradClip`, set
@@ -1328,14 +1495,17 @@ def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
     (``torch._foreach_norm`` per (device, dtype)) and the kernels the coefficient from it.
 
     Traced calls, torch.func transforms and tensor subclasses (DTensor...) get ``clip`` None and the grads
-    clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip).
+    clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip), which keep the grads'
+    history where a derivative is asked through them: the core then refuses it as it refuses unclipped grads.
+    ``detach``: the in-place step takes grads that require grad detached (as torch.optim); the pure step keeps
+    them (under grad mode), so that the core names such a grad instead of losing its history.
     """
     _check_max_grad_norm(max_grad_norm)
     gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
     if (
-        not gs
+        torch.compiler.is_compiling()  # first: the checks after it are not traceable
+        or not gs
         or not set(map(type, gs)) <= _PLAIN_TENSORS
-        or torch.compiler.is_compiling()
         or torch._C._functorch.maybe_current_level() is not None
     ):
         return None, clip_grad_norm(grads, max_grad_norm)[0]
@@ -1352,7 +1522,7 @@ def _grad_clip(grads: Any, max_grad_norm: Any) -> tuple[GradClip | None, Any]:
             clip = GradClip(clip_coefficient(_total_norm(gs, 2.0)[0], limit), None)
         else:
             clip = GradClip(_total_norm(gs, 2.0)[0], float(max_grad_norm))
-    if any(map(_REQUIRES_GRAD, gs)):  # taken detached, as the clipped copies were
+    if (detach or not torch.is_grad_enabled()) and any(map(_REQUIRES_GRAD, gs)):  # taken detached, as torch.optim
         grads = pytree.tree_map(Tensor.detach, grads)
     return clip, grads
 
@@ -1380,7 +1550,7 @@ def _clipping(clip: GradClip):
         GRAD_CLIP.reset(token)
 
 
-def _clip_args(grads: Any, max_norm: Any, norm_type: Any) -> tuple[list, Any, float]:
+def _clip_args(grads: Any, max_norm: Any, norm_type: Any) -> tuple[list, Any, Any, float]:
     gs, treespec = pytree.tree_flatten(grads)
     for i, g in enumerate(gs):
         if not isinstance(g, Tensor):
@@ -1388,7 +1558,44 @@ def _clip_args(grads: Any, max_norm: Any, norm_type: Any) -> tuple[list, Any, fl
     norm_type = float(norm_type)
     if not isinstance(max_norm, Tensor):
         max_norm = float(max_norm)
-    return [g.detach() for g in gs], treespec, norm_type
+    return gs, treespec, max_norm, norm_type
+
+
+def _asked(tensors: list) -> bool:
+    """Whether a derivative is asked through ``tensors`` (:func:`bnbf._host_checks.differentiated`: requiring grad
+    under grad mode, wrapped by torch.func's grad/jvp, a forward-mode dual). Traced by torch.compile, what Dynamo
+    can see: grad mode and ``requires_grad``, or a torch.func grad/jvp transform around the call."""
+    if torch.compiler.is_compiling():
+        return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or _traced_derivative()
+    return differentiated(tensors)
+
+
+def _clip_differentiably(
+    gs: list, treespec: Any, max_norm: Any, norm_type: float, error_if_nonfinite: bool
+) -> tuple[Any, Tensor]:
+    """:func:`clip_grad_norm` where a derivative is asked through it: torch's arithmetic in ops that autograd,
+    ``torch.func.grad``/``jvp`` and ``vmap`` all differentiate (the ``_foreach`` ops have no working backward or
+    forward derivative under torch.func). One ``vector_norm`` per grad is what ``torch._foreach_norm`` runs on the
+    CPU (so the same bits there) and what ``clip_grad_norm_(foreach=False)`` runs; the norms are stacked in the
+    same (device, dtype) group order as :func:`_total_norm`, and ``g * coef`` is ``torch._foreach_mul``'s product."""
+    by: dict = {}
+    for i, g in enumerate(gs):
+        key = (g.device, g.dtype)
+        if key in by:
+            by[key].append(i)
+        else:
+            by[key] = [i]
+    first = gs[0].device
+    norms = [torch.linalg.vector_norm(gs[i], norm_type).to(first) for idx in by.values() for i in idx]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    _check_finite_norm(total, norm_type, error_if_nonfinite)
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    out: list = [None] * len(gs)
+    for (device, _), idx in by.items():
+        c = coef.to(device)
+        for i in idx:
+            out[i] = gs[i] * c
+    return pytree.tree_unflatten(out, treespec), total
 
 
 def clip_grad_norm(
@@ -1408,6 +1615,10 @@ def clip_grad_norm(
         error_if_nonfinite: raise ``RuntimeError`` if the total norm is nan or inf (reads it: a host
             synchronisation, as in torch).
 
+    Where a derivative is asked through the grads or ``max_norm`` (eager autograd, ``torch.func.grad``/``jvp``) the
+    same arithmetic runs in differentiable ops (one ``vector_norm`` per grad, as ``_foreach_norm`` computes on the
+    CPU): the derivatives of torch's clip, the same values.
+
     Returns:
         ``(clipped_grads, total_norm)``: new tensors in the structure of ``grads``, and the total norm before
         clipping (a 0-d tensor in the grads' dtype, on the first grad's device).
@@ -1417,9 +1628,12 @@ def clip_grad_norm(
         >>> norm.item(), round(clipped["a"].item(), 4)
         (5.0, 0.6)
     """
-    gs, treespec, norm_type = _clip_args(grads, max_norm, norm_type)
+    gs, treespec, max_norm, norm_type = _clip_args(grads, max_norm, norm_type)
     if not gs:
         return grads, torch.tensor(0.0)
+    if _asked(gs if not isinstance(max_norm, Tensor) else [*gs, max_norm]):
+        return _clip_differentiably(gs, treespec, max_norm, norm_type, error_if_nonfinite)
+    gs = [g.detach() for g in gs]
     with torch.no_grad():
         total, by = _total_norm(gs, norm_type)
         _check_finite_norm(total, norm_type, error_if_nonfinite)
@@ -1439,9 +1653,10 @@ def clip_grad_norm_(grads: Any, max_norm: Any, norm_type: Any = 2.0, error_if_no
         >>> clip_grad_norm_(g, 1.0).item(), g[0]
         (5.0, tensor([0.6000, 0.8000]))
     """
-    gs, _, norm_type = _clip_args(grads, max_norm, norm_type)
+    gs, _, max_norm, norm_type = _clip_args(grads, max_norm, norm_type)
     if not gs:
         return torch.tensor(0.0)
+    gs = [g.detach() for g in gs]  # written in place under no_grad, as torch writes p.grad
     with torch.no_grad():
         total, by = _total_norm(gs, norm_type)
         _check_finite_norm(total, norm_type, error_if_nonfinite)

@@ -78,6 +78,14 @@ def update(
         >>> torch.autograd.grad(p2.sum(), lr)[0]
         tensor(-3., dtype=torch.float64)
     """
+    from bnbf import compose  # compose builds on bnbf, which imports this module (no functools.cache: Dynamo warns)
+
+    if not compose.is_shared_hparams(hparams) or not compose._one_rule_tree(state):
+        # schedules, per-rule, per-leaf and tree forms, mixed rules: resolved and grouped as the default step
+        # groups them, each group stepped here
+        return compose.differentiable_update(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
     params, grads, states, p_spec = _structures(param, grad, state)
     names = _names(param) if len(params) > 1 or p_spec != "leaf" else [""]
     for name, p, g, s in zip(names, params, grads, states):
