@@ -40,7 +40,7 @@ from torch import Tensor
 import bnbf
 from bnbf._dispatch import is_dtensor
 from bnbf.quant import STATE_FORMATS, state_map
-from bnbf.state import relaid
+from bnbf.state import present_mask, relaid
 
 QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes (>= 0.48) nests the state tensors under it
 BLOCK = 256  # bitsandbytes' block size
@@ -164,6 +164,35 @@ def distributed_module() -> Any:
     import bnbf.distributed
 
     return bnbf.distributed
+
+
+# settings under which a rule keeps an optional state slot, which do not change the slot's initial value: how a
+# state is made that keeps a slot its settings do not step (see with_slots)
+_KEEPS_SLOT = {
+    "adam": {2: {"amsgrad": True}},
+    "adamw": {2: {"amsgrad": True}},
+    "sgd": {0: {"momentum": 0.5}},
+    "lars": {0: {"momentum": 0.5}},
+    "rmsprop": {1: {"momentum": 0.5}, 2: {"centered": True}},
+}
+
+
+def with_slots(rule: Any, hparams: Any, mask: int) -> Any:
+    """The rule's hyperparameter dataclass ``hparams`` changed where needed to keep the state slots of ``mask``
+    too (bit j: slot j), with every initial value as ``hparams`` gives it: what a state is made from that keeps a
+    slot the current settings do not step (a momentum buffer kept after momentum was switched off, as
+    torch.optim keeps it), or one they add."""
+    h = rule.make_hparams(hparams)
+    have = present_mask(rule, h)
+    changes: dict = {}
+    for j in range(len(rule.states)):
+        if (mask >> j) & 1 and not (have >> j) & 1:
+            changes.update(_KEEPS_SLOT.get(rule.name, {}).get(j, {}))
+    if changes:
+        h = dataclasses.replace(h, **changes)
+    if present_mask(rule, h) != mask | have:
+        raise NotImplementedError(f"bnbf_nn cannot make a {rule.name} state keeping the slots {mask:#b}")
+    return h
 
 
 def new_state(param: Tensor, spec: Any, hparams: Any, family: Any, wide: bool = False) -> Any:
@@ -367,11 +396,22 @@ def unpack(
     values, and NaN or inf makes the next step's params NaN."""
     entry = dict(entry)
     entry.update(entry.pop(QUANT_KEY, None) or {})
-    present = rule.slots_present(bnbf.hparams_for(rule.name, hparams))
+    hparams = bnbf.hparams_for(rule.name, hparams)
+    present = list(rule.slots_present(hparams))
     slots = _slots(rule, stacks)
+    tensors = {k: v for k, v in entry.items() if k != "step" and k not in _IGNORED}
+    # a slot these settings do not step, that the saving optimizer kept (momentum or amsgrad switched off after
+    # its states were made): loaded and kept untouched, as torch.optim keeps an unused momentum buffer
+    extra = 0
+    for k, js in enumerate(slots, start=1):
+        optional = all(j in _KEEPS_SLOT.get(rule.name, {}) for j in js)
+        if f"state{k}" in tensors and not any(present[j] for j in js) and optional:
+            extra |= sum(1 << j for j in js)
+            present = [keep or j in js for j, keep in enumerate(present)]
+    if extra:
+        hparams = with_slots(rule, hparams, extra)
     expected = {f"state{k}": [j for j in js if present[j]] for k, js in enumerate(slots, start=1)}
     expected = {key: kept for key, kept in expected.items() if kept}
-    tensors = {k: v for k, v in entry.items() if k != "step" and k not in _IGNORED}
     for key in sorted(set(tensors) - {f"{p}{k[5:]}" for k in expected for p in ("state", "qmap", "absmax")}):
         hint = " (bitsandbytes' non-blockwise 8-bit state is not supported)" if key.startswith(("max", "new_")) else ""
         slot = re.fullmatch(r"(?:state|qmap|absmax)(\d+)", key)

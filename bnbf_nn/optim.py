@@ -70,7 +70,13 @@ bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its behavio
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
-them per parameter; ``step`` checks every group's settings before it steps any group. A tensor may appear once
+them per parameter; ``step`` checks every group's settings (and the dtype of params that get their first state)
+before it steps any group. Settings that decide which states exist may change between steps, as in torch.optim:
+with momentum (SGD, RMSprop, LARS) or amsgrad (Adam, AdamW) switched off the state keeps its buffer untouched
+(``state_dict`` saves it and loading keeps it), switched on the missing buffer is added at its initial value;
+SGD's or LARS's momentum switched on with dampening and RMSprop's centered switched off, where bnbf's step would
+differ from torch's, raise ``ValueError``. A param of a dtype bnbf cannot step (float64 but in a differentiable
+group, complex, integer) is refused when its group is added. A tensor may appear once
 among all groups (torch refuses it in two groups and only warns for twice in one; a group is one fused call,
 which would write it twice).
 
@@ -110,9 +116,9 @@ from torch import Tensor
 
 import bnbf
 import bnbf.paged
-from bnbf._host_checks import NATIVE, _check_present, check_update_options, packed_identities
+from bnbf._host_checks import NATIVE, check_update_options, packed_identities
 from bnbf.plan import not_capturable
-from bnbf.state import present_mask, relaid
+from bnbf.state import present_mask, relaid, state_class
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
 
@@ -151,6 +157,7 @@ def _plain_step(opt: torch.optim.Optimizer) -> bool:
     )
 
 
+_STEPPABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})  # param dtypes bnbf's steps take
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
 _NUMBER = frozenset({float, int})
@@ -451,7 +458,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._set_rule(defaults)
         self._init_caches()
         defaults = {**_STORAGE, "optim_bits": optim_bits, **_CALL, **_MODES, **defaults}
-        self._check_group(defaults)  # before torch.optim reads params: bad settings say so, whatever params are
+        # before torch.optim reads params: bad settings say so, whatever params are; nesterov checked as given (torch
+        # checks it in the constructor only)
+        self._check_group(defaults, as_given=True)
         super().__init__(params, defaults)
         self.state = _checkpoint.States(self.state)
 
@@ -478,6 +487,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
+        self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
 
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
         lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
@@ -528,19 +538,22 @@ class Optimizer8bit(torch.optim.Optimizer):
         try:
             _check_unique(group["params"])
             self._check_group(group)
+            for i, p in enumerate(group["params"]):
+                self._check_steppable(group, len(self.param_groups) - 1, i, p)
         except Exception:
             self.param_groups.pop()
             raise
         self._lr0[id(group)] = group["lr"]
 
-    def _check_group(self, group: Mapping, override: Mapping | None = None) -> None:
+    def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
         """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches
-        where the family has torch's class (in torch's order and wording where torch checks them)."""
+        where the family has torch's class (in torch's order and wording where torch checks them); ``as_given``:
+        the constructor's arguments, where torch also checks nesterov (see :meth:`_hparams`)."""
         settings = {**group, **(override or {})}
         adam = self.family.rule in ("adam", "adamw") and "foreach" in settings
         if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-        bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override)))
+        bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
         if adam:
             _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         self._spec(group, override)
@@ -559,7 +572,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             paged=self.is_paged,
         )
 
-    def _hparams(self, group: Mapping, override: Mapping | None = None) -> dict:
+    def _hparams(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> dict:
         hp = {k: group[k] for k in self._hkeys}
         if override:
             lr = override.get("lr")
@@ -567,7 +580,22 @@ class Optimizer8bit(torch.optim.Optimizer):
             if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
                 base = group.get("initial_lr", self._lr0.get(id(group), group["lr"]))
                 hp["lr"] = lr * (group["lr"] / base) if isinstance(base, Tensor) or base else lr
+        if not as_given and hp.get("nesterov") is True and type(hp["momentum"]) in _NUMBER and hp["momentum"] == 0:
+            # torch checks nesterov only in its constructor: a momentum a schedule (or a hand) sets to 0 later steps
+            # plainly, where nesterov changes nothing; the core's hyperparameters would refuse the pair
+            hp["nesterov"] = False
         return hp
+
+    def _check_steppable(self, group: Mapping, gi: int, i: int, p: Any) -> None:
+        """A param of a dtype bnbf steps (float64 only in a differentiable group, whose state is float64 then):
+        refused when it joins a group, and before any group steps where it gets its first state (``.data`` may have
+        changed its dtype), rather than in the middle of a step."""
+        if p.dtype in _STEPPABLE or (p.dtype == torch.float64 and group["differentiable"] is True):
+            return
+        raise TypeError(
+            f"{type(self).__name__} can only optimize float32, float16 and bfloat16 Tensors (float64 ones with "
+            f"differentiable=True), but param {i} of param group {gi} is a {p.dtype} Tensor"
+        )
 
     # ---- step ------------------------------------------------------------------------------------------
 
@@ -599,7 +627,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         # every group's settings are checked before any group steps, so that an error (a bad lr in the last
         # group) leaves every param and state as it was
         self._fast = None  # rebuilt below where this step finds every group in the usual case
-        jobs = [self._prepare_group(group) for group in self.param_groups]
+        jobs = self._prepare_groups()
         self._step_groups(jobs)
         self._fast = self._fast_jobs(jobs)
         return loss
@@ -722,7 +750,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             return []
         self._fast = None
         jobs, eager = [], []
-        for group, plan, grads, every in [self._prepare_group(group) for group in self.param_groups]:
+        for group, plan, grads, every in self._prepare_groups():
             if not (group["capturable"] or group["differentiable"] or self._tensor_settings(group, plan)):
                 eager.append((group, plan, grads, every))
                 continue
@@ -758,6 +786,17 @@ class Optimizer8bit(torch.optim.Optimizer):
         overrides = [v for cfg in plan.configs.values() for k, v in cfg.items() if k not in _STORAGE]
         return any(isinstance(v, Tensor) for v in torch.utils._pytree.tree_leaves((*self._seen(group), *overrides)))
 
+    def _prepare_groups(self) -> list:
+        """Every group prepared (:meth:`_prepare_group`), so checked, before any steps; then the state slots that
+        settings switched on since the states were made (momentum, amsgrad) added, and the groups prepared again
+        over the new states (rare: at a switch)."""
+        self._adding = []
+        jobs = [self._prepare_group(group) for group in self.param_groups]
+        if self._adding:
+            self._add_slots()
+            jobs = [self._prepare_group(group) for group in self.param_groups]
+        return jobs
+
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
         params that get their first state this step checked; nothing is written."""
@@ -775,9 +814,12 @@ class Optimizer8bit(torch.optim.Optimizer):
                 bucket.plan = bucket.make_plan()
         if not (plan.complete and every):
             checked = set()
-            for p, g in zip(params, grads):
+            for i, (p, g) in enumerate(zip(params, grads)):
+                if g is None or "state" in self.state.get(p, {}):
+                    continue
+                self._check_steppable(group, _index_of(self.param_groups, group), i, p)
                 cfg = plan.configs.get(id(p))
-                if g is not None and id(cfg) not in checked and "state" not in self.state.get(p, {}):
+                if id(cfg) not in checked:
                     self._check_group(group, cfg)
                     checked.add(id(cfg))
         return group, plan, grads, every
@@ -863,8 +905,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         check_update_options(
             self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0), kw.get("maximize", False)
         )
-        if present_mask(self._rule, h) != bucket.present:  # e.g. momentum switched on after states were made
-            _check_present(self._rule, h, bucket.states)
+        if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched since the states were made
+            self._relayout(group, bucket, h)
+            # not memoized: the fast step holds the bucket's old plan; the next step's checks memoize the new layout
+            return h, kw
         if not override and set(map(type, seen)) <= _CONSTANT and all(map(_immutable, seen)):
             bucket.memo = (seen, (h, kw))  # a tensor may change in place: such settings are checked every step
         return h, kw
@@ -880,8 +924,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         h = self._rule.make_hparams(_detached(hp))
         kw = {k: override.get(k, group[k]) for k in _CALL}
         check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
-        if present_mask(self._rule, h) != bucket.present:
-            _check_present(self._rule, h, bucket.states)
+        if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched: as in _settings
+            self._relayout(group, bucket, h)
         if not group["differentiable"]:
             return self._rule.make_hparams(hp), kw
         if any(type(s).layout.quantized for s in bucket.states):
@@ -890,6 +934,93 @@ class Optimizer8bit(torch.optim.Optimizer):
                 "class such as AdamW32bit): 8-bit states are rounded to codes, which have no gradient"
             )
         return hp, kw
+
+    def _relayout(self, group: dict, bucket: _Bucket, h: Any) -> None:
+        """A bucket whose states keep other state slots than the settings ``h`` step (momentum or amsgrad switched
+        since they were made). A slot the settings do not step stays in the state untouched, as torch.optim leaves an
+        unused momentum buffer: the bucket steps states of the settings' layout whose fields are the kept tensors
+        themselves. A slot they step that a state lacks is added at its initial value once every group is checked
+        (:meth:`_add_slots`). Where either would step otherwise than torch.optim, ValueError (nothing changed)."""
+        want = present_mask(self._rule, h)
+        haves = {type(r["state"]).layout.present for r in bucket.records}
+        for have in haves:
+            self._check_switch(group, h, have, want)
+        if any(want & ~have for have in haves):
+            self._adding.append((group, bucket, h))
+            return
+        states = []
+        for r in bucket.records:
+            s = r["state"]
+            layout = type(s).layout
+            if layout.present != want:
+                cls = state_class(layout._replace(present=want))
+                s = cls._make(getattr(s, name) for name in cls._fields)
+            states.append(s)
+        bucket.states, bucket.present, bucket.plan = states, want, None
+        plan = self._plans.get(id(group))
+        if plan is not None:  # its cached subsets of params with grads hold the old states
+            plan.has_grad = ()
+
+    def _check_switch(self, group: dict, h: Any, have: int, want: int) -> None:
+        """Refuse the switches of settings after which bnbf's step would differ from torch.optim's: SGD's and LARS'
+        momentum switched on with dampening (torch starts the new buffer as the direction itself, bnbf's kept-slot
+        step from a zero buffer gives (1 - dampening) times it), RMSprop's centered switched off (bnbf keeps the
+        centered variance in square_avg, which a plain step would read as the mean square)."""
+        rule, name = self._rule.name, type(self).__name__
+        where = f"{name}: param group {_index_of(self.param_groups, group)}"
+        if rule in ("sgd", "lars") and want & ~have & 1:
+            damp = h.dampening.item() if isinstance(h.dampening, Tensor) else h.dampening
+            if damp != 0:
+                raise ValueError(
+                    f"{where}'s momentum changed from 0 to {h.momentum} after its states were made without a "
+                    f"momentum buffer: torch.optim starts the new buffer as the step's direction, where bnbf's step "
+                    f"would start it at (1 - dampening) times that with dampening={damp}. Set dampening to 0 for the "
+                    f"step that switches momentum on (then back), or clear the state (optimizer.state[p].clear())"
+                )
+        if rule == "rmsprop" and have & ~want & 4:
+            raise ValueError(
+                f"{where}'s centered changed from True to False after its states were made: bnbf keeps the centered "
+                f"variance (square_avg - grad_avg²) in the square_avg slot, which a step without centered would read "
+                f"as torch's square_avg. Keep centered=True, or clear the state (optimizer.state[p].clear())"
+            )
+
+    def _add_slots(self) -> None:
+        """The state slots that :meth:`_relayout` found missing (momentum or amsgrad switched on), each at its
+        initial value (as :func:`bnbf.init_state` makes it), in the params' records: the state keeps its own slots'
+        tensors (values, format and bits), and bitsandbytes' names follow (state2, state3...). The groups' plans are
+        made again."""
+        for group, bucket, h in self._adding:
+            want = present_mask(self._rule, h)
+            for r, p in zip(bucket.records, bucket.params):
+                s = r["state"]
+                layout = type(s).layout
+                if not want & ~layout.present:
+                    continue
+                spec = bnbf.OptimSpec(
+                    rule=self._rule.name,
+                    state_bits=layout.bits,
+                    block_size=layout.block_size or _checkpoint.BLOCK,
+                    min_8bit_size=0,
+                    state_format=layout.format if layout.quantized else "power",
+                    paged=self.is_paged,
+                )
+                hu = _checkpoint.with_slots(self._rule, h, layout.present | want)
+                wide = p.dtype == torch.float64 and group["differentiable"] is True
+                fresh = _checkpoint.new_state(p, spec, hu, self.family, wide)
+                if self.is_paged or self.family.bnb_slots or _checkpoint.is_dtensor(p):
+                    # one allocation (paged, stacked) or shards: the kept values copied into the new state, bit for bit
+                    with torch.no_grad():
+                        for name in s._fields:
+                            getattr(fresh, name).copy_(getattr(s, name))
+                    new = fresh
+                else:  # the kept slots' tensors themselves, so their views stay live
+                    kept = s._asdict()
+                    new = type(fresh)._make(kept.get(n, t) for n, t in zip(fresh._fields, fresh))
+                _put(r, "state", new)
+                for key, view in _checkpoint.views(new, self.family.bnb_slots).items():
+                    _put(r, key, view)
+            self._plans.pop(id(group), None)
+        self._adding = []
 
     def _step_group(self, group: dict, plan: _Buckets, grads: list, every: bool) -> None:
         if plan.slices and plan.complete and every:  # paged state larger than the GPU's free memory
@@ -1153,6 +1284,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"{type(self).__name__}.load_state_dict(move_to_device={move_to_device!r}): bnbf_nn keeps each "
                 f"state on its param's device (its kernels read it there); pass move_to_device=True"
             )
+        # a shallow copy, as torch.optim takes one: a pre-hook editing the dict in place must not edit the caller's
+        if isinstance(state_dict, Mapping) and hasattr(state_dict, "copy"):
+            state_dict = state_dict.copy()
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             state_dict = hook(self, state_dict) or state_dict
         name = type(self).__name__
@@ -1301,9 +1435,12 @@ class _Bucket:
     call: tuple | None = None  # this step's (validated hparams, the step's keywords), see _prepare_group
     memo: tuple | None = None  # (the group's values, the settings made from them) where reusable, see _settings
     plan: bnbf.Plan | None = None  # made at the bucket's first step
+    # what the plan steps: the records' states, or states of the settings' layout over their tensors (_relayout)
+    states: list | None = None
 
     def __post_init__(self):
-        self.states = [r["state"] for r in self.records]
+        if self.states is None:
+            self.states = [r["state"] for r in self.records]
         presents = {type(s).layout.present for s in self.states}
         self.present = presents.pop() if len(presents) == 1 else -1  # the state slots all of them keep
         # DTensor params (FSDP2): decided once here, so the single-device step pays nothing for it
@@ -1323,6 +1460,7 @@ class _Bucket:
             [self.records[k] for k in keep],
             self.override,
             False,
+            states=[self.states[k] for k in keep],
         )
 
 
@@ -1349,6 +1487,11 @@ def _grads_of(params: list) -> tuple[list, bool]:
 
 
 _put = dict.__setitem__  # bnbf_nn's own writes of records and states: not edits (_checkpoint.EDITS)
+
+
+def _index_of(groups: list, group: Any) -> int | str:
+    """A group's index in ``groups``, by identity (for error messages), or "?"."""
+    return next((i for i, g in enumerate(groups) if g is group), "?")
 
 
 def _identities(params: list) -> Any:
