@@ -28,10 +28,12 @@ from __future__ import annotations
 import collections
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import operator
 import threading
+import types
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -211,11 +213,20 @@ def resolve_hparams(hparams: Any, step: Any) -> Any:
 # ---- hyperparameter forms ------------------------------------------------------------------------------------
 
 
+_FUNCTIONS = (types.FunctionType, types.MethodType, types.BuiltinFunctionType, functools.partial)
+
+
+def _dataclass_instance(x: Any) -> bool:
+    """Whether ``x`` is a dataclass instance (a rule's hparams). Functions are answered first: torch 2.11's Dynamo
+    cannot trace dataclasses.is_dataclass of one (hasattr on the class ``function``), a per-leaf callable's case."""
+    return not isinstance(x, (type, *_FUNCTIONS)) and dataclasses.is_dataclass(x)
+
+
 def _is_hparams_leaf(x: Any) -> bool:
     """One leaf's hyperparameters: None, a dataclass instance, or a mapping with no mapping among its values."""
     if type(x) is dict and all(type(v) in _LEAF_VALUES for v in x.values()):  # the usual dict of numbers
         return True
-    if x is None or (dataclasses.is_dataclass(x) and not isinstance(x, type)):
+    if x is None or _dataclass_instance(x):
         return True
     return isinstance(x, Mapping) and not any(isinstance(v, Mapping) for v in x.values())
 
@@ -240,7 +251,7 @@ def is_shared_hparams(hparams: Any) -> bool:
         >>> is_shared_hparams({"lr": 1e-3}), is_shared_hparams({"lr": lambda step: 1e-3})
         (True, False)
     """
-    if hparams is None or (dataclasses.is_dataclass(hparams) and not isinstance(hparams, type)):
+    if hparams is None or _dataclass_instance(hparams):
         return True
     return (
         isinstance(hparams, Mapping)
@@ -269,7 +280,7 @@ def _per_leaf_hparams(
     ``raw``, if given, receives each leaf's object before its schedules are evaluated, for the callable, by-rule
     and flat tree forms (what :class:`_Partition` recognises a call's partition by)."""
     given = None  # each leaf's object, for the callable and flat tree forms
-    if not isinstance(hparams, Mapping) and not dataclasses.is_dataclass(hparams) and callable(hparams):
+    if not isinstance(hparams, Mapping) and not _dataclass_instance(hparams) and callable(hparams):
         given, form = [hparams(name, p) for name, p in zip(names, params)], "callable"
     elif _by_rule(hparams):
         missing = sorted(set(rules) - set(hparams))
@@ -295,9 +306,11 @@ def _per_leaf_hparams(
         return [r.mapping(h) for h in _broadcast(hparams, keypaths(), _is_hparams_leaf, "hparams")], ""
     out = []
     seen: dict[int, tuple] = {}  # id -> (h, its resolved form): a mapping given for many leaves is read once
-    traced: list | None = [] if torch.compiler.is_compiling() else None  # the same by ``is``: ids guard, recompile
+    # traced: each leaf's mapping read on its own (at trace time only): id() would guard on each object and
+    # recompile, and torch 2.11's Dynamo cannot trace ``is`` between two dicts
+    traced = torch.compiler.is_compiling()
     for name, h in zip(names, given):
-        hit = seen.get(id(h)) if traced is None else next((x for x in traced if x[0] is h), None)
+        hit = None if traced else seen.get(id(h))
         if hit is not None and hit[0] is h:
             out.append(hit[1])
             continue
@@ -309,10 +322,8 @@ def _per_leaf_hparams(
                 f"a rule's hparams dataclass or None"
             )
         hit = (h, r.mapping(h))  # h held: its id stays its own for the call
-        if traced is None:
+        if not traced:
             seen[id(h)] = hit
-        else:
-            traced.append(hit)
         out.append(hit[1])
     if raw is not None:
         raw.extend(given)
@@ -349,7 +360,7 @@ def _hkey(v: Any) -> Any:
         return (type(v), tuple(map(_hkey, v)))
     if isinstance(v, Mapping):
         return ("map", tuple(sorted((str(k), _hkey(x)) for k, x in v.items())))
-    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+    if _dataclass_instance(v):
         return (type(v), tuple((f.name, _hkey(getattr(v, f.name))) for f in dataclasses.fields(v)))
     try:
         hash(v)
@@ -963,7 +974,7 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
             raw = _values_of(hparams, keys) if type(hparams) is dict else None
             if raw is None:
                 return False
-        elif not callable(hparams) or isinstance(hparams, Mapping) or dataclasses.is_dataclass(hparams):
+        elif not callable(hparams) or isinstance(hparams, Mapping) or _dataclass_instance(hparams):
             return False
         else:
             raw = list(map(hparams, keys, ps))

@@ -171,19 +171,19 @@ def present_mask(rule, hparams: Any) -> int:
     return sum(1 << j for j, keep in enumerate(rule.slots_present(hparams)) if keep)
 
 
-def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None) -> tuple:
+def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None, stacks: tuple | None = None) -> tuple:
     """Initial state for one tensor: each kept slot at the rule's initial value (zero by default).
 
     ``hparams`` (a mapping or the rule's dataclass) decides which slots are kept and their initial values,
     for rules where that depends on them (SGD's momentum, RMSprop's momentum and centered, Adagrad's
     initial_accumulator_value). With ``spec.paged`` on CUDA (and a large enough tensor) all of the state is
-    one managed allocation (:mod:`bnbf.paged`).
+    one managed allocation (:mod:`bnbf.paged`). ``stacks``: as :func:`relaid`'s, made so from the start (no copy).
     """
     rule = get_rule(spec.rule)
     h = rule.make_hparams(hparams)
     layout = spec.layout_for(param.numel(), present_mask(rule, h))
     initial = rule.initial_values(h)
-    fields = _allocate(layout, tuple(param.shape), param.device, None, spec.paged)
+    fields = _allocate(layout, tuple(param.shape), param.device, stacks, spec.paged)
     for j, slot in enumerate(rule.states):
         if not (layout.present >> j) & 1:
             continue

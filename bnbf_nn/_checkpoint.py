@@ -39,7 +39,10 @@ from torch import Tensor
 
 import bnbf
 from bnbf._dispatch import is_dtensor
+from bnbf._host_checks import _check_param
 from bnbf.quant import STATE_FORMATS, state_map
+from bnbf.rules import get_rule
+from bnbf.state import new_state as new_state_of
 from bnbf.state import present_mask, relaid
 
 QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes (>= 0.48) nests the state tensors under it
@@ -217,7 +220,10 @@ def _fresh(param: Tensor, spec: Any, hparams: Any, stacks: tuple | None, paged: 
         return relaid(state, stacks, False) if stacks else state
     if not stacks:
         return bnbf.init_state(param.detach(), spec, hparams)
-    return relaid(bnbf.init_state(param.detach(), dataclasses.replace(spec, paged=False), hparams), stacks, paged)
+    # laid out in its stacks from the start: a copy would hold the whole state twice during the first step
+    _check_param(param, "")
+    get_rule(spec.rule).make_hparams(hparams)
+    return new_state_of(param.detach(), dataclasses.replace(spec, paged=paged), hparams, stacks)
 
 
 def restacked(state: Any, family: Any, paged: bool = False) -> Any:
