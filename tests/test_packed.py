@@ -396,3 +396,14 @@ def test_capture_is_refused():
     bnbf.update_(p, g, s, {"lr": lr}, t)  # warm: the same call eager works
     with pytest.raises(RuntimeError, match="cannot be captured"), torch.cuda.graph(torch.cuda.CUDAGraph()):
         bnbf.update_(p, g, s, {"lr": lr}, t)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "lars"])
+def test_a_configuration_without_state_is_refused_by_name(rule):
+    """SGD or LARS without momentum keeps no state: a packed state would have no buffers, and its steps failed with
+    an unrelated ValueError (update) or an IndexError (update_). Refused when made, naming the per-param state."""
+    p = {"w": torch.randn(300), "b": torch.randn(4)}
+    with pytest.raises(ValueError, match="keeps no state with these hyperparameters.*without packed=True"):
+        bnbf.init_state(p, bnbf.OptimSpec(rule=rule), {"lr": 0.1}, packed=True)
+    with pytest.raises(ValueError, match="keeps no state with these hyperparameters"):
+        bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule=rule), {"lr": 0.1}), p)
