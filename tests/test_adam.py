@@ -397,3 +397,20 @@ def test_more_than_2_31_elements(device, bits, fmt):
         d_big, d_small = bnbf.dequantize_state(state), bnbf.dequantize_state(small_s)
         for name in ("exp_avg", "exp_avg_sq"):
             assert_equal_report(d_big[name][tail_start:], d_small["tail"][name], f"{name} of the last blocks")
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("device", DEVICES)
+def test_adamw_keeps_a_nan_param_element_to_itself(device, bits):
+    """A NaN param element under AdamW, as torch.optim.AdamW: that element stays NaN, its states stay finite
+    (decoupled decay never reaches them) and no other element changes. The reference path once added 0 · p to the
+    gradient, so the state went NaN and, with 8-bit state, the block's absmax with it: all 256 neighbours then
+    went NaN at the next step."""
+    gen = torch.Generator().manual_seed(0)
+    p = (torch.randn(512, generator=gen) * 0.1).to(device)
+    p[300] = float("nan")
+    state = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0))
+    for t in (1, 2, 3):
+        p, state = bnbf.update(p, (torch.randn(512, generator=gen) * 0.01).to(device), state, {"lr": 1e-2}, t)
+    assert p.isnan().nonzero().flatten().tolist() == [300]
+    assert all(torch.isfinite(f).all() for f in state)

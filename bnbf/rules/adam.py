@@ -128,8 +128,16 @@ def _moments_step(p, g, s, h):
 
 
 def adam_reference(p, g, states, h: AdamScalars):
+    return _moments_reference(p, g + h.l2 * p, states, h)
+
+
+def adamw_reference(p, g, states, h: AdamScalars):
+    # as adamw_math, no l2 term: 0 · p would carry a NaN or inf param element into its states (and, 8-bit, its block)
+    return _moments_reference(p, g, states, h)
+
+
+def _moments_reference(p, g, states, h: AdamScalars):
     m, v, vmax = states
-    g = g + h.l2 * p
     m = h.b1 * m + h.omb1 * g
     v = h.b2 * v + h.omb2 * g * g
     if vmax is not None:  # amsgrad
@@ -145,4 +153,4 @@ _STATES = (
 )
 
 ADAM = Rule("adam", AdamHparams, _STATES, AdamScalars, _scalars(False), adam_math, adam_reference, present=present)
-ADAMW = Rule("adamw", AdamWHparams, _STATES, AdamScalars, _scalars(True), adamw_math, adam_reference, present=present)
+ADAMW = Rule("adamw", AdamWHparams, _STATES, AdamScalars, _scalars(True), adamw_math, adamw_reference, present=present)
