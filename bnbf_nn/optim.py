@@ -483,14 +483,30 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _init_caches(self) -> None:
         self._plans: dict[int, _Buckets] = {}  # id(group) -> its buckets (each with its bnbf.Plan)
-        self._lr0: dict[int, Any] = {}  # id(group) -> the lr the group started with (for lr overrides)
+        # id(group) -> (group, the lr it started with) for lr overrides: the group held to tell a dict made later at a
+        # freed one's address from it; entries of groups no longer in param_groups go at the next general step
+        self._lr0: dict[int, tuple] = {}
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
         self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
 
+    def _lr0_of(self, group: Mapping) -> Any:
+        """The lr ``group`` started with (its lr where it has no entry: added to param_groups by hand)."""
+        entry = self._lr0.get(id(group))
+        return entry[1] if entry is not None and entry[0] is group else group["lr"]
+
+    def _prune(self) -> None:
+        """Drop the cached plans and starting lrs of groups no longer in param_groups (removed by hand): they hold
+        the groups' params and states, which torch.optim frees with the group."""
+        live = {id(g): g for g in self.param_groups}
+        for key in [k for k, (g, _) in self._lr0.items() if live.get(k) is not g]:
+            del self._lr0[key]
+        for key in [k for k in self._plans if k not in live]:
+            del self._plans[key]
+
     def __getstate__(self) -> dict:  # what copy.deepcopy and pickle keep (not the cached plans)
-        lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
+        lr0 = [self._lr0_of(g) for g in self.param_groups]
         # each state field as its own tensor, without the views: pickle copies every tensor's whole storage,
         # so views into one stack or one managed block would each carry all of it (__setstate__ relays them)
         state = defaultdict(dict)
@@ -519,7 +535,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 group.setdefault(key, off)
         self._set_rule(self.defaults)
         self._init_caches()
-        self._lr0 = {id(g): v for g, v in zip(self.param_groups, lr0)}
+        self._lr0 = {id(g): (g, v) for g, v in zip(self.param_groups, lr0)}
         stacks = self.family.bnb_slots
         for p, rec in self.state.items():  # as __getstate__ leaves them, or pickled before the views existed
             if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec and "state1" not in rec:
@@ -543,7 +559,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
-        self._lr0[id(group)] = group["lr"]
+        self._lr0[id(group)] = (group, group["lr"])
 
     def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
         """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches
@@ -578,7 +594,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             lr = override.get("lr")
             hp.update((k, v) for k, v in override.items() if k in hp)
             if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
-                base = group.get("initial_lr", self._lr0.get(id(group), group["lr"]))
+                base = group.get("initial_lr", self._lr0_of(group))
                 hp["lr"] = lr * (group["lr"] / base) if isinstance(base, Tensor) or base else lr
         if not as_given and hp.get("nesterov") is True and type(hp["momentum"]) in _NUMBER and hp["momentum"] == 0:
             # torch checks nesterov only in its constructor: a momentum a schedule (or a hand) sets to 0 later steps
@@ -791,6 +807,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         settings switched on since the states were made (momentum, amsgrad) added, and the groups prepared again
         over the new states (rare: at a switch)."""
         self._adding = []
+        if not _compiling():  # a traced step leaves it to the next eager one (Dynamo cannot trace `is` of dicts)
+            self._prune()
         jobs = [self._prepare_group(group) for group in self.param_groups]
         if self._adding:
             self._add_slots()
@@ -1263,7 +1281,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
-        lr0 = [self._lr0.get(id(g), g["lr"]) for g in self.param_groups]
+        lr0 = [self._lr0_of(g) for g in self.param_groups]
         for packed, v in zip(groups, lr0):
             # in the groups: torch.distributed.checkpoint's get_state_dict keeps only "state" and "param_groups",
             # and without it a checkpoint of another rule loaded where its state names agree
@@ -1384,7 +1402,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self.state = _checkpoint.States(state)
         self.param_groups = groups
         self._init_caches()
-        self._lr0 = {id(g): v for g, v in zip(groups, lr0)}
+        self._lr0 = {id(g): (g, v) for g, v in zip(groups, lr0)}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
 

@@ -205,3 +205,48 @@ def test_a_subclass_overriding_a_bitsandbytes_hook_is_refused(base, hook):
     with pytest.raises(TypeError, match=f"defines \\['{hook}'\\].* never calls"):
         type("Custom", (base,), {hook: lambda self, *a: None})
     type("Fine", (base,), {"helper": lambda self: None})  # other methods are the subclass's own business
+
+
+def test_a_group_removed_by_hand_is_freed_with_its_state():
+    """``param_groups.pop()`` then dropping the param: torch.optim frees the param and its state; bnbf_nn's cached
+    plans (keyed by the group) held both for the optimizer's life, one set per removed group."""
+    import gc
+    import weakref
+
+    body = torch.nn.Parameter(torch.randn(64, 64))
+    opt = bnbf_nn.AdamW8bit([body], lr=1e-3, min_8bit_size=0)
+    refs = []
+    for _ in range(3):
+        head = torch.nn.Parameter(torch.randn(64, 64))
+        opt.add_param_group({"params": [head]})
+        body.grad, head.grad = torch.randn_like(body), torch.randn_like(head)
+        opt.step()
+        opt.step()
+        refs += [weakref.ref(head), *map(weakref.ref, opt.state[head]["state"])]
+        opt.param_groups.pop()
+        opt.state.pop(head)
+        del head
+    body.grad = torch.randn_like(body)
+    opt.step()  # a step after the removal: the caches let go
+    gc.collect()
+    assert sum(r() is not None for r in refs) == 0
+
+
+@pytest.mark.parametrize("old_freed_first", [False, True])
+def test_an_lr_override_in_a_group_replaced_by_hand(old_freed_first):
+    """A manager lr override is relative to its group's starting lr. A group dict replaced by hand (popped, a new dict
+    appended) starts at its own lr, also when the new dict lands at the freed one's address (the starting lrs were
+    keyed by id(group): the override was then scaled by the old group's lr, 10x here)."""
+    w = torch.nn.Parameter(torch.ones(16, 16))
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(w, "lr", 1e-4)
+    opt = bnbf_nn.SGD8bit([w], lr=1e-3, min_8bit_size=0)
+    w.grad = torch.ones(16, 16)
+    opt.step()
+    old = opt.param_groups.pop()
+    template = {k: v for k, v in old.items() if k != "params"}
+    if old_freed_first:
+        del old
+    opt.param_groups.append({**template, "params": [w], "lr": 1e-2})
+    before = w.detach().clone()
+    opt.step()
+    torch.testing.assert_close((before - w.detach()).mean().item(), 1e-4, rtol=1e-3, atol=0)
