@@ -181,7 +181,8 @@ class Plan:
         self.rule = get_rule(type(states[0]).layout.rule)
         presents = {type(s).layout.present for s in states}
         self._present = presents.pop() if len(presents) == 1 else -1  # -1: mixed, refused by the first step
-        self._checked_h = None  # the last hparams whose state slots matched the states
+        # the last hparams whose state slots matched the states, weakly: they may hold a caller's tensor (a 0-d lr)
+        self._checked_h = _NO_REF
         self._direct = _plannable(params, states)
         self.groups: list = []
         self._pair = None
@@ -431,10 +432,13 @@ class Plan:
         empty where ``at`` is True and no clip is set: the tables carry them)."""
         rule = self.rule
         h = rule.make_hparams(hparams)
-        if h is not self._checked_h:  # make_hparams hands back the same object for the same plain numbers
+        if h is not self._checked_h():  # make_hparams hands back the same object for the same plain numbers
             if present_mask(rule, h) != self._present:
                 _check_present(rule, h, states)
-            self._checked_h = h
+            try:
+                self._checked_h = weakref.ref(h)
+            except TypeError:  # a rule's own hparams class with __slots__: checked every step
+                self._checked_h = _NO_REF
         _check_step(step)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._check_capture(grads, at, h, step)
@@ -697,6 +701,10 @@ def _outside_transforms() -> None:
             "of the tensors it holds, which the transform's tensors do not have; use bnbf.update_ or bnbf.update "
             "there (with differentiable=True for gradients)"
         )
+
+
+def _NO_REF() -> None:  # the dead weak reference: nothing checked yet
+    return None
 
 
 def _held(grads: list) -> Any:

@@ -375,3 +375,18 @@ def test_overlapping_views_of_a_plain_subclass_are_refused_in_place(device):
     with pytest.raises(ValueError, match=r"param\['a'\] and param\['b'\] overlap in memory"):
         bnbf.update_(params, grads, state, {"lr": 0.1}, 1)
     assert_untouched(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_update__keeps_no_hyperparameter_tensor_alive(device):
+    """A 0-d tensor lr of an ``update_`` call is the caller's: once dropped it is freed, while the params, states and
+    their cached plan live on (the plan held the last validated hyperparameters, and so the tensor, strongly)."""
+    params = {k: v.to(device) for k, v in _params().items()}
+    state = bnbf.init_state(params, SPEC8)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    lr = torch.tensor(1e-2, device=device)
+    ref = weakref.ref(lr)
+    bnbf.update_(params, grads, state, {"lr": lr}, 1)
+    del lr
+    gc.collect()
+    assert ref() is None
