@@ -78,9 +78,12 @@ def portable(states: list) -> list:
     return out
 
 
-def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, Tensor]:
+def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0, maps: dict | None = None) -> dict[str, Tensor]:
     """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` tensors of one bnbf state (for a DTensor
-    param's, pass it through :func:`portable` first)."""
+    param's, pass it through :func:`portable` first). ``maps``: one state dict's own copies of the qmaps, shared by
+    its entries as bitsandbytes shares one optimizer's (not the process-wide cached map, which a write into one
+    checkpoint would change in every other)."""
+    maps = {} if maps is None else maps
     layout = type(state).layout
     rule = bnbf.RULES[layout.rule]
     out: dict[str, Tensor] = {}
@@ -92,7 +95,10 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0) -> dict[str, 
         join = (lambda ts: ts[0]) if len(slots) == 1 else _stack
         out[f"state{k}"] = join([getattr(state, n) for n in names])
         if layout.quantized:
-            out[f"qmap{k}"] = qmap(layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
+            key = (layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
+            if key not in maps:
+                maps[key] = state_map(*key).clone()  # not the live views' map, which a caller may have written
+            out[f"qmap{k}"] = maps[key]
             out[f"absmax{k}"] = join([getattr(state, n + "_absmax") for n in names])
     if max_unorm and not layout.quantized:  # bitsandbytes' 32-bit steps expect this scratch buffer
         out["unorm_vec"] = torch.zeros(1, device=out["state1"].device)

@@ -1271,10 +1271,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         # DTensor params' states in their mesh-independent form (every rank makes this call: a collective
         # per sharded 8-bit state), so that a checkpoint saved on one mesh loads on any other
         portable = _checkpoint.portable([self.state[p]["state"] for p, _ in have])
+        maps: dict = {}  # this state dict's qmaps
         for (p, group), st in zip(have, portable):
             # LAMB's and LARS's groups say 0 (their trust ratio stands for it), but bitsandbytes' classes clip at
             # their default and then read the 32-bit state's scratch buffer: write it for them
-            quant = _checkpoint.pack(st, self.family.bnb_slots, group["max_unorm"] or self.family.max_unorm or 0.0)
+            quant = _checkpoint.pack(
+                st, self.family.bnb_slots, group["max_unorm"] or self.family.max_unorm or 0.0, maps
+            )
             # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs every leaf
             # of a state entry to be a tensor to load it back
             step = torch.tensor(float(self.state[p]["step"]), dtype=torch.float32)

@@ -515,3 +515,33 @@ def test_a_state_dict_in_torch_optims_layout_is_named():
     for k, entry in before["state"].items():
         for f, v in entry[QUANT_KEY].items():
             assert_equal_report(after["state"][k][QUANT_KEY][f], v, f"param {k} {f}")
+
+
+def test_a_state_dict_carries_its_own_qmaps():
+    """The live ``qmap1`` of every optimizer is one cached tensor per format, sign and device; a write into one
+    optimizer's (a tool rescaling its state tensors in place) changed every optimizer's checkpoints, which then no
+    longer loaded. A state dict's qmaps are its own copies of the format's map, shared by its entries (as
+    bitsandbytes shares one optimizer's)."""
+
+    def trained(seed):
+        torch.manual_seed(seed)
+        model = torch.nn.Linear(16, 16)
+        opt = bnbf_nn.AdamW8bit(model.parameters(), lr=1e-3, min_8bit_size=0)
+        model(torch.randn(4, 16)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model_a, opt_a = trained(0)
+    _, opt_b = trained(1)
+    live = opt_a.state[model_a.weight]["qmap1"]
+    kept = live.clone()
+    live.mul_(0.5)
+    try:
+        sd = opt_b.state_dict()
+    finally:
+        live.copy_(kept)  # the cached map is every optimizer's in this process
+    entries = [e["__bnb_optimizer_quant_state__"] for e in sd["state"].values()]
+    assert entries[0]["qmap1"] is entries[1]["qmap1"]
+    assert entries[0]["qmap1"] is not opt_b.state[next(iter(opt_b.state))]["qmap1"]
+    fresh = bnbf_nn.AdamW8bit(torch.nn.Linear(16, 16).parameters(), lr=1e-3, min_8bit_size=0)
+    fresh.load_state_dict(sd)  # raised "qmap1 is neither the signed dynamic map nor the signed power map"
