@@ -228,8 +228,8 @@ def pack_state(state: Any, param: Any) -> PackedState:
         raise ValueError(f"a packed state lives on one device, got params on {sorted(map(str, devices))}")
     if not any(len(s) for s in states):  # nothing to pack, and the packed step learns its device from the buffers
         raise ValueError(
-            f"the {rules.pop()} rule keeps no state with these hyperparameters (SGD or LARS without momentum): a packed "
-            f"state would have no buffers; use the per-param state (init_state without packed=True)"
+            f"the {rules.pop()} rule keeps no state with these hyperparameters (SGD or LARS without momentum): a "
+            f"packed state would have no buffers; use the per-param state (init_state without packed=True)"
         )
     by_kind: dict = {}
     for i, (p, s) in enumerate(zip(params, states)):
