@@ -362,6 +362,14 @@ def _first_overlap(tensors: list, starts: list, ends: list, idx: list) -> tuple[
     return None
 
 
+def _apart(starts: list, ends: list) -> bool:
+    """Whether the byte ranges ``[start, end)`` are disjoint, as a sufficient test: with starts and ends sorted on
+    their own, the k-th end is at most the (k+1)-th start (the ranges covering an address are the starts at or
+    before it less the ends at or before it). Empty ranges, and several devices' addresses compared as one, can only
+    make it fail: the caller's exact sweep then decides."""
+    return not any(map(operator.lt, sorted(starts)[1:], sorted(ends)))
+
+
 def _overlap(params: list, states: list) -> tuple[int, int] | None:
     """Positions ``i < j`` in ``[*params, *fields of the states]`` of two tensors sharing memory (the same
     tensor twice, views of one storage), or None. An update writes each param and state once from its own
@@ -382,12 +390,9 @@ def _overlap(params: list, states: list) -> tuple[int, int] | None:
             return bare[0], bare[0]
     if not all(map(Tensor.is_contiguous, params)):  # the states' fields are contiguous (checked)
         sizes = [s if t.is_contiguous() else _span(t) for t, s in zip(tensors, sizes)]
-    # disjoint ranges <=> with starts and ends sorted on their own, the k-th end is at most the (k+1)-th start
-    # (the number of ranges covering an address is #starts <= it minus #ends <= it); empty ranges, and
-    # addresses of several devices compared as one, can only make this fail: then the exact sweep decides
-    if not any(map(operator.lt, sorted(starts)[1:], sorted(map(operator.add, starts, sizes)))):
-        return None
     ends = list(map(operator.add, starts, sizes))
+    if _apart(starts, ends):
+        return None
     owner = [p.device for p in params] + [p.device for p, s in zip(params, states) for _ in s]
     found = []
     for device in set(owner):  # addresses compare only within one device
@@ -409,8 +414,9 @@ def _grad_overlap(params: list, grads: list, states: list) -> tuple[int, int] | 
     others = [g for g, a, b in zip(grads, g_starts, map(Tensor.data_ptr, params)) if a != b]
     tensors = [*written, *others]
     starts = list(map(Tensor.data_ptr, tensors))
-    ends = [a + (n if t.is_contiguous() else _span(t)) for a, n, t in zip(starts, map(_NBYTES, tensors), tensors)]
-    if not any(map(operator.lt, sorted(starts)[1:], sorted(ends))):
+    if _apart(
+        starts, [a + (n if t.is_contiguous() else _span(t)) for a, n, t in zip(starts, map(_NBYTES, tensors), tensors)]
+    ):
         return None
     owner = [p.device for p in params] + [p.device for p, s in zip(params, states) for _ in s]
     spans = sorted((t.data_ptr(), t.data_ptr() + _span(t), k) for k, t in enumerate(written) if t.numel())

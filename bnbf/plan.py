@@ -277,7 +277,7 @@ class Plan:
                 anything is written.
         """
         # traced by torch.compile: the generic path (the compiled checks are opaque to Dynamo)
-        if self._direct and not torch.compiler.is_compiling() and forward_ad._current_level < 0:
+        if self._direct and not torch.compiler.is_compiling():
             self._confirmed()
         self._step(self._params, self._states, self._tree, grads, hparams, step, skip_zeros, max_unorm, maximize)
 
@@ -719,7 +719,6 @@ def _plannable(params: list, states: list) -> bool:
     return (
         not torch.compiler.is_compiling()
         and _functorch.maybe_current_level() is None  # torch.func's wrappers have no storage to address
-        and forward_ad._current_level < 0
         and all(map(_is_plain, params))
         # a param or state with history: the generic path's checks refuse it under grad mode (the step would cut it)
         and not any(p.requires_grad and not p.is_leaf for p in params)
