@@ -175,8 +175,12 @@ def _store_state(
     """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
     ``seed``), and the block's new absmax; or float32 values."""
     if QUANT:
+        # a non-finite value has no code (it would make the block's absmax NaN or inf): stored as 0; padding
+        # lanes must not raise the block's absmax either
+        keep = tl.abs(s) < float("inf")
         if MASKED:
-            s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
+            keep = keep & mask
+        s = tl.where(keep, s, 0.0)
         absmax = tl.max(tl.abs(s), axis=1)
         d = dither(lane, seed)
         if FORMAT == 2:

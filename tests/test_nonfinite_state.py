@@ -1,0 +1,99 @@
+"""A non-finite value reaching an 8-bit state stays in its own element.
+
+A block's codes are fractions of its absmax, so a NaN or an infinity cannot be stored: left in, it made the
+block's absmax NaN or inf and its other 255 elements decode as NaN at the next step. Finite gradients can
+still produce one: a NaN param element under a rule whose state takes ``weight_decay · p``, or a finite
+gradient whose square overflows float32. Such an element's state is stored as 0, as a non-finite gradient
+element's is (tests/test_rules.py); 32-bit states keep the value, as torch.optim's do.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import DEVICES, init_params, make_grad
+from optim_table import ROWS
+from tolerances import assert_equal_report
+from torch.utils._pytree import tree_leaves
+
+import bnbf
+from bnbf._dispatch import interpreting
+from bnbf.quant import STATE_FORMATS
+
+INTERP = interpreting()
+F32 = torch.float32
+N = 600  # three blocks, the last partial
+BAD = 5  # the element that goes non-finite, in the first block
+ELEMENTWISE = [r for r in ROWS if bnbf.RULES[r.name].norms is None and r.state_names]
+# one row per rule (the one keeping the most states) for the interpreter's budget
+RICHEST = list({r.name: r for r in sorted(ELEMENTWISE, key=lambda r: len(r.state_names))}.values())
+
+
+def _rows():
+    return RICHEST if INTERP else ELEMENTWISE
+
+
+def _spec(row, fmt: str, bits: int = 8) -> bnbf.OptimSpec:
+    return bnbf.OptimSpec(rule=row.name, state_bits=bits, min_8bit_size=0, state_format=fmt)
+
+
+def _formats():
+    return ["power"] if INTERP else list(STATE_FORMATS)
+
+
+def _steps(row, spec, p, grads):
+    hp = {**row.hparams, "weight_decay": 0.0}
+    state = bnbf.init_state(p, spec, hp)
+    for t, g in enumerate(grads, 1):
+        p, state = bnbf.update(p, g, state, hp, t)
+    return p, state
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", _formats())
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r.id)
+def test_a_nan_param_element_leaves_its_block_alone(device, row, fmt):
+    """A NaN param element with a zero gradient: every other element's param, and every state leaf (codes and
+    absmax), equal the same steps with that element 0. Adam, SGD, RMSprop, Adagrad and LARS take the param into
+    their states even at weight decay 0 (0 · NaN), which made the block's absmax NaN on the CPU path."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [(torch.randn(N, generator=gen) * 0.01).to(device) for _ in range(3)]
+    for g in grads:
+        g[BAD] = 0.0
+    p = init_params((N,), F32, device)
+    nan_p, zero_p = p.clone(), p.clone()
+    nan_p[BAD], zero_p[BAD] = float("nan"), 0.0
+    p_a, s_a = _steps(row, _spec(row, fmt), nan_p, grads)
+    p_b, s_b = _steps(row, _spec(row, fmt), zero_p, grads)
+    others = torch.arange(N, device=device) != BAD
+    assert_equal_report(p_a[others], p_b[others], f"{row.id}: the other params")
+    for i, (a, b) in enumerate(zip(tree_leaves(s_a), tree_leaves(s_b), strict=True)):
+        if isinstance(a, torch.Tensor):  # codes at the other elements, and every block's absmax
+            keep = others if a.shape == (N,) else torch.ones_like(a, dtype=torch.bool)
+            assert_equal_report(a[keep], b[keep], f"{row.id}: state leaf {i} ({a.dtype}, {tuple(a.shape)})")
+    for name, values in bnbf.dequantize_state(s_a).items():  # NaN reached some of them: 0 there, never NaN
+        assert float(values[BAD]) in (0.0, float(bnbf.dequantize_state(s_b)[name][BAD])), f"{row.id}: {name}"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", _formats())
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r.id)
+def test_a_state_overflowing_to_inf_leaves_its_block_alone(device, row, fmt):
+    """Two finite gradients of 3e38 at one element overflow a state there (g² for Adam's second moment, the
+    sum for SGD's momentum); the next step with ordinary gradients leaves every other param and every state
+    finite. Rows whose 32-bit states stay finite under the same gradients (Lion's interpolation) are skipped."""
+    grads = [make_grad((N,), F32, device) for _ in range(3)]
+    grads[0][BAD] = grads[1][BAD] = 3e38
+    p = init_params((N,), F32, device)
+    _, wide = _steps(row, _spec(row, fmt, bits=32), p.clone(), grads[:2])
+    if all(bool(torch.isfinite(t).all()) for t in tree_leaves(wide) if isinstance(t, torch.Tensor)):
+        pytest.skip(f"{row.id}: no state overflows under these gradients")
+    p_new, state = _steps(row, _spec(row, fmt), p.clone(), grads)
+    others = torch.arange(N, device=device) != BAD
+    assert bool(torch.isfinite(p_new[others]).all()), f"{row.id}: the overflow reached other params"
+    for leaf in tree_leaves(state):
+        if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+            assert bool(torch.isfinite(leaf).all()), f"{row.id}: a block's absmax is not finite"
+    # (centered RMSprop reports torch's square_avg, variance + grad_avg², which overflows at the element itself)
+    for name, values in bnbf.dequantize_state(state).items():
+        assert bool(torch.isfinite(values[others]).all()), f"{row.id}: {name} holds non-finite values"
