@@ -24,7 +24,6 @@ import pytest
 import torch
 from conftest import assert_untouched, kernel_runs, snapshot
 from tolerances import (
-    CONTRACTION_ULPS,
     FOLDED_COEF_EXTRA_ULPS,
     FOLDED_STEP_ROUNDINGS,
     KERNEL_VS_REFERENCE_CODES,
@@ -33,6 +32,7 @@ from tolerances import (
     STATE32,
     assert_close_report,
     assert_equal_report,
+    assert_same_variant,
     codes_differ,
     folded_total_rtol,
     folded_total_ulps,
@@ -103,14 +103,7 @@ def _eq(got, want, what):
     than the unclipped one: there float tensors agree within CONTRACTION_ULPS float32 ulps of their largest
     value and 8-bit codes within KERNEL_VS_REFERENCE_CODES (seen on the H200: 1 ulp)."""
     for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves(want), strict=True)):
-        if a.device.type != "cuda":
-            assert_equal_report(a, b, f"{what} (leaf {i})")
-        elif a.dtype == torch.uint8:
-            codes_differ(a, b, KERNEL_VS_REFERENCE_CODES, f"{what} (leaf {i})")
-        else:
-            scale = b.float().abs().max() if b.numel() else torch.tensor(0.0)
-            atol = CONTRACTION_ULPS * 2 * float(half_ulp(scale, torch.float32))
-            assert_close_report(a.float(), b.float(), atol=atol, rtol=0.0, what=f"{what} (leaf {i})")
+        assert_same_variant(a, b, f"{what} (leaf {i})")
 
 
 def _record_folds(monkeypatch) -> list:

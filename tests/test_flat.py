@@ -17,14 +17,7 @@ import torch
 from conftest import DEVICES, triton_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import (
-    CONTRACTION_ULPS,
-    KERNEL_VS_REFERENCE_CODES,
-    assert_close_report,
-    assert_equal_report,
-    codes_differ,
-    half_ulp,
-)
+from tolerances import assert_equal_report, assert_same_variant
 from torch._dynamo.testing import CompileCounter
 from torch.func import grad, grad_and_value
 from torch.utils._pytree import tree_leaves, tree_map
@@ -99,7 +92,7 @@ def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0,
         flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, t)
         got = (layout.unflatten(flat), layout.unflatten_state(state_flat))
         for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves((params, state)), strict=True)):
-            _same_step(a, b, f"{rule} step {t}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
+            assert_same_variant(a, b, f"{rule} step {t}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
     for key, sizes_ in layout.pieces.items():  # the padding stays zero
         pad = torch.ones(sum(sizes_), dtype=torch.bool, device=device)
         for leaf in layout.leaves:
@@ -108,19 +101,6 @@ def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0,
         if grads_of is _hostile:  # (the padding's param steps as a zero-gradient element: eps 0 makes it NaN)
             assert not flat[key][pad].any(), f"{rule}: padding of {key} moved"
         assert not torch.equal(flat[key][~pad], first[key][~pad]), f"{rule}: the steps did not move {key}"
-
-
-def _same_step(a, b, what):
-    if a.device.type != "cuda":
-        assert_equal_report(a, b, what)
-    elif a.dtype == torch.uint8:
-        codes_differ(a, b, KERNEL_VS_REFERENCE_CODES, what)
-    elif a.dtype in (torch.bfloat16, torch.float16):  # one fp32 value rounded to the dtype twice: one ulp at most
-        assert not bool(((a.float() - b.float()).abs() > 2 * half_ulp(b, a.dtype)).any()), f"{what}: over one ulp"
-    else:
-        scale = b.float().abs().max() if b.numel() else torch.tensor(0.0)
-        atol = CONTRACTION_ULPS * 2 * float(half_ulp(scale, torch.float32))
-        assert_close_report(a.float(), b.float(), atol=atol, rtol=0.0, what=what)
 
 
 ELEMENTWISE = [r for r in bnbf.RULES if bnbf.RULES[r].norms is None]
@@ -190,7 +170,7 @@ def test_a_per_leaf_state_flattened_steps_on_as_the_leaves(rule, device):
     flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, 3)
     got = (layout.unflatten(flat), layout.unflatten_state(state_flat))
     for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves((params, state)), strict=True)):
-        _same_step(a, b, f"{rule}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
+        assert_same_variant(a, b, f"{rule}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
 
 
 def test_layout_groups_and_alignment():

@@ -275,3 +275,21 @@ def codes_differ(actual: torch.Tensor, expected: torch.Tensor, bound: Codes, wha
     n_diff = int((diff > 0).sum())
     allowed = max(bound.count, diff.numel() // bound.per if bound.per else 0)
     assert n_diff <= allowed, f"{what}: {n_diff} of {diff.numel()} codes differ (bar {allowed})"
+
+
+def assert_same_variant(actual: torch.Tensor, expected: torch.Tensor, what: str) -> None:
+    """One step through two compiled variants of its kernel (another dither offset, the clip folded in, the
+    scalars as a row): the same bits off CUDA (the reference and the interpreter do not contract); on CUDA 8-bit
+    codes within ``KERNEL_VS_REFERENCE_CODES``, 16-bit values within one ulp of their dtype, and float32 within
+    ``CONTRACTION_ULPS`` ulps of the tensor's largest value."""
+    if actual.device.type != "cuda":
+        assert_equal_report(actual, expected, what)
+    elif actual.dtype == torch.uint8:
+        codes_differ(actual, expected, KERNEL_VS_REFERENCE_CODES, what)
+    elif actual.dtype in (torch.bfloat16, torch.float16):  # one fp32 value rounded to the dtype twice
+        off = (actual.float() - expected.float()).abs() > 2 * half_ulp(expected, actual.dtype)
+        assert not bool(off.any()), f"{what}: {int(off.sum())} values more than one ulp apart"
+    else:
+        scale = expected.float().abs().max() if expected.numel() else torch.tensor(0.0)
+        atol = CONTRACTION_ULPS * 2 * float(half_ulp(scale, torch.float32))
+        assert_close_report(actual.float(), expected.float(), atol=atol, rtol=0.0, what=what)
