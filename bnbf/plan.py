@@ -240,6 +240,16 @@ class Plan:
             self._field_packed = array.array("Q", self._field_ptrs).tobytes()
             self._twins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
 
+    def __reduce__(self) -> tuple:
+        # pickle, copy.deepcopy and copy.copy: a plan of the params and states it holds, built anew (their memo
+        # keeps them the very objects the rest of the copy refers to); its tables are addresses of this process
+        if not self._hold:
+            raise TypeError(
+                "bnbf.update_'s cached plans hold no tensor and cannot be pickled or copied; "
+                "make one that holds its params and states with bnbf.plan(params, state)"
+            )
+        return (Plan, (_unflatten(self._params, self._spec), _unflatten(self._states, self._spec)))
+
     # ---- the public step --------------------------------------------------------------------------------
 
     @property

@@ -390,3 +390,45 @@ def test_update__keeps_no_hyperparameter_tensor_alive(device):
     del lr
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save", "copy"])
+def test_a_copied_or_pickled_plan_steps_its_copies(device, how):
+    """A plan copied or pickled with its params and states (a training loop's bundle) is a plan of the copies:
+    stepping it moves them exactly as the original moves its own (copy.copy: a second plan of the same tensors).
+    update_'s cached plans hold no tensor: copying one raises, naming bnbf.plan."""
+    import copy
+    import io
+
+    gen = torch.Generator().manual_seed(0)
+    rand = lambda n: torch.randn(n, generator=gen).to(device)  # noqa: E731
+    params = {"w": rand(300), "b": rand(7)}
+    state = bnbf.init_state(params, SPEC8)
+    bundle = {"params": params, "state": state, "plan": bnbf.plan(params, state)}
+    bundle["plan"].step({"w": rand(300), "b": rand(7)}, HPS[0], 1)
+    if how == "deepcopy":
+        other = copy.deepcopy(bundle)
+    elif how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(bundle, buf)
+        buf.seek(0)
+        other = torch.load(buf, weights_only=False)
+    else:
+        other = {**bundle, "plan": copy.copy(bundle["plan"])}
+    same = how == "copy"
+    assert all(a is b for a, b in zip(other["plan"].params, other["params"].values()))
+    assert all((a is b) == same for a, b in zip(other["plan"].params, params.values()))
+    grads = {"w": rand(300), "b": rand(7)}
+    bundle["plan"].step(grads, HPS[0], 2)
+    if not same:
+        other["plan"].step(grads, HPS[0], 2)
+        leaves = torch.utils._pytree.tree_leaves
+        for a, b in zip(leaves((params, state)), leaves((other["params"], other["state"])), strict=True):
+            assert torch.equal(a, b), "the copy's plan stepped its copies otherwise"
+    if not kernel_runs(device):  # update_ caches plans on the Triton path only
+        return
+    bnbf.update_(params, grads, state, HPS[0], 3)
+    cached = importlib.import_module("bnbf.functional")._LAST[id(params), id(state)]()
+    with pytest.raises(TypeError, match=r"bnbf\.plan\(params, state\)"):
+        copy.deepcopy(cached)
