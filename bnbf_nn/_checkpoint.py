@@ -50,11 +50,15 @@ BLOCK = 256  # bitsandbytes' block size
 _IGNORED = {"unorm_vec", "gnorm_vec"}  # bitsandbytes' scratch buffers, recomputed every step
 
 
-@functools.cache
-def qmap(fmt: str, signed: bool, device: torch.device) -> Tensor:
-    """The 256 values the codes of ``fmt`` stand for, as state dicts carry them (one tensor per device,
-    apart from the maps the quantizer itself uses)."""
-    return state_map(fmt, signed, device).clone()
+def qmap(maps: dict, fmt: str, signed: bool, device: torch.device) -> Tensor:
+    """The 256 values the codes of ``fmt`` stand for, as bitsandbytes' state carries them: ``maps``' copy, made
+    on first use. One optimizer's live views share its ``maps``, and each state dict has its own, as bitsandbytes
+    shares one optimizer's; never the quantizer's own maps, nor another optimizer's (a write into one would
+    change what every other shows and loads)."""
+    key = (fmt, signed, device)
+    if key not in maps:
+        maps[key] = state_map(fmt, signed, device).clone()
+    return maps[key]
 
 
 def _slots(rule: Any, stacks: tuple | None) -> tuple[tuple[int, ...], ...]:
@@ -80,9 +84,7 @@ def portable(states: list) -> list:
 
 def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0, maps: dict | None = None) -> dict[str, Tensor]:
     """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` tensors of one bnbf state (for a DTensor
-    param's, pass it through :func:`portable` first). ``maps``: one state dict's own copies of the qmaps, shared by
-    its entries as bitsandbytes shares one optimizer's (not the process-wide cached map, which a write into one
-    checkpoint would change in every other)."""
+    param's, pass it through :func:`portable` first). ``maps``: one state dict's own qmaps (:func:`qmap`)."""
     maps = {} if maps is None else maps
     layout = type(state).layout
     rule = bnbf.RULES[layout.rule]
@@ -95,10 +97,7 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0, maps: dict | 
         join = (lambda ts: ts[0]) if len(slots) == 1 else _stack
         out[f"state{k}"] = join([getattr(state, n) for n in names])
         if layout.quantized:
-            key = (layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
-            if key not in maps:
-                maps[key] = state_map(*key).clone()  # not the live views' map, which a caller may have written
-            out[f"qmap{k}"] = maps[key]
+            out[f"qmap{k}"] = qmap(maps, layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
             out[f"absmax{k}"] = join([getattr(state, n + "_absmax") for n in names])
     if max_unorm and not layout.quantized:  # bitsandbytes' 32-bit steps expect this scratch buffer
         out["unorm_vec"] = torch.zeros(1, device=out["state1"].device)
@@ -113,11 +112,11 @@ def _stack(ts: list[Tensor]) -> Tensor:
     return distributed_module().stacked(torch.stack([t.to_local() for t in ts]), ts[0])
 
 
-def views(state: Any, stacks: tuple | None) -> dict[str, Tensor]:
+def views(state: Any, stacks: tuple | None, maps: dict) -> dict[str, Tensor]:
     """bitsandbytes' ``state{k}``/``qmap{k}``/``absmax{k}`` of one bnbf state as views of its live tensors
     (writing them writes the state). A stacked ``state{k}`` (AdEMAMix's) is one view over its slots' fields,
     which must be equally spaced rows of one storage (:func:`bnbf.state.new_state` with ``stacks`` makes
-    them so); the qmaps are the shared per-device maps state dicts carry, as in bitsandbytes."""
+    them so); the qmaps are the optimizer's own (``maps``, :func:`qmap`)."""
     layout = type(state).layout
     rule = bnbf.RULES[layout.rule]
     out: dict[str, Tensor] = {}
@@ -127,7 +126,7 @@ def views(state: Any, stacks: tuple | None) -> dict[str, Tensor]:
             continue
         out[f"state{k}"] = _rows(state, names, len(slots) > 1)
         if layout.quantized:
-            out[f"qmap{k}"] = qmap(layout.format, rule.states[slots[0]].signed, out[f"state{k}"].device)
+            out[f"qmap{k}"] = qmap(maps, layout.format, rule.states[slots[0]].signed, out[f"state{k}"].device)
             out[f"absmax{k}"] = _rows(state, [n + "_absmax" for n in names], len(slots) > 1)
     return out
 
@@ -334,8 +333,8 @@ def _write_view(key: str, live: Tensor, value: Any) -> None:
     live.copy_(value)
 
 
-def record(step: int, state: Any, family: Any) -> Record:
-    return Record(step=step, state=state, **views(state, family.bnb_slots))
+def record(step: int, state: Any, family: Any, maps: dict) -> Record:
+    return Record(step=step, state=state, **views(state, family.bnb_slots, maps))
 
 
 def _check_values(where: str, key: str, t: Tensor, nonneg: bool) -> None:

@@ -87,7 +87,8 @@ views of the same tensors (made when the state is, so the step does no extra wor
 ``bitsandbytes.functional.dequantize_blockwise(A=state1, absmax=absmax1, code=qmap1, blocksize=256)``
 reads; AdEMAMix's ``state1``/``absmax1`` stack its two first moments as bitsandbytes' do. A write through
 them is a write to the optimizer's state, and the tensors of ``optimizer.state`` count its true bytes
-(the 256-value qmaps are shared maps, as in bitsandbytes). ``state_dict()`` writes bitsandbytes' layout
+(the 256-value qmaps are one tensor per optimizer, format and device, as bitsandbytes shares one per
+optimizer). ``state_dict()`` writes bitsandbytes' layout
 (see :mod:`bnbf_nn._checkpoint`) with ``step`` as torch.optim stores it (a float32 tensor, so that
 ``torch.distributed.checkpoint`` round-trips it; int steps load too) and, as torch.optim, keeps the keys
 of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
@@ -490,6 +491,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
         self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
+        self._qmaps: dict = {}  # the live views' qmaps, this optimizer's own (_checkpoint.qmap)
 
     def _lr0_of(self, group: Mapping) -> Any:
         """The lr ``group`` started with (its lr where it has no entry: added to param_groups by hand)."""
@@ -542,7 +544,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 s = rec["state"]
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
-                _put(self.state, p, _checkpoint.record(rec["step"], s, self.family))
+                _put(self.state, p, _checkpoint.record(rec["step"], s, self.family, self._qmaps))
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
@@ -1035,7 +1037,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                     kept = s._asdict()
                     new = type(fresh)._make(kept.get(n, t) for n, t in zip(fresh._fields, fresh))
                 _put(r, "state", new)
-                for key, view in _checkpoint.views(new, self.family.bnb_slots).items():
+                for key, view in _checkpoint.views(new, self.family.bnb_slots, self._qmaps).items():
                     _put(r, key, view)
             self._plans.pop(id(group), None)
         self._adding = []
@@ -1235,7 +1237,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             step = _new_step(0, p, group)
             wide = p.dtype == torch.float64 and group["differentiable"]  # (gradcheck, torch.func): float64 state
             s = _checkpoint.new_state(p, spec, _detached(hp) if wide else hp, self.family, wide)
-            _put(self.state, p, _checkpoint.record(step, s, self.family))
+            _put(self.state, p, _checkpoint.record(step, s, self.family, self._qmaps))
             new = True
         if new:
             plan = self._plan(group)
@@ -1401,7 +1403,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             step = _checkpoint.read_step(entry, where)
             step = _new_step(step, p, group)
             s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged)
-            state[p] = _checkpoint.record(step, s, self.family)
+            state[p] = _checkpoint.record(step, s, self.family, self._qmaps)
         self.state = _checkpoint.States(state)
         self.param_groups = groups
         self._init_caches()

@@ -231,6 +231,25 @@ def test_power_format_writes_its_own_qmap():
     assert_equal_report(got["state2"], want["exp_avg_sq"], "exp_avg_sq via qmap2")
 
 
+def test_live_qmaps_are_the_optimizers_own():
+    """The live ``qmap`` views: one tensor per optimizer (its params share it, as bitsandbytes' do), never another
+    optimizer's: a write into one optimizer's changed what every other's state showed and refused their loads."""
+    params, others = make_params(shapes=[(32, 40), (40, 32)]), make_params(shapes=SHAPES)
+    opt, other = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8), bnbf_nn.AdamW8bit(others, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    run_adapter(other, others, make_grads(others, 1))
+    maps = [r["qmap1"] for r in opt.state.values() if "qmap1" in r]
+    assert len(maps) > 1 and all(m is maps[0] for m in maps)
+    assert opt.state[params[0]]["qmap1"] is not other.state[others[0]]["qmap1"]
+    sd = other.state_dict()
+    with torch.no_grad():
+        opt.state[params[0]]["qmap1"].mul_(2.0)
+    assert_equal_report(other.state[others[0]]["qmap1"], bnbf.quant.state_map("power", True), "the other's qmap1")
+    bnbf_nn.AdamW8bit(others, min_8bit_size=MIN8).load_state_dict(sd)  # a fresh optimizer loads it
+    copied = copy.deepcopy(opt)  # a copy's views have their own maps too
+    assert copied.state[copied.param_groups[0]["params"][0]]["qmap1"] is not opt.state[params[0]]["qmap1"]
+
+
 def test_ademamix_stacks_its_first_moments_like_bitsandbytes():
     params = make_params(shapes=SHAPES)
     opt = bnbf_nn.AdEMAMix8bit(params, min_8bit_size=MIN8)
