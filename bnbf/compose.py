@@ -1450,6 +1450,14 @@ def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
 # ---- clipping ------------------------------------------------------------------------------------------------
 
 
+def _by_device_dtype(gs: list[Tensor]) -> dict[tuple, list[int]]:
+    """The grads' indices by (device, dtype), in order of first appearance: torch's clip groups them so."""
+    by: dict[tuple, list[int]] = {}
+    for i, g in enumerate(gs):
+        by.setdefault((g.device, g.dtype), []).append(i)
+    return by
+
+
 def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     """torch.nn.utils.clip_grad_norm_'s total norm (the same ops, so the same bits), and the grads' indices by
     (device, dtype)."""
@@ -1457,9 +1465,7 @@ def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     if not torch.compiler.is_compiling() and len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:
         by = {(gs[0].device, gs[0].dtype): range(len(gs))}
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)), norm_type), by
-    by: dict[tuple, list[int]] = {}
-    for i, g in enumerate(gs):
-        by.setdefault((g.device, g.dtype), []).append(i)
+    by = _by_device_dtype(gs)
     norms: list[Tensor] = []
     for idx in by.values():
         norms.extend(torch._foreach_norm([gs[i] for i in idx], norm_type))
@@ -1589,13 +1595,7 @@ def _clip_differentiably(
     forward derivative under torch.func). One ``vector_norm`` per grad is what ``torch._foreach_norm`` runs on the
     CPU (so the same bits there) and what ``clip_grad_norm_(foreach=False)`` runs; the norms are stacked in the
     same (device, dtype) group order as :func:`_total_norm`, and ``g * coef`` is ``torch._foreach_mul``'s product."""
-    by: dict = {}
-    for i, g in enumerate(gs):
-        key = (g.device, g.dtype)
-        if key in by:
-            by[key].append(i)
-        else:
-            by[key] = [i]
+    by = _by_device_dtype(gs)
     first = gs[0].device
     norms = [torch.linalg.vector_norm(gs[i], norm_type).to(first) for idx in by.values() for i in idx]
     total = torch.linalg.vector_norm(torch.stack(norms), norm_type)

@@ -40,6 +40,19 @@ def _grads(t: int, params: list) -> list[torch.Tensor]:
     return [torch.randn(p.shape, generator=g) * 0.01 for p in params]
 
 
+def _set_grads(params: list, t: int) -> None:
+    for p, g in zip(params, _grads(t, params)):
+        p.grad = g
+
+
+def _step_each(pairs, steps) -> None:
+    """For each step number, every (params, optimizer) pair gets step ``t``'s grads and steps."""
+    for t in steps:
+        for ps, opt in pairs:
+            _set_grads(ps, t)
+            opt.step()
+
+
 def _zero_slot(name: str):
     """What torch lacks after a switch it cannot make (KeyError): the slot at its initial value, zeros."""
 
@@ -154,11 +167,7 @@ def test_switches_after_the_first_step_train_as_torch(case, bits):
     other.load_state_dict(torch.load(buf, weights_only=False))
     for key in case[4].get(2, {}):  # the switched settings, as the saved group holds them
         assert other.param_groups[0][key] == ours.param_groups[0][key]
-    for t in range(STEPS, STEPS + 2):
-        for ps, opt in ((params, ours), (twin, other)):
-            for p, g in zip(ps, _grads(t, ps)):
-                p.grad = g
-            opt.step()
+    _step_each(((params, ours), (twin, other)), range(STEPS, STEPS + 2))
     for i, (p, q) in enumerate(zip(params, twin)):
         assert_equal_report(q.detach(), p.detach(), f"param {i} after loading")
         a, b = ours.state[p]["state"], other.state[q]["state"]
@@ -173,18 +182,11 @@ def test_a_switched_off_slot_steps_as_a_state_made_without_it(bits):
     kw = dict(lr=1e-2, weight_decay=0.01, **({"min_8bit_size": 0} if bits == 8 else {}))
     params = _params()
     opt = getattr(bnbf_nn, f"SGD{bits}bit")(params, momentum=0.9, **kw)
-    for t in range(2):
-        for p, g in zip(params, _grads(t, params)):
-            p.grad = g
-        opt.step()
+    _step_each(((params, opt),), range(2))
     twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
     plain = getattr(bnbf_nn, f"SGD{bits}bit")(twin, momentum=0.0, **kw)
     opt.param_groups[0]["momentum"] = 0.0
-    for t in range(2, 4):
-        for ps, o in ((params, opt), (twin, plain)):
-            for p, g in zip(ps, _grads(t, ps)):
-                p.grad = g
-            o.step()
+    _step_each(((params, opt), (twin, plain)), range(2, 4))
     for i, (p, q) in enumerate(zip(params, twin)):
         assert_equal_report(p.detach(), q.detach(), f"param {i}")
 
@@ -228,12 +230,9 @@ def test_switches_bnbf_would_step_otherwise_than_torch_raise_changing_nothing(fa
     A clear error naming the group key and its values, and nothing changed."""
     params = _params()
     opt = getattr(bnbf_nn, f"{family}32bit")(params, **kw)
-    for p, g in zip(params, _grads(0, params)):
-        p.grad = g
-    opt.step()
+    _step_each(((params, opt),), [0])
     opt.param_groups[0].update(edit)
-    for p, g in zip(params, _grads(1, params)):
-        p.grad = g
+    _set_grads(params, 1)
     snap = _snapshot(opt, params)
     with pytest.raises(ValueError, match=match):
         opt.step()
@@ -245,13 +244,10 @@ def test_a_slot_switched_on_is_added_only_once_every_group_is_checked():
     max_exp_avg_sq (state3); with the lr fixed, it is added and the step goes on."""
     params = _params()
     opt = bnbf_nn.Adam8bit([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, min_8bit_size=0)
-    for p, g in zip(params, _grads(0, params)):
-        p.grad = g
-    opt.step()
+    _step_each(((params, opt),), [0])
     opt.param_groups[0]["amsgrad"] = True
     opt.param_groups[1]["lr"] = -1.0
-    for p, g in zip(params, _grads(1, params)):
-        p.grad = g
+    _set_grads(params, 1)
     snap = _snapshot(opt, params)
     with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.step()
@@ -292,8 +288,7 @@ def _one_cycle_run(make, steps: int = 10) -> tuple:
     seen = []
     p0 = [p.detach().clone() for p in params]
     for t in range(steps):
-        for p, g in zip(params, _grads(t, params)):
-            p.grad = g
+        _set_grads(params, t)
         seen.append(opt.param_groups[0]["momentum"])
         opt.step()
         sched.step()
