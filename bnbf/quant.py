@@ -471,11 +471,10 @@ def quantize_state_reference(
 
     Codes are the nearest map value, or with ``dither`` (:func:`state_dither`, as the step passes) stochastically
     rounded between the two map values around each value; non-negative states round up near zero and keep
-    nonzero values off code 0 (the zero point, above). A NaN or an infinity is stored as 0: it has no code,
-    and in the block's absmax it would turn the block's other values NaN."""
+    nonzero values off code 0 (the zero point, above)."""
     if fmt not in STATE_FORMATS:
         raise ValueError(f"unknown state format {fmt!r}; known: {STATE_FORMATS}")
-    blocks, absmax, n = _blocks(torch.where(torch.isfinite(x), x, 0.0), block_size)
+    blocks, absmax, n = _blocks(x, block_size)
     scale = torch.where(absmax > 0, 1.0 / absmax, torch.zeros_like(absmax))
     normed = (blocks * scale[:, None]).clamp_(-1.0, 1.0).reshape(-1)[:n]
     values = blocks.reshape(-1)[:n]

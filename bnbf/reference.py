@@ -291,6 +291,10 @@ def _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, g
         mine = None if sums is None else list(sums[i].unbind())
         # a non-finite gradient element leaves its param element alone and zeroes its states
         new_p, new_states, finite = step_math(rule, p32, g32, states, scalars, max_unorm, lr, skip_zeros, clip, mine)
+        if quant:  # an 8-bit state holds no NaN or inf: such an element steps as a non-finite gradient's (the kernels)
+            for j in slots:
+                finite = finite & torch.isfinite(new_states[j])
+            new_p = torch.where(finite, new_p, p32)
         p_out[i].copy_(new_p.to(p.dtype))
         if fast:  # the codec zeroes the states of non-finite elements (keep) as it quantizes
             keep = finite.reshape(-1)

@@ -3,8 +3,8 @@
 A block's codes are fractions of its absmax, so a NaN or an infinity cannot be stored: left in, it made the
 block's absmax NaN or inf and its other 255 elements decode as NaN at the next step. Finite gradients can
 still produce one: a NaN param element under a rule whose state takes ``weight_decay · p``, or a finite
-gradient whose square overflows float32. Such an element's state is stored as 0, as a non-finite gradient
-element's is (tests/test_rules.py); 32-bit states keep the value, as torch.optim's do.
+gradient whose square overflows float32. Such an element steps as a non-finite gradient element does
+(tests/test_rules.py): its param kept, its states zeroed; 32-bit states keep the value, as torch.optim's do.
 """
 
 from __future__ import annotations
@@ -91,6 +91,12 @@ def test_a_state_overflowing_to_inf_leaves_its_block_alone(device, row, fmt):
     p_new, state = _steps(row, _spec(row, fmt), p.clone(), grads)
     others = torch.arange(N, device=device) != BAD
     assert bool(torch.isfinite(p_new[others]).all()), f"{row.id}: the overflow reached other params"
+    # the element itself steps as after a non-finite gradient (kept, its states zeroed), never far beyond the
+    # 32-bit step (not by its surviving moments over a second moment started again from 0: 3e37 where 32-bit
+    # Adam keeps it in place); SGD's first step moves it by lr · 3e38 in both widths
+    p_wide, _ = _steps(row, _spec(row, fmt, bits=32), p.clone(), grads)
+    moved, bar = (p_new - p).abs()[BAD], (p_wide - p).abs()[BAD] * 2 + 10 * (p_new - p).abs()[others].max()
+    assert not bool(moved > bar), f"{row.id}: the element stepped {float(moved):.3e} (32-bit: {float(bar):.3e} bar)"
     for leaf in tree_leaves(state):
         if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
             assert bool(torch.isfinite(leaf).all()), f"{row.id}: a block's absmax is not finite"

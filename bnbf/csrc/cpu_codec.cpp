@@ -94,29 +94,20 @@ const Dynamic kDynamicSigned(true), kDynamicUnsigned(false);
 
 // The loops below are written for the vectorizer: every load unconditional, selects instead of branches, the
 // keep mask as bytes (a bool operand stops GCC 12), integers for signs. KEEP: the step's mask of finite gradient
-// elements (the state of a non-finite one is stored as 0), or a block's own where a state value is non-finite
-// (stored as 0 too: it has no code), or none.
+// elements (the state of a non-finite one is stored as 0), or none.
 
-// The largest magnitude of a block's kept finite values, as the largest bit pattern of |v| (the same order for
-// non-negative floats; an integer max vectorizes without -ffast-math), and whether a kept value is non-finite.
-struct BlockMax {
-  float absmax;
-  bool non_finite;
-};
-
-constexpr uint32_t kInfBits = 0x7F800000u;  // |v|'s bits at or above: inf or NaN
-
+// The largest magnitude of a block, as the largest bit pattern of |v| (the same order for non-negative floats;
+// an integer max vectorizes without -ffast-math).
 template <bool KEEP>
-BNBF_INLINE BlockMax block_absmax(const float* __restrict x, const uint8_t* __restrict keep, int64_t len) {
-  uint32_t top = 0, worst = 0;
+BNBF_INLINE float block_absmax(const float* __restrict x, const uint8_t* __restrict keep, int64_t len) {
+  uint32_t top = 0;
   for (int64_t i = 0; i < len; ++i) {
-    const uint32_t bits = KEEP && !keep[i] ? 0u : float_bits(x[i]) & 0x7FFFFFFFu;
-    worst = std::max(worst, bits);
-    top = std::max(top, bits < kInfBits ? bits : 0u);
+    const uint32_t bits = float_bits(x[i]) & 0x7FFFFFFFu;
+    top = std::max(top, KEEP && !keep[i] ? 0u : bits);
   }
   float absmax;
   std::memcpy(&absmax, &top, sizeof absmax);
-  return {absmax, worst >= kInfBits};
+  return absmax;
 }
 
 BNBF_INLINE float value(const float* __restrict x, const uint8_t* __restrict keep, int64_t i, bool use_keep) {
@@ -364,16 +355,11 @@ struct BlockHead {
 };
 
 BNBF_INLINE BlockHead block_head(const float* x, const uint8_t* keep, float* absmax, int64_t n, int64_t block_size,
-                                 int64_t seed, int64_t first, int64_t r, uint8_t* scratch) {
+                                 int64_t seed, int64_t first, int64_t r) {
   const int64_t start = r * block_size;
   const int64_t len = std::min(block_size, n - start);
   const uint8_t* k = block_mask(keep, start, len);
-  const BlockMax m = k ? block_absmax<true>(x + start, k, len) : block_absmax<false>(x + start, k, len);
-  if (m.non_finite) {  // stored as 0, as a non-finite gradient element's state: a mask of this block's own
-    for (int64_t i = 0; i < len; ++i) scratch[i] = (k == nullptr || k[i]) && std::isfinite(x[start + i]);
-    k = scratch;
-  }
-  const float a = m.absmax;
+  const float a = k ? block_absmax<true>(x + start, k, len) : block_absmax<false>(x + start, k, len);
   absmax[r] = a;
   return {start, len, k, a > 0.0f ? 1.0f / a : 0.0f, block_hash(first + r, seed)};
 }
@@ -392,9 +378,8 @@ const bool kVectorDecades = false;
 template <bool SIGNED>
 BNBF_CLONES void quantize_dynamic(const float* x, const uint8_t* keep, uint8_t* codes, float* absmax, int64_t n,
                                   int64_t block_size, int64_t seed, int64_t first, int64_t b0, int64_t b1) {
-  std::vector<uint8_t> scratch(block_size);
   for (int64_t r = b0; r < b1; ++r) {
-    const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r, scratch.data());
+    const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r);
     if (kVectorDecades) {
       h.keep ? block_dynamic_codes<true, SIGNED>(x + h.start, h.keep, codes + h.start, h.len, h.scale, h.hash)
              : block_dynamic_codes<false, SIGNED>(x + h.start, h.keep, codes + h.start, h.len, h.scale, h.hash);
@@ -408,8 +393,8 @@ BNBF_CLONES void quantize_dynamic(const float* x, const uint8_t* keep, uint8_t* 
 template <bool SIGNED>
 BNBF_CLONES void power_blocks(const float* x, const uint8_t* keep, uint8_t* codes, uint8_t* unsure, float* absmax,
                               int64_t n, int64_t block_size, int64_t seed, int64_t first, int64_t r,
-                              std::vector<int64_t>& redo, uint8_t* scratch) {
-  const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r, scratch);
+                              std::vector<int64_t>& redo) {
+  const BlockHead h = block_head(x, keep, absmax, n, block_size, seed, first, r);
   const uint8_t any =
       h.keep ? block_power_codes<true, SIGNED>(x + h.start, h.keep, codes + h.start, unsure, h.len, h.scale, h.hash)
              : block_power_codes<false, SIGNED>(x + h.start, h.keep, codes + h.start, unsure, h.len, h.scale, h.hash);
@@ -424,10 +409,10 @@ BNBF_CLONES void power_blocks(const float* x, const uint8_t* keep, uint8_t* code
 template <bool SIGNED>
 void quantize_power(const float* x, const uint8_t* keep, uint8_t* codes, float* absmax, int64_t n, int64_t block_size,
                     int64_t seed, int64_t first, int64_t b0, int64_t b1) {
-  std::vector<uint8_t> unsure(block_size), scratch(block_size);
+  std::vector<uint8_t> unsure(block_size);
   std::vector<int64_t> redo;
   for (int64_t r = b0; r < b1; ++r) {
-    power_blocks<SIGNED>(x, keep, codes, unsure.data(), absmax, n, block_size, seed, first, r, redo, scratch.data());
+    power_blocks<SIGNED>(x, keep, codes, unsure.data(), absmax, n, block_size, seed, first, r, redo);
   }
   if (redo.empty()) return;
   const int64_t m = static_cast<int64_t>(redo.size());
@@ -435,7 +420,7 @@ void quantize_power(const float* x, const uint8_t* keep, uint8_t* codes, float* 
   float* rp = roots.data_ptr<float>();
   auto normed_at = [&](int64_t i) {
     const int64_t r = i / block_size;
-    const float v = (keep != nullptr && !keep[i]) || !std::isfinite(x[i]) ? 0.0f : x[i];
+    const float v = keep != nullptr && !keep[i] ? 0.0f : x[i];
     return std::make_pair(v, normed_of(v, absmax[r] > 0.0f ? 1.0f / absmax[r] : 0.0f));
   };
   for (int64_t j = 0; j < m; ++j) rp[j] = std::abs(normed_at(redo[j]).second);

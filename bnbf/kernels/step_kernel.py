@@ -175,12 +175,8 @@ def _store_state(
     """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
     ``seed``), and the block's new absmax; or float32 values."""
     if QUANT:
-        # a non-finite value has no code (it would make the block's absmax NaN or inf): stored as 0; padding
-        # lanes must not raise the block's absmax either
-        keep = tl.abs(s) < float("inf")
         if MASKED:
-            keep = keep & mask
-        s = tl.where(keep, s, 0.0)
+            s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
         absmax = tl.max(tl.abs(s), axis=1)
         d = dither(lane, seed)
         if FORMAT == 2:
@@ -325,6 +321,13 @@ def _tile_step(
         for j in tl.static_range(SLOTS):
             kept = kept + (tl.where(g == 0, s[j], s_new[j]),)
         s_new = kept
+    if QUANT:
+        # an 8-bit state holds no NaN or inf (a code is a fraction of its block's absmax, which one would make NaN
+        # or inf for the whole block): an element whose new state is one (a NaN param under 0 · p, a square that
+        # overflows) steps as a non-finite gradient's, its param kept and its states zeroed
+        for j in tl.static_range(SLOTS):
+            if (PRESENT >> j) & 1:
+                finite = finite & (tl.abs(s_new[j]) < float("inf"))
     p_new = tl.where(finite, p_new, p)
     _st(ptrs[1] + offs, to_dtype(p_new, P_DTYPE, SOFT_BF16), mask, MASKED)
     # stochastic rounding of the 8-bit states (bnbf.quant): each element's place in its block times an odd
