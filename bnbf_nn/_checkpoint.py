@@ -174,17 +174,6 @@ def distributed_module() -> Any:
     return bnbf.distributed
 
 
-# settings under which a rule keeps an optional state slot, which do not change the slot's initial value: how a
-# state is made that keeps a slot its settings do not step (see with_slots)
-_KEEPS_SLOT = {
-    "adam": {2: {"amsgrad": True}},
-    "adamw": {2: {"amsgrad": True}},
-    "sgd": {0: {"momentum": 0.5}},
-    "lars": {0: {"momentum": 0.5}},
-    "rmsprop": {1: {"momentum": 0.5}, 2: {"centered": True}},
-}
-
-
 def with_slots(rule: Any, hparams: Any, mask: int) -> Any:
     """The rule's hyperparameter dataclass ``hparams`` changed where needed to keep the state slots of ``mask``
     too (bit j: slot j), with every initial value as ``hparams`` gives it: what a state is made from that keeps a
@@ -195,7 +184,7 @@ def with_slots(rule: Any, hparams: Any, mask: int) -> Any:
     changes: dict = {}
     for j in range(len(rule.states)):
         if (mask >> j) & 1 and not (have >> j) & 1:
-            changes.update(_KEEPS_SLOT.get(rule.name, {}).get(j, {}))
+            changes.update(rule.states[j].kept_by)
     if changes:
         h = dataclasses.replace(h, **changes)
     if present_mask(rule, h) != mask | have:
@@ -415,7 +404,7 @@ def unpack(
     # its states were made): loaded and kept untouched, as torch.optim keeps an unused momentum buffer
     extra = 0
     for k, js in enumerate(slots, start=1):
-        optional = all(j in _KEEPS_SLOT.get(rule.name, {}) for j in js)
+        optional = all(rule.states[j].kept_by for j in js)
         if f"state{k}" in tensors and not any(present[j] for j in js) and optional:
             extra |= sum(1 << j for j in js)
             present = [keep or j in js for j, keep in enumerate(present)]

@@ -26,6 +26,7 @@ import bnbf
 from bnbf.rules import RULES, Rule, StateSlot, register_rule
 from bnbf.rules.base import validate_rule
 from bnbf.rules.lion import LION, LionHparams, LionScalars, lion_math, lion_reference
+from bnbf.rules.sgd import SGD
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 
@@ -187,6 +188,25 @@ BAD = [
         _lion(states=(StateSlot("m", True), StateSlot("m_absmax", False))),
         ValueError,
         "state slot names collide",
+    ),
+    ("kept_by type", _lion(states=(StateSlot("m", True, kept_by=("lr",)),)), TypeError, "pairs, got \\('lr',\\)"),
+    (
+        "kept_by field",
+        _lion(states=(StateSlot("m", True, kept_by=(("rate", 1.0),)),)),
+        ValueError,
+        r"kept_by names \['rate'\], not fields of LionHparams",
+    ),
+    (
+        "kept_by keeps nothing",  # SGD keeps its buffer under momentum > 0, not under dampening
+        dataclasses.replace(SGD, name="my_rule", states=(StateSlot("buf", True, kept_by=(("dampening", 0.5),)),)),
+        ValueError,
+        r"kept_by \(\('dampening', 0.5\),\) must keep the slot \(present: False\)",
+    ),
+    (
+        "kept_by fails",
+        dataclasses.replace(SGD, name="my_rule", states=(StateSlot("buf", True, kept_by=(("momentum", -1.0),)),)),
+        TypeError,
+        r"the defaults with kept_by \(\('momentum', -1.0\),\) failed: ValueError\(.Invalid momentum",
     ),
     ("scalars type", _lion(scalar_names=tuple), TypeError, "scalar_names must be a NamedTuple class"),
     ("15 scalars", _lion(scalar_names=_Fifteen), ValueError, "_Fifteen has 15 fields; a rule passes 1 to 14"),

@@ -149,7 +149,7 @@ def _moments_reference(p, g, states, h: AdamScalars):
 _STATES = (
     StateSlot("exp_avg", signed=True),
     StateSlot("exp_avg_sq", signed=False),
-    StateSlot("max_exp_avg_sq", signed=False),
+    StateSlot("max_exp_avg_sq", signed=False, kept_by=(("amsgrad", True),)),
 )
 
 ADAM = Rule("adam", AdamHparams, _STATES, AdamScalars, _scalars(False), adam_math, adam_reference, present=present)

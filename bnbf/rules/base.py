@@ -55,6 +55,10 @@ class StateSlot:
 
     name: str  # torch.optim's name for it, e.g. "exp_avg"
     signed: bool  # quantized with the signed map (True) or the unsigned map for non-negative values
+    # for an optional slot: settings, as (field, value) pairs, under which the rule keeps it without changing any
+    # slot's initial value. bnbf_nn makes a state from them that keeps a slot its settings no longer step (a
+    # momentum buffer after momentum was switched off, as torch.optim keeps it)
+    kept_by: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -333,6 +337,11 @@ def validate_rule(rule: Any) -> None:
             raise bad(f"state slot name must be an identifier not starting with '_', got {s.name!r}", ValueError)
         if not isinstance(s.signed, bool):
             raise bad(f"state slot {s.name!r}: signed must be a bool, got {type(s.signed).__name__}")
+        kept = s.kept_by
+        if not isinstance(kept, tuple) or not all(isinstance(x, tuple) and len(x) == 2 for x in kept):
+            raise bad(f"state slot {s.name!r}: kept_by must be a tuple of (field, value) pairs, got {kept!r}")
+        if unknown := [k for k, _ in kept if k not in {f.name for f in dataclasses.fields(hp_cls)}]:
+            raise bad(f"state slot {s.name!r}: kept_by names {unknown}, not fields of {hp_cls.__name__}", ValueError)
     fields = names + [n + "_absmax" for n in names]
     if len(set(fields)) != len(fields):
         raise bad(f"state slot names collide (each slot also gets '<name>_absmax'): {names}", ValueError)
@@ -379,6 +388,19 @@ def validate_rule(rule: Any) -> None:
         raise bad(f"present() must return one bool per state slot ({len(slots)}), got {present!r}", ValueError)
     if len(initial) != len(slots) or not all(isinstance(x, (int, float)) and math.isfinite(x) for x in initial):
         raise bad(f"initial() must return one finite number per state slot ({len(slots)}), got {initial!r}", ValueError)
+    for j, s in enumerate(slots):
+        if s.kept_by:
+            try:
+                kept = dataclasses.replace(h, **dict(s.kept_by))
+                keeps, kept_initial = rule.slots_present(kept)[j], rule.initial_values(kept)
+            except Exception as e:
+                raise bad(f"state slot {s.name!r}: the defaults with kept_by {s.kept_by} failed: {e!r}") from e
+            if not keeps or kept_initial != initial:
+                raise bad(
+                    f"state slot {s.name!r}: kept_by {s.kept_by} must keep the slot (present: {keeps}) and leave"
+                    f" every initial value as it was ({initial} -> {kept_initial})",
+                    ValueError,
+                )
     try:
         sc = rule.scalars(h, 1)
     except Exception as e:

@@ -78,7 +78,7 @@ def lars_reference(p, g, states, h: LarsScalars, sums):
 LARS = Rule(
     "lars",
     LarsHparams,
-    (StateSlot("momentum_buffer", signed=True),),
+    (StateSlot("momentum_buffer", signed=True, kept_by=(("momentum", 0.5),)),),
     LarsScalars,
     scalars,
     lars_math,

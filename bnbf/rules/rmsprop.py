@@ -115,8 +115,8 @@ def rmsprop_reference(p, g, states, h: RMSpropScalars):
 
 _STATES = (
     StateSlot("square_avg", signed=False),
-    StateSlot("momentum_buffer", signed=True),
-    StateSlot("grad_avg", signed=True),
+    StateSlot("momentum_buffer", signed=True, kept_by=(("momentum", 0.5),)),
+    StateSlot("grad_avg", signed=True, kept_by=(("centered", True),)),
 )
 
 

@@ -105,7 +105,7 @@ def sgd_reference(p, g, states, h: SGDScalars):
 SGD = Rule(
     "sgd",
     SGDHparams,
-    (StateSlot("momentum_buffer", signed=True),),
+    (StateSlot("momentum_buffer", signed=True, kept_by=(("momentum", 0.5),)),),
     SGDScalars,
     scalars,
     sgd_math,
