@@ -22,7 +22,7 @@ import torch
 from conftest import DEVICES, assert_untouched, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_equal_report, assert_same_variant
+from tolerances import assert_equal_report, assert_trees_same_variant
 
 import bnbf
 from bnbf import compose
@@ -53,15 +53,6 @@ def _eq_tree(a, b, what):
     assert type(a) is type(b) and (not isinstance(a, dict) or list(a) == list(b)), what
     for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
         assert_equal_report(x, y, what)
-
-
-def _eq_variant(a, b, what):
-    """As :func:`_eq_tree` off CUDA; on CUDA a launch with its scalars as a row is another compiled variant of
-    the kernel than the separate calls', held to ``tolerances.assert_same_variant``'s bound."""
-    assert type(a) is type(b) and (not isinstance(a, dict) or list(a) == list(b)), what
-    for x, y in zip(torch.utils._pytree.tree_leaves(a), torch.utils._pytree.tree_leaves(b)):
-        assert x.dtype == y.dtype and x.shape == y.shape, what
-        assert_same_variant(x, y, what)
 
 
 def test_doctests():
@@ -368,8 +359,8 @@ def test_mixed_update_equals_separate_calls(device, form, monkeypatch):
     got_p, got_s = compose.update(params, grads, state, hparams, 2)
     assert_untouched(snap)
     monkeypatch.undo()
-    _eq_variant(got_p, want_p, "mixed update's params vs separate calls")
-    _eq_variant(got_s, want_s, "mixed update's states vs separate calls")
+    assert_trees_same_variant(got_p, want_p, "mixed update's params vs separate calls")
+    assert_trees_same_variant(got_s, want_s, "mixed update's states vs separate calls")
     # one core call per (rule, hyperparameters) on the reference path: adamw's two leaves share theirs only
     # "by_rule"; on the Triton path a rule's leaves share one launch per layout whatever their hyperparameters,
     # without a core call per set (adamw's two sets here)
@@ -384,8 +375,8 @@ def test_mixed_update_equals_separate_calls(device, form, monkeypatch):
     in_s = {k: type(s)(*(t.clone() for t in s)) for k, s in state.items()}
     out = compose.update_(in_p, grads, in_s, hparams, 2)
     assert out[0] is in_p and out[1] is in_s
-    _eq_variant(in_p, want_p, "mixed update_'s params")
-    _eq_variant(in_s, want_s, "mixed update_'s states")
+    assert_trees_same_variant(in_p, want_p, "mixed update_'s params")
+    assert_trees_same_variant(in_s, want_s, "mixed update_'s states")
 
 
 def _count_launches(monkeypatch):
@@ -441,10 +432,10 @@ def test_per_leaf_hparams_share_one_launch(device, monkeypatch):
             assert [n for *_, n in seen] == [4, 2, 4, 2]
             if step > 1:
                 assert set(bnbf.kernels.launcher.LAUNCH_KEYS) == keys, "new hyperparameter values compiled a kernel"
-        _eq_variant(got_p, want_p, f"step {step}: params vs separate calls")
-        _eq_variant(got_s, want_s, f"step {step}: states vs separate calls")
-        _eq_variant(in_p, want_p, f"step {step}: in-place params vs separate calls")
-        _eq_variant(in_s, want_s, f"step {step}: in-place states vs separate calls")
+        assert_trees_same_variant(got_p, want_p, f"step {step}: params vs separate calls")
+        assert_trees_same_variant(got_s, want_s, f"step {step}: states vs separate calls")
+        assert_trees_same_variant(in_p, want_p, f"step {step}: in-place params vs separate calls")
+        assert_trees_same_variant(in_s, want_s, f"step {step}: in-place states vs separate calls")
         params, state = want_p, want_s
 
 
@@ -703,8 +694,8 @@ def test_partition_is_kept_and_redone_on_any_difference(device, monkeypatch):
         splits.clear()
         compose.update_(params, grads, state, hparams, step)
         assert len(splits) == want_splits, f"step {step}: {len(splits)} splits, expected {want_splits}"
-        _eq_variant(params, want[0], f"step {step}: params")
-        _eq_variant(state, want[1], f"step {step}: states")
+        assert_trees_same_variant(params, want[0], f"step {step}: params")
+        assert_trees_same_variant(state, want[1], f"step {step}: states")
 
     check(1, 1, hp)  # split, the partition kept
     check(2, 0, hp)  # the kept partition
@@ -783,8 +774,8 @@ def test_kept_scalar_rows_follow_every_value(device, monkeypatch):
         want = _separate(params, grads, state, lambda k: hp(k, params[k]), step)
         uploads.clear()
         compose.update_(params, grads, state, hp, step)
-        _eq_variant(params, want[0], f"step {step}: params")
-        _eq_variant(state, want[1], f"step {step}: states")
+        assert_trees_same_variant(params, want[0], f"step {step}: params")
+        assert_trees_same_variant(state, want[1], f"step {step}: states")
         if triton:  # adamw's four leaves, each group from a 16-byte aligned row: one copy per device
             assert len(uploads) == want_uploads, f"step {step}: {uploads}"
             assert all(n >= 4 for n, _ in uploads)

@@ -18,7 +18,7 @@ import torch
 from conftest import DEVICES, assert_untouched, snapshot, triton_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_same_variant
+from tolerances import assert_trees_same_variant
 from torch._dynamo.testing import CompileCounter
 from torch.utils._pytree import tree_leaves, tree_map
 
@@ -59,16 +59,6 @@ def _grads(dtype, device, step, lead=()):
 def _same(a, b) -> bool:
     la, lb = tree_leaves(a), tree_leaves(b)
     return len(la) == len(lb) and all(x.dtype == y.dtype and torch.equal(x, y) for x, y in zip(la, lb))
-
-
-def _assert_same_variant(a, b, what: str) -> None:
-    """Bit for bit off CUDA; on CUDA within the bound of two compiled variants of a kernel (ptxas contracts
-    multiply-adds in each on its own): ``tolerances.assert_same_variant``."""
-    la, lb = tree_leaves(a), tree_leaves(b)
-    assert len(la) == len(lb), f"{what}: {len(la)} leaves against {len(lb)}"
-    for i, (x, y) in enumerate(zip(la, lb)):
-        assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{what} (leaf {i}): {x.dtype} {x.shape}, {y.dtype} {y.shape}"
-        assert_same_variant(x, y, f"{what} (leaf {i})")
 
 
 def _member(tree, m):
@@ -202,10 +192,12 @@ def test_vmap_members_equal_a_loop(device, bits):
         stacked, stacked_in = s.unpack(), s_in.unpack()
         for m in range(members):
             want = bnbf.update(loop_p[m], {k: v[m] for k, v in g.items()}, loop_s[m], {"lr": 0.01}, t)
-            _assert_same_variant({k: v[m] for k, v in pv.items()}, want[0], f"step {t} member {m}: params")
-            _assert_same_variant({k: v[m] for k, v in p_in.items()}, want[0], f"step {t} member {m}: params in place")
-            _assert_same_variant(_member(stacked, m), want[1], f"step {t} member {m}: states")
-            _assert_same_variant(_member(stacked_in, m), want[1], f"step {t} member {m}: states in place")
+            assert_trees_same_variant({k: v[m] for k, v in pv.items()}, want[0], f"step {t} member {m}: params")
+            assert_trees_same_variant(
+                {k: v[m] for k, v in p_in.items()}, want[0], f"step {t} member {m}: params in place"
+            )
+            assert_trees_same_variant(_member(stacked, m), want[1], f"step {t} member {m}: states")
+            assert_trees_same_variant(_member(stacked_in, m), want[1], f"step {t} member {m}: states in place")
         # every route starts the next step from the same values: on CUDA each is its own compiled variant
         for x, y in zip(tree_leaves((p_in, s_in.buffers)), tree_leaves((pv, s.buffers))):
             x.copy_(y)

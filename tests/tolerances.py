@@ -293,3 +293,14 @@ def assert_same_variant(actual: torch.Tensor, expected: torch.Tensor, what: str)
         scale = expected.float().abs().max() if expected.numel() else torch.tensor(0.0)
         atol = CONTRACTION_ULPS * 2 * float(half_ulp(scale, torch.float32))
         assert_close_report(actual.float(), expected.float(), atol=atol, rtol=0.0, what=what)
+
+
+def assert_trees_same_variant(actual, expected, what: str) -> None:
+    """:func:`assert_same_variant` leaf by leaf over two pytrees of the same structure (dict keys in order,
+    dtypes and shapes equal)."""
+    la, spec_a = torch.utils._pytree.tree_flatten(actual)
+    lb, spec_b = torch.utils._pytree.tree_flatten(expected)
+    assert spec_a == spec_b, f"{what}: tree {spec_a} against {spec_b}"
+    for i, (x, y) in enumerate(zip(la, lb)):
+        assert (x.dtype, x.shape) == (y.dtype, y.shape), f"{what} (leaf {i}): {x.dtype} {x.shape}, {y.dtype} {y.shape}"
+        assert_same_variant(x, y, f"{what} (leaf {i})")
