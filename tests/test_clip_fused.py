@@ -32,13 +32,12 @@ from tolerances import (
     STATE32,
     assert_close_report,
     assert_equal_report,
-    assert_same_variant,
+    assert_trees_same_variant,
     codes_differ,
     folded_total_rtol,
     folded_total_ulps,
     half_ulp,
 )
-from torch.utils._pytree import tree_leaves
 
 import bnbf
 from bnbf import compose
@@ -102,8 +101,7 @@ def _eq(got, want, what):
     multiply-adds into FMAs as the compiler chooses for each variant, and the clipped step is another variant
     than the unclipped one: there float tensors agree within CONTRACTION_ULPS float32 ulps of their largest
     value and 8-bit codes within KERNEL_VS_REFERENCE_CODES (seen on the H200: 1 ulp)."""
-    for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves(want), strict=True)):
-        assert_same_variant(a, b, f"{what} (leaf {i})")
+    assert_trees_same_variant(got, want, what)
 
 
 def _record_folds(monkeypatch) -> list:

@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICES, triton_mode
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tolerances import assert_equal_report, assert_same_variant
+from tolerances import assert_equal_report, assert_trees_same_variant
 from torch._dynamo.testing import CompileCounter
 from torch.func import grad, grad_and_value
 from torch.utils._pytree import tree_leaves, tree_map
@@ -91,8 +91,7 @@ def _assert_same_as_per_leaf(rule, sizes, dtypes, bits, device, steps=3, seed=0,
             params, state = bnbf.update(params, grads, state, hp, t)
         flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, t)
         got = (layout.unflatten(flat), layout.unflatten_state(state_flat))
-        for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves((params, state)), strict=True)):
-            assert_same_variant(a, b, f"{rule} step {t}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
+        assert_trees_same_variant(got, (params, state), f"{rule} step {t}: params then states")
     for key, sizes_ in layout.pieces.items():  # the padding stays zero
         pad = torch.ones(sum(sizes_), dtype=torch.bool, device=device)
         for leaf in layout.leaves:
@@ -128,8 +127,9 @@ def test_flat_step_equals_the_per_leaf_step(rule, bits, device):
 )
 def test_eps_zero_padding_stays_out_of_the_leaves(rule, device):
     """With ``eps=0`` the padding's zero gradient over its zero state steps it to 0/0 = NaN, and under Adam's
-    ``0 · p`` the NaN reaches its state: the leaves sharing the padding's blocks still step as on their own (the
-    8-bit store keeps a non-finite state element out of its block's absmax)."""
+    ``0 · p`` the NaN reaches its state: the leaves sharing the padding's blocks still step as on their own (an
+    element whose new 8-bit state is non-finite steps as a non-finite gradient's, its states zeroed, so it never
+    reaches its block's absmax)."""
     gaussian = lambda shape, gen, dtype, device: torch.randn(shape, generator=gen).to(device, dtype)  # noqa: E731
     hp = {**RULE_HP.get(rule, HP), "eps": 0.0, "weight_decay": 0.0}
     _assert_same_as_per_leaf(rule, {"a": (300,), "b": (257,)}, [torch.float32], 8, device, hp=hp, grads_of=gaussian)
@@ -169,8 +169,7 @@ def test_a_per_leaf_state_flattened_steps_on_as_the_leaves(rule, device):
         params, state = bnbf.update(params, grads, state, hp, 3)
     flat, state_flat = bnbf.update(flat, layout.flatten(grads), state_flat, hp, 3)
     got = (layout.unflatten(flat), layout.unflatten_state(state_flat))
-    for i, (a, b) in enumerate(zip(tree_leaves(got), tree_leaves((params, state)), strict=True)):
-        assert_same_variant(a, b, f"{rule}: leaf {i} of params then states ({a.dtype}, {tuple(a.shape)})")
+    assert_trees_same_variant(got, (params, state), f"{rule}: params then states")
 
 
 def test_layout_groups_and_alignment():

@@ -60,7 +60,7 @@ from tolerances import (
     TRAINS_8_VS_32,
     assert_close_report,
     assert_equal_report,
-    assert_same_variant,
+    assert_trees_same_variant,
     codes_differ,
     half_ulp,
 )
@@ -559,8 +559,8 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits, monkeypatch):
     two steps, two tensors of odd sizes), and so does ``update`` given the same numbers as a row on the device (as
     0-d tensor hyperparameters go) off CUDA. The scalars as kernel arguments and as a row reach two compiled
     variants of the kernel, which on CUDA agree as other variants do (``assert_same_variant``): ptxas contracts
-    each variant's multiply-adds on its own, and a change to the 8-bit store made them differ by an ulp (Adam,
-    RMSprop, Adagrad, Adan; session 34), where they had agreed by chance."""
+    each variant's multiply-adds on its own, and changes to the step kernel have made them differ by an ulp (Adam,
+    RMSprop, Adagrad, Adan in session 34), where they had agreed by chance."""
     import sys
 
     plan_mod = sys.modules["bnbf.plan"]
@@ -600,8 +600,7 @@ def test_every_route_takes_the_same_step(device, row, dtype, bits, monkeypatch):
             for name, got in routes.items():
                 for x, y in zip(tree_leaves(got), tree_leaves(pure[b]), strict=True):
                     assert_equal_report(x, y, f"{row.id} step {step} member {b}: {name} against update")
-            for x, y in zip(tree_leaves(rowed[b]), tree_leaves(pure[b]), strict=True):
-                assert_same_variant(x, y, f"{row.id} step {step} member {b}: the scalars as a row against update")
+            assert_trees_same_variant(rowed[b], pure[b], f"{row.id} step {step} member {b}: the scalars as a row")
             # the row route goes on from its own values: compare each step, not an accumulated drift
             rowed[b] = tree_map(torch.clone, pure[b])
     assert not any(map(torch.equal, tree_leaves(first), tree_leaves(p))), "the steps did not move the params"
