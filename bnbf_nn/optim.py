@@ -117,7 +117,7 @@ from torch import Tensor
 
 import bnbf
 import bnbf.paged
-from bnbf._host_checks import NATIVE, check_update_options, packed_identities
+from bnbf._host_checks import NATIVE, _check_grad, _grads_ok, check_update_options, own_dispatch, packed_identities
 from bnbf.plan import not_capturable
 from bnbf.state import present_mask, relaid, state_class
 from bnbf_nn import _checkpoint
@@ -701,6 +701,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             grads, every = _grads_of(params)
             if not every:
                 return False
+            self._check_grads(group, grads)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
@@ -815,7 +816,30 @@ class Optimizer8bit(torch.optim.Optimizer):
         if self._adding:
             self._add_slots()
             jobs = [self._prepare_group(group) for group in self.param_groups]
+        for group, plan, grads, _ in jobs:
+            if not plan.dist:  # DTensor grads: bnbf.distributed's step checks its shards itself
+                self._check_grads(group, grads)
         return jobs
+
+    def _check_grads(self, group: Mapping, grads: list) -> None:
+        """The error a group's step would raise for a grad it cannot step (sparse, nested, a subclass whose
+        storage the kernels cannot address), raised before any group steps or gets its first states, so that
+        a bad grad in the last group leaves every param and state as it was. Named by its index in the group."""
+        pairs = [(i, p, g) for i, (p, g) in enumerate(zip(group["params"], grads)) if g is not None]
+        plain = group["differentiable"] is not True  # a differentiable step runs torch ops, which any subclass has
+        if _grads_ok([p for _, p, _ in pairs], [g for _, _, g in pairs]) and not (
+            plain and any(own_dispatch(g) for _, _, g in pairs)
+        ):
+            return
+        gi = _index_of(self.param_groups, group)
+        for i, p, g in pairs:
+            name = f"[{i}] of param group {gi}"
+            _check_grad(name, p, g)
+            if plain and own_dispatch(g):
+                raise TypeError(
+                    f"grad{name} is a {type(g).__name__}, a tensor subclass that dispatches on its own: the fused "
+                    "step cannot address its storage; pass a plain tensor"
+                )
 
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of

@@ -8,6 +8,7 @@ bitsandbytes' ``betas`` spelling in an override."""
 
 from __future__ import annotations
 
+import copy
 from collections import defaultdict
 
 import pytest
@@ -250,3 +251,45 @@ def test_an_lr_override_in_a_group_replaced_by_hand(old_freed_first):
     before = w.detach().clone()
     opt.step()
     torch.testing.assert_close((before - w.detach()).mean().item(), 1e-4, rtol=1e-3, atol=0)
+
+
+def _two_tensor(t: torch.Tensor) -> torch.Tensor:
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    return TwoTensor(t, t.clone())
+
+
+@pytest.mark.parametrize("when", ["first step", "later step", "later step, a param without grad"])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (lambda t: t.to_sparse(), r"sparse gradients \(grad\[1\] of param group 1 has layout torch.sparse_coo\)"),
+        (_two_tensor, r"grad\[1\] of param group 1 is a TwoTensor"),
+    ],
+    ids=["sparse", "subclass"],
+)
+def test_a_grad_no_step_can_take_raises_before_any_group_steps(when, bad, match):
+    """A grad the step refuses in the last group (an ``nn.Embedding(sparse=True)``'s) raises before the first group
+    steps or any param gets its first state, on the first step and on the cached steps after it: nothing changes."""
+    params = _params(4)
+    opt = bnbf_nn.AdamW8bit([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, min_8bit_size=0)
+    gen = torch.Generator().manual_seed(2)
+    if when != "first step":
+        for _ in range(2):  # the second step takes the cached path
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen)
+    if when.endswith("without grad"):
+        params[0].grad = None
+    before = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    params[3].grad = bad(params[3].grad)
+    with pytest.raises((RuntimeError, TypeError), match=match):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    now = opt.state_dict()["state"]
+    assert torch.utils._pytree.tree_structure(now) == torch.utils._pytree.tree_structure(saved)
+    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
