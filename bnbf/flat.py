@@ -95,7 +95,8 @@ class FlatLayout:
         split = {}
         for key, sizes in self.pieces.items():
             s, block = state[key], state[key].layout.block_size
-            if s.layout.bits != self.specs[key].state_bits or s[0].shape != (sum(sizes),):
+            # a rule that keeps no state (SGD without momentum) has no field to measure
+            if s.layout.bits != self.specs[key].state_bits or (len(s) and s[0].shape != (sum(sizes),)):
                 raise ValueError(f"state {key!r} is {type(s).__name__} of {tuple(s[0].shape)}, not the buffer's")
             blocks = [-(-n // block) if block else 0 for n in sizes[::2]]  # each leaf's, then the padding's
             blocks.append(sum(sizes) // block - sum(blocks) if block else 0)

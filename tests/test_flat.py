@@ -135,6 +135,22 @@ def test_eps_zero_padding_stays_out_of_the_leaves(rule, device):
     _assert_same_as_per_leaf(rule, {"a": (300,), "b": (257,)}, [torch.float32], 8, device, hp=hp, grads_of=gaussian)
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_rule_that_keeps_no_state_steps_as_the_leaves(bits, device):
+    """SGD without momentum keeps no state tensor: its buffers' states unflatten to the leaves' (empty) states and
+    flatten back, and the flat step is the leaves' step."""
+    hp = {**RULE_HP.get("sgd", HP), "momentum": 0.0}
+    _assert_same_as_per_leaf("sgd", SIZES, [torch.float32, torch.bfloat16], bits, device, hp=hp)
+    params = _tree(SIZES, [torch.float32], torch.Generator().manual_seed(5), device)
+    layout = flat_layout(params, bnbf.OptimSpec(rule="sgd", state_bits=bits))
+    state_flat = layout.init_state(layout.flatten(params), hp)
+    per_leaf = layout.unflatten_state(state_flat)
+    assert all(len(s) == 0 for s in tree_leaves(per_leaf, is_leaf=bnbf.state.is_state))
+    back = layout.flatten_state(per_leaf)
+    assert {k: type(s) for k, s in back.items()} == {k: type(s) for k, s in state_flat.items()}
+
+
 @pytest.mark.skipif(INTERP, reason="many shapes: the reference path")
 @settings(max_examples=25, deadline=None)
 @given(
