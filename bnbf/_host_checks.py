@@ -31,6 +31,7 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf.rules import RULES, get_rule
+from bnbf.rules.base import _value
 from bnbf.state import Layout, State, is_state, present_mask
 
 
@@ -703,6 +704,19 @@ def _groups(params: list, states: list):
     return groups.items()
 
 
+def clips(max_unorm: Any) -> bool:
+    """Whether ``max_unorm`` turns update clipping on (> 0); ValueError for a value below 0 or NaN. A CPU tensor's
+    value is checked as a number's; a device tensor's is not read (a host sync): the step then clips only where it
+    is > 0, so a tensor 0 is off as the number 0 is (and a negative or NaN one clips nothing)."""
+    if isinstance(max_unorm, Tensor):
+        v = None if torch.compiler.is_compiling() else _value(max_unorm, "max_unorm")
+    else:
+        v = max_unorm
+    if v is not None and not v >= 0.0:
+        raise ValueError(f"Invalid max_unorm value: {v}")
+    return v is None or v > 0
+
+
 def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: Any = False) -> bool:
     """Check ``update``'s ``skip_zeros``, ``max_unorm`` and ``maximize`` for ``rule``; returns whether clipping
     is on."""
@@ -710,12 +724,7 @@ def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: A
         raise TypeError(f"skip_zeros must be a bool, got {type(skip_zeros).__name__}")
     if not isinstance(maximize, bool):
         raise TypeError(f"maximize must be a bool, got {type(maximize).__name__}")
-    if isinstance(max_unorm, Tensor):
-        clip = True
-    else:
-        if not max_unorm >= 0.0:
-            raise ValueError(f"Invalid max_unorm value: {max_unorm}")
-        clip = max_unorm > 0
+    clip = clips(max_unorm)
     if clip and rule.norms is not None:
         raise ValueError(f"max_unorm does not combine with {rule.name}, which scales its update by its own norms")
     return clip

@@ -43,7 +43,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
-from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated
+from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated, clips
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -392,7 +392,7 @@ def _check_state(i: int, p: DTensor, s: Any) -> None:
 
 def _norms_needed(rule: Any, max_unorm: Any) -> bool:
     """Whether a step reads per-tensor norms (the rule's own, or max_unorm's clipping)."""
-    clip = isinstance(max_unorm, Tensor) or (isinstance(max_unorm, (int, float)) and max_unorm > 0)
+    clip = clips(max_unorm)
     return rule is not None and (rule.norms is not None or clip)
 
 

@@ -137,7 +137,8 @@ def update(
         max_unorm: if > 0, each tensor's update is scaled down so that its norm is at most
             ``max_unorm * ||p||`` (bitsandbytes' update clipping; the update is measured per unit of
             learning rate, ``(p_new - p) / lr``). Costs a norm pass. Not for rules with their own norms
-            (LAMB, LARS).
+            (LAMB, LARS). A number or a 0-d tensor; a tensor on a device is not read (no host sync), so a
+            negative one is not refused there: the step clips where it is > 0.
         maximize: step along the gradient instead of against it (torch.optim's ``maximize``).
         differentiable: write the step in differentiable torch ops (torch.optim's name), so that autograd and
             ``torch.func`` give the true derivatives of the outputs with respect to params, grads, states and

@@ -184,7 +184,10 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
             d = (new_p - p) / lr
             pnorm, unorm = (norm_of(x) for x in _reduced([torch.where(counted, x * x, zero).sum() for x in (p, d)]))
             limit = max_unorm * pnorm
-            scale = torch.where(unorm > limit, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
+            on = unorm > limit
+            if isinstance(max_unorm, torch.Tensor):  # 0 (or below, unread on a device) is off, as the number 0 is
+                on = on & (max_unorm > 0)
+            scale = torch.where(on, limit / unorm.clamp_min(1e-30), torch.ones_like(unorm))
             new_p = p + scale * (new_p - p)
     if skip_zeros:  # an exactly-zero gradient element leaves its param element and states alone
         keep = g == 0

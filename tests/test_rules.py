@@ -536,6 +536,8 @@ def test_bad_max_unorm_refused(device, row):
     """A negative limit is refused by every row; a positive one by the rows that cannot clip (the row says
     why: LAMB and LARS scale the step by their own norms)."""
     refusals = [(-0.1, "Invalid max_unorm value: -0.1")]
+    # a CPU tensor's value is read and checked as the number's
+    refusals += [(torch.tensor(v), f"Invalid max_unorm value: {v}") for v in (-1.0, math.nan)]
     if row.max_unorm is not True:
         refusals.append((0.1, "max_unorm does not combine"))
     params = {"w": init_params((300,), F32, device)}
@@ -548,6 +550,28 @@ def test_bad_max_unorm_refused(device, row):
                 with pytest.raises(ValueError, match=match):
                     fn(params, grads, state, row.hparams, 1, max_unorm=max_unorm)
         assert_untouched(snap, "after a refused call")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_max_unorm_tensor_of_zero_is_off(device, bits):
+    """``max_unorm=0`` as a tensor turns clipping off, as the number 0 does: where the step cannot read its value
+    (a device tensor, a member of a vmapped one) the step clips only where it is > 0, and never clips to 0."""
+    gen = torch.Generator().manual_seed(3)
+    spec, hp = bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0), {"lr": 1e-2}
+    p, g = (torch.randn(3, 300, generator=gen).to(device) for _ in range(2))
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    limits = torch.tensor([0.0, 1e-3, 0.0], device=device)
+    vp, vs = torch.vmap(lambda q, r, u, m: bnbf.update(q, r, u, hp, 1, max_unorm=m))(p, g, s, limits)
+    for b in range(3):
+        member = type(s)._make(t[b] for t in s)
+        want = bnbf.update(p[b], g[b], member, hp, 1, max_unorm=float(limits[b]))
+        assert_trees_same_variant((vp[b], type(s)._make(t[b] for t in vs)), want, f"member {b}")
+        for fn in (bnbf.update, bnbf.update_):  # the tensor itself (on the GPU: not read)
+            q, u = p[b].clone(), tree_map(torch.clone, member)
+            got = fn(q, g[b], u, hp, 1, max_unorm=limits[b])
+            assert_trees_same_variant((q, u) if fn is bnbf.update_ else got, want, f"{fn.__name__} member {b}")
+    assert (vp[1] - p[1]).abs().max() < 0.5 * (vp[0] - p[0]).abs().max(), "member 1 was not clipped"
 
 
 @pytest.mark.parametrize("device", DEVICES)

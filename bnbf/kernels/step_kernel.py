@@ -313,7 +313,8 @@ def _tile_step(
         max_unorm = hp[HP_STRIDE - 2]
         limit = max_unorm * tl.sqrt(nrm[0])
         unorm = tl.sqrt(nrm[1])
-        scale = tl.where(unorm > limit, limit / tl.maximum(unorm, 1e-30), 1.0)
+        # a tensor max_unorm of 0 (or below, unread on a device) is off, as the number 0 is
+        scale = tl.where((unorm > limit) & (max_unorm > 0), limit / tl.maximum(unorm, 1e-30), 1.0)
         p_new = p + scale * (p_new - p)
     if SKIP_ZEROS:  # an exactly-zero gradient element leaves its param element and states alone
         p_new = tl.where(g == 0, p, p_new)
