@@ -102,6 +102,7 @@ import functools
 import inspect
 import itertools
 import math
+import numbers
 import operator
 import sys
 import typing
@@ -583,9 +584,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         storage = {k: (override or {}).get(k, group[k]) for k in _STORAGE}
         return bnbf.OptimSpec(
             rule=self._rule.name,
-            state_bits=storage["optim_bits"],
+            state_bits=_whole(storage["optim_bits"]),
             block_size=_checkpoint.BLOCK,
-            min_8bit_size=storage["min_8bit_size"],
+            min_8bit_size=_whole(storage["min_8bit_size"]),
             state_format=storage["state_format"],
             paged=self.is_paged,
         )
@@ -1607,9 +1608,25 @@ def _as_bnb_reads(a: dict, family: Family, name: str) -> dict:
         except ValueError:
             raise ValueError(f"{name}: betas {text!r} is not a tuple of numbers such as '(0.9, 0.999)'") from None
     for key in ("t_alpha", "t_beta3"):
-        if type(a.get(key)) is int and a[key] == 0:
+        a[key] = _plain(a.get(key))
+        if type(a[key]) in _NUMBER and a[key] == 0:
             a[key] = None
     return a
+
+
+def _plain(v: Any) -> Any:
+    """A numpy (or other) integral or real scalar as the Python int or float bitsandbytes compares it as (YAML
+    and numpy configs give such values); anything else, bools included, as it is, for the checks to name."""
+    if isinstance(v, bool) or type(v) in _NUMBER or not isinstance(v, numbers.Real):
+        return v
+    return operator.index(v) if isinstance(v, numbers.Integral) else float(v)
+
+
+def _whole(v: Any) -> Any:
+    """A count bitsandbytes compares as a number (``optim_bits``, ``min_8bit_size``): an integral value as an int,
+    so that 4096.0 or numpy's int64 means 4096; anything else as it is, for the checks to name."""
+    v = _plain(v)
+    return int(v) if type(v) is float and v.is_integer() else v
 
 
 def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_decay, **extra) -> tuple[Family, dict]:
@@ -1726,7 +1743,8 @@ def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: s
                 f"{name}: args.percentile_clipping={clip!r} is not supported (bnbf has no percentile "
                 f"clipping; 100 turns it off). Clip the gradients before step (torch.nn.utils.clip_grad_norm_)"
             )
-    bits = out["optim_bits"]
+    out["optim_bits"] = bits = _whole(out["optim_bits"])
+    out["min_8bit_size"] = _whole(out["min_8bit_size"])
     if isinstance(bits, bool) or not isinstance(bits, int):  # e.g. torch's RMSprop(..., centered, capturable)
         raise TypeError(
             f"{name}: optim_bits must be an int (8 or 32), got {bits!r}; the arguments after the "

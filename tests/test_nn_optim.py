@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import fractions
 import inspect
 import io
 import pickle
@@ -739,6 +740,36 @@ def test_a_group_in_bitsandbytes_spelling_is_read_or_refused(cls, kw, spelled):
         run_adapter(opt, params, make_grads(params, 1, seed=3))
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(opt.state[p]["step"] == 2 for p in params)
+
+
+class _Int(int):  # an integral scalar that is not an int (numpy's int64 behaves so; numpy is no test dependency)
+    pass
+
+
+@pytest.mark.parametrize(
+    "given, same",
+    [
+        (dict(t_alpha=50.0, t_beta3=_Int(60)), dict(t_alpha=50, t_beta3=60)),
+        (dict(t_alpha=fractions.Fraction(50), min_8bit_size=100.0), dict(t_alpha=50, min_8bit_size=100)),
+        (dict(optim_bits=_Int(32), min_8bit_size=_Int(100)), dict(optim_bits=32, min_8bit_size=100)),
+    ],
+)
+def test_numbers_are_read_as_bitsandbytes_compares_them(given, same):
+    """bitsandbytes only compares or divides by ``t_alpha``, ``t_beta3``, ``optim_bits`` and ``min_8bit_size``, so a
+    config's 2.5e5 or numpy int64 works there: here too, stepping as the Python ints do."""
+    params = make_params()
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    base = dict(optim_bits=8, min_8bit_size=MIN8)
+    opt, ref = bnbf_nn.AdEMAMix(params, **{**base, **given}), bnbf_nn.AdEMAMix(twin, **{**base, **same})
+    grads = make_grads(params, 3)
+    run_adapter(opt, params, grads)
+    run_adapter(ref, twin, grads)
+    assert [opt.state[p]["state1"].dtype for p in params] == [ref.state[p]["state1"].dtype for p in twin]
+    for p, q in zip(params, twin):
+        assert torch.equal(p.detach(), q.detach())
+    for bad, match in [(dict(t_alpha=0.5), "Invalid t_alpha value: 0.5"), (dict(optim_bits=8.5), "optim_bits")]:
+        with pytest.raises((ValueError, TypeError), match=match):
+            bnbf_nn.AdEMAMix(make_params(), **bad)
 
 
 @pytest.mark.parametrize("key", ["t_alpha", "t_beta3"])

@@ -41,8 +41,8 @@ class AdEMAMixHparams:
     lr: Number = 1e-3
     betas: tuple[Number, Number, Number] = (0.9, 0.999, 0.9999)
     alpha: Number = 5.0
-    t_alpha: int | None = None
-    t_beta3: int | None = None
+    t_alpha: float | None = None  # steps of the warm-ups: numbers (bitsandbytes' 2.5e5 as well as 250000)
+    t_beta3: float | None = None
     eps: Number = 1e-8
     weight_decay: Number = 1e-2
 
@@ -57,7 +57,7 @@ class AdEMAMixHparams:
         for name in ("t_alpha", "t_beta3"):
             v = getattr(self, name)
             # beyond float32 as every hyperparameter (beyond float64 the warm-ups' divisions raised OverflowError)
-            if v is not None and (not isinstance(v, int) or v < 1 or not finite(v)):
+            if v is not None and (type(v) not in (int, float) or v < 1 or not finite(v)):
                 raise ValueError(f"Invalid {name} value: {v} (a positive number of steps, or None)")
 
 
