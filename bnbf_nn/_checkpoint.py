@@ -99,7 +99,7 @@ def pack(state: Any, stacks: tuple | None, max_unorm: float = 0.0, maps: dict | 
         if layout.quantized:
             out[f"qmap{k}"] = qmap(maps, layout.format, rule.states[kept[0]].signed, out[f"state{k}"].device)
             out[f"absmax{k}"] = join([getattr(state, n + "_absmax") for n in names])
-    if max_unorm and not layout.quantized:  # bitsandbytes' 32-bit steps expect this scratch buffer
+    if max_unorm and out:  # bitsandbytes' scratch buffer, which it makes for 8- and 32-bit state where max_unorm > 0
         out["unorm_vec"] = torch.zeros(1, device=out["state1"].device)
     return out
 

@@ -140,19 +140,16 @@ def test_bitsandbytes_loads_our_checkpoint(name, fmt):
 
 @pytest.mark.parametrize("name, kw", [("LAMB8bit", {}), ("LAMB32bit", {}), ("LARS8bit", dict(lr=1e-2, momentum=0.9))])
 def test_bitsandbytes_steps_after_loading_our_lamb_and_lars(name, kw):
-    """bitsandbytes' LAMB and LARS clip the update by default (max_unorm 1.0 and 0.02) and their 32-bit step
-    then reads the scratch buffer ``unorm_vec``: every 32-bit state of ours carries it (zeros), so bitsandbytes
-    loads and steps on. (The two libraries' LAMB and LARS are different algorithms: README.)"""
+    """bitsandbytes' LAMB and LARS clip the update by default (max_unorm 1.0 and 0.02), so their states hold the
+    scratch buffer ``unorm_vec`` (made for 8- and 32-bit state alike; its 32-bit step reads it): every state of ours
+    carries it (zeros), so the layouts match and bitsandbytes loads and steps on. (The two libraries' LAMB and LARS
+    are different algorithms: README.)"""
     ours = make_params(shapes=SHAPES)
     opt = getattr(bnbf_nn, name)(ours, **kw, min_8bit_size=MIN8, state_format="dynamic")
     run_adapter(opt, ours, make_grads(ours, 2))
     sd = reload(opt.state_dict())
     for key, entry in sd["state"].items():
-        quant = entry[QUANT_KEY]
-        if quant["state1"].dtype == torch.float32:
-            assert torch.equal(quant["unorm_vec"], torch.zeros(1)), f"{name} param {key}"
-        else:
-            assert "unorm_vec" not in quant, f"{name} param {key}: bitsandbytes' 8-bit steps have no unorm_vec"
+        assert torch.equal(entry[QUANT_KEY]["unorm_vec"], torch.zeros(1)), f"{name} param {key}"
     bnb = pytest.importorskip("bitsandbytes.optim")
     theirs = [torch.nn.Parameter(p.detach().clone()) for p in ours]
     bnb_opt = getattr(bnb, name)(theirs, **kw, min_8bit_size=MIN8)
