@@ -427,10 +427,10 @@ def unpack(
         k = key[5:]
         t = tensors.get(key)
         if not isinstance(t, Tensor):
-            # slots bitsandbytes never keeps: it accepts amsgrad, and RMSprop's momentum and centered, and ignores them
+            # slots bitsandbytes never keeps: it ignores amsgrad (Adam, AdamW) and RMSprop's momentum, refuses centered
             hint = (
-                "; a checkpoint of bitsandbytes' holds no such state (it ignores amsgrad and RMSprop's momentum "
-                "and centered): load it into an optimizer made without that option"
+                "; a checkpoint of bitsandbytes' holds no such state (it ignores amsgrad and RMSprop's momentum, "
+                "and refuses centered): load it into an optimizer made without that option"
                 if int(k) > 2 or (rule.name == "rmsprop" and int(k) > 1)
                 else ""
             )

@@ -62,10 +62,11 @@ state of its local shard, as DTensors, and steps its shards in one core call per
 over sharded params beside params of another process group or unsharded ones raise ``NotImplementedError`` at
 step, before anything is written.
 
-Arguments bitsandbytes accepts but ignores are honoured (SGD's ``dampening`` and ``nesterov``, RMSprop's
-``momentum`` and ``centered``, Adagrad's ``lr_decay`` and ``initial_accumulator_value``, Adam's and AdamW's
-``amsgrad``); ones bnbf has no rule for (LAMB's ``amsgrad=True``) raise
-``NotImplementedError`` instead of being ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay):
+Arguments bitsandbytes ignores or refuses are honoured (SGD's ``dampening`` and ``nesterov``, SGD and LARS
+without momentum, RMSprop's ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and
+``initial_accumulator_value``, Adam's and AdamW's ``amsgrad``, ``max_unorm`` for 8-bit state); ones bnbf has no
+rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``) raise ``NotImplementedError`` instead of being
+ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay):
 bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``.
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,

@@ -347,6 +347,8 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.AdamW8bit(ps, state_format="fp4"), ValueError, "state_format"),
         (lambda ps: bnbf_nn.Optimizer2State("adamax", ps), ValueError, "optimizer_name"),
         (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), NotImplementedError, "trust ratio"),
+        (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad=True is not supported"),
+        (lambda ps: bnbf_nn.LAMB32bit(ps, adam_w_mode=False), NotImplementedError, "adam_w_mode=False is not"),
     ],
 )
 def test_bad_arguments(make, error, match):
