@@ -40,13 +40,16 @@ from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     NATIVE,
     _check_grad,
+    _check_grads_apart,
     _check_leaves,
     _check_param,
     _check_present,
     _check_step,
     _flatten,
+    _grad_overlap,
     _grads_ok,
     _names,
+    _overlap,
     _unflatten,
     check_not_differentiated,
     is_state,
@@ -85,7 +88,7 @@ class PackedMeta:
     it (the ops name it by ``key``, an int unique in this process)."""
 
     __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "buffer_twins",
-                 "__weakref__")  # fmt: skip
+                 "checked", "__weakref__")  # fmt: skip
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
         self.spec, self.shapes, self.dtypes = spec, shapes, dtypes
@@ -94,6 +97,8 @@ class PackedMeta:
         # meta tensors of the params' shapes and dtypes, for the compiled check of an eager call's params and grads
         self.twins = [torch.empty(s, dtype=d, device="meta") for s, d in zip(shapes, dtypes)]
         self.buffer_twins = [torch.empty((n,), dtype=d, device="meta") for d, n in sizes]  # likewise of the buffers
+        # (launcher groups, grads' addresses) of the last eager update_ whose memory checks passed (_step_direct_)
+        self.checked: tuple = ((), None)
         self.key = next(_KEYS)
         _METAS[self.key] = self
 
@@ -301,6 +306,10 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
         row = _one_set(values, device)
     else:
         row = scalar_row(values, device)
+    if in_place and direct:
+        with torch.no_grad():
+            _step_direct_(param, params, grads, state, row, skip_zeros, clip)
+        return param, state
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
@@ -312,15 +321,12 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
             bufs = list(buffers[g.first : g.first + len(g.offsets)])
             if found is not None:  # each member its own state, all in one launch (batched tensors as they are)
                 out = _vmapped(ps, gs, bufs, row, meta, gi, skip_zeros, clip, found, in_place=in_place)
-            elif direct:  # eager: straight to the launcher
+            elif direct:  # eager and pure (in place: _step_direct_): straight to the launcher
                 if not all(map(Tensor.is_contiguous, gs)):
                     gs = [x.contiguous() for x in gs]
-                if in_place:
-                    out = _run(ps, ps, gs, bufs, bufs, row, meta.key, gi, skip_zeros, clip)
-                else:
-                    if not all(map(Tensor.is_contiguous, ps)):
-                        ps = [p.contiguous() for p in ps]
-                    out = _impl(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
+                if not all(map(Tensor.is_contiguous, ps)):
+                    ps = [p.contiguous() for p in ps]
+                out = _impl(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip)
             else:  # traced, or subclasses: the op's dispatch
                 out = _dispatched(ps, gs, bufs, row, meta.key, gi, skip_zeros, clip, in_place)
             if in_place:
@@ -396,6 +402,72 @@ def _check_tree(param, params, spec, grads, g_spec, buffers, meta: PackedMeta, i
         raise ValueError(f"param{_names(param)[i]} must be contiguous to be stepped in place with a packed state")
 
 
+def _step_direct_(param, params, grads, state: PackedState, row, skip_zeros, clip) -> None:
+    """An eager ``update_`` of plain tensors: every group's params and buffers, and every grad, checked together
+    before any group is written (params of two groups may share memory; a grad may be another group's param),
+    then one step per group. On the Triton path the check runs when a launcher group is made or the groups or
+    the grads' addresses differ from the last checked call's (the usual loop pays a comparison of addresses);
+    the reference path checks every call, as it did per group."""
+    meta, buffers = state.meta, state.buffers
+    parts, dense = [], True
+    for gi, g in enumerate(meta.groups):
+        ps, gs = meta.pick[gi](params), meta.pick[gi](grads)
+        if not all(map(Tensor.is_contiguous, gs)):
+            gs, dense = [x.contiguous() for x in gs], False
+        parts.append((ps, gs, list(buffers[g.first : g.first + len(g.offsets)])))
+    device = buffers[0].device
+    ops._refuse_capture(device, ops.PACKED_NOT_CAPTURABLE)
+    if not use_triton(buffers[0]):
+        _check_apart(param, params, grads, state)
+        for gi, (ps, gs, bufs) in enumerate(parts):
+            _run(ps, ps, gs, bufs, bufs, row, meta.key, gi, skip_zeros, clip, checked=True)
+        return
+    from bnbf.kernels.launcher import launch_group
+
+    done: list = []
+
+    def check() -> None:  # before a new launcher group is cached: the whole call's, so a cached group is apart
+        if not done:
+            _check_apart(param, params, grads, state)
+            done.append(True)
+
+    with BUILD_LOCK:
+        groups = tuple(_group(ps, ps, bufs, bufs, meta, gi, check) for gi, (ps, _, bufs) in enumerate(parts))
+        last, at = meta.checked
+        # grads' spans are fixed by their addresses only where contiguous (shapes and dtypes are the params')
+        same = dense and (at == tuple(map(Tensor.data_ptr, grads)) if NATIVE is None else NATIVE.ptrs_equal(grads, at))
+        if not done and not (len(last) == len(groups) and all(map(operator.is_, groups, last))):
+            check()  # groups cached by other calls: each group's memory was apart, not necessarily across them
+        elif not done and not same:
+            _check_apart(param, params, grads, state, disjoint=False)  # only the grads moved
+        if not same:
+            ptrs = tuple(map(Tensor.data_ptr, grads))
+            at = (ptrs if NATIVE is None else array.array("Q", ptrs).tobytes()) if dense else None
+        meta.checked = (groups, at)
+    with launch_lock(device.type == "cpu"):
+        for group, (_, gs, _) in zip(groups, parts):
+            launch_group(group, gs, row, skip_zeros, clip)
+
+
+def _check_apart(param, params: list, grads: list, state: PackedState, disjoint: bool = True) -> None:
+    """What an in-place step of the packed state refuses, over every layout group at once (nothing written yet):
+    params and buffers sharing memory (``disjoint``); a grad sharing memory with a param or a leaf's state, which
+    the step writes while reading the grad (the per-param state's check, :func:`_check_grads_apart`)."""
+    buffers = state.buffers
+    if disjoint:
+        pair = _overlap([*params, *buffers], [])  # all as params: spans measured where not contiguous
+        if pair is not None:
+            what = [f"param{n}" for n in _names(param)] + [f"packed state buffer {k}" for k in range(len(buffers))]
+            raise ValueError(
+                f"bnbf: {what[pair[0]]} and {what[pair[1]]} of this {_IN_PLACE} overlap in memory (views of one "
+                "tensor?): each param and state is written on its own, so they must not share memory"
+            )
+    # against whole buffers first (cheap); then named by the leaves' parts, which are what the step writes
+    if _grad_overlap(params, grads, [tuple(buffers)]) is not None:
+        views = state.plan_views()
+        _check_grads_apart(param, params, grads, views[1] if views else _flatten(state.unpack(), is_leaf=is_state)[0])
+
+
 # ---- the ops and their dispatch -------------------------------------------------------------------------------------
 
 
@@ -422,7 +494,7 @@ def _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip):
     return new_params, new_buffers
 
 
-def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None:
+def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip, checked: bool = False) -> None:
     meta = _meta(key)
     g = meta.groups[gi]
     ops._refuse_capture(p_in[0].device, ops.PACKED_NOT_CAPTURABLE)
@@ -434,7 +506,7 @@ def _run(p_in, p_out, grads, b_in, b_out, hp, key, gi, skip_zeros, clip) -> None
         with launch_lock(p_in[0].device.type == "cpu"):
             launch_group(group, grads, hp, skip_zeros, clip)
         return
-    if p_out is p_in:
+    if p_out is p_in and not checked:  # checked: _step_direct_ checked every group's memory together
         ops._check_disjoint(p_in, b_in, _IN_PLACE)
     s_in = _group_views(b_in, g, meta.shapes)
     s_out = s_in if b_out is b_in else _group_views(b_out, g, meta.shapes)
@@ -455,16 +527,18 @@ def _parts(meta: PackedMeta, gi: int):
     return parts
 
 
-def _group(p_in, p_out, b_in, b_out, meta: PackedMeta, gi: int):
+def _group(p_in, p_out, b_in, b_out, meta: PackedMeta, gi: int, check=None):
     """The launcher group of an eager (or compiled) call: the members' machinery with one unbatched member, so that
-    a call gathers only the params' and buffers' addresses (cached by them; no view of a buffer once made)."""
+    a call gathers only the params' and buffers' addresses (cached by them; no view of a buffer once made).
+    In place, ``check`` (default: this group's overlap check) runs before a new group is made."""
     from bnbf.kernels.members import packed_group
 
     unbatched = (False,) * len(p_in)
     P = (p_in, unbatched)
     B = (b_in, (False,) * len(b_in))
     if p_out is p_in:
-        check = lambda: ops._check_disjoint(p_in, b_in, _IN_PLACE)  # noqa: E731 - once per set of addresses: a hit is the same memory
+        if check is None:  # once per set of addresses: a hit is the same memory
+            check = lambda: ops._check_disjoint(p_in, b_in, _IN_PLACE)  # noqa: E731
         return packed_group(P, P, B, B, _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1, check)
     out = ((p_out, unbatched), (b_out, B[1]))
     return packed_group(P, out[0], B, out[1], _parts(meta, gi), (meta.key, gi), meta.groups[gi].layout, 1)

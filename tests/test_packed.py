@@ -349,6 +349,96 @@ def test_options_a_packed_state_does_not_take_are_refused():
     assert_untouched(snap)
 
 
+def _two_groups(device, **tensors):
+    """A packed AdamW state of ``tensors``' shapes: 8-bit state for those of 256 elements or more, 32-bit for the
+    rest (two layout groups, in the order of their first leaf)."""
+    s = bnbf.init_state({k: torch.zeros(v.shape, device=device) for k, v in tensors.items()},
+                        bnbf.OptimSpec(rule="adamw", min_8bit_size=256), packed=True)  # fmt: skip
+    assert len(s.meta.groups) == 2
+    return s
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_sharing_memory_across_layout_groups_are_refused(device):
+    """Two params of different layout groups (8-bit and 32-bit state) sharing memory: update_ refuses them before
+    any group is written (each group's own check saw no overlap, and both groups stepped the shared memory); also
+    where each group's memory was checked at other calls, never together. The pure step writes no param in place:
+    it takes them."""
+    base = torch.randn(1024, device=device)
+    p = {"big": base[:512], "small": base[:200]}  # "small" a view of "big": 32-bit state, "big" 8-bit
+    s = _two_groups(device, **p)
+    g = {"big": torch.randn(512, device=device), "small": torch.randn(200, device=device)}
+    snap = snapshot(base, g, s.buffers)
+    with pytest.raises(ValueError, match=r"param\['big'\] and param\['small'\] of this in-place step of a packed"):
+        bnbf.update_(p, g, s, {"lr": 0.1}, 1)
+    assert_untouched(snap)
+    bnbf.update(p, g, s, {"lr": 0.1}, 1)
+    assert_untouched(snap)
+    # each group's params at addresses a step checked (the Triton path caches its launch groups by address), then
+    # both at once, overlapping
+    bnbf.update_({"big": base[:512], "small": base[600:800]}, g, s, {"lr": 0.1}, 1)
+    bnbf.update_({"big": base[512:], "small": base[:200]}, g, s, {"lr": 0.1}, 2)
+    snap = snapshot(base, s.buffers)
+    with pytest.raises(ValueError, match="in-place step of a packed state overlap in memory"):
+        bnbf.update_({"big": base[:512], "small": base[:200]}, g, s, {"lr": 0.1}, 3)
+    assert_untouched(snap)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_an_overlap_in_a_later_group_is_refused_before_the_earlier_groups_are_written(device):
+    """Two overlapping params of the second layout group: refused before the first group (a leaf of its own) was
+    stepped (it had been, then the second group's check raised)."""
+    base = torch.randn(768, device=device)
+    p = {"small": torch.randn(100, device=device), "x": base[:512], "y": base[256:]}
+    s = _two_groups(device, **p)
+    assert [len(grp.leaves) for grp in s.meta.groups] == [1, 2]  # "small" first
+    g = {k: torch.randn(v.shape, device=device) for k, v in p.items()}
+    snap = snapshot(p["small"], base, g, s.buffers)
+    with pytest.raises(ValueError, match="in-place step of a packed state overlap in memory") as raised:
+        bnbf.update_(p, g, s, {"lr": 0.1}, 1)
+    assert_untouched(snap)
+    assert "param['x'] and param['y']" in str(raised.value)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_sharing_memory_with_what_update__writes_is_refused(device):
+    """update_ of a packed state refuses a grad sharing memory with another leaf's param (here of the other
+    layout group) or a state field, as the per-param state's update_ does: the step would read it while writing
+    it. Nothing is written, also once the plan of the buffers' views steps the loop. A grad that is its own param
+    steps; the pure step writes nothing in place and takes any grad, as the per-param state's pure step."""
+    p = {"a": torch.randn(300, device=device), "b": torch.randn(200, device=device)}
+    s = _two_groups(device, **p)
+    s_ref = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", min_8bit_size=256))
+    field = s.unpack()["b"]._fields[0]
+    other = torch.randn(300, device=device)
+    for g, match in [
+        ({"a": other, "b": p["a"][100:]}, r"grad\['b'\] shares memory with param\['a'\]"),
+        ({"a": other, "b": getattr(s.unpack()["b"], field)}, rf"grad\['b'\] shares memory with state\['b'\]\.{field}"),
+    ]:  # fmt: skip
+        snap = snapshot(p, g, s.buffers)
+        with pytest.raises(ValueError, match=match):
+            bnbf.update_(p, g, s, {"lr": 0.1}, 1)
+        assert_untouched(snap)
+        got, want = bnbf.update(p, g, s, {"lr": 0.1}, 1), bnbf.update(p, g, s_ref, {"lr": 0.1}, 1)
+        assert_untouched(snap)
+        assert _same(got[0], want[0]) and _same(got[1].unpack(), want[1])
+    # the same containers stepped twice (the plan's route on the Triton path), then a grad on a param
+    g = {"a": torch.randn(300, device=device), "b": torch.randn(200, device=device)}
+    for t in (1, 2):
+        bnbf.update_(p, g, s, {"lr": 0.1}, t)
+    bad = {"a": g["a"], "b": p["a"][:200]}
+    snap = snapshot(p, bad, s.buffers)
+    with pytest.raises(ValueError, match=r"grad\['b'\] shares memory with param\['a'\]"):
+        bnbf.update_(p, bad, s, {"lr": 0.1}, 3)
+    assert_untouched(snap)
+    # a grad that is its own param: read and written element by element, as the per-param update_ steps it
+    q = {k: v.clone() for k, v in p.items()}
+    s, s_q = _two_groups(device, **p), bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=256))
+    bnbf.update_(p, {"a": p["a"], "b": g["b"]}, s, {"lr": 0.1}, 1)
+    bnbf.update_(q, {"a": q["a"], "b": g["b"]}, s_q, {"lr": 0.1}, 1)
+    assert _same(p, q) and _same(s.unpack(), s_q)
+
+
 @settings(max_examples=8 if INTERP else 25, deadline=None)
 @given(
     numels=st.lists(st.sampled_from([1, 3, 64, 255, 256, 257, 1000, 4097]), min_size=1, max_size=5),
