@@ -25,6 +25,7 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 
 from __future__ import annotations
 
+import array
 import collections
 import contextlib
 import dataclasses
@@ -48,12 +49,15 @@ from bnbf._dispatch import NORM_REDUCE, use_triton
 from bnbf._host_checks import (
     NATIVE,
     _check_grad,
+    _check_grads_apart,
     _check_no_overlap,
     _check_present,
     _check_step,
     _check_writable,
+    _grads_ok,
     _groups,
     _prepare,
+    _states_ok,
     _traced_derivative,
     check_clip_not_differentiated,
     check_not_differentiated,
@@ -658,6 +662,8 @@ def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize
         return bnbf.update(params, grads, state, hparams, step, **opts)
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
+    if len(parts.groups) > 1:
+        _check_leaves_apart(parts)
     new_p: list = [None] * len(parts.params)
     new_s: list = [None] * len(parts.params)
     separate = []
@@ -679,6 +685,18 @@ def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize
             new_p[i] = out_p[parts.names[i]]
             new_s[i] = out_s[parts.names[i]]
     return parts.rebuild(new_p), parts.rebuild(new_s)
+
+
+def _check_leaves_apart(parts: _Parts) -> None:
+    """The core's refusal of a param listed twice, a state shared by two leaves, or params and states sharing
+    memory, across the groups of a pure call (each group's core call sees its own leaves only): the same tensor
+    would come back with two new values. Skipped where the core skips it (traced, under a torch.func transform,
+    subclasses that dispatch on their own) and, as the core checks the leaves first, where a param, grad or state
+    is wrong (its group's core call names it)."""
+    ps, ss = parts.params, parts.states
+    if unaddressable(ps, parts.grads) or not (_states_ok(ps, ss) and _grads_ok(ps, parts.grads)):
+        return
+    _check_no_overlap(dict(zip(parts.names, ps)), ps, ss)
 
 
 def update_(
@@ -793,7 +811,8 @@ def _planned_update_(parts: _Parts, step: Any, opts: dict) -> bool:
     :func:`bnbf.update_` keeps them): each rule's leaves in one launch per (device, dtype, layout) whatever
     their hyperparameters (:meth:`bnbf.plan.Plan._prepare_sets`). Every rule's step is checked before the
     first is run; the plans confirm their own leaves, and the memory between rules is checked once per set of
-    plans (:func:`_check_disjoint`, kept while the same plans serve). False, with nothing written, where a rule's
+    plans (:func:`_check_disjoint`, kept while the same plans serve), the grads against the other rules' leaves
+    where they moved (:func:`_check_plan_grads`). False, with nothing written, where a rule's
     leaves have no plan (the reference path, non-contiguous params, subclasses...), under tracing, a
     torch.func transform or a CUDA graph capture, or with hyperparameters a derivative is asked through: the
     caller then makes one core call per (rule, hyperparameters)."""
@@ -829,8 +848,17 @@ def _planned_update_(parts: _Parts, step: Any, opts: dict) -> bool:
         )
         for plan, (sets, idx) in zip(plans, units)
     ]
+    checked = len(plans) > 1 and _plan_grads_moved(plans, runs, _plan_grads_kept(plans))
+    if checked:
+        leaves = [
+            ([parts.names[i] for i in idx], [parts.params[i] for i in idx], [parts.states[i] for i in idx])
+            for _, idx in units
+        ]
+        _check_plan_grads(runs, leaves)
     for run in runs:
         run()
+    if checked:
+        _keep_plan_grads(plans)
     _remember(parts, units, plans, opts)
     return True
 
@@ -866,6 +894,7 @@ class _Partition:
     content: tuple  # the items of each distinct object's mapping (by-rule: each rule's), schedules evaluated
     refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
     units: list[_Unit]
+    grads_at: tuple = ()  # the plans' grad tables (Plan._grad_at) when their grads were last found apart
 
 
 _PARTITIONS: collections.OrderedDict = collections.OrderedDict()
@@ -938,6 +967,7 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
     if parts.form != "by_rule":
         packed = packed_identities(parts.raw)
     entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
+    entry.grads_at = tuple(map(_GRAD_AT, plans))  # the grads just stepped: apart (checked, or as last checked)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
     with _CHECKED_LOCK:
         _PARTITIONS[key] = entry
@@ -1014,8 +1044,14 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     for plan, u, (ps_u, ss_u) in zip(plans, entry.units, picked):
         # the grads in the plan's leaf order (a dict of its keys is made only for a bad grad's error)
         runs.append(plan._prepare_sets(ps_u, ss_u, None, u.pick(gs), u.sets, u.set_of, step, **opts))
+    # the partition's plans are these very plans (confirmed above): its own record of their grads, no look-up
+    checked = len(plans) > 1 and _plan_grads_moved(plans, runs, entry.grads_at)
+    if checked:
+        _check_plan_grads(runs, [(u.names, ps_u, ss_u) for u, (ps_u, ss_u) in zip(entry.units, picked)])
     for run in runs:
         run()
+    if checked:
+        entry.grads_at = tuple(map(_GRAD_AT, plans))
     return True
 
 
@@ -1043,6 +1079,52 @@ def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
         _DISJOINT[key] = [weakref.ref(p) for p in plans]
         while len(_DISJOINT) > _CHECKED_SIZE:
             _DISJOINT.popitem(last=False)
+
+
+# per set of plans stepped together (one per rule) by the split's route: the plans' grad tables (Plan._grad_at) when
+# their grads were last found apart from every rule's params and states; weak references to the plans (a kept
+# partition holds its own record, _Partition.grads_at)
+_GRADS_APART: collections.OrderedDict = collections.OrderedDict()
+_MOVED, _GRAD_AT = operator.attrgetter("moved"), operator.attrgetter("_grad_at")
+
+
+def _plan_grads_kept(plans: list) -> tuple:
+    """The plans' grad tables when their grads were last found apart together, else ``()``."""
+    kept = _GRADS_APART.get(tuple(map(id, plans)))
+    if kept is None or not all(map(operator.is_, map(weakref.ref.__call__, kept[0]), plans)):
+        return ()
+    return kept[1]
+
+
+def _plan_grads_moved(plans: list, runs: list, kept: tuple) -> bool:
+    """Whether the grads of a call must be checked against the other rules' leaves: some plan's grads are not where
+    its tables have them (``runs``: the plans' ``_prepare_sets``), or the tables are not those last checked together
+    (``kept``; a plan stepped alone since, with other grads). A loop whose grads keep their memory checks once."""
+    return True in map(_MOVED, runs) or kept != tuple(map(_GRAD_AT, plans))
+
+
+def _check_plan_grads(runs: list, leaves: list) -> None:
+    """Refuse, before any rule's step runs, a grad sharing memory with another rule's param or state (each plan
+    checks its grads against its own leaves only): the rules step one after another, so a later rule would read a
+    grad an earlier one already wrote. ``runs``: the plans' ``_prepare_sets`` (their grads as launched: a
+    non-contiguous grad is a copy, as in the core's plans); ``leaves``: per plan its (names, params, states)."""
+    names, params, states = [], [], []
+    for n, ps, ss in leaves:
+        names.extend(n)
+        params.extend(ps)
+        states.extend(ss)
+    grads = [g for run in runs for g in run.grads]
+    _check_grads_apart(dict(zip(names, params)), params, grads, states)
+
+
+def _keep_plan_grads(plans: list) -> None:
+    """Keep the plans' grad tables after a step whose grads :func:`_check_plan_grads` found apart."""
+    key = tuple(map(id, plans))
+    with _CHECKED_LOCK:
+        _GRADS_APART[key] = ([weakref.ref(p) for p in plans], tuple(map(_GRAD_AT, plans)))
+        _GRADS_APART.move_to_end(key)
+        while len(_GRADS_APART) > _CHECKED_SIZE:
+            _GRADS_APART.popitem(last=False)
 
 
 def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: dict, new_p: list, new_s: list) -> None:
@@ -1106,6 +1188,7 @@ class _Checked:
 
     refs: list  # weakref.ref to each param and state field
     layout: tuple  # their addresses, the params' shapes, strides and dtypes, the state classes, the groups
+    grads: bytes | None = None  # the addresses of the (contiguous) grads last found apart from them
 
     def same(self, tensors: list, layout: tuple) -> bool:
         return (
@@ -1123,7 +1206,8 @@ _CHECKED_LOCK = threading.Lock()
 def _check_before_writing(parts: _Parts, step: Any) -> None:
     """Everything that could make a later group's core call raise after an earlier group was stepped, checked
     before the first: each group's params and states through the core's own checks (``bnbf.plan`` checks them
-    as ``update_`` does), the grads' fit, and no memory shared between groups (the core checks within a call).
+    as ``update_`` does), the grads' fit, no memory shared between groups and no grad sharing memory with
+    another group's param or state (the core checks within a call; the grads once per set of their addresses).
 
     The params' and states' checks are kept for the next call (by weak reference), which only confirms that
     they are the same tensors at the same addresses (and the params of the same shapes, strides and dtypes),
@@ -1157,15 +1241,44 @@ def _check_before_writing(parts: _Parts, step: Any) -> None:
     )
     key = tuple(map(id, tensors))
     found = _CHECKED.get(key)
-    if found is not None and found.same(tensors, layout):
+    if found is None or not found.same(tensors, layout):
+        for _, idx in parts.groups:
+            bnbf.plan(_sub(parts, parts.params, idx), _sub(parts, parts.states, idx))
+        _check_disjoint(parts)
+        found = _Checked([weakref.ref(t) for t in tensors], layout)
+        with _CHECKED_LOCK:
+            _CHECKED[key] = found
+            while len(_CHECKED) > _CHECKED_SIZE:
+                _CHECKED.popitem(last=False)
+    _check_grads_between(parts, found)
+
+
+def _check_grads_between(parts: _Parts, checked: _Checked) -> None:
+    """The core's refusal of a grad sharing memory with a param or state the step writes, across groups (each
+    group's core call checks its own): the groups step one after another, so a later group would read a grad an
+    earlier one already wrote. Where the core checks it (addressable tensors), once per set of grad addresses:
+    plain contiguous grads of their params' shapes and dtypes where the last check found them cover its bytes."""
+    gs = parts.grads
+    # with the extension, two compiled passes: a loop whose grads keep their memory pays ~1 us (148 grads)
+    if (
+        checked.grads is not None
+        and NATIVE is not None
+        and NATIVE.grads_match(parts.params, gs)
+        and NATIVE.ptrs_equal(gs, checked.grads)
+    ):
         return
-    for _, idx in parts.groups:
-        bnbf.plan(_sub(parts, parts.params, idx), _sub(parts, parts.states, idx))
-    _check_disjoint(parts)
-    with _CHECKED_LOCK:
-        _CHECKED[key] = _Checked([weakref.ref(t) for t in tensors], layout)
-        while len(_CHECKED) > _CHECKED_SIZE:
-            _CHECKED.popitem(last=False)
+    if unaddressable(parts.params, gs):  # the core's generic path takes such a call through the pure step
+        return
+    at = _packed_ptrs(gs) if all(map(Tensor.is_contiguous, gs)) else None
+    if at is not None and at == checked.grads:
+        return
+    _check_grads_apart(dict(zip(parts.names, parts.params)), parts.params, gs, parts.states)
+    checked.grads = at
+
+
+def _packed_ptrs(tensors: list) -> bytes:
+    """The tensors' addresses as native uint64 (what ``NATIVE.ptrs_equal`` compares with)."""
+    return array.array("Q", map(Tensor.data_ptr, tensors)).tobytes()
 
 
 def _check_grads(parts: _Parts) -> None:

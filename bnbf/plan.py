@@ -582,6 +582,9 @@ class Plan:
                 for group, r in launches:
                     launch_group(group, held, r, skip_zeros, clip, grads_placed=True)
 
+        # for bnbf.compose, which checks the grads against its other rules' leaves before any rule runs, and only
+        # when they moved: the grads as launched (non-contiguous ones copied), and whether the tables lack them
+        run.grads, run.moved = grads, at is not True  # type: ignore[attr-defined]
         return run
 
     def _set_rows(self, set_of: tuple, values: list) -> list:

@@ -598,6 +598,74 @@ def test_overlap_between_groups_is_refused():
     assert_untouched(snap)
 
 
+def _two_groups(device, route):
+    """Three leaves, ``a`` in one group and ``b``, ``c`` in another: by rule (``mixed``: AdamW with 8-bit state, SGD)
+    or by per-leaf hyperparameters of one rule (``per_leaf``); and each leaf's own mapping."""
+    params = {k: torch.randn(n).to(device) for k, n in (("a", 300), ("b", 257), ("c", 300))}
+    sgd, momentum = bnbf.OptimSpec(rule="sgd", state_bits=32), {"lr": 1.0, "momentum": 0.9}
+    if route == "mixed":
+        spec = {"a": bnbf.OptimSpec(rule="adamw", min_8bit_size=256), "b": sgd, "c": sgd}
+        hp = {"adamw": {"lr": 0.1}, "sgd": momentum}
+        of = {"a": hp["adamw"], "b": momentum, "c": momentum}
+    else:
+        spec, hp = sgd, {"a": {"lr": 0.1, "momentum": 0.9}, "b": momentum, "c": momentum}
+        of = hp
+    return params, compose.init_state(params, spec, hp), hp, of
+
+
+@pytest.mark.parametrize("route", ["mixed", "per_leaf"])
+def test_grad_sharing_another_groups_leaf_is_refused_in_place(device, route):
+    """The groups of an in-place call step one after another, so a grad sharing memory with another group's param
+    or state would be read after that group wrote it: refused before anything is written, in the words of the core
+    (which refuses it within one call), on a first call and on one whose checks, plans and partition are kept
+    (grads that moved since). A grad that is its own param, or one grad read by two groups, steps as the pure
+    update does."""
+    params, state, hp, _ = _two_groups(device, route)
+    good = _grads(params)
+    for grads, where in (
+        (dict(good, c=params["a"]), r"grad\['c'\] shares memory with param\['a'\]"),
+        (dict(good, a=state["c"].momentum_buffer), r"grad\['a'\] shares memory with state\['c'\].momentum_buffer"),
+    ):
+        for step in (1, 3):  # a first call; then, after two good ones, with everything kept
+            snap = snapshot(params, state)
+            with pytest.raises(ValueError, match=where + ", which this in-place step writes"):
+                compose.update_(params, grads, state, hp, step)
+            assert_untouched(snap)
+            for k in range(2):
+                compose.update_(params, good, state, hp, step + k)
+    for grads in (dict(good, c=params["c"]), dict(good, c=good["a"])):  # its own param; a grad read twice
+        want = compose.update(params, {k: g.clone() for k, g in grads.items()}, state, hp, 5)
+        compose.update_(params, grads, state, hp, 5)
+        assert_trees_same_variant((params, state), want, f"{route}: update_ vs update")  # (bit for bit off CUDA)
+
+
+@pytest.mark.parametrize("route", ["mixed", "per_leaf"])
+def test_leaf_shared_between_groups_is_refused_by_the_pure_update(device, route):
+    """The pure update of several groups: a param listed twice, one state for two leaves, or views of one tensor
+    in different groups are refused as the core refuses them within one call (the same tensor would come back with
+    two new values); views whose elements interleave without touching step, as in the core."""
+    params, state, hp, of = _two_groups(device, route)
+    grads = _grads(params)
+    snap = snapshot(params, grads, state)
+    with pytest.raises(ValueError, match=r"param\['a'\] and param\['c'\] are the same tensor: a param may appear"):
+        compose.update(dict(params, c=params["a"]), grads, state, hp, 1)
+    # "b" and "c" apart by their hyperparameters only (one rule, one state class)
+    split = lambda path, p: dict(of[path], lr=0.5) if path == "c" else of[path]
+    twin = dict(params, c=params["b"].clone()), dict(grads, c=grads["b"]), dict(state, c=state["b"])
+    with pytest.raises(ValueError, match=r"state\['b'\] and state\['c'\] are the same state: each param needs"):
+        compose.update(*twin, split, 1)
+    big = torch.randn(400, device=device)
+    with pytest.raises(ValueError, match=r"param\['a'\] and param\['c'\] overlap in memory \(views of one"):
+        compose.update(dict(params, a=big[:300], c=big[100:]), grads, state, hp, 1)
+    assert_untouched(snap)
+    w = torch.randn(300, 2, device=device)
+    apart = dict(params, a=w[:, 0], c=w[:, 1])  # interleaved, no element shared
+    got = compose.update(apart, grads, state, hp, 1)
+    for k, p in apart.items():
+        want = bnbf.update(p, grads[k], state[k], of[k], 1)
+        assert_trees_same_variant((got[0][k], got[1][k]), want, f"{route}: {k} vs its own call")
+
+
 def test_checks_are_kept_weakly_and_redone_when_a_tensor_changes():
     import gc
     import weakref
