@@ -571,6 +571,8 @@ def differentiable_update(
     traced: list = []  # _traced_key's tensors: keyed by identity, with no id() for Dynamo to guard on
     for i, (rule, h) in enumerate(zip(rules, hps)):
         groups.setdefault((rule, _traced_key(h, traced)), []).append(i)
+    if len(groups) > 1 and all(isinstance(p, Tensor) for p in ps) and all(map(is_state, ss)):
+        differentiable.check_apart(dict(zip(names, ps)), ps, ss)  # each group's call sees its own leaves only
     new_p: list = [None] * len(ps)
     new_s: list = [None] * len(ps)
     for idx in groups.values():

@@ -90,6 +90,7 @@ def update(
     names = _names(param) if len(params) > 1 or p_spec != "leaf" else [""]
     for name, p, g, s in zip(names, params, grads, states):
         _check_leaf(name, p, g, s)
+    check_apart(param, params, states)
     rules = {type(s).layout.rule for s in states}
     if len(rules) != 1:
         raise ValueError(f"the states are for several rules ({sorted(rules)}); one call steps one rule")
@@ -118,6 +119,25 @@ def update(
         fields = [torch.where(finite, out[j], torch.zeros_like(out[j])).to(f.dtype) for j, f in zip(slots, s)]
         new_states.append(type(s)._make(fields))
     return _unflatten(new_params, p_spec), _unflatten(new_states, p_spec)
+
+
+def check_apart(param: Any, params: list, states: list) -> None:
+    """The core's refusal of a param listed twice, a state shared by two leaves, or leaves sharing memory (the same
+    tensor would come back with two new values, or lose one of its steps in place). Tensors without addresses to
+    compare (under a torch.func transform, traced, subclasses) are compared by identity."""
+    if not unaddressable(params, [t for s in states if is_state(s) for t in s]):
+        _check_no_overlap(param, params, states)
+        return
+    for leaves, what, rest in (
+        (params, "param", "tensor: a param may appear only once in a call (torch.optim refuses a param in two groups)"),
+        (states, "state", "state: each param needs a state of its own (bnbf.init_state)"),
+    ):
+        seen: dict[int, int] = {}
+        for j, x in enumerate(leaves):
+            i = seen.setdefault(id(x), j)
+            if i != j:
+                names = _names(param)
+                raise ValueError(f"{what}{names[i]} and {what}{names[j]} are the same {rest}")
 
 
 def _as(v: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -223,11 +243,12 @@ def update_(
     params, p_spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
     fields = [t for s in states if is_state(s) for t in s]
-    if all(isinstance(t, Tensor) for t in params + fields) and not unaddressable(params, fields):
+    if all(isinstance(t, Tensor) for t in params + fields):
         # as the in-place step without differentiable=True: a param listed twice would lose one of its steps, a
         # state field that is a param would overwrite it
-        _check_no_overlap(param, params, states)
-        _check_writable(param, params, states)
+        check_apart(param, params, states)
+        if not unaddressable(params, fields):
+            _check_writable(param, params, states)
     copies_p = _unflatten([clone(_live(p)) for p in params], p_spec)
     copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(

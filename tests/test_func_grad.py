@@ -551,3 +551,37 @@ def test_a_gradient_through_max_grad_norm_needs_differentiable(bits, in_place):
     assert all(torch.equal(a, b) for a, b in zip([p, *s], before))
     with torch.no_grad():  # no gradient asked: the clip's value is read
         step(p, g, s, {"lr": 0.01}, 1, max_grad_norm=clip)
+
+
+@pytest.mark.parametrize("hp", ["one mapping", "per leaf"])
+@pytest.mark.parametrize("how", ["update", "update_", "torch.func.grad"])
+def test_differentiable_steps_refuse_a_leaf_listed_twice(how, hp):
+    """As the plain step: a param listed twice (the same tensor back with two new values, or in place one of its
+    steps lost), a state shared by two leaves, or views of one tensor are refused, also where the tensors have no
+    address to compare (torch.func's wrappers: by identity) and across the groups of per-leaf hyperparameters."""
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    hps = {"lr": 0.1} if hp == "one mapping" else (lambda path, p: {"lr": 0.1 if path == "a" else 0.2})
+    w, base = torch.randn(300), torch.randn(400)
+    g = {"a": torch.randn(300), "b": torch.randn(300)}
+    fresh = bnbf.init_state({"a": w, "b": w}, spec)
+    cases = [
+        ({"a": w, "b": w}, fresh, r"param\['a'\] and param\['b'\] are the same tensor"),
+        ({"a": w, "b": w.clone()}, {"a": fresh["a"], "b": fresh["a"]}, r"state\['a'\] and state\['b'\] are the same"),
+    ]
+    if how != "torch.func.grad":  # views of one tensor: only addressable tensors are compared by memory
+        cases.append(({"a": base[:300], "b": base[100:]}, fresh, r"overlap in memory"))
+    for params, state, match in cases:
+        before = [t.clone() for t in (w, base, *fresh["a"], *fresh["b"])]
+        with pytest.raises(ValueError, match=match):
+            if how == "torch.func.grad":
+                keys = list(params)
+                same = params[keys[0]] is params[keys[1]]
+
+                def loss(q, params=params, state=state, same=same):
+                    tree = {"a": q, "b": q if same else params["b"]}
+                    return bnbf.update(tree, g, state, hps, 1, differentiable=True)[0]["a"].sum()
+
+                torch.func.grad(loss)(params["a"])
+            else:
+                getattr(bnbf, how)(params, g, state, hps, 1, differentiable=True)
+        assert all(torch.equal(a, b) for a, b in zip(before, (w, base, *fresh["a"], *fresh["b"])))
