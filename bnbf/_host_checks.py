@@ -21,6 +21,7 @@ import functools
 import itertools
 import operator
 import os
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -857,12 +858,59 @@ def traced_hparams(
     else:  # under a torch.func transform (vmap): every check but the addresses'
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
         traced = _hparams_traced(rule, hparams)
-        batched = any(_functorch.is_batchedtensor(t) for _, t in hparam_tensors(traced))
-        h = traced if batched else rule.make_hparams(hparams)  # a member's value is unread
+        batched = [t for _, t in hparam_tensors(traced) if _functorch.is_batchedtensor(t)]
+        if batched:  # the members' values, where they are on the CPU, checked as numbers; the call keeps tensors
+            _check_members(rule, hparams, batched)
+            h = traced
+        else:
+            h = rule.make_hparams(hparams)
+        if isinstance(step, Tensor) and _functorch.is_functorch_wrapped_tensor(step):
+            _check_member_steps(step)
+        elif not isinstance(step, torch.SymInt):
+            _check_step(step)
     _check_present(rule, h, states)
     if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
         raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {type(step).__name__}")
     return h
+
+
+def _members(t: Tensor) -> Tensor | None:
+    """Every member's value of a tensor under vmap (the plain tensor below torch.func's wrappers), or None where
+    they are on a device (reading them would synchronize, as an eager device tensor's value is not read)."""
+    while _functorch.is_functorch_wrapped_tensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t if t.device.type == "cpu" else None
+
+
+def _check_members(rule: Any, hparams: Any, batched: list) -> None:
+    """Each member's value of per-member hyperparameter tensors (vmap), checked as the number an eager call would
+    check: each tensor's values in turn, with the other tensors at their first member's."""
+    plain = {id(t): _members(t) for t in batched}
+    if any(u is None for u in plain.values()) or not isinstance(hparams, Mapping):
+        return
+    with torch._C._DisableFuncTorch():
+        firsts = {k: u.reshape(-1)[0].item() for k, u in plain.items()}
+
+        def one(v: Any, k: int, value: float) -> Any:  # the given value, batched tensors as numbers
+            if type(v) in (tuple, list):
+                return type(v)(one(x, k, value) for x in v)
+            if id(v) not in plain:
+                return v
+            return value if id(v) == k else firsts[id(v)]
+
+        for k, u in plain.items():
+            for value in dict.fromkeys(u.reshape(-1).tolist()):
+                rule.make_hparams({name: one(v, k, value) for name, v in hparams.items()})
+
+
+def _check_member_steps(step: Tensor) -> None:
+    """A per-member step tensor (vmap): int32 or int64, and every member's count at least 1 where it is readable."""
+    u = _members(step)
+    with torch._C._DisableFuncTorch():
+        if step.dtype not in (torch.int32, torch.int64):
+            raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
+        if u is not None and bool((u < 1).any()):
+            raise ValueError(f"Invalid step: {int(u[u < 1].reshape(-1)[0])} (steps count from 1)")
 
 
 def _fits_traced(p: Tensor, s: Any) -> bool:

@@ -384,6 +384,43 @@ def test_vmap_in_place_op_writes_the_stacked_tensors(device, per_member_lr):
         assert _same(([x[..., b] for x in last], [t[b] for t in ss]), want[b])
 
 
+@pytest.mark.parametrize("packed", [False, True], ids=["per-param", "packed"])
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_vmap_refuses_a_bad_step_or_member_hyperparameter_as_eager_calls_do(fn, packed):
+    """Under vmap the step and the per-member hyperparameter tensors (on the CPU: readable without a sync) are
+    checked as an eager call checks its numbers: a step of 0 made every param NaN (and update_ wrote them), a
+    member's lr of NaN or betas of 1 stepped unchecked. Each is refused in the eager call's words, nothing written."""
+    p, g = _stack()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, packed=packed))(p)
+    bad = lambda v: torch.tensor([0.01, v, 0.01])  # noqa: E731 - member 1's value
+    cases = [
+        ({"lr": 0.01}, 0, None, ValueError, r"Invalid step: 0 \(steps count from 1\)"),
+        ({"lr": 0.01}, torch.tensor(0), None, ValueError, r"Invalid step: 0"),
+        ({"lr": 0.01}, torch.tensor([1, 0, 2]), 0, ValueError, r"Invalid step: 0"),
+        ({"lr": 0.01}, torch.tensor([1.0, 2.0, 3.0]), 0, TypeError, r"step must be an int or a 0-d int32/int64"),
+        ({"lr": bad(float("nan"))}, 1, None, ValueError, r"Invalid learning rate: nan"),
+        ({"lr": 0.01, "betas": (bad(1.0), 0.999)}, 1, None, ValueError, r"Invalid beta parameter at index 0: 1.0"),
+        ({"lr": 0.01, "weight_decay": bad(-5.0)}, 1, None, ValueError, r"Invalid weight_decay value: -5.0"),
+    ]
+    for hp, step, step_dim, error, match in cases:
+        dim = lambda v: 0 if isinstance(v, torch.Tensor) else None  # noqa: E731 - a member per row of a tensor
+        batched = {k: tuple(map(dim, v)) if isinstance(v, tuple) else dim(v) for k, v in hp.items()}
+        call = lambda q, r, u, h, t: getattr(bnbf, fn)(q, r, u, h, t)  # noqa: E731
+        before = [t.clone() for t in tree_leaves((p, s))]
+        with pytest.raises(error, match=match):
+            torch.vmap(call, in_dims=(0, 0, 0, batched, step_dim))(p, g, s, hp, step)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, s)), before)), f"{hp}, step {step}: written"
+    good = torch.vmap(call, in_dims=(0, 0, 0, {"lr": 0}, 0))(p, g, s, {"lr": bad(0.02)}, torch.tensor([1, 2, 3]))
+    if fn == "update":
+        for b in range(B):  # each member as its own eager call: the checks changed no value
+            hp_b, step_b = {"lr": bad(0.02)[b]}, torch.tensor(b + 1)  # the member's own 0-d tensors
+            want = bnbf.update(_member(p, b), _member(g, b), _member(s, b), hp_b, step_b)
+            leaves = lambda st: st.unpack() if packed else st  # noqa: E731 - a packed buffer's padding is not state
+            got = (_member(good[0], b), leaves(_member(good[1], b)))
+            assert _same(got, (want[0], leaves(want[1]))), f"member {b}"
+
+
 def test_vmap_in_place_op_refuses_before_writing():
     """A param shared by every member (unbatched) cannot take each member's step in place, and params or states
     sharing memory would be written over each other: both raise, and nothing is written."""
