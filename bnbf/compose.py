@@ -743,6 +743,8 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
     _check_options(parts, max_unorm)
     if _planned_update_(parts, step, opts):
         return params, state
+    if len(parts.groups) > 1 and not torch.compiler.is_compiling() and ops.vmap_level() is not None:
+        return _written_back(params, grads, state, hparams, step, opts)
     # traced: no addresses to compare, and a check that raises at trace time leaves the graph unrun
     if len(parts.groups) > 1 and not torch.compiler.is_compiling():
         _check_before_writing(parts, step)
@@ -755,6 +757,26 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
             step,
             **opts,
         )
+    return params, state
+
+
+def _written_back(params, grads, state, hparams, step, opts: dict):
+    """The in-place step of several groups under ``vmap`` (whose tensors have no addresses to check across the
+    groups): the pure step of every group, then written into the params and state fields, each a batched
+    ``copy_``. A param or field not batched at this level cannot take each member's value (torch's vmap refuses
+    the write): refused before anything is written."""
+    new_p, new_s = _update(params, grads, state, hparams, step, **opts)
+    p_old, s_old = pytree.tree_leaves(params), pytree.tree_leaves(state, is_leaf=is_state)
+    pairs = list(zip(p_old, pytree.tree_leaves(new_p)))
+    pairs += [(a, b) for s, n in zip(s_old, pytree.tree_leaves(new_s, is_leaf=is_state)) for a, b in zip(s, n)]
+    level = torch._C._functorch.maybe_current_level()
+    for k, (old, _) in enumerate(pairs):
+        if torch._C._functorch.maybe_get_level(old) != level:
+            what = f"param {k}" if k < len(p_old) else f"a field of state {k - len(p_old)}"
+            raise RuntimeError(ops.UNBATCHED_IN_PLACE.format(what=what))
+    with torch.no_grad():
+        for old, new in pairs:
+            old.copy_(new)
     return params, state
 
 
@@ -1579,10 +1601,16 @@ def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     # the usual tree: one group (traced: the loop below, which Dynamo traces and which gives the same ops)
     if not torch.compiler.is_compiling() and len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:
         by = {(gs[0].device, gs[0].dtype): range(len(gs))}
+        if ops.vmap_level() is not None:  # vmap has no batching rule for _foreach_norm: its per-tensor norms
+            norms = [torch.linalg.vector_norm(g, norm_type) for g in gs]
+            return torch.linalg.vector_norm(torch.stack(norms), norm_type), by
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)), norm_type), by
     by = _by_device_dtype(gs)
     norms: list[Tensor] = []
     for idx in by.values():
+        if ops.vmap_level() is not None:
+            norms.extend(torch.linalg.vector_norm(gs[i], norm_type) for i in idx)
+            continue
         norms.extend(torch._foreach_norm([gs[i] for i in idx], norm_type))
     first = gs[0].device
     return torch.linalg.vector_norm(torch.stack([n.to(first) for n in norms]), norm_type), by
@@ -1766,7 +1794,9 @@ def clip_grad_norm(
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         out: list = [None] * len(gs)
         for (device, _), idx in by.items():
-            for i, c in zip(idx, torch._foreach_mul([gs[i] for i in idx], coef.to(device))):
+            # vmap has no batching rule for _foreach_mul: the same products tensor by tensor
+            mul = torch._foreach_mul if ops.vmap_level() is None else lambda ts, c: [t * c for t in ts]
+            for i, c in zip(idx, mul([gs[i] for i in idx], coef.to(device))):
                 out[i] = c
     return pytree.tree_unflatten(out, treespec), total
 
@@ -1788,6 +1818,10 @@ def clip_grad_norm_(grads: Any, max_norm: Any, norm_type: Any = 2.0, error_if_no
         _check_finite_norm(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for (device, _), idx in by.items():
+            if ops.vmap_level() is not None:  # vmap has no batching rule for _foreach_mul_
+                for i in idx:
+                    gs[i].mul_(coef.to(device))
+                continue
             torch._foreach_mul_([gs[i] for i in idx], coef.to(device))
     return total
 

@@ -957,3 +957,40 @@ def test_groups_of_one_set_take_the_sets_scalars(device, monkeypatch):
     if bnbf._dispatch.use_triton(in_p["h.w"]):  # per step and call: lion's group, adamw's 8-bit and 32-bit groups
         assert len(seen) == 12
         assert all(type(hp) is tuple for _, hp in seen), seen  # Python numbers: kernel arguments, pure or in place
+
+
+@pytest.mark.parametrize("form", ["per-leaf callable", "mixed rules", "max_grad_norm"])
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_vmap_of_the_composing_forms_equals_a_loop(device, form, fn):
+    """``vmap`` of the composing forms over an ensemble: each member steps as its own call does. ``update_`` of
+    several groups took the addresses of vmap's tensors (a RuntimeError from torch) and ``max_grad_norm`` torch's
+    ``_foreach`` norms, which vmap cannot batch; the groups' pure step is now written back, and the clip takes its
+    norms tensor by tensor (each member's grads clipped as ``torch.nn.utils.clip_grad_norm_`` clips them)."""
+    members = 3
+    gen = torch.Generator().manual_seed(7)
+    stacked = lambda *shape: torch.randn(members, *shape, generator=gen).to(device)  # noqa: E731
+    params, grads = {"a": stacked(16, 20), "b": stacked(257)}, {"a": stacked(16, 20), "b": stacked(257)}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    hp, clip = {"lr": 0.01}, None
+    if form == "per-leaf callable":
+        hp = lambda path, p: {"lr": 0.02 if path == "a" else 0.01}  # noqa: E731
+    elif form == "mixed rules":
+        spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path == "a" else "adamw", min_8bit_size=256)  # noqa: E731
+        hp = {"lion": {"lr": 1e-3}, "adamw": {"lr": 0.01}}
+    elif device == "cuda":
+        pytest.skip("torch's CUDA _foreach_norm and vmap's batched norms add the squares in other orders")
+    else:
+        clip = 0.5
+    state = torch.vmap(lambda p: compose.init_state(p, spec, hp))(params)
+    member = lambda tree, m: torch.utils._pytree.tree_map(lambda t: t[m].clone(), tree)  # noqa: E731
+    loop = [(member(params, m), member(state, m)) for m in range(members)]
+    call = lambda p, g, s: getattr(compose, fn)(p, g, s, hp, 1, max_grad_norm=clip)  # noqa: E731
+    out = torch.vmap(call)(params, grads, state)
+    got = (params, state) if fn == "update_" else out
+    for m, (p, s) in enumerate(loop):
+        g = member(grads, m)
+        if clip is not None:  # torch's clip arithmetic on the member's grads, then the plain step
+            total = torch.nn.utils.get_total_norm(list(g.values()))
+            g = {k: v * torch.clamp(clip / (total + 1e-6), max=1.0) for k, v in g.items()}
+        want = compose.update(p, g, s, hp, 1)
+        assert_trees_same_variant(member(got, m), want, f"{form} {fn}: member {m}")  # (bit for bit off CUDA)
