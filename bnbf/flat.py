@@ -129,6 +129,13 @@ class FlatLayout:
             expect = self.specs[leaf.key].layout_for(leaf.shape.numel())._replace(present=type(s).layout.present)
             if type(s) is not want or type(s).layout != expect:
                 raise ValueError(f"the state of {leaf.path!r} is {type(s).__name__}, not the layout's for its buffer")
+            for name, t, (shape, dtype) in zip(s._fields, s, type(s).layout.expected(leaf.shape).values()):
+                if not isinstance(t, Tensor) or tuple(t.shape) != shape or t.dtype != dtype:
+                    got = f"{t.dtype} {tuple(t.shape)}" if isinstance(t, Tensor) else type(t).__name__
+                    raise ValueError(
+                        f"the state of {leaf.path!r}: {name} does not fit the leaf, expected {dtype} {shape}, got "
+                        f"{got} (a state of other params, or stacked by vmap?)"
+                    )
             cols = parts.setdefault(leaf.key, [[] for _ in s._fields])
             layout = type(s).layout
             for col, name, t in zip(cols, s._fields, s):

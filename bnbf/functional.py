@@ -380,7 +380,12 @@ def dequantize_state(state: Any) -> Any:
             t = getattr(state, slot.name)
             if layout.quantized:
                 absmax = getattr(state, slot.name + "_absmax")
-                out[slot.name] = dequantize_state_reference(t, absmax, layout.format, slot.signed, layout.block_size)
+                decode = functools.partial(
+                    dequantize_state_reference, fmt=layout.format, signed=slot.signed, block_size=layout.block_size
+                )
+                for _ in range(absmax.dim() - 1):  # a state stacked by vmap (an ensemble's): each member's blocks
+                    decode = torch.vmap(decode)
+                out[slot.name] = decode(t, absmax)
             else:
                 out[slot.name] = t.clone()
         export = get_rule(layout.rule).export

@@ -71,7 +71,7 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
             values.extend((-decade).tolist())
 
     for i in range(max_exponent_bits):
-        bins = 2 ** (i + mantissa_bits - max_exponent_bits + (0 if signed else 1))
+        bins = int(2 ** (i + mantissa_bits - max_exponent_bits + (0 if signed else 1)))  # 0 below one bin
         add_decade(i - (max_exponent_bits - 1), bins)
     leftover = 2 ** (mantissa_bits - max_exponent_bits) - 1
     if leftover > 0:
@@ -248,10 +248,9 @@ def dequantize_blockwise_reference(
     n = flat.numel()
     values = code[flat]
     whole = n - n % block_size  # whole blocks broadcast their absmax; the last partial block after
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    out[:whole] = (values[:whole].view(-1, block_size) * absmax[: whole // block_size, None]).reshape(-1)
-    if whole < n:
-        out[whole:] = values[whole:] * absmax[-1]
+    out = (values[:whole].view(-1, block_size) * absmax[: whole // block_size, None]).reshape(-1)
+    if whole < n:  # joined, not written into an empty tensor: vmap (of dequantize_state) refuses such writes
+        out = torch.cat([out, values[whole:] * absmax[-1]])
     return out.to(dtype).view(codes.shape)
 
 
@@ -295,6 +294,7 @@ def quantize_blockwise(x: Tensor, code: Tensor | None = None, block_size: int = 
         code = dynamic_map(True, x.device)  # the library's own map: sorted
     else:
         _check_code(code, x.device)
+        code = code.contiguous()  # the kernel reads it through its pointer (a strided view read as contiguous)
     if use_triton(x):
         from bnbf.kernels.codec import quantize_blockwise_triton
 
@@ -320,15 +320,17 @@ def dequantize_blockwise(
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     nblocks = -(-codes.numel() // block_size)
-    if absmax.dtype != torch.float32 or absmax.numel() != nblocks:
+    if absmax.dtype != torch.float32 or absmax.numel() != nblocks or absmax.dim() != 1:
         raise ValueError(
-            f"absmax must be float32 with {nblocks} values for {codes.numel()} codes in blocks of "
-            f"{block_size}, got {absmax.dtype} with {absmax.numel()}"
+            f"absmax must be a 1-D float32 tensor of {nblocks} values for {codes.numel()} codes in blocks of "
+            f"{block_size}, got {absmax.dtype} of shape {tuple(absmax.shape)}"
         )
     if code is None:
         code = dynamic_map(True, codes.device)
     else:
         _check_code(code, codes.device)
+        code = code.contiguous()  # the kernel reads it and absmax through their pointers
+    absmax = absmax.contiguous()
     if use_triton(codes):
         from bnbf.kernels.codec import dequantize_blockwise_triton
 

@@ -50,12 +50,12 @@ class OptimSpec:
 
     def __post_init__(self):
         get_rule(self.rule)
-        if self.state_bits not in (8, 32):
+        if type(self.state_bits) is not int or self.state_bits not in (8, 32):  # 8.0, True: refused as 256.0 is
             raise ValueError(f"state_bits must be 8 or 32, got {self.state_bits!r}")
         bs = self.block_size
         if not isinstance(bs, int) or bs < 64 or bs > 4096 or bs & (bs - 1):
             raise ValueError(f"block_size must be a power of two between 64 and 4096, got {bs!r}")
-        if not isinstance(self.min_8bit_size, int) or self.min_8bit_size < 0:
+        if type(self.min_8bit_size) is not int or self.min_8bit_size < 0:  # not a bool
             raise ValueError(f"min_8bit_size must be a non-negative int, got {self.min_8bit_size!r}")
         if self.state_format not in STATE_FORMATS:
             raise ValueError(f"state_format must be one of {STATE_FORMATS}, got {self.state_format!r}")
@@ -305,7 +305,15 @@ def _row(buf: Tensor, i: int, shape: tuple[int, ...], k: int) -> Tensor:
 
 
 def state_nbytes(state: Any) -> int:
-    """Bytes held by the tensors of a state (or a pytree of states)."""
+    """Bytes held by the tensors of a state (or a pytree of states, or a packed state). TypeError for anything
+    else: a tree of params or a number is no state, and counting its tensors would give a number all the same."""
     from torch.utils._pytree import tree_leaves
 
-    return sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, Tensor))
+    from bnbf.packed import PackedState
+
+    if type(state) is PackedState:
+        return sum(t.numel() * t.element_size() for t in state.buffers)
+    states = tree_leaves(state, is_leaf=is_state)
+    if not all(map(is_state, states)) or (not states and not isinstance(state, (dict, list, tuple))):
+        raise TypeError("state_nbytes expects a bnbf state, a pytree of them or a packed state")
+    return sum(t.numel() * t.element_size() for s in states for t in s)

@@ -343,9 +343,28 @@ def test_non_integer_step(setup, fn, step, device):
 
 
 def test_invalid_spec():
-    for kw in ({"rule": "nope"}, {"state_bits": 4}, {"block_size": 100}, {"min_8bit_size": -1}):
-        with pytest.raises(ValueError):
+    # a number of another type is refused as block_size=256.0 always was (8.0 and True passed as state_bits and
+    # min_8bit_size), whatever the value would compare as
+    bad = ({"rule": "nope"}, {"state_bits": 4}, {"block_size": 100}, {"min_8bit_size": -1}, {"state_bits": 8.0},
+           {"state_bits": True}, {"min_8bit_size": True}, {"block_size": 256.0})  # fmt: skip
+    for kw in bad:
+        with pytest.raises(ValueError, match="unknown rule" if "rule" in kw else f"{next(iter(kw))} must be"):
             bnbf.OptimSpec(**kw)
+
+
+def test_state_nbytes_counts_states_only():
+    """The bytes of a state's tensors, of a tree of states or of a packed state; anything else (a tree of params, a
+    number, None) is refused, as dequantize_state refuses it, where it returned a count or 0."""
+    params = {"w": torch.randn(300), "b": torch.randn(7)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(min_8bit_size=256))
+    fields = [t for s in state.values() for t in s]
+    assert bnbf.state_nbytes(state) == sum(t.numel() * t.element_size() for t in fields)
+    packed = bnbf.init_state(params, bnbf.OptimSpec(min_8bit_size=256), packed=True)
+    assert bnbf.state_nbytes(packed) == sum(t.numel() * t.element_size() for t in packed.buffers)
+    assert bnbf.state_nbytes({}) == 0
+    for bad in (params, params["w"], None, 3, "state"):
+        with pytest.raises(TypeError, match="state_nbytes expects a bnbf state"):
+            bnbf.state_nbytes(bad)
 
 
 @pytest.mark.parametrize("device", DEVICES)

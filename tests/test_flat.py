@@ -313,6 +313,11 @@ def test_errors_name_the_problem():
         layout.unflatten_state(swapped)
     with pytest.raises(ValueError, match="the state of 'w' is adamw_state_32bit_s3, not the layout's for its buffer"):
         layout.flatten_state(bnbf.init_state(params, bnbf.OptimSpec(state_bits=32)))
+    # a state of other params' shapes (of one layout: 8-bit and 32-bit as here) put nowhere: it would have filled
+    # the padding and the other leaves' places
+    other = bnbf.init_state({"w": torch.randn(71, 69), "b": torch.randn(10)}, bnbf.OptimSpec())
+    with pytest.raises(ValueError, match=r"the state of 'w': exp_avg does not fit the leaf, expected torch.uint8 \(70"):
+        layout.flatten_state(other)
     with pytest.raises(ValueError, match="structure"):
         layout.flatten({"w": params["w"]})
     with pytest.raises(ValueError, match=r"leaf 'b' is \(11,\) torch.float32; the layout has \(10,\)"):

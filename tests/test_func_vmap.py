@@ -421,6 +421,20 @@ def test_vmap_refuses_a_bad_step_or_member_hyperparameter_as_eager_calls_do(fn, 
             assert _same(got, (want[0], leaves(want[1]))), f"member {b}"
 
 
+@pytest.mark.parametrize("fmt", ["power", "dynamic"])
+def test_dequantize_state_of_an_ensemble_is_each_members(fmt):
+    """``dequantize_state`` of a state stacked by vmap (its fields and scales have a members dim), and vmap of it:
+    each member's values, as of that member's own state (both raised: a 1-D absmax was assumed, and written into)."""
+    p, g = _stack()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0, state_format=fmt)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    _, s = torch.vmap(lambda q, r, u: bnbf.update(q, r, u, {"lr": 1e-3}, 1))(p, g, s)
+    for got in (bnbf.dequantize_state(s), torch.vmap(bnbf.dequantize_state)(s)):
+        for b in range(B):
+            want = bnbf.dequantize_state(_member(s, b))
+            assert _same(_member(got, b), want), f"member {b}"
+
+
 def test_vmap_in_place_op_refuses_before_writing():
     """A param shared by every member (unbatched) cannot take each member's step in place, and params or states
     sharing memory would be written over each other: both raise, and nothing is written."""

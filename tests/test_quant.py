@@ -61,6 +61,17 @@ def test_create_dynamic_map_equals_bitsandbytes(signed):
     assert_equal_report(ours, theirs.to(torch.float32), f"dynamic map signed={signed}")
 
 
+@pytest.mark.parametrize("signed, exponent_bits, total_bits", [(True, 8, 8), (True, 7, 4), (True, 4, 4)])
+def test_dynamic_maps_of_other_bits_equal_bitsandbytes(signed, exponent_bits, total_bits):
+    """Settings whose smallest decade gets less than one bin (bitsandbytes truncates the count to an int; a float
+    count crashed torch.linspace here), and fewer than 8 bits (padded with zeros to 256)."""
+    ours = bnbf.create_dynamic_map(signed, exponent_bits, total_bits)
+    assert ours.shape == (256,)
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    theirs = bnb_f.create_dynamic_map(signed, exponent_bits, total_bits).to(torch.float32).sort().values
+    assert_equal_report(ours, theirs, f"dynamic map {signed, exponent_bits, total_bits}")
+
+
 @pytest.mark.parametrize("signed", [True, False])
 def test_dynamic_map_shape_sorted_with_zero_and_one(signed):
     m = bnbf.create_dynamic_map(signed=signed)
@@ -584,6 +595,25 @@ def test_bad_code_map_refused(device, name):
         bnbf.dequantize_blockwise(codes, absmax, code=code)
     for t, before in zip((x, code, codes, absmax), snap):
         assert_equal_report(t, before, f"input after a refused call ({name})")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_strided_map_and_absmax_read_as_their_values(device):
+    """A map or absmax that is a strided view holds the same values as its contiguous copy, and gives the same codes
+    and values (the kernels read them through their pointers: a view was read as if contiguous); an absmax of
+    more than one dim is refused in words."""
+    x = torch.randn(1000, device=device)
+    code = signed_map().to(device)
+    strided_code = torch.stack([code, torch.zeros_like(code)], dim=1)[:, 0]
+    codes, absmax = bnbf.quantize_blockwise(x, code=code)
+    got_codes, got_absmax = bnbf.quantize_blockwise(x, code=strided_code)
+    assert torch.equal(got_codes, codes) and torch.equal(got_absmax, absmax)
+    want = bnbf.dequantize_blockwise(codes, absmax, code=code)
+    strided_absmax = torch.stack([absmax, torch.zeros_like(absmax)], dim=1)[:, 0]
+    assert_equal_report(bnbf.dequantize_blockwise(codes, absmax, code=strided_code), want, "strided map")
+    assert_equal_report(bnbf.dequantize_blockwise(codes, strided_absmax, code=code), want, "strided absmax")
+    with pytest.raises(ValueError, match=r"absmax must be a 1-D float32 tensor of 4 values .* shape \(2, 2\)"):
+        bnbf.dequantize_blockwise(codes, absmax.view(2, 2), code=code)
 
 
 @pytest.mark.parametrize("device", DEVICES)
