@@ -160,6 +160,22 @@ class State:
     __slots__ = ()
     layout: Layout
 
+    def __reduce__(self) -> tuple:
+        # pickled as (class name, fields) through one registered function: torch.load's default (weights_only)
+        # takes it, where it refuses the classes this module makes by name
+        return _rebuild_state, (type(self).layout.class_name, tuple(self))
+
+
+def _rebuild_state(name: str, fields: tuple) -> State:
+    """A pickled state (:meth:`State.__reduce__`): its class rebuilt from its name, which is checked."""
+    cls = __getattr__(name) if isinstance(name, str) else None
+    if cls is None or not isinstance(fields, tuple) or len(fields) != len(cls._fields):
+        raise ValueError(f"not a bnbf state: {name!r} with {type(fields).__name__}")
+    return cls(*fields)
+
+
+torch.serialization.add_safe_globals([_rebuild_state])
+
 
 def is_state(x: Any) -> bool:
     """True for a bnbf state NamedTuple."""

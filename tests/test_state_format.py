@@ -61,3 +61,32 @@ def test_power_format_drifts_no_more_than_the_dynamic_map():
 
 def test_default_format_is_the_power_format():
     assert bnbf.OptimSpec().state_format == "power"
+
+
+def test_a_saved_state_loads_with_torch_load_defaults_in_a_new_process(tmp_path):
+    """``torch.save`` of functional states (8- and 32-bit, a dict of them) and ``torch.load`` with torch's default
+    ``weights_only=True`` in a fresh process that imports bnbf: the same classes and tensors, and a step from them
+    equal to the original's. (The classes are made by name, which the default load refused as unsafe globals.)"""
+    import subprocess
+    import sys
+
+    params = {"w": torch.randn(300), "b": torch.randn(7)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)  # w 8-bit, b 32-bit
+    state = bnbf.update(params, grads, bnbf.init_state(params, spec), {"lr": 1e-2}, 1)[1]
+    torch.save({"params": params, "grads": grads, "state": state}, tmp_path / "ckpt.pt")
+    want = bnbf.update(params, grads, state, {"lr": 1e-2}, 2)
+    torch.save(want, tmp_path / "want.pt")
+    code = (
+        "import sys, torch, bnbf\n"
+        f"c = torch.load({str(tmp_path / 'ckpt.pt')!r})\n"  # the default: weights_only=True
+        f"want = torch.load({str(tmp_path / 'want.pt')!r})\n"
+        "got = bnbf.update(c['params'], c['grads'], c['state'], {'lr': 1e-2}, 2)\n"
+        "leaves = torch.utils._pytree.tree_leaves\n"
+        "same = all(torch.equal(a, b) for a, b in zip(leaves(got), leaves(want)))\n"
+        "names = sorted(type(s).__name__ for s in c['state'].values())\n"
+        "sys.exit(0 if same and names == sorted(type(s).__name__ for s in want[1].values()) else 1)\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert {type(s).__name__ for s in state.values()} == {"adamw_state_8bit_power_b256_s3", "adamw_state_32bit_s3"}
