@@ -703,7 +703,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             grads, every = _grads_of(params)
             if not every:
                 return False
-            self._check_grads(group, grads)  # before any group steps (_grads_held checked the others')
+            self._check_grads(group, grads, True)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
@@ -818,21 +818,28 @@ class Optimizer8bit(torch.optim.Optimizer):
         if self._adding:
             self._add_slots()
             jobs = [self._prepare_group(group) for group in self.param_groups]
-        for group, plan, grads, _ in jobs:
+        for group, plan, grads, every in jobs:
             if not plan.dist:  # DTensor grads: bnbf.distributed's step checks its shards itself
-                self._check_grads(group, grads)
+                self._check_grads(group, grads, every)
         return jobs
 
-    def _check_grads(self, group: Mapping, grads: list) -> None:
+    def _check_grads(self, group: Mapping, grads: list, every: bool) -> None:
         """The error a group's step would raise for a grad it cannot step (sparse, nested, a subclass whose
         storage the kernels cannot address), raised before any group steps or gets its first states, so that
         a bad grad in the last group leaves every param and state as it was. Named by its index in the group."""
-        pairs = [(i, p, g) for i, (p, g) in enumerate(zip(group["params"], grads)) if g is not None]
-        plain = group["differentiable"] is not True  # a differentiable step runs torch ops, which any subclass has
-        if _grads_ok([p for _, p, _ in pairs], [g for _, _, g in pairs]) and not (
-            plain and any(own_dispatch(g) for _, _, g in pairs)
-        ):
+        params = group["params"]
+        if every:
+            ps, gs = params, grads
+        else:
+            kept = [(p, g) for p, g in zip(params, grads) if g is not None]
+            ps, gs = [p for p, _ in kept], [g for _, g in kept]
+        # the usual grads (plain, dense, contiguous, their params' shapes, dtypes and devices) in one compiled pass
+        if NATIVE is not None and NATIVE.grads_match(ps, gs):
             return
+        plain = group["differentiable"] is not True  # a differentiable step runs torch ops, which any subclass has
+        if _grads_ok(ps, gs) and not (plain and any(map(own_dispatch, gs))):
+            return
+        pairs = [(i, p, g) for i, (p, g) in enumerate(zip(params, grads)) if g is not None]
         gi = _index_of(self.param_groups, group)
         for i, p, g in pairs:
             name = f"[{i}] of param group {gi}"
