@@ -321,15 +321,12 @@ def _row(buf: Tensor, i: int, shape: tuple[int, ...], k: int) -> Tensor:
 
 
 def state_nbytes(state: Any) -> int:
-    """Bytes held by the tensors of a state (or a pytree of states, or a packed state). TypeError for anything
-    else: a tree of params or a number is no state, and counting its tensors would give a number all the same."""
+    """Bytes held by the tensors of a state, a pytree of states or a packed state; of any pytree of tensors too
+    (torch.optim's state, for a comparison)."""
     from torch.utils._pytree import tree_leaves
 
     from bnbf.packed import PackedState
 
     if type(state) is PackedState:
         return sum(t.numel() * t.element_size() for t in state.buffers)
-    states = tree_leaves(state, is_leaf=is_state)
-    if not all(map(is_state, states)) or (not states and not isinstance(state, (dict, list, tuple))):
-        raise TypeError("state_nbytes expects a bnbf state, a pytree of them or a packed state")
-    return sum(t.numel() * t.element_size() for s in states for t in s)
+    return sum(t.numel() * t.element_size() for t in tree_leaves(state) if isinstance(t, Tensor))
