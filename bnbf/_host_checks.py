@@ -655,6 +655,25 @@ def _check_fields_addressable(param: Any, states: list) -> None:
                 )
 
 
+def _listed_twice(what: str, names: list, i: int, j: int) -> ValueError:
+    if what == "param":
+        why = "the same tensor: a param may appear only once in a call (torch.optim refuses a param in two groups)"
+    else:
+        why = "the same state: each param needs a state of its own (bnbf.init_state)"
+    return ValueError(f"{what}{names[i]} and {what}{names[j]} are {why}")
+
+
+def check_no_repeats(param: Any, params: list, states: list) -> None:
+    """ValueError naming a param or a state listed twice, by identity: for tensors without addresses to compare
+    (torch.func's wrappers, traced values), where :func:`_check_no_overlap` compares memory."""
+    for what, leaves in (("param", params), ("state", states)):
+        seen: dict[int, int] = {}
+        for j, x in enumerate(leaves):
+            i = seen.setdefault(id(x), j)
+            if i != j:
+                raise _listed_twice(what, _names(param), i, j)
+
+
 def _check_no_overlap(param: Any, params: list, states: list) -> None:
     """ValueError naming two leaves of one call that share memory (see :func:`_overlap`)."""
     pair = _overlap(params, states)
@@ -675,10 +694,7 @@ def _check_no_overlap(param: Any, params: list, states: list) -> None:
     (i, fi), (j, fj) = where[pair[0]], where[pair[1]]
     if fi is None and fj is None:
         if params[i] is params[j]:
-            raise ValueError(
-                f"param{names[i]} and param{names[j]} are the same tensor: a param may appear only "
-                f"once in a call (torch.optim refuses a param in two groups)"
-            )
+            raise _listed_twice("param", names, i, j)
         raise ValueError(
             f"param{names[i]} and param{names[j]} overlap in memory (views of one tensor?): the "
             f"params of one call must not share memory, each would be stepped on its own"
@@ -688,10 +704,7 @@ def _check_no_overlap(param: Any, params: list, states: list) -> None:
             f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must not share memory"
         )
     if states[i] is states[j]:
-        raise ValueError(
-            f"state{names[i]} and state{names[j]} are the same state: each param needs a state of "
-            f"its own (bnbf.init_state)"
-        )
+        raise _listed_twice("state", names, i, j)
     raise ValueError(
         f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call must not share memory"
     )
@@ -877,9 +890,8 @@ def traced_hparams(
 def _members(t: Tensor) -> Tensor | None:
     """Every member's value of a tensor under vmap (the plain tensor below torch.func's wrappers), or None where
     they are on a device (reading them would synchronize, as an eager device tensor's value is not read)."""
-    while _functorch.is_functorch_wrapped_tensor(t):
-        t = _functorch.get_unwrapped(t)
-    return t if t.device.type == "cpu" else None
+    t = _unbatched(t)
+    return t if t.device.type == "cpu" and not _functorch.is_functorch_wrapped_tensor(t) else None
 
 
 def _check_members(rule: Any, hparams: Any, batched: list) -> None:

@@ -25,7 +25,6 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 
 from __future__ import annotations
 
-import array
 import collections
 import contextlib
 import dataclasses
@@ -1293,16 +1292,11 @@ def _check_grads_between(parts: _Parts, checked: _Checked) -> None:
         return
     if unaddressable(parts.params, gs):  # the core's generic path takes such a call through the pure step
         return
-    at = _packed_ptrs(gs) if all(map(Tensor.is_contiguous, gs)) else None
+    at = ops._packed(tuple(map(Tensor.data_ptr, gs))) if all(map(Tensor.is_contiguous, gs)) else None
     if at is not None and at == checked.grads:
         return
     _check_grads_apart(dict(zip(parts.names, parts.params)), parts.params, gs, parts.states)
     checked.grads = at
-
-
-def _packed_ptrs(tensors: list) -> bytes:
-    """The tensors' addresses as native uint64 (what ``NATIVE.ptrs_equal`` compares with)."""
-    return array.array("Q", map(Tensor.data_ptr, tensors)).tobytes()
 
 
 def _check_grads(parts: _Parts) -> None:

@@ -32,6 +32,7 @@ from bnbf._host_checks import (
     _names,
     _structures,
     _unflatten,
+    check_no_repeats,
     check_update_options,
     unaddressable,
 )
@@ -125,19 +126,10 @@ def check_apart(param: Any, params: list, states: list) -> None:
     """The core's refusal of a param listed twice, a state shared by two leaves, or leaves sharing memory (the same
     tensor would come back with two new values, or lose one of its steps in place). Tensors without addresses to
     compare (under a torch.func transform, traced, subclasses) are compared by identity."""
-    if not unaddressable(params, [t for s in states if is_state(s) for t in s]):
+    if unaddressable(params, [t for s in states if is_state(s) for t in s]):
+        check_no_repeats(param, params, states)
+    else:
         _check_no_overlap(param, params, states)
-        return
-    for leaves, what, rest in (
-        (params, "param", "tensor: a param may appear only once in a call (torch.optim refuses a param in two groups)"),
-        (states, "state", "state: each param needs a state of its own (bnbf.init_state)"),
-    ):
-        seen: dict[int, int] = {}
-        for j, x in enumerate(leaves):
-            i = seen.setdefault(id(x), j)
-            if i != j:
-                names = _names(param)
-                raise ValueError(f"{what}{names[i]} and {what}{names[j]} are the same {rest}")
 
 
 def _as(v: Any, dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -442,7 +442,7 @@ def _step_direct_(param, params, grads, state: PackedState, row, skip_zeros, cli
             _check_apart(param, params, grads, state, disjoint=False)  # only the grads moved
         if not same:
             ptrs = tuple(map(Tensor.data_ptr, grads))
-            at = (ptrs if NATIVE is None else array.array("Q", ptrs).tobytes()) if dense else None
+            at = (ptrs if NATIVE is None else ops._packed(ptrs)) if dense else None
         meta.checked = (groups, at)
     with launch_lock(device.type == "cpu"):
         for group, (_, gs, _) in zip(groups, parts):
