@@ -994,3 +994,17 @@ def test_vmap_of_the_composing_forms_equals_a_loop(device, form, fn):
             g = {k: v * torch.clamp(clip / (total + 1e-6), max=1.0) for k, v in g.items()}
         want = compose.update(p, g, s, hp, 1)
         assert_trees_same_variant(member(got, m), want, f"{form} {fn}: member {m}")  # (bit for bit off CUDA)
+
+
+def test_vmap_of_update__refuses_an_unbatched_param_before_writing():
+    """vmap of the composing forms' update_: a param that vmap does not batch (one tensor for every member) cannot
+    take each member's step in place; refused in words before any param or state is written."""
+    params = {"a": torch.randn(3, 300), "b": torch.randn(3, 20)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    hp = lambda path, p: {"lr": 0.1 if path == "a" else 0.2}  # noqa: E731 - two groups
+    state = torch.vmap(lambda q: compose.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=256), hp))(params)
+    shared = params["b"][0].clone()
+    snap = snapshot(params, state, shared)
+    with pytest.raises(RuntimeError, match="cannot write param 1: it is not batched"):
+        torch.vmap(lambda a, g, s: compose.update_({"a": a, "b": shared}, g, s, hp, 1))(params["a"], grads, state)
+    assert_untouched(snap)
