@@ -760,12 +760,14 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
 
 
 def _written_back(params, grads, state, hparams, step, opts: dict):
-    """The in-place step of several groups under ``vmap`` (whose tensors have no addresses to check across the
-    groups): the pure step of every group, then written into the params and state fields, each a batched
-    ``copy_``. A param or field not batched at this level cannot take each member's value (torch's vmap refuses
-    the write): refused before anything is written."""
-    new_p, new_s = _update(params, grads, state, hparams, step, **opts)
+    """The in-place step of several groups under ``vmap``: the pure step of every group, then written into the
+    params and state fields, each a batched ``copy_``. Refused before anything is written: a param or field not
+    batched at this level (it cannot take each member's value; torch's vmap refuses the write), and memory
+    shared as eager ``update_`` refuses it (:func:`bnbf.ops.check_vmapped_leaves_apart`)."""
     p_old, s_old = pytree.tree_leaves(params), pytree.tree_leaves(state, is_leaf=is_state)
+    fields = [t for s in s_old for t in s]
+    ops.check_vmapped_leaves_apart(params, p_old, pytree.tree_leaves(grads), s_old, fields)
+    new_p, new_s = _update(params, grads, state, hparams, step, **opts)
     pairs = list(zip(p_old, pytree.tree_leaves(new_p)))
     pairs += [(a, b) for s, n in zip(s_old, pytree.tree_leaves(new_s, is_leaf=is_state)) for a, b in zip(s, n)]
     level = torch._C._functorch.maybe_current_level()

@@ -20,6 +20,7 @@ import collections
 import contextlib
 import functools
 import itertools
+import operator
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -29,7 +30,7 @@ from torch._C import _functorch
 from torch._C._functorch import TransformType
 
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
-from bnbf._host_checks import NATIVE, _overlap
+from bnbf._host_checks import NATIVE, _check_grads_apart, _check_no_overlap, _grad_overlap, _overlap
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, reference_step
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
@@ -165,11 +166,12 @@ def _direct(params, grads, states, hp) -> bool:
     )
 
 
-def step_(params, grads, states, hp, layout: Layout, skip_zeros: bool, clip: bool) -> None:
+def step_(params, grads, states, hp, layout: Layout, skip_zeros: bool, clip: bool, unwrapped=None) -> None:
     """In-place step; eager calls go straight to the launcher (the op's dispatch costs ~5 us a tensor), and calls
-    under ``vmap`` step the stacked tensors in place (:func:`_step_vmapped_`)."""
+    under ``vmap`` step the stacked tensors in place (:func:`_step_vmapped_`, given ``unwrapped`` where the caller
+    has them)."""
     if not _direct(params, grads, states, hp):
-        if _step_vmapped_(params, grads, states, hp, layout, skip_zeros, clip):
+        if _step_vmapped_(params, grads, states, hp, layout, skip_zeros, clip, unwrapped):
             return None
         return _step_op_(params, grads, states, _as_row(hp, params), *layout, skip_zeros, clip)
     _run(params, params, grads, states, states, hp, layout, skip_zeros, clip)
@@ -653,8 +655,13 @@ def _unwrap_all(params, grads, states, hp) -> tuple | None:
         return None
     level, size = found
     unwrapped = _unwrap(params, level), _unwrap(grads, level), _unwrap(states, level)
-    # the scalars as Python numbers (kernel arguments: no row to upload) are the same for every member
-    return level, size, *unwrapped, (hp, None) if type(hp) is tuple else _functorch._unwrap_batched(hp, level)
+    return level, size, *unwrapped, _unwrap_scalars(hp, level)
+
+
+def _unwrap_scalars(hp: Any, level: int) -> tuple:
+    """The scalars unwrapped at ``level`` and their batch dim: Python numbers (kernel arguments, no row to upload)
+    are the same for every member."""
+    return (hp, None) if type(hp) is tuple else _functorch._unwrap_batched(hp, level)
 
 
 def _step_vmapped(params, grads, states, hp, layout: Layout, skip_zeros, clip):
@@ -692,7 +699,7 @@ def _in_place(tensors: list, dims: list) -> list | None:
     return out
 
 
-def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) -> bool:
+def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip, unwrapped=None) -> bool:
     """The in-place step under a ``vmap`` (``bnbf.update_`` of an ensemble): where every param and state is batched
     at this level, each member contiguous, the stacked step writes into the caller's stacked tensors themselves
     (one launch on the Triton path; no outputs, no batched op per tensor). Otherwise (members strided, inputs an
@@ -700,10 +707,14 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip) 
     Refused before anything is written: a param or state that is not batched (it cannot take each member's value,
     as torch's vmap refuses), params and states sharing memory (each is written on its own; checked on the stacked
     tensors, once per set of addresses on the Triton path). False where no vmap is innermost, or nothing is
-    batched at its level (the op's dispatch then decides, as outside vmap)."""
-    found = _unwrap_all(params, grads, states, hp)
-    if found is None:
-        return False
+    batched at its level (the op's dispatch then decides, as outside vmap). ``unwrapped``: the tensors already
+    unwrapped, as :func:`check_vmapped_apart` returns them."""
+    if unwrapped is None:
+        found = _unwrap_all(params, grads, states, hp)
+        if found is None:
+            return False
+    else:
+        found = (*unwrapped, _unwrap_scalars(hp, unwrapped[0]))
     level, size, (ps, p_dims), (gs, g_dims), (ss, s_dims), (hp_u, h_dim) = found
     shared = [k for k, d in enumerate(itertools.chain(p_dims, s_dims)) if d is None]
     if len(shared) == len(p_dims) + len(s_dims) and h_dim is None and g_dims.count(None) == len(g_dims):
@@ -767,6 +778,92 @@ def _check_disjoint(params: list, states: list, step: str = "vmapped in-place st
             f"bnbf: params or states of this {step} overlap in memory (views of one tensor?): each param and state "
             "is written on its own, so they must not share memory"
         )
+
+
+# the last whole vmapped in-place call found apart: (meta twins and addresses of the stacked params and state
+# fields, the stacked grads' addresses and their addresses the call before: a loop making new grads each step
+# alternates between two places); no caller tensor is kept
+_APART: list = [None]
+
+
+def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Callable, check: Callable) -> tuple:
+    """Under a ``vmap`` innermost, before an in-place step writes anything: what eager ``update_`` refuses, params
+    or state fields sharing memory (across all of the call's layout groups, where each group's step checks only
+    its own) and a grad sharing memory with a param or field the step writes, compared on the stacked tensors
+    under every level of vmap's wrappers. Inputs an outer transform other than vmap wraps have no memory to
+    compare (that transform's own checks answer). Params and fields at the addresses and shapes of the last
+    call found apart are apart (a compiled pass, where the checks take 2 ms with GPT-2's 740 tensors), and so
+    are grads at that call's addresses or the call's before; grads elsewhere are compared with them alone.
+
+    Args:
+        params, grads, fields: the call's batched tensors (``fields``: every state's, in order).
+        per_state: ``fields`` unwrapped -> the states as tuples of them, in the order of the params they belong
+            to (which device owns each).
+        check: ``(params, grads, fields)`` unwrapped -> raises the eager call's error naming the leaves.
+
+    Returns:
+        ``(level, size, (params, dims), (grads, dims), (fields, dims))`` unwrapped at vmap's level, which
+        :func:`step_` takes as they are.
+    """
+    level, size = vmap_level()
+    unwrapped = level, size, _unwrap(params, level), _unwrap(grads, level), _unwrap(fields, level)
+    ps, gs, ss = unwrapped[2][0], unwrapped[3][0], unwrapped[4][0]
+    written = [*ps, *ss]
+    last = _APART[0]
+    if NATIVE is not None and last is not None and NATIVE.meta_match(written, last[0], last[1]):
+        moved = NATIVE.grads_fit_at(ps, gs, last[2])  # True: at the last call's addresses
+        if moved is True or moved == last[3]:
+            return unwrapped
+        if (moved is not False or _unwrapped(gs)) and _grad_overlap(ps, gs, per_state(ss)) is None:
+            if moved is not False:  # batched as the params are: the next call may find them here
+                _APART[0] = (last[0], last[1], moved, last[2])
+            return unwrapped
+    bases = [_base(t) for t in (*ps, *gs, *ss)]
+    if not _unwrapped(bases):  # a grad or jvp transform between the vmaps
+        return unwrapped
+    n, m = len(ps), len(gs)
+    with torch._C._DisableFuncTorch():
+        check(bases[:n], bases[n : n + m], bases[n + m :])
+    if all(map(operator.is_, bases, (*ps, *gs, *ss))) and all(map(Tensor.is_contiguous, written)):  # one level
+        twins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in written]
+        at = lambda ts: array.array("Q", map(Tensor.data_ptr, ts)).tobytes()  # noqa: E731
+        _APART[0] = (twins, at(written), at(gs), None)
+    return unwrapped
+
+
+def unwrapped_at(unwrapped: tuple, idx: list, field_idx: list) -> tuple:
+    """:func:`check_vmapped_apart`'s unwrapped tensors of the params at ``idx`` and the fields at ``field_idx``."""
+    level, size, *lists = unwrapped
+    picks = (idx, idx, field_idx)
+    return level, size, *(([ts[i] for i in k], [ds[i] for i in k]) for (ts, ds), k in zip(lists, picks))
+
+
+def check_vmapped_leaves_apart(tree: Any, params: list, grads: list, states: list, fields: list) -> tuple:
+    """:func:`check_vmapped_apart` of per-param states (``fields``: every state's, in order), named as eager
+    ``update_`` names them (leaves of ``tree``)."""
+
+    def check(ps, gs, fs):
+        ss = _per_state(fs, states)
+        _check_no_overlap(tree, ps, ss)
+        _check_grads_apart(tree, ps, gs, ss)
+
+    return check_vmapped_apart(params, grads, fields, lambda fs: _per_state(fs, states), check)
+
+
+def _per_state(fields: list, states: list) -> list:
+    """``fields`` (every state's in order) as states of the types of ``states``."""
+    out, k = [], 0
+    for s in states:
+        out.append(type(s)._make(fields[k : k + len(s)]))
+        k += len(s)
+    return out
+
+
+def _base(t: Tensor) -> Tensor:
+    """The tensor under every level of vmap's wrappers."""
+    while _functorch.is_batchedtensor(t):
+        t = _functorch.get_unwrapped(t)
+    return t
 
 
 def _step_vmap(info, in_dims, params, grads, states, hp, rule, bits, block_size, fmt, present, skip_zeros, clip):

@@ -310,6 +310,14 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
         with torch.no_grad():
             _step_direct_(param, params, grads, state, row, skip_zeros, clip)
         return param, state
+    if in_place and found is not None and not compiling:  # every group's memory, before any group is written
+        ops.check_vmapped_apart(
+            params,
+            grads,
+            list(buffers),
+            lambda bs: [tuple(bs)],
+            lambda ps, gs, bs: _check_apart(param, ps, gs, None, buffers=bs),
+        )
     new_params: list = [None] * len(params)
     new_buffers: list = [None] * len(buffers)
     with torch.no_grad():
@@ -449,11 +457,12 @@ def _step_direct_(param, params, grads, state: PackedState, row, skip_zeros, cli
             launch_group(group, gs, row, skip_zeros, clip)
 
 
-def _check_apart(param, params: list, grads: list, state: PackedState, disjoint: bool = True) -> None:
+def _check_apart(param, params: list, grads: list, state: PackedState | None, disjoint: bool = True, buffers=None):
     """What an in-place step of the packed state refuses, over every layout group at once (nothing written yet):
     params and buffers sharing memory (``disjoint``); a grad sharing memory with a param or a leaf's state, which
-    the step writes while reading the grad (the per-param state's check, :func:`_check_grads_apart`)."""
-    buffers = state.buffers
+    the step writes while reading the grad (the per-param state's check, :func:`_check_grads_apart`).
+    ``buffers``: the state's, where given (vmap's stacked ones, ``state`` None: a grad is named by the buffer)."""
+    buffers = state.buffers if buffers is None else buffers
     if disjoint:
         pair = _overlap([*params, *buffers], [])  # all as params: spans measured where not contiguous
         if pair is not None:
@@ -463,9 +472,18 @@ def _check_apart(param, params: list, grads: list, state: PackedState, disjoint:
                 "tensor?): each param and state is written on its own, so they must not share memory"
             )
     # against whole buffers first (cheap); then named by the leaves' parts, which are what the step writes
-    if _grad_overlap(params, grads, [tuple(buffers)]) is not None:
+    pair = _grad_overlap(params, grads, [tuple(buffers)])
+    if pair is None:
+        return
+    if state is not None:
         views = state.plan_views()
         _check_grads_apart(param, params, grads, views[1] if views else _flatten(state.unpack(), is_leaf=is_state)[0])
+    names, (j, k) = _names(param), pair
+    what = f"param{names[k]}" if k < len(params) else f"packed state buffer {k - len(params)}"
+    raise ValueError(
+        f"grad{names[j]} shares memory with {what}, which this in-place step writes: the step would read it while "
+        "writing it (pass a copy of the grad, or use bnbf.update)"
+    )
 
 
 # ---- the ops and their dispatch -------------------------------------------------------------------------------------

@@ -982,6 +982,9 @@ def _step_generic(
     vmapped = ops.vmap_level() is not None and not torch.compiler.is_compiling()
     if torch.compiler.is_compiling() or vmapped:  # Dynamo-friendly checks, hyperparameters as graph values
         call = _prepare_traced(param, grad, state, hparams, step, max_unorm, in_place=True)
+        if vmapped:  # memory, which the traced checks cannot see: compared on the stacked tensors
+            fields = [t for s in call.states for t in s]
+            unwrapped = ops.check_vmapped_leaves_apart(param, call.params, call.grads, call.states, fields)
     elif unaddressable(_flatten(param)[0], _flatten(grad)[0]):
         # with subclasses such as FakeTensor: the pure step (the op's fake implementation...), written back into
         # the params and states
@@ -1017,11 +1020,16 @@ def _step_generic(
     with torch.no_grad():
         steps = []
         for (device, _, layout), idx in _groups(call.params, call.states):
-            ss = [t for i in idx for t in call.states[i]]
             if vmapped:
-                ps = [call.params[i] for i in idx]
-                ops.step_(ps, [call.grads[i] for i in idx], ss, rows[device], layout, skip_zeros, clip)
+                if len(idx) == len(call.params):  # one group: the call's lists as they are
+                    ps, gs, ss, mine = call.params, call.grads, fields, unwrapped
+                else:
+                    ps, gs = [call.params[i] for i in idx], [call.grads[i] for i in idx]
+                    at = _field_positions(call.states, idx)
+                    ss, mine = [fields[k] for k in at], ops.unwrapped_at(unwrapped, idx, at)
+                ops.step_(ps, gs, ss, rows[device], layout, skip_zeros, clip, mine)
                 continue
+            ss = [t for i in idx for t in call.states[i]]
             ps = [call.params[i].detach() for i in idx]
             work = [p if p.is_contiguous() else p.contiguous() for p in ps]
             steps.append((ps, work, [call.grads[i].detach().contiguous() for i in idx], ss, layout, device))
@@ -1036,6 +1044,12 @@ def _step_generic(
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)
+
+
+def _field_positions(states: list, idx: list) -> list:
+    """Positions in ``[field for state in states for field in state]`` of the fields of the states at ``idx``."""
+    starts = list(itertools.accumulate(map(len, states), initial=0))
+    return [k for i in idx for k in range(starts[i], starts[i + 1])]
 
 
 # ---- bnbf.update_'s plans -----------------------------------------------------------------------------------

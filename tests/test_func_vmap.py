@@ -455,6 +455,66 @@ def test_vmap_in_place_op_refuses_before_writing():
     assert all(torch.equal(a, b) for a, b in zip(ps + ss, before))
 
 
+def _two_groups(device, packed=False, overlap=False):
+    """Stacked params of two layout groups (8-bit state for "a", float32 for "b", by min_8bit_size), sharing
+    memory where ``overlap``, their states and grads."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=4096)
+    if overlap:
+        w = torch.randn(B, 5000, device=device)
+        p = {"a": w[:, :4096], "b": w[:, 4000:]}  # 96 elements of every member in both
+    else:
+        p = {"a": torch.randn(B, 4096, device=device), "b": torch.randn(B, 100, device=device)}
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, packed=packed))(p)
+    return p, {k: torch.randn_like(v) for k, v in p.items()}, s
+
+
+_IN_PLACE_FORMS = {
+    "per-param": lambda p, g, s: bnbf.update_(p, g, s, {"lr": 0.01}, 1),
+    "composed": lambda p, g, s: bnbf.update_(p, g, s, lambda path, q: {"lr": 0.01 if path == "a" else 0.02}, 1),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("form", ["per-param", "composed", "packed"])
+def test_vmap_in_place_refuses_memory_shared_across_groups_as_eager_does(device, form):
+    """What an eager ``update_`` refuses over all of a call's layout groups, the vmapped one refuses too, before
+    anything is written: params of two groups sharing memory (each would be written over the other), and a grad
+    that is another leaf's param or state (read while the step writes it), found at the first call or after
+    calls that were apart (grads elsewhere each call, as a training loop makes them)."""
+    step = torch.vmap(_IN_PLACE_FORMS.get(form, _IN_PLACE_FORMS["per-param"]))
+    packed = form == "packed"
+
+    def refused(p, g, s, match):
+        before = [t.clone() for t in tree_leaves((p, s))]
+        with pytest.raises(ValueError, match=match):
+            step(p, g, s)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, s)), before))
+
+    p, g, s = _two_groups(device, packed, overlap=True)
+    refused(p, g, s, r"param\['a'\] and param\['b'\].* overlap in memory")
+    p, g, s = _two_groups(device, packed)
+    for _ in range(3):  # apart: stepped, with new grads each call
+        step(p, {k: v + 1 for k, v in g.items()}, s)
+    refused(p, {"a": g["a"], "b": p["a"][:, :100]}, s, r"grad\['b'\] shares memory with param\['a'\]")
+    refused(p, {"a": p["b"].repeat(1, 41)[:, :4096], "b": p["a"][:, 50:150]}, s, r"grad\['b'\] shares memory")
+    field = s.buffers[-1] if packed else s["b"].exp_avg  # a float32 state field
+    refused(p, {"a": g["a"], "b": field[:, :100]}, s, r"grad\['b'\] shares memory with (state|packed state)")
+
+
+def test_nested_vmap_in_place_refuses_a_grad_sharing_memory_with_a_param():
+    """Under vmap of vmap the memory is compared on the tensors under both levels of wrappers."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=4096)
+    p = {"a": torch.randn(2, B, 4096), "b": torch.randn(2, B, 100)}
+    s = torch.vmap(torch.vmap(lambda q: bnbf.init_state(q, spec)))(p)
+    step = torch.vmap(torch.vmap(_IN_PLACE_FORMS["per-param"]))
+    before = [t.clone() for t in tree_leaves((p, s))]
+    with pytest.raises(ValueError, match=r"grad\['b'\] shares memory with param\['a'\]"):
+        step(p, {"a": torch.randn(2, B, 4096), "b": p["a"][:, :, :100]}, s)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, s)), before))
+    step(p, {k: torch.randn_like(v) for k, v in p.items()}, s)  # apart: stepped
+    assert not torch.equal(p["a"], before[0])
+
+
 def test_member_addresses_native_and_python_agree():
     """The stacked step's address gather: the compiled pass and its pure-Python twin give the same table, key and
     alignment."""
