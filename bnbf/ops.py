@@ -780,10 +780,12 @@ def _check_disjoint(params: list, states: list, step: str = "vmapped in-place st
         )
 
 
-# the last whole vmapped in-place call found apart: (meta twins and addresses of the stacked params and state
-# fields, the stacked grads' addresses and their addresses the call before: a loop making new grads each step
-# alternates between two places); no caller tensor is kept
-_APART: list = [None]
+# per structure (numbers of params and fields, the first param's shape and dtype), the last whole vmapped in-place
+# call found apart: (meta twins and addresses of the stacked params and state fields, the stacked grads' addresses
+# and their addresses the call before: a loop making new grads each step alternates between two places); no
+# caller tensor is kept. A few entries: a loop may step two ensembles (a GAN's two models) in turn.
+_APART: dict = {}
+_APART_SIZE = 8
 
 
 def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Callable, check: Callable) -> tuple:
@@ -792,8 +794,9 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
     its own) and a grad sharing memory with a param or field the step writes, compared on the stacked tensors
     under every level of vmap's wrappers. Inputs an outer transform other than vmap wraps have no memory to
     compare (that transform's own checks answer). Params and fields at the addresses and shapes of the last
-    call found apart are apart (a compiled pass, where the checks take 2 ms with GPT-2's 740 tensors), and so
-    are grads at that call's addresses or the call's before; grads elsewhere are compared with them alone.
+    call of their structure found apart are apart (a compiled pass, where the checks take 2 ms with GPT-2's 740
+    tensors), and so are grads at that call's addresses or the call's before; grads elsewhere are compared with
+    them alone.
 
     Args:
         params, grads, fields: the call's batched tensors (``fields``: every state's, in order).
@@ -809,14 +812,15 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
     unwrapped = level, size, _unwrap(params, level), _unwrap(grads, level), _unwrap(fields, level)
     ps, gs, ss = unwrapped[2][0], unwrapped[3][0], unwrapped[4][0]
     written = [*ps, *ss]
-    last = _APART[0]
+    key = (len(ps), len(ss), *((ps[0].shape, ps[0].dtype) if ps else ()))
+    last = _APART.get(key)
     if NATIVE is not None and last is not None and NATIVE.meta_match(written, last[0], last[1]):
         moved = NATIVE.grads_fit_at(ps, gs, last[2])  # True: at the last call's addresses
         if moved is True or moved == last[3]:
             return unwrapped
         if (moved is not False or _unwrapped(gs)) and _grad_overlap(ps, gs, per_state(ss)) is None:
             if moved is not False:  # batched as the params are: the next call may find them here
-                _APART[0] = (last[0], last[1], moved, last[2])
+                _APART[key] = (last[0], last[1], moved, last[2])
             return unwrapped
     bases = [_base(t) for t in (*ps, *gs, *ss)]
     if not _unwrapped(bases):  # a grad or jvp transform between the vmaps
@@ -827,7 +831,9 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
     if all(map(operator.is_, bases, (*ps, *gs, *ss))) and all(map(Tensor.is_contiguous, written)):  # one level
         twins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in written]
         at = lambda ts: array.array("Q", map(Tensor.data_ptr, ts)).tobytes()  # noqa: E731
-        _APART[0] = (twins, at(written), at(gs), None)
+        if len(_APART) >= _APART_SIZE:
+            _APART.clear()
+        _APART[key] = (twins, at(written), at(gs), None)
     return unwrapped
 
 

@@ -501,6 +501,22 @@ def test_vmap_in_place_refuses_memory_shared_across_groups_as_eager_does(device,
     refused(p, {"a": g["a"], "b": field[:, :100]}, s, r"grad\['b'\] shares memory with (state|packed state)")
 
 
+def test_vmap_in_place_compares_memory_once_per_ensemble(monkeypatch):
+    """Two ensembles stepped in turn (a GAN's two models), each with its grads at the same place: after each one's
+    first call, the memory is found apart by its addresses alone, without the comparison of every pair."""
+    compared = []
+    real = bnbf.ops._check_no_overlap
+    monkeypatch.setattr(bnbf.ops, "_check_no_overlap", lambda *a: compared.append(1) or real(*a))
+    monkeypatch.setattr(bnbf.ops, "_APART", {})
+    step = torch.vmap(_IN_PLACE_FORMS["per-param"])
+    first, second = _two_groups("cpu"), _stack(numels=(1, 257))
+    second = (*second, torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw")))(second[0]))
+    for _ in range(3):
+        step(*first)
+        step(*second)
+    assert len(compared) == 2
+
+
 def test_nested_vmap_in_place_refuses_a_grad_sharing_memory_with_a_param():
     """Under vmap of vmap the memory is compared on the tensors under both levels of wrappers."""
     spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=4096)
