@@ -47,7 +47,8 @@ from bnbf.state import present_mask, relaid
 
 QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes (>= 0.48) nests the state tensors under it
 BLOCK = 256  # bitsandbytes' block size
-_IGNORED = {"unorm_vec", "gnorm_vec"}  # bitsandbytes' scratch buffers, recomputed every step
+_IGNORED = frozenset({"unorm_vec", "gnorm_vec"})  # bitsandbytes' scratch buffers, recomputed every step
+_PER_TENSOR = frozenset({"max1", "max2", "new_max1", "new_max2"})  # bitsandbytes' non-blockwise 8-bit state
 
 
 def qmap(maps: dict, fmt: str, signed: bool, device: torch.device) -> Tensor:
@@ -63,6 +64,15 @@ def qmap(maps: dict, fmt: str, signed: bool, device: torch.device) -> Tensor:
 
 def _slots(rule: Any, stacks: tuple | None) -> tuple[tuple[int, ...], ...]:
     return stacks if stacks is not None else tuple((j,) for j in range(len(rule.states)))
+
+
+def uncast_keys(rule: Any, stacks: tuple | None) -> frozenset[str]:
+    """bitsandbytes' ``non_castable_tensor_keys`` for a state of ``rule`` in ``stacks``: the entries of a param's
+    state that loading never casts to the param's dtype. :func:`unpack` loads every ``state{k}``, ``qmap{k}`` and
+    ``absmax{k}`` as saved (uint8 codes, float32 values and scales; another dtype is refused), ignores the scratch
+    buffers and refuses the non-blockwise state; bitsandbytes' own ``state2``... are in for every rule, as there."""
+    ks = range(1, max(len(_slots(rule, stacks)), 2) + 1)
+    return frozenset(f"{n}{k}" for n in ("state", "qmap", "absmax") for k in ks) | _IGNORED | _PER_TENSOR
 
 
 def portable(states: list) -> list:
@@ -413,7 +423,7 @@ def unpack(
     expected = {f"state{k}": [j for j in js if present[j]] for k, js in enumerate(slots, start=1)}
     expected = {key: kept for key, kept in expected.items() if kept}
     for key in sorted(set(tensors) - {f"{p}{k[5:]}" for k in expected for p in ("state", "qmap", "absmax")}):
-        hint = " (bitsandbytes' non-blockwise 8-bit state is not supported)" if key.startswith(("max", "new_")) else ""
+        hint = " (bitsandbytes' non-blockwise 8-bit state is not supported)" if key in _PER_TENSOR else ""
         slot = re.fullmatch(r"(?:state|qmap|absmax)(\d+)", key)
         if slot and 1 <= int(slot[1]) <= len(slots):  # e.g. amsgrad's maximum loaded with amsgrad=False
             names = [rule.states[j].name for j in slots[int(slot[1]) - 1]]

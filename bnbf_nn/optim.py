@@ -93,6 +93,21 @@ optimizer). ``state_dict()`` writes bitsandbytes' layout
 (see :mod:`bnbf_nn._checkpoint`) with ``step`` as torch.optim stores it (a float32 tensor, so that
 ``torch.distributed.checkpoint`` round-trips it; int steps load too) and, as torch.optim, keeps the keys
 of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
+
+bitsandbytes' public attributes, which code written for its optimizers reads (tests/test_nn_bnb_attrs.py):
+``args`` (``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros`` as the constructor resolved them, the
+caller's ``args`` winning: a read-only view of ``optimizer.defaults``), ``optimizer_name`` (bitsandbytes' ``"adam"``,
+``"momentum"``...; None for Adan), ``initialized`` (True from the first ``step``), ``name2qmap`` and
+``fill_qmap()`` (bitsandbytes' ``"dynamic"`` and ``"udynamic"`` maps, filled at construction with 8-bit state or
+when a step makes the first 8-bit state; a state's own map is its ``qmap1``..., bnbf's power map by default),
+``mng`` (the :class:`GlobalOptimManager`), ``non_castable_tensor_keys`` (the state entries ``load_state_dict``
+keeps in their saved dtype) and ``get_config(gindex, pindex, group)`` (a param's settings in bitsandbytes' keys and
+spelling with its overrides applied, as the step uses them: an ``lr`` override relative to the group's lr,
+LAMB's and LARS's ``max_unorm`` 0, their trust ratio standing for it). A subclass defining one of bitsandbytes'
+per-parameter hooks (``get_config``, ``init_state``, ``update_step``...) is refused: a group's step is one fused
+call, which would never call it. Absent: those other hooks (``init_state``,
+``update_step``, ``to_gpu``, ``check_overrides``, ``prefetch_state``, ``get_state_buffer``), and
+``page_mng``, bitsandbytes' GlobalPageManager: bnbf's paged state (:mod:`bnbf.paged`) has no page manager.
 """
 
 from __future__ import annotations
@@ -320,6 +335,12 @@ _BNB_NAMES = {
 }
 
 
+def _bnb_name(family: Family) -> str | None:
+    """bitsandbytes' ``optimizer_name`` of the family's classes: its key in :data:`_BNB_NAMES`, or the family's own
+    name where that is a key (bitsandbytes' Adam steps "adam", as its AdamW); None for Adan (not in bitsandbytes)."""
+    return next((k for k, v in _BNB_NAMES.items() if family.name == v or family.name.lower() == k), None)
+
+
 def _distributed() -> Any:
     """:mod:`bnbf.distributed` (imported where DTensor params are met: it imports torch.distributed.tensor)."""
     import bnbf.distributed
@@ -424,6 +445,39 @@ _BNB_HOOKS = frozenset(
 )  # fmt: skip
 
 
+_ARGS = ("optim_bits", "min_8bit_size", "max_unorm", "skip_zeros")  # the attributes of bitsandbytes' args
+_BNB_2STATE_DEFAULTS = dict(zip(_BNB_2STATE_KEYS, (0.0, None, None)))  # what bitsandbytes' get_config reads for them
+
+
+class _Args:
+    """bitsandbytes' ``optimizer.args`` (what its ``get_config`` reads ``optim_bits``, ``min_8bit_size``,
+    ``max_unorm`` and ``skip_zeros`` from) as a read-only view of the optimizer's ``defaults``: one source of truth,
+    the settings its constructor resolved from the arguments and the caller's ``args``, which its groups start with."""
+
+    __slots__ = ("_defaults",)
+
+    def __init__(self, defaults: Mapping) -> None:
+        object.__setattr__(self, "_defaults", defaults)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in _ARGS:
+            return self._defaults[name]
+        raise AttributeError(f"optimizer.args has bitsandbytes' attributes {_ARGS}, not {name!r}")
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        # a write here would change nothing: the groups took their settings at construction
+        raise AttributeError(
+            f"optimizer.args is read-only in bnbf_nn (a view of optimizer.defaults): set {name!r} in the param groups, "
+            "or per parameter with GlobalOptimManager.override_config"
+        )
+
+    def __reduce__(self) -> tuple:  # copy and pickle make it through __init__ (their default sets the slot)
+        return (_Args, (self._defaults,))
+
+    def __repr__(self) -> str:
+        return f"args({', '.join(f'{k}={self._defaults[k]!r}' for k in _ARGS)})"
+
+
 class Optimizer8bit(torch.optim.Optimizer):
     """Base of every bnbf_nn optimizer: a ``torch.optim.Optimizer`` that steps with :func:`bnbf.plan`.
 
@@ -435,6 +489,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         is_paged: keep the state of large CUDA params in CUDA managed memory (:mod:`bnbf.paged`), prefetched
             to the GPU before each step when it fits; on the CPU it changes nothing.
         family: the row of :data:`FAMILIES` (subclasses set it as a class attribute).
+
+    bitsandbytes' public attributes: :attr:`args`, :attr:`optimizer_name`, :attr:`mng`,
+    :attr:`non_castable_tensor_keys`, :meth:`get_config`, :meth:`fill_qmap`, ``initialized`` (False until the
+    first ``step``) and ``name2qmap`` (bitsandbytes' ``"dynamic"``/``"udynamic"`` maps: filled at construction
+    with ``optim_bits=8`` and when the first 8-bit state is made, on its param's device, as bitsandbytes fills it).
     """
 
     family: Family
@@ -466,6 +525,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._check_group(defaults, as_given=True)
         super().__init__(params, defaults)
         self.state = _checkpoint.States(self.state)
+        self.initialized = False
+        self.name2qmap: dict[str, Tensor] = {}
+        if self.defaults["optim_bits"] == 8:  # as bitsandbytes' constructor
+            self.fill_qmap()
 
     # ---- torch.optim plumbing --------------------------------------------------------------------------
 
@@ -525,6 +588,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             "param_groups": self.param_groups,
             "family": self.family,
             "is_paged": self.is_paged,
+            "initialized": self.initialized,
+            "name2qmap": self.name2qmap,
             "_lr0": lr0,
         }
 
@@ -547,6 +612,14 @@ class Optimizer8bit(torch.optim.Optimizer):
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
                 _put(self.state, p, _checkpoint.record(rec["step"], s, self.family, self._qmaps))
+        if "name2qmap" not in state:  # pickled before bitsandbytes' attributes existed: as its steps left them
+            self.initialized, self.name2qmap = False, {}
+            if self.defaults["optim_bits"] == 8:
+                self.fill_qmap()
+            for p, rec in self.state.items():
+                if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec:
+                    self.initialized = True
+                    self._made(p, rec["state"])
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
@@ -617,6 +690,67 @@ class Optimizer8bit(torch.optim.Optimizer):
             f"differentiable=True), but param {i} of param group {gi} is a {p.dtype} Tensor"
         )
 
+    # ---- bitsandbytes' public attributes (none is read by the step) ------------------------------------
+
+    @property
+    def args(self) -> _Args:
+        """bitsandbytes' ``args``: ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and ``skip_zeros`` as the
+        optimizer's ``defaults`` hold them (the arguments, or the caller's ``args`` where it has them), read-only.
+        A param's own settings (its group's, its overrides): :meth:`get_config`."""
+        return _Args(self.defaults)
+
+    @property
+    def optimizer_name(self) -> str | None:
+        """bitsandbytes' name of the update (``"adam"``, ``"momentum"``, ``"lion"``...); None for Adan."""
+        return _bnb_name(self.family)
+
+    @property
+    def mng(self) -> GlobalOptimManager:
+        """The :class:`GlobalOptimManager` whose overrides the step reads."""
+        return GlobalOptimManager.get_instance()
+
+    @property
+    def non_castable_tensor_keys(self) -> frozenset[str]:
+        """bitsandbytes' names of the state entries ``load_state_dict`` never casts to the param's dtype (see
+        :func:`bnbf_nn._checkpoint.uncast_keys`): this optimizer's ``state{k}``/``qmap{k}``/``absmax{k}`` and
+        bitsandbytes' scratch and non-blockwise entries."""
+        return _checkpoint.uncast_keys(self._rule, self.family.bnb_slots)
+
+    def fill_qmap(self) -> None:
+        """bitsandbytes' 8-bit maps into ``name2qmap``: ``"dynamic"`` (signed) and ``"udynamic"`` (unsigned), 256
+        float32 values each (:func:`bnbf.create_dynamic_map`). A state's own map is its ``qmap1``...: bnbf's power
+        map unless ``state_format="dynamic"``."""
+        self.name2qmap["dynamic"] = bnbf.create_dynamic_map(signed=True)
+        self.name2qmap["udynamic"] = bnbf.create_dynamic_map(signed=False)
+
+    def _made(self, p: Tensor, state: Any) -> None:
+        """``name2qmap`` as bitsandbytes leaves it after making an 8-bit state: filled, on the param's device."""
+        if type(state).layout.quantized:
+            if "dynamic" not in self.name2qmap:
+                self.fill_qmap()
+            for key in ("dynamic", "udynamic"):
+                self.name2qmap[key] = self.name2qmap[key].to(p.device)
+
+    def get_config(self, gindex: int, pindex: int, group: Mapping) -> dict:
+        """bitsandbytes' config of param ``pindex`` of group ``gindex`` (``group``) as the step uses it: ``betas``,
+        ``eps`` and ``weight_decay`` in bitsandbytes' spelling (SGD's ``betas`` = (momentum, dampening)...),
+        ``lr``, ``alpha``, ``t_alpha``, ``t_beta3``, ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and
+        ``skip_zeros``, then every other setting the param's :class:`GlobalOptimManager` overrides; each with the
+        param's overrides applied, through the functions the step reads them with (an ``lr`` override relative to
+        the group's lr). The step never calls it (one fused call per group)."""
+        p = self.param_groups[gindex]["params"][pindex]
+        override = self._overrides([p]).get(id(p), {})
+        spec = self._spec(group, override)
+        used = {**group, **{k: override.get(k, group[k]) for k in _CALL}, **self._hparams(group, override)}
+        used.update(optim_bits=spec.state_bits, min_8bit_size=spec.min_8bit_size, state_format=spec.state_format)
+        config = {**_to_bnb_group(self.family, used), "lr": used["lr"]}
+        # AdEMAMix's settings, in every bitsandbytes two-state group; its one-state groups lack them (RMSprop's
+        # alpha is its betas[0] there)
+        two = self.family.nstates == 2
+        config.update((k, used.get(k, d) if two else d) for k, d in _BNB_2STATE_DEFAULTS.items())
+        config.update((k, used[k]) for k in (*_ARGS, *override) if k in used)
+        return config
+
     # ---- step ------------------------------------------------------------------------------------------
 
     def step(self, *args, **kwargs):
@@ -654,6 +788,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _step_groups(self, jobs: list) -> None:
         """The eager step of prepared groups (:meth:`_prepare_group`'s tuples)."""
+        self.initialized = True  # bitsandbytes' flag, set by its first step (the fast path follows a step like this)
         if self.is_paged:  # ask the driver to bring paged state to the GPU ahead of the kernels (asynchronous)
             for job in jobs:
                 if job[1].ranges and not job[1].slices:
@@ -927,6 +1062,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             cfg = {**{k: v for k, v in cfg.items() if k != key}, **spelled}
         return cfg
 
+    def _overrides(self, params: list) -> dict[int, dict]:
+        """``{id(p): overrides}`` of the manager for those of ``params`` that have some, in bnbf_nn's names."""
+        return {i: self._own_spelling(cfg) for i, cfg in GlobalOptimManager.get_instance().configs_for(params).items()}
+
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
         as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
@@ -1188,7 +1327,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         if type(self.state) is not _checkpoint.States:  # replaced by a plain dict: its edits must count too
             self.state = _checkpoint.States(self.state)
         edits = _checkpoint.EDITS[0]
-        configs = {i: self._own_spelling(cfg) for i, cfg in mng.configs_for(params).items()}
+        configs = self._overrides(params)
         allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
@@ -1271,6 +1410,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             wide = p.dtype == torch.float64 and group["differentiable"]  # (gradcheck, torch.func): float64 state
             s = _checkpoint.new_state(p, spec, _detached(hp) if wide else hp, self.family, wide)
             _put(self.state, p, _checkpoint.record(step, s, self.family, self._qmaps))
+            self._made(p, s)
             new = True
         if new:
             plan = self._plan(group)
@@ -1406,8 +1546,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             groups.append(new)
             id_map.update({k: (p, new, saved) for k, p in zip(saved["params"], group["params"])})
         lr0 = _saved_lr0(origin, groups)
-        configs = GlobalOptimManager.get_instance().configs_for([p for g in groups for p in g["params"]])
-        configs = {i: self._own_spelling(cfg) for i, cfg in configs.items()}
+        configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
         for key, entry in state_dict["state"].items():
             if key not in id_map:

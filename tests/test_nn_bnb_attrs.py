@@ -1,0 +1,258 @@
+"""bitsandbytes' public optimizer attributes that user code written for it reads: ``args``, ``optimizer_name``,
+``initialized``, ``name2qmap``/``fill_qmap()``, ``mng``, ``non_castable_tensor_keys`` and ``get_config``, each
+checked against what the optimizer does (its settings, the states its step makes, what loading keeps), plus
+deepcopy and pickles, old ones included."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from types import SimpleNamespace
+
+import pytest
+import torch
+from tolerances import assert_equal_report
+
+import bnbf
+import bnbf_nn
+from bnbf_nn._checkpoint import QUANT_KEY
+
+BNB_CONFIG_KEYS = [  # bitsandbytes' get_config, in its order
+    "betas", "eps", "weight_decay", "lr", "alpha", "t_alpha", "t_beta3",
+    "optim_bits", "min_8bit_size", "max_unorm", "skip_zeros",
+]  # fmt: skip
+# bitsandbytes' Optimizer8bit.non_castable_tensor_keys
+BNB_NON_CASTABLE = {
+    "qmap1", "qmap2", "max1", "max2", "new_max1", "new_max2", "state1", "state2",
+    "gnorm_vec", "absmax1", "absmax2", "unorm_vec",
+}  # fmt: skip
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager():
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+    yield
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+
+
+def _params(*shapes, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]
+
+
+def _step(opt, params, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=g).to(p.device, p.dtype)
+    opt.step()
+
+
+@pytest.mark.parametrize(
+    "make, name",
+    [
+        (lambda ps: bnbf_nn.Adam(ps), "adam"),  # bitsandbytes' Adam and AdamW both step "adam"
+        (lambda ps: bnbf_nn.AdamW8bit(ps), "adam"),
+        (lambda ps: bnbf_nn.PagedAdamW32bit(ps), "adam"),
+        (lambda ps: bnbf_nn.Lion(ps), "lion"),
+        (lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 0.9), "momentum"),
+        (lambda ps: bnbf_nn.RMSprop(ps), "rmsprop"),
+        (lambda ps: bnbf_nn.Adagrad32bit(ps), "adagrad"),
+        (lambda ps: bnbf_nn.LAMB(ps), "lamb"),
+        (lambda ps: bnbf_nn.LARS(ps, 0.1), "lars"),
+        (lambda ps: bnbf_nn.AdEMAMix(ps), "ademamix"),
+        (lambda ps: bnbf_nn.Adan(ps), None),  # not in bitsandbytes
+        (lambda ps: bnbf_nn.Optimizer1State("momentum", ps), "momentum"),
+        (lambda ps: bnbf_nn.Optimizer2State("lamb", ps), "lamb"),
+    ],
+)
+def test_optimizer_name_is_bitsandbytes_name(make, name):
+    assert make(_params(8)).optimizer_name == name
+
+
+def test_args_reports_the_settings_the_optimizer_uses():
+    """``args`` has bitsandbytes' four attributes as the optimizer resolved them (the arguments, the caller's
+    ``args`` winning where it has one), the state follows them, and a write is refused (it would change nothing)."""
+    ps = _params((64, 80))
+    opt = bnbf_nn.AdamW(ps, optim_bits=32, max_unorm=0.5, args=SimpleNamespace(optim_bits=8, min_8bit_size=100.0))
+    a = opt.args
+    assert (a.optim_bits, a.min_8bit_size, a.max_unorm, a.skip_zeros) == (8, 100, 0.5, False)
+    _step(opt, ps)
+    assert opt.state[ps[0]]["state1"].dtype == torch.uint8
+    plain = bnbf_nn.Lion32bit(_params(8), skip_zeros=True, min_8bit_size=7)
+    assert (plain.args.optim_bits, plain.args.min_8bit_size, plain.args.skip_zeros) == (32, 7, True)
+    with pytest.raises(AttributeError, match="read-only"):
+        opt.args.optim_bits = 32
+    with pytest.raises(AttributeError, match="percentile_clipping"):
+        opt.args.percentile_clipping  # noqa: B018
+    assert opt.args.optim_bits == 8 and copy.copy(opt.args).min_8bit_size == 100
+
+
+def test_initialized_and_name2qmap_as_bitsandbytes_sets_them(device):
+    """``initialized`` turns True at the first step; ``name2qmap`` is filled at construction with 8-bit state,
+    else when a step makes the first 8-bit state (here an override's), on that param's device."""
+    ps = _params((64, 80))
+    eight = bnbf_nn.AdamW8bit(ps)
+    assert eight.initialized is False and sorted(eight.name2qmap) == ["dynamic", "udynamic"]
+    _step(eight, ps)
+    assert eight.initialized is True
+    qs = _params((64, 80), 8)
+    opt = bnbf_nn.AdamW(qs)
+    assert opt.name2qmap == {} and opt.initialized is False
+    _step(opt, qs)  # 32-bit state only
+    assert opt.name2qmap == {} and opt.initialized is True
+    late = [torch.nn.Parameter(p.detach().to(device)) for p in _params((64, 80))]
+    opt.add_param_group({"params": late})
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(late[0], "optim_bits", 8)
+    _step(opt, qs + late)
+    assert opt.state[late[0]]["state1"].dtype == torch.uint8
+    assert sorted(opt.name2qmap) == ["dynamic", "udynamic"]
+    assert {m.device for m in opt.name2qmap.values()} == {late[0].device}
+
+
+def test_fill_qmap_makes_bitsandbytes_dynamic_maps():
+    """The two maps: 256 sorted float32 values, the signed one in [-1, 1] with negatives, the unsigned one in [0, 1],
+    both holding 0 and 1; bnbf's dynamic map (tests/test_quant.py checks it against bitsandbytes'), which a
+    ``state_format="dynamic"`` optimizer's states carry as their qmaps."""
+    ps = _params((64, 80))
+    opt = bnbf_nn.AdamW(ps, optim_bits=8, state_format="dynamic")
+    opt.name2qmap.clear()
+    opt.fill_qmap()
+    for key, signed in (("dynamic", True), ("udynamic", False)):
+        m = opt.name2qmap[key]
+        assert m.dtype == torch.float32 and m.shape == (256,), key
+        assert torch.equal(m, m.sort().values), key
+        assert float(m.min()) >= (-1.0 if signed else 0.0) and float(m.max()) == 1.0, key
+        assert (float(m.min()) < 0) == signed and bool((m == 0).any()), key
+        assert_equal_report(m, bnbf.create_dynamic_map(signed=signed), key)
+    _step(opt, ps)
+    assert_equal_report(opt.state[ps[0]]["qmap1"], opt.name2qmap["dynamic"], "qmap1")
+    assert_equal_report(opt.state[ps[0]]["qmap2"], opt.name2qmap["udynamic"], "qmap2")
+
+
+def test_mng_is_the_manager_the_step_reads():
+    ps = _params((64, 80))
+    opt = bnbf_nn.AdamW8bit(ps)
+    assert opt.mng is bnbf_nn.GlobalOptimManager.get_instance()
+    hooks = ("init_state", "update_step", "to_gpu", "check_overrides", "prefetch_state", "get_state_buffer")
+    absent = ("page_mng", *hooks)
+    assert not [name for name in absent if hasattr(opt, name)]  # not faked: nothing here would call them
+    opt.mng.override_config(ps[0], "optim_bits", 32)
+    _step(opt, ps)
+    assert opt.state[ps[0]]["state1"].dtype == torch.float32
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda ps: bnbf_nn.AdamW(ps, optim_bits=8, amsgrad=True, min_8bit_size=0),
+        lambda ps: bnbf_nn.AdamW32bit(ps, amsgrad=True),
+        lambda ps: bnbf_nn.RMSprop8bit(ps, momentum=0.9, centered=True, min_8bit_size=0),
+        lambda ps: bnbf_nn.AdEMAMix8bit(ps, min_8bit_size=0),
+    ],
+)
+def test_non_castable_tensor_keys_are_what_loading_keeps_uncast(make):
+    """bitsandbytes' set and every state entry this optimizer saves (state3 of amsgrad and RMSprop's buffers too)
+    are in it, ``step`` is not; loading into bfloat16 params keeps each such entry's dtype (uint8 codes, float32
+    values, maps and scales), where a cast to the params' dtype would have made them bfloat16."""
+    ps = _params((16, 40), dtype=torch.bfloat16)
+    opt = make(ps)
+    keys = opt.non_castable_tensor_keys
+    assert keys >= BNB_NON_CASTABLE and "step" not in keys
+    _step(opt, ps)
+    saved = opt.state_dict()["state"][0][QUANT_KEY]
+    assert set(saved) <= keys
+    assert "state3" in saved or "AdEMAMix" in type(opt).__name__  # amsgrad's maximum, RMSprop's third buffer
+    dtypes = {k: v.dtype for k, v in saved.items()}
+    twin = make(_params((16, 40), dtype=torch.bfloat16))
+    twin.load_state_dict(opt.state_dict())
+    loaded = twin.state_dict()["state"][0][QUANT_KEY]
+    assert {k: v.dtype for k, v in loaded.items()} == dtypes
+    assert torch.bfloat16 not in dtypes.values()
+
+
+def test_get_config_without_overrides_spells_settings_as_bitsandbytes():
+    """bitsandbytes' keys in its order, and its spelling of each family's settings."""
+    p = _params((8,))
+    cfg = lambda opt: opt.get_config(0, 0, opt.param_groups[0])  # noqa: E731
+    adamw = cfg(bnbf_nn.AdamW8bit(p, lr=0.01))
+    assert list(adamw) == BNB_CONFIG_KEYS
+    assert adamw == dict(zip(BNB_CONFIG_KEYS, [(0.9, 0.999), 1e-8, 1e-2, 0.01, 0.0, None, None, 8, 4096, 0.0, False]))
+    sgd = cfg(bnbf_nn.SGD(p, 0.1, 0.9, 0.2))
+    assert (sgd["betas"], sgd["eps"], sgd["optim_bits"]) == ((0.9, 0.2), 0.0, 32)
+    rms = cfg(bnbf_nn.RMSprop(p, alpha=0.95, momentum=0.5))
+    assert (rms["betas"], rms["alpha"]) == ((0.95, 0.5), 0.0)  # bitsandbytes' one-state groups have no alpha
+    assert cfg(bnbf_nn.Adagrad(p))["betas"] == (0.0, 0.0)
+    assert cfg(bnbf_nn.Lion(p))["eps"] == 0.0
+    ademamix = cfg(bnbf_nn.AdEMAMix(p, alpha=4.0, t_alpha=10, t_beta3=20))
+    assert (ademamix["alpha"], ademamix["t_alpha"], ademamix["t_beta3"]) == (4.0, 10, 20)
+    assert cfg(bnbf_nn.LAMB(p))["max_unorm"] == 0.0  # its trust ratio stands for bitsandbytes' clipping
+
+
+def test_get_config_reports_storage_overrides_the_step_makes():
+    """optim_bits overrides (a module override, a parameter override): get_config reports them and each param's
+    state is what they say, 8-bit only at min_8bit_size elements."""
+    model = torch.nn.Sequential(torch.nn.Linear(64, 80), torch.nn.Linear(80, 64))
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    mng.register_module_override(model[0], "weight", {"optim_bits": 32})
+    opt = bnbf_nn.AdamW(model.parameters())
+    mng.override_config(model[1].weight, "optim_bits", 8)
+    configs = [opt.get_config(0, i, opt.param_groups[0]) for i in range(4)]
+    assert [c["optim_bits"] for c in configs] == [32, 32, 8, 32]
+    model(torch.randn(4, 64)).square().mean().backward()
+    opt.step()
+    for p, c in zip(model.parameters(), configs):
+        eight = c["optim_bits"] == 8 and p.numel() >= c["min_8bit_size"]
+        assert opt.state[p]["state1"].dtype == (torch.uint8 if eight else torch.float32), tuple(p.shape)
+
+
+def test_get_config_reports_the_hyperparameters_the_step_uses():
+    """A param's betas, lr and weight_decay overrides: get_config's values step it as a group of its own with them
+    does, bit for bit, also after the group's lr changed (an lr override is relative to it)."""
+    ps = _params((64, 80), 8)
+    opt = bnbf_nn.AdamW(ps, lr=1e-2)
+    opt.mng.override_config(ps[0], key_value_dict={"betas": (0.5, 0.6), "lr": 4e-3, "weight_decay": 0.0})
+    twin_p = _params((64, 80))
+    twin = None
+    for i in range(3):
+        c = opt.get_config(0, 0, opt.param_groups[0])
+        if i == 0:
+            assert (c["betas"], c["lr"], c["weight_decay"]) == ((0.5, 0.6), 4e-3, 0.0)
+            twin = bnbf_nn.AdamW(twin_p, lr=c["lr"], betas=c["betas"], eps=c["eps"], weight_decay=c["weight_decay"])
+        twin.param_groups[0]["lr"] = c["lr"]
+        _step(opt, ps, seed=i)
+        _step(twin, twin_p, seed=i)
+        assert_equal_report(ps[0], twin_p[0], f"step {i}")
+        opt.param_groups[0]["lr"] *= 0.5
+    assert c["lr"] == pytest.approx(1e-3)
+    sgd = bnbf_nn.SGD(_params(8), 0.1, 0.9)
+    sgd.mng.override_config(sgd.param_groups[0]["params"][0], "betas", (0.5, 0.0))  # bitsandbytes' spelling
+    assert sgd.get_config(0, 0, sgd.param_groups[0])["betas"] == (0.5, 0.0)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
+def test_attributes_survive_deepcopy_and_pickles(how, monkeypatch):
+    """``initialized`` and ``name2qmap`` are kept; an optimizer pickled before they existed gets them as its
+    states say (stepped: initialized; an 8-bit state: the maps), and every attribute reads and steps after."""
+    ps = _params((64, 80), 8)
+    opt = bnbf_nn.AdamW(ps, min_8bit_size=0)
+    opt.mng.override_config(ps[1], "optim_bits", 8)
+    _step(opt, ps)
+    if how == "old pickle":
+        current = bnbf_nn.Optimizer8bit.__getstate__
+        drop = ("initialized", "name2qmap")
+        monkeypatch.setattr(
+            bnbf_nn.Optimizer8bit,
+            "__getstate__",
+            lambda self: {k: v for k, v in current(self).items() if k not in drop},
+        )
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    monkeypatch.undo()
+    assert twin.initialized is True and sorted(twin.name2qmap) == ["dynamic", "udynamic"]
+    for key, m in opt.name2qmap.items():
+        assert twin.name2qmap[key] is not m
+        assert_equal_report(twin.name2qmap[key], m, key)
+    assert (twin.args.optim_bits, twin.optimizer_name, twin.mng) == (32, "adam", opt.mng)
+    assert twin.get_config(0, 1, twin.param_groups[0])["lr"] == 1e-3  # (overrides are of the original's params)
+    _step(twin, twin.param_groups[0]["params"])
+    fresh = pickle.loads(pickle.dumps(bnbf_nn.AdamW(_params(8))))
+    assert (fresh.initialized, fresh.name2qmap) == (False, {})
