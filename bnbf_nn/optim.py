@@ -1538,6 +1538,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 }
             )
             new.update(_from_bnb_group(self.family, saved, ours))
+            if self._rule.norms is not None and new.get("max_unorm") == self.family.max_unorm:
+                new["max_unorm"] = 0.0  # bitsandbytes' default (its PytorchLARS' groups hold it), read as _storage does
             new["params"] = group["params"]
             try:
                 self._check_group(new)
@@ -1761,6 +1763,17 @@ def _as_bnb_reads(a: dict, family: Family, name: str) -> dict:
     return a
 
 
+def _check_bnb_betas(family: Family, a: Mapping, name: str) -> None:
+    """bitsandbytes' one-state classes pass SGD's and LARS' momentum and dampening, and RMSprop's alpha and momentum,
+    as its ``betas``, which it takes in [0, 1) only (torch.optim checks them for >= 0 at most): a momentum of 1.5
+    or an alpha of 1 diverges. ``a``: the settings by name (a bool, tensor or other type is the core's to name)."""
+    names = dict(family.bnb_group).get("betas", ())
+    for key in names if isinstance(names, tuple) else ():
+        v = _plain(a.get(key))
+        if isinstance(key, str) and type(v) in _NUMBER and not 0.0 <= v < 1.0:
+            raise ValueError(f"Invalid {key} value: {v} ({name} takes 0 <= {key} < 1, as bitsandbytes does)")
+
+
 def _plain(v: Any) -> Any:
     """A numpy (or other) integral or real scalar as the Python int or float bitsandbytes compares it as (YAML
     and numpy configs give such values); anything else, bools included, as it is, for the checks to name."""
@@ -1787,6 +1800,7 @@ def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_dec
     spelled = {"betas": tuple(read.pop("betas")), "eps": eps, "weight_decay": weight_decay, **read}
     hp = {k: v for k, v in spelled.items() if k in ours and k not in dict(family.bnb_group)}
     hp.update(_from_bnb_group(family, spelled, ours))
+    _check_bnb_betas(family, hp, f"Optimizer{nstates}State({optimizer_name!r})")
     return family, {"lr": lr, **hp}
 
 
@@ -1967,7 +1981,11 @@ def _signature(
     return inspect.Signature(ps)
 
 
-def _make_class(family: Family, bits: int | None, paged: bool = False, name: str | None = None, **sig_kw: Any) -> type:
+def _make_class(
+    family: Family, bits: int | None, paged: bool = False, name: str | None = None, bnb_ranges=True, **sig_kw: Any
+) -> type:
+    """The class ``name`` of ``family`` (``bits``-bit state, paged); ``bnb_ranges``: refuse what bitsandbytes'
+    constructor refuses of the settings it takes as ``betas`` (its PytorchLARS, a torch optimizer, does not)."""
     name = name or ("Paged" if paged else "") + family.name + (f"{bits}bit" if bits else "")
     sig = _signature(family, bits, paged, **sig_kw)
     # bitsandbytes' Adam8bit takes optim_bits=32 ("for compatibility") and keeps 8-bit state: both accepted
@@ -1977,6 +1995,8 @@ def _make_class(family: Family, bits: int | None, paged: bool = False, name: str
         a = sig.bind(self, *args, **kwargs)
         a.apply_defaults()
         a = _as_bnb_reads(a.arguments, family, name)
+        if bnb_ranges:
+            _check_bnb_betas(family, a, name)
         if bits is not None and a["optim_bits"] not in bits_ok:
             raise ValueError(
                 f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
@@ -2047,5 +2067,5 @@ for _family in FAMILIES:
         for _bits in (None, 8, 32):
             _register(_make_class(_family, _bits, _paged))
 # bitsandbytes' LARS as a plain torch optimizer (32-bit state, lr 0.01 by default); here a 32-bit LARS
-_register(_make_class(_BY_NAME["LARS"], 32, name="PytorchLARS", lr=0.01, tail=("max_unorm",)))
+_register(_make_class(_BY_NAME["LARS"], 32, name="PytorchLARS", bnb_ranges=False, lr=0.01, tail=("max_unorm",)))
 del _family, _bits, _paged

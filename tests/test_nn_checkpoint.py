@@ -533,6 +533,29 @@ def test_a_state_dict_in_torch_optims_layout_is_named():
             assert_equal_report(after["state"][k][QUANT_KEY][f], v, f"param {k} {f}")
 
 
+def test_bitsandbytes_pytorchlars_settings_without_state_load():
+    """A state dict of bitsandbytes' PytorchLARS before its first step holds only its groups, ``max_unorm=0.02`` (its
+    default clipping) among them: the settings load, the default read as the constructor reads it (our LARS's trust
+    ratio stands for it), and the next step starts the state as a first step does."""
+    params = make_params(shapes=SHAPES)
+    opt = bnbf_nn.PytorchLARS(params, lr=0.01, momentum=0.0, min_8bit_size=MIN8)
+    group = {"lr": 0.05, "momentum": 0.9, "dampening": 0, "weight_decay": 0, "nesterov": False, "max_unorm": 0.02}
+    opt.load_state_dict({"state": {}, "param_groups": [{**group, "params": list(range(len(SHAPES)))}]})
+    assert {k: opt.param_groups[0][k] for k in ("lr", "momentum", "max_unorm")} == {
+        "lr": 0.05, "momentum": 0.9, "max_unorm": 0.0
+    }  # fmt: skip
+    twin_params = make_params(shapes=SHAPES)
+    twin = bnbf_nn.PytorchLARS(twin_params, lr=0.05, momentum=0.9, min_8bit_size=MIN8)
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads)
+    run_adapter(twin, twin_params, grads)
+    for a, b in zip(params, twin_params):
+        assert_equal_report(a.detach(), b.detach(), "param")
+    other = {**group, "max_unorm": 0.5, "params": list(range(len(SHAPES)))}
+    with pytest.raises(ValueError, match="max_unorm does not combine with lars"):  # not its default: refused
+        opt.load_state_dict({"state": {}, "param_groups": [other]})
+
+
 def test_a_state_dict_carries_its_own_qmaps():
     """The live ``qmap1`` of every optimizer is one cached tensor per format, sign and device; a write into one
     optimizer's (a tool rescaling its state tensors in place) changed every optimizer's checkpoints, which then no

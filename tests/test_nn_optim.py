@@ -344,6 +344,13 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.AdamW(ps, lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
         (lambda ps: bnbf_nn.AdamW(ps, betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
         (lambda ps: bnbf_nn.SGD(ps, lr=0.1, nesterov=True), ValueError, "Nesterov"),
+        # what bitsandbytes' one-state classes take as betas, in [0, 1) there (torch.optim lets them through)
+        (lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 1.0), ValueError, r"Invalid momentum value: 1.0 \(SGD8bit takes 0 <="),
+        (lambda ps: bnbf_nn.SGD(ps, 0.1, 0.9, -0.5), ValueError, "Invalid dampening value: -0.5"),
+        (lambda ps: bnbf_nn.LARS32bit(ps, 0.1, 0.9, 1.5), ValueError, "Invalid dampening value: 1.5"),
+        (lambda ps: bnbf_nn.RMSprop8bit(ps, alpha=1.0), ValueError, "Invalid alpha value: 1.0"),
+        (lambda ps: bnbf_nn.RMSprop(ps, momentum=1.5), ValueError, "Invalid momentum value: 1.5"),
+        (lambda ps: bnbf_nn.Optimizer1State("rmsprop", ps, betas=(1.0, 0.0)), ValueError, "Invalid alpha value"),
         (lambda ps: bnbf_nn.AdamW8bit(ps, state_format="fp4"), ValueError, "state_format"),
         (lambda ps: bnbf_nn.Optimizer2State("adamax", ps), ValueError, "optimizer_name"),
         (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), NotImplementedError, "trust ratio"),
@@ -354,6 +361,15 @@ def test_positional_arguments_bind_as_bitsandbytes():
 def test_bad_arguments(make, error, match):
     with pytest.raises(error, match=match):
         make(make_params())
+
+
+def test_bitsandbytes_ranges_of_one_state_betas_end_where_its_own_do():
+    """The largest momentum, dampening and alpha below 1 are taken, as bitsandbytes takes them; its PytorchLARS, a
+    torch optimizer, takes a momentum of 1.5 (it checks momentum >= 0 only), and so does this one."""
+    ps = make_params()
+    bnbf_nn.SGD8bit(ps, 0.1, 0.999, 0.999)
+    bnbf_nn.RMSprop32bit(ps, alpha=0.0, momentum=0.999)
+    assert bnbf_nn.PytorchLARS(ps, momentum=1.5).param_groups[0]["momentum"] == 1.5
 
 
 def test_bnb_base_classes_keep_positional_order():
