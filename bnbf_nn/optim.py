@@ -94,6 +94,9 @@ optimizer). ``state_dict()`` writes bitsandbytes' layout
 ``torch.distributed.checkpoint`` round-trips it; int steps load too) and, as torch.optim, keeps the keys
 of ``optimizer.state`` that are not params (not ints, which it reserves for param indices).
 
+bitsandbytes.optim's submodules are here too, importable: ``bnbf_nn.optim.optimizer`` (the bases,
+``GlobalOptimManager``, ``MockArgs``), ``bnbf_nn.optim.adamw`` (the AdamW classes)... (tests/test_bnb_conformance.py).
+
 bitsandbytes' public attributes, which code written for its optimizers reads (tests/test_nn_bnb_attrs.py):
 ``args`` (``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros`` as the constructor resolved them, the
 caller's ``args`` winning: a read-only view of ``optimizer.defaults``), ``optimizer_name`` (bitsandbytes' ``"adam"``,
@@ -121,6 +124,7 @@ import math
 import numbers
 import operator
 import sys
+import types
 import typing
 import warnings
 from collections import defaultdict
@@ -2069,3 +2073,34 @@ for _family in FAMILIES:
 # bitsandbytes' LARS as a plain torch optimizer (32-bit state, lr 0.01 by default); here a 32-bit LARS
 _register(_make_class(_BY_NAME["LARS"], 32, name="PytorchLARS", bnb_ranges=False, lr=0.01, tail=("max_unorm",)))
 del _family, _bits, _paged
+
+
+class MockArgs:
+    """bitsandbytes' ``args`` object made from a dict (``MockArgs({"optim_bits": 8, ...})``): its keys as
+    attributes, which the constructors' ``args`` reads."""
+
+    def __init__(self, initial_data: Mapping) -> None:
+        self.__dict__.update(initial_data)
+
+
+def _bnb_submodules() -> None:
+    """bitsandbytes.optim's submodules, which code written for it names (``bnb.optim.optimizer.Optimizer2State`` in an
+    ``issubclass``, ``from bitsandbytes.optim.adamw import AdamW8bit``): ``bnbf_nn.optim.<name>`` holds bnbf_nn's
+    classes of the bitsandbytes module of that name (a family's classes in its lower-cased name's), importable."""
+    this = sys.modules[__name__]
+    found: dict[str, list] = {
+        "optimizer": [Optimizer8bit, Optimizer1State, Optimizer2State, GlobalOptimManager, MockArgs]
+    }
+    for name in __all__:
+        cls = globals()[name]
+        family = getattr(cls, "family", None)  # the bases have none
+        if isinstance(cls, type) and issubclass(cls, Optimizer8bit) and family is not None and family.in_bitsandbytes:
+            found.setdefault(family.name.lower(), []).append(cls)
+    for sub, classes in found.items():
+        module = types.ModuleType(f"{__name__}.{sub}", f"bitsandbytes.optim.{sub}'s classes, as bnbf_nn has them.")
+        module.__dict__.update({c.__name__: c for c in classes})
+        sys.modules[module.__name__] = module
+        setattr(this, sub, module)
+
+
+_bnb_submodules()

@@ -57,6 +57,24 @@ def bnb_classes() -> list[str]:
     return names + ["Optimizer8bit", "Optimizer1State", "Optimizer2State"]
 
 
+@pytest.mark.parametrize(
+    "sub", ["adagrad", "adam", "adamw", "ademamix", "lamb", "lars", "lion", "optimizer", "rmsprop", "sgd"]
+)
+def test_bitsandbytes_optim_submodules_hold_their_classes(sub):
+    """Code written for bitsandbytes names its optim submodules (``issubclass(c, bnb.optim.optimizer.Optimizer2State)``,
+    ``from bitsandbytes.optim.adamw import AdamW8bit``): each is here, importable, with the same public classes."""
+    import importlib
+
+    theirs = importlib.import_module(f"bitsandbytes.optim.{sub}")
+    ours = importlib.import_module(f"bnbf_nn.optim.{sub}")
+    assert getattr(bnbf_nn.optim, sub) is ours
+    names = {n for n, v in vars(theirs).items() if inspect.isclass(v) and v.__module__ == theirs.__name__}
+    names -= {"_ReferenceAdEMAMix"}  # bitsandbytes' test reference, private
+    assert names == set(vars(ours)) - {"__name__", "__doc__", "__package__", "__loader__", "__spec__"}
+    for n in names:
+        assert getattr(ours, n) is getattr(bnbf_nn.optim, n), n
+
+
 @pytest.mark.parametrize("name", bnb_classes())
 def test_every_bitsandbytes_class_with_its_signature(name):
     import bitsandbytes.optim as bo
