@@ -109,6 +109,31 @@ def test_override_after_the_first_step_applies_from_the_next():
     assert opt.state[params[2]]["step"] == 2
 
 
+def test_module_overrides_apply_from_the_next_step_and_merge_with_a_params_own():
+    """A module override registered after the first step applies from the next, and one param's ``override_config``
+    and module override both hold (bitsandbytes reads module overrides at its first step only, and there the
+    module's replaces the param's own)."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 64)
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    mng.override_config(lin.weight, "lr", 0.0)
+    mng.register_module_override(lin, "weight", {"optim_bits": 32})
+    opt = bnbf_nn.AdamW8bit(lin.parameters(), lr=0.1, min_8bit_size=0)
+    w0, b0 = lin.weight.detach().clone(), lin.bias.detach().clone()
+    for step in range(3):
+        for p in lin.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+        if step == 0:
+            assert not torch.equal(lin.bias.detach(), b0)
+            b1 = lin.bias.detach().clone()
+            mng.register_module_override(lin, "bias", {"lr": 0.0})
+    assert torch.equal(lin.weight.detach(), w0)  # lr 0 from its own override
+    assert opt.state[lin.weight]["state1"].dtype == torch.float32  # 32-bit from the module's
+    assert opt.state[lin.bias]["state1"].dtype == torch.uint8
+    assert torch.equal(lin.bias.detach(), b1)  # the module override made after the first step
+
+
 def test_unknown_override_key_is_an_error():
     params = make_params()
     bnbf_nn.GlobalOptimManager.get_instance().override_config(params[0], "momentum", 0.9)
