@@ -100,6 +100,8 @@ def update(
     _check_present(rule, checked, states)
     _check_step(step)
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
+    if isinstance(step, Tensor) and any(p.dtype == torch.float64 for p in params):
+        step = step.double()  # a number's power of an int tensor is float32: 1 - 0.999**t would lose digits
     scalars = rule.scalars(h, step)
     new_params, new_states = [], []
     for p, g, s in zip(params, grads, states):

@@ -173,12 +173,16 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
     """
     finite = torch.isfinite(g)
     counted = _counted(finite, g, skip_zeros)
+    # the step of a non-finite element is discarded below; taken on 1 its derivatives there are finite (0 · them
+    # is 0), where on inf or NaN they would make every derivative of the differentiable step NaN (and on 0, Adam's
+    # sqrt of a zero second moment would)
+    g_in = torch.where(finite, g, 1.0)
     if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
         if sums is None:
-            sums = _reduced(norm_sums(rule, p, g, states, scalars, counted))
-        new_p, new_states = rule.reference(p, g, states, scalars, sums)
+            sums = _reduced(norm_sums(rule, p, g_in, states, scalars, counted))
+        new_p, new_states = rule.reference(p, g_in, states, scalars, sums)
     else:
-        new_p, new_states = rule.reference(p, g, states, scalars)
+        new_p, new_states = rule.reference(p, g_in, states, scalars)
         if clip:  # ||update|| <= max_unorm * ||p||, update = change per unit of lr
             zero = torch.zeros_like(p)
             d = (new_p - p) / lr

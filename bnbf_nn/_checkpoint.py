@@ -217,10 +217,14 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any, wide: bool = 
 def _fresh(param: Tensor, spec: Any, hparams: Any, stacks: tuple | None, paged: bool, wide: bool) -> Any:
     """:func:`new_state` of a plain param, its stacks ``stacks``. Made unpaged, then relaid into paged memory once
     (a paged first copy would stay in its managed chunk); ``wide`` (a float64 param): made for a float32 twin
-    (bnbf.init_state takes no float64 param), its fields cast, then laid out (relaid keeps their dtype)."""
+    (bnbf.init_state takes no float64 param), its fields float64 at the rule's initial values (a float32 field
+    cast would start Adagrad's accumulator at float32's 0.3), then laid out (relaid keeps their dtype)."""
     if wide:
         state = bnbf.init_state(param.detach().float(), dataclasses.replace(spec, paged=False), hparams)
-        state = type(state)._make(t.double() if t.is_floating_point() else t for t in state)
+        rule = get_rule(spec.rule)
+        initial = rule.initial_values(rule.make_hparams(hparams))
+        kept = [j for j in range(len(rule.states)) if (type(state).layout.present >> j) & 1]
+        state = type(state)._make(torch.full_like(t, initial[j], dtype=torch.float64) for j, t in zip(kept, state))
         return relaid(state, stacks, False) if stacks else state
     if not stacks:
         return bnbf.init_state(param.detach(), spec, hparams)

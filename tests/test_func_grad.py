@@ -164,6 +164,74 @@ def test_meta_gradient_of_lr_through_training(row):
     torch.testing.assert_close(got, fd, rtol=1e-5, atol=1e-9)
 
 
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_non_finite_grad_elements_leave_finite_derivatives(row):
+    """A non-finite grad element keeps its param element and is left out of the norms, so the other elements step
+    as a tensor of them alone would: the derivatives of the step with respect to the param, the finite grads and
+    every float hyperparameter are those of that smaller step, and the kept elements' are the identity's (not
+    0 · inf = NaN through the discarded step)."""
+    rule = bnbf.RULES[row.name]
+    hp = _float_fields(rule, row.hparams)
+    state, _ = _state64(row, hp, 6)
+    gen = torch.Generator().manual_seed(3)
+    p = torch.randn(6, generator=gen, dtype=F64)
+    g = torch.randn(6, generator=gen, dtype=F64)
+    g[[1, 4]] = torch.tensor([float("inf"), float("nan")], dtype=F64)
+    keep = torch.tensor([0, 2, 3, 5])
+    small = type(state)._make(t[keep] for t in state)
+    weight = torch.linspace(0.5, 1.5, 6, dtype=F64)
+    hps = _leaves(hp)
+
+    def loss(p, g, st, w, *hs):
+        new_p, _ = bnbf.update(p, g, st, _rebuild(hp, list(hs)), 1, differentiable=True)
+        return (new_p * w).sum()
+
+    def grads(p, g, st, w):
+        p, g = p.clone().requires_grad_(), g.clone().requires_grad_()
+        out = torch.autograd.grad(loss(p, g, st, w, *hps), [p, g, *hps], allow_unused=True)
+        return [torch.zeros_like(x) if d is None else d for x, d in zip([p, g, *hps], out)]
+
+    got, want = grads(p, g, state, weight), grads(p[keep], g[keep], small, weight[keep])
+    torch.testing.assert_close(got[0][keep], want[0], rtol=1e-12, atol=1e-15)
+    torch.testing.assert_close(got[0][[1, 4]], weight[[1, 4]], rtol=0, atol=0)
+    torch.testing.assert_close(got[1][keep], want[1], rtol=1e-12, atol=1e-15)
+    assert torch.equal(got[1][[1, 4]], torch.zeros(2, dtype=F64))
+    for a, b in zip(got[2:], want[2:]):
+        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-15)
+
+
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_a_tensor_step_is_a_float64_step_as_an_int_is(row):
+    """float64 params step in float64 throughout with a 0-d integer tensor step too (its powers of a beta would be
+    float32): the same params, states and meta-gradients as the Python int step."""
+    rule = bnbf.RULES[row.name]
+    hp = _float_fields(rule, row.hparams)
+    f_int, inputs, first_hp = _two_steps(row, hp)
+
+    def f_tensor(p, g1, g2, *rest):
+        st = type(_state64(row, hp, 3)[0])._make(rest[: first_hp - 3])
+        h = _rebuild(hp, list(rest[first_hp - 3 :]))
+        p1, s1 = bnbf.update(p, g1, st, h, torch.tensor(1), differentiable=True)
+        p2, s2 = bnbf.update(p1, g2, s1, h, torch.tensor(7), differentiable=True)
+        return (p2, *s2)
+
+    def f_seven(p, g1, g2, *rest):
+        st = type(_state64(row, hp, 3)[0])._make(rest[: first_hp - 3])
+        h = _rebuild(hp, list(rest[first_hp - 3 :]))
+        p1, s1 = bnbf.update(p, g1, st, h, 1, differentiable=True)
+        p2, s2 = bnbf.update(p1, g2, s1, h, 7, differentiable=True)
+        return (p2, *s2)
+
+    for a, b in zip(f_tensor(*inputs), f_seven(*inputs)):
+        assert torch.equal(a, b)
+    lr = inputs[first_hp]
+    got = torch.autograd.grad(f_tensor(*inputs)[0].sum(), lr)
+    want = torch.autograd.grad(f_seven(*inputs)[0].sum(), lr)
+    assert torch.equal(got[0], want[0])
+
+
 @pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
 def test_float32_equals_the_reference_step(row):
     """In float32 the differentiable step is the reference path's step, bit for bit (one implementation)."""

@@ -189,6 +189,28 @@ def test_differentiable_steps_equal_torch_optims(torch_cls, name):
     torch.testing.assert_close(ours.detach(), exact, rtol=1e-12, atol=1e-15)
 
 
+@pytest.mark.parametrize("capturable", [False, True], ids=["int_step", "tensor_step"])
+def test_float64_state_starts_at_float64_initial_values(capturable):
+    """A float64 param's state starts at its initial value in float64 (Adagrad's accumulator at 0.3, not float32's
+    0.30000001) and steps in float64 with a tensor step too: three steps equal torch's float64 Adagrad."""
+    torch.manual_seed(0)
+    p0 = torch.randn(7, dtype=torch.float64, requires_grad=True)
+    g = torch.randn(7, dtype=torch.float64)
+    ours, theirs = p0.clone(), p0.detach().clone()  # a non-leaf, stepped with its history; torch's plain step
+    kw = dict(lr=0.1, initial_accumulator_value=0.3)
+    opt = bnbf_nn.Adagrad32bit([ours], differentiable=True, **kw)
+    if capturable:  # Adagrad has no capturable; its tensor steps come from a bnbf_nn AdamW, checked against torch's
+        opt = bnbf_nn.AdamW32bit([ours], differentiable=True, capturable=True, lr=0.1)
+        ref = torch.optim.AdamW([theirs], lr=0.1)
+    else:
+        ref = torch.optim.Adagrad([theirs], **kw)
+    for k in range(3):
+        ours.grad, theirs.grad = g * (k + 1), g * (k + 1)
+        opt.step()
+        ref.step()
+    torch.testing.assert_close(ours.detach(), theirs, rtol=1e-13, atol=0)
+
+
 def test_differentiable_with_8bit_state_raises_naming_32bit_and_writes_nothing():
     p = torch.nn.Parameter(torch.randn(300))
     opt = bnbf_nn.AdamW8bit([p], differentiable=True, min_8bit_size=0)
