@@ -390,6 +390,13 @@ _CEIL = 0.5 - 2.0**-17  # round(t + _CEIL) = ceil(t) for t < 8, as the kernels c
 # The step's power-format code positions are scaled by this: position plus dither then stays below the top code
 # plus 1/2 without a clamp per element, whatever the approximate roots' error (~1e-6; the margin is 0.002 codes).
 POWER_MARGIN = 1.0 - 2.0**-16
+# ... which scales every decoded value by POWER_MARGIN**2 (signed: value ~ position**2) or **4 (non-negative), a bias of
+# -3e-5 or -6e-5 a step that a sum (Adagrad's) or a slow average (AdEMAMix's, Adam's second moment) compounds (6% low
+# at Adam's equilibrium). The step stores the block's absmax times the inverse (float32, capped at float32's max):
+# its decoded values are unbiased again. Nearest rounding (no margin) stores the absmax itself.
+POWER_COMP_SIGNED = float(torch.tensor(1.0 / POWER_MARGIN**2, dtype=torch.float32))
+POWER_COMP_UNSIGNED = float(torch.tensor(1.0 / POWER_MARGIN**4, dtype=torch.float32))
+F32_MAX = float(torch.finfo(torch.float32).max)
 
 # Stochastic rounding in the step: every state of element i (block r = i // block_size, lane i % block_size) at
 # step t rounds its code position plus (2k + 1) / 2**23 - 1/2, k the top 22 bits of lane * LANE + block_hash
@@ -511,6 +518,8 @@ def quantize_state_reference(
             codes = _dynamic_rounded(normed, signed, torch.where(low, _CEIL, d))
         if not signed:
             codes = torch.maximum(codes, nonzero.long())
+    if fmt == "power" and dither is not None:
+        absmax = (absmax * (POWER_COMP_SIGNED if signed else POWER_COMP_UNSIGNED)).clamp_max(F32_MAX)
     return codes.to(torch.uint8).view(x.shape), absmax
 
 

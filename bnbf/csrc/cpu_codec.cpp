@@ -15,6 +15,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <utility>
 #include <vector>
 
@@ -29,6 +30,9 @@ constexpr int32_t kPowerFloor = 4;
 constexpr float kDynamicCeilBelow = 1e-5f;      // torch compares a float32 tensor with the float32 of 1e-5
 constexpr float kCeil = 0.5f - 0x1p-17f;         // _CEIL
 constexpr double kPowerMargin = 1.0 - 0x1p-16;  // POWER_MARGIN; 127 and 255 times it are exact in float32
+// POWER_COMP_SIGNED / _UNSIGNED: the stored absmax's factor that undoes the margin's scaling of decoded values
+constexpr float kPowerCompSigned = static_cast<float>(1.0 / (kPowerMargin * kPowerMargin));
+constexpr float kPowerCompUnsigned = static_cast<float>(1.0 / (kPowerMargin * kPowerMargin * kPowerMargin * kPowerMargin));
 
 // clones for AVX-512 (x86-64-v4) and AVX2 (v3): the baseline (SSE2) cannot vectorize the dynamic format's
 // select chain, several times slower
@@ -405,16 +409,10 @@ BNBF_CLONES void power_blocks(const float* x, const uint8_t* keep, uint8_t* code
   }
 }
 
-// Blocks [b0, b1) of the power format; the unsure codes (see block_power_codes) again from torch's roots.
+// The unsure codes (see block_power_codes) again from torch's roots.
 template <bool SIGNED>
-void quantize_power(const float* x, const uint8_t* keep, uint8_t* codes, float* absmax, int64_t n, int64_t block_size,
-                    int64_t seed, int64_t first, int64_t b0, int64_t b1) {
-  std::vector<uint8_t> unsure(block_size);
-  std::vector<int64_t> redo;
-  for (int64_t r = b0; r < b1; ++r) {
-    power_blocks<SIGNED>(x, keep, codes, unsure.data(), absmax, n, block_size, seed, first, r, redo);
-  }
-  if (redo.empty()) return;
+void power_redo(const float* x, const uint8_t* keep, uint8_t* codes, const float* absmax, int64_t block_size,
+                int64_t seed, int64_t first, const std::vector<int64_t>& redo) {
   const int64_t m = static_cast<int64_t>(redo.size());
   at::Tensor roots = at::empty({m}, at::kFloat);
   float* rp = roots.data_ptr<float>();
@@ -432,6 +430,22 @@ void quantize_power(const float* x, const uint8_t* keep, uint8_t* codes, float* 
     const float d = dither(static_cast<uint32_t>(i - r * block_size), block_hash(first + r, seed));
     codes[i] = static_cast<uint8_t>(power_code<SIGNED>(rp[j], v, normed, d));
   }
+}
+
+// Blocks [b0, b1) of the power format; the unsure codes (see block_power_codes) again from torch's roots, then
+// the stored absmax's margin factor (POWER_COMP_*).
+template <bool SIGNED>
+void quantize_power(const float* x, const uint8_t* keep, uint8_t* codes, float* absmax, int64_t n, int64_t block_size,
+                    int64_t seed, int64_t first, int64_t b0, int64_t b1) {
+  std::vector<uint8_t> unsure(block_size);
+  std::vector<int64_t> redo;
+  for (int64_t r = b0; r < b1; ++r) {
+    power_blocks<SIGNED>(x, keep, codes, unsure.data(), absmax, n, block_size, seed, first, r, redo);
+  }
+  if (!redo.empty()) power_redo<SIGNED>(x, keep, codes, absmax, block_size, seed, first, redo);
+  // after the codes, which are taken from the block's true absmax
+  const float comp = SIGNED ? kPowerCompSigned : kPowerCompUnsigned;
+  for (int64_t r = b0; r < b1; ++r) absmax[r] = std::min(absmax[r] * comp, std::numeric_limits<float>::max());
 }
 
 BNBF_CLONES void dequantize_blocks(const uint8_t* __restrict codes, const float* __restrict absmax,

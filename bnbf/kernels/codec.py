@@ -52,6 +52,16 @@ def power_root_scale(absmax, SIGNED: tl.constexpr):
 
 
 @triton.jit
+def power_absmax(absmax, SIGNED: tl.constexpr):
+    """The absmax a block of power codes is stored with: times the inverse of the margin's scaling of its decoded
+    values (:data:`bnbf.quant.POWER_COMP_SIGNED`), so that they are unbiased."""
+    if SIGNED:
+        return tl.minimum(absmax * POWER_COMP_SIGNED, F32_MAX)
+    else:
+        return tl.minimum(absmax * POWER_COMP_UNSIGNED, F32_MAX)
+
+
+@triton.jit
 def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
     """Code of ``s / absmax`` in the "power" format (signed states: 128 + sign(x) * 127 * sqrt|x|, non-negative
     states: 255 * x ** 0.25, rounded as below) given ``root_scale = power_root_scale(absmax)``: the scale
@@ -80,6 +90,9 @@ def encode_power_scaled(s, root_scale, SIGNED: tl.constexpr, d=0.0):
 _CEIL: tl.constexpr = tl.constexpr(quant._CEIL)
 POWER_FLOOR: tl.constexpr = tl.constexpr(quant.POWER_FLOOR)
 POWER_MARGIN: tl.constexpr = tl.constexpr(quant.POWER_MARGIN)
+POWER_COMP_SIGNED: tl.constexpr = tl.constexpr(quant.POWER_COMP_SIGNED)
+POWER_COMP_UNSIGNED: tl.constexpr = tl.constexpr(quant.POWER_COMP_UNSIGNED)
+F32_MAX: tl.constexpr = tl.constexpr(quant.F32_MAX)
 DYNAMIC_CEIL_BELOW: tl.constexpr = tl.constexpr(quant.DYNAMIC_CEIL_BELOW)
 
 

@@ -25,6 +25,7 @@ from bnbf.kernels.codec import (
     encode_dynamic_rounded,
     encode_power_scaled,
     mix,
+    power_absmax,
     power_root_scale,
     to_dtype,
 )
@@ -181,6 +182,7 @@ def _store_state(
         d = dither(lane, seed)
         if FORMAT == 2:
             q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED, d)
+            absmax = power_absmax(absmax, SIGNED)
         else:
             scale = tl.where(absmax > 0, 1.0 / tl.where(absmax > 0, absmax, 1.0), 0.0)
             q = encode_dynamic_rounded(s * scale[:, None], s, d, SIGNED)
