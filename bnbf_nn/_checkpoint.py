@@ -340,21 +340,105 @@ def record(step: int, state: Any, family: Any, maps: dict) -> Record:
     return Record(step=step, state=state, **views(state, family.bnb_slots, maps))
 
 
-def _check_values(where: str, key: str, t: Tensor, nonneg: bool) -> None:
+def _check_values(where: str, key: str, t: Tensor, nonneg: bool, checks: list) -> None:
     """A 32-bit state's values or block scales: finite, and non-negative for a second moment or a scale (the step
     divides by a second moment's root; it zeroes the states of a non-finite gradient, so no step writes NaN or
-    inf)."""
+    inf). A DTensor's rank sees only its rows: its verdict is appended to ``checks``, which :func:`settle` makes
+    the same on every rank (else one rank refuses a load that the others take)."""
+    local = t.to_local() if is_dtensor(t) else t
+    bad = ~torch.isfinite(local) | (local < 0) if nonneg else ~torch.isfinite(local)
+    what = "negative, NaN or inf" if nonneg else "NaN or inf"
     if is_dtensor(t):
-        t = t.to_local()
-    bad = ~torch.isfinite(t) | (t < 0) if nonneg else ~torch.isfinite(t)
+        found = _Found(where, key, what, t.device_mesh, _sharded_dims(t), local.device)
+        if bool(bad.any()):
+            i = int(bad.reshape(-1).nonzero()[0])
+            found.stats = (int(bad.sum()), _global_index(t, local.shape, i), local.reshape(-1)[i].item())
+        checks.append(found)
+        return
     if bool(bad.any()):
         i = int(bad.reshape(-1).nonzero()[0])
-        what = "negative, NaN or inf" if nonneg else "NaN or inf"
-        _fail(
-            where,
-            f"{key} holds {int(bad.sum())} values that are {what} (first at flat index {i}: "
-            f"{t.reshape(-1)[i].item()!r})",
-        )
+        _bad_values(where, key, what, int(bad.sum()), i, t.reshape(-1)[i].item())
+
+
+def _bad_values(where: str, key: str, what: str, count: int, index: int, value: float) -> None:
+    at = f"first at flat index {index}: " if index >= 0 else "first: "
+    _fail(where, f"{key} holds {count} values that are {what} ({at}{value!r})")
+
+
+@dataclasses.dataclass
+class _Found:
+    """One rank's verdict on a DTensor's values (:func:`_check_values`): ``stats`` = (how many are bad, the global
+    flat index of the first, -1 where unknown, its value)."""
+
+    where: str
+    key: str
+    what: str
+    mesh: Any
+    dims: tuple[int, ...]  # the mesh dims the tensor is split along (its replicas agree along the others)
+    device: torch.device
+    stats: tuple = (0, -1, 0.0)
+
+
+def _sharded_dims(t: Any) -> tuple[int, ...]:
+    from torch.distributed.tensor import Replicate
+
+    return tuple(d for d, pl in enumerate(t.placements) if not isinstance(pl, Replicate))
+
+
+def _global_index(t: Any, local_shape: Any, i: int) -> int:
+    """The flat index in ``t``'s global shape of flat index ``i`` of its local tensor; -1 where its placements
+    do not make the local tensor one box of the global one (a strided shard)."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(isinstance(pl, Shard) and type(pl) is not Shard for pl in t.placements):
+        return -1
+    _, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    coords = []
+    for size in reversed(tuple(local_shape)):
+        i, c = divmod(i, size)
+        coords.append(c)
+    out = 0
+    for c, start, n in zip(reversed(coords), offset, t.shape):
+        out = out * n + start + c
+    return out
+
+
+def settle(checks: list) -> None:
+    """Raise the first failed check of ``checks`` (:func:`_check_values`' verdicts on DTensors) on every rank
+    alike: the ranks' counts summed and the first bad value found by global index, through one all-gather per
+    mesh dim the tensors are split along (a load checks all its states, then settles once). Every rank of the
+    meshes must call it with the same checks, in the same order, as every rank loads the same state dict."""
+    if not checks:  # no DTensor state: no collective
+        return
+    import torch.distributed as dist
+
+    groups: dict = {}
+    for found in checks:
+        groups.setdefault((found.mesh, found.dims, found.device), []).append(found)
+    for (mesh, dims, device), found in groups.items():
+        rows = [list(f.stats) for f in found]
+        for d in dims:
+            mine = torch.tensor(rows, dtype=torch.float64, device=device)
+            parts = [torch.empty_like(mine) for _ in range(mesh.size(d))]
+            dist.all_gather(parts, mine, group=mesh.get_group(d))
+            ranks = torch.stack(parts).tolist()
+            rows = [_merged([r[j] for r in ranks]) for j in range(len(found))]
+        for f, row in zip(found, rows):
+            f.stats = (int(row[0]), int(row[1]), row[2])
+    for f in checks:
+        if f.stats[0]:
+            _bad_values(f.where, f.key, f.what, *f.stats)
+
+
+def _merged(stats: list) -> list:
+    """One check's stats over ranks: the counts summed, the first bad value the one of least global index (the
+    lowest rank's where the index is unknown)."""
+    hit = [s for s in stats if s[0]]
+    if not hit:
+        return [0, -1, 0.0]
+    first = min(hit, key=lambda s: s[1] if s[1] >= 0 else math.inf)
+    return [sum(s[0] for s in hit), first[1], first[2]]
 
 
 def _fail(where: str, msg: str) -> None:
@@ -403,11 +487,15 @@ def unpack(
     want_bits: int,
     where: str,
     paged: bool = False,
+    checks: list | None = None,
 ) -> Any:
     """A new bnbf state (on ``param``'s device; in managed memory with ``paged``, see :mod:`bnbf.paged`)
     holding exactly the checkpoint's values; raises ValueError naming what does not fit before anything is
     built. Block scales must be finite and non-negative: a negative one flips the sign of its block's
-    values, and NaN or inf makes the next step's params NaN."""
+    values, and NaN or inf makes the next step's params NaN. ``checks``: where the verdicts on DTensor values
+    go, for the caller to :func:`settle` once for the whole load (None: settled here, a collective each)."""
+    own = checks is None
+    checks = [] if own else checks
     entry = dict(entry)
     entry.update(entry.pop(QUANT_KEY, None) or {})
     hparams = bnbf.hparams_for(rule.name, hparams)
@@ -456,7 +544,7 @@ def unpack(
             _fail(where, f"{key} has dtype {t.dtype}; expected uint8 codes or float32 values")
         bits.add(8 if t.dtype == torch.uint8 else 32)
         if t.dtype != torch.uint8:
-            _check_values(where, key, t, nonneg=not any(rule.states[j].signed for j in kept))
+            _check_values(where, key, t, not any(rule.states[j].signed for j in kept), checks)
             continue
         q, a = tensors.get("qmap" + k), tensors.get("absmax" + k)
         if not isinstance(q, Tensor) or q.dtype != torch.float32 or tuple(q.shape) != (256,):
@@ -466,7 +554,7 @@ def unpack(
             _fail(where, f"absmax{k} must be float32 of shape {lead + (nblocks,)} for {n} elements, got {got}")
         if is_dtensor(a):  # a DTensor param's scales, replicated (portable): every rank checks all of them
             a = a.full_tensor()
-        _check_values(where, f"absmax{k}", a, nonneg=True)  # a negative scale flips its block's sign
+        _check_values(where, f"absmax{k}", a, True, checks)  # a negative scale flips its block's sign
         signed = rule.states[kept[0]].signed
         match = [f for f in STATE_FORMATS if torch.equal(q.detach().cpu(), state_map(f, signed))]
         if not match:
@@ -483,6 +571,8 @@ def unpack(
             )
             _fail(where, f"qmap{k} is neither the {kind} dynamic map nor the {kind} power map{hint}")
         fmts.add(match[0])
+    if own:
+        settle(checks)
     if len(bits) > 1 or len(fmts) > 1:
         _fail(where, "its state tensors mix 8-bit and 32-bit storage or 8-bit formats")
     got_bits = bits.pop() if bits else want_bits

@@ -561,6 +561,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
         self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
         self._qmaps: dict = {}  # the live views' qmaps, this optimizer's own (_checkpoint.qmap)
+        # the states and _checkpoint.EDITS that _load_assigned last scanned (it scans again after an edit)
+        self._assigned: Any = None
+        self._assigned_edits = -1
 
     def _lr0_of(self, group: Mapping) -> Any:
         """The lr ``group`` started with (its lr where it has no entry: added to param_groups by hand)."""
@@ -953,6 +956,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._adding = []
         if not _compiling():  # a traced step leaves it to the next eager one (Dynamo cannot trace `is` of dicts)
             self._prune()
+            self._load_assigned()  # before any group steps: a bad entry raises with nothing stepped
         jobs = [self._prepare_group(group) for group in self.param_groups]
         if self._adding:
             self._add_slots()
@@ -1446,6 +1450,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"optimizer.state has the int keys {sorted(ints)}, which a state dict reserves for "
                 f"param indices: use other keys (strings, say)"
             )
+        self._load_assigned()  # else a saved entry assigned into optimizer.state[p] would be left out
         have = [(p, group) for group in self.param_groups for p in group["params"] if "state" in self.state.get(p, ())]
         # DTensor params' states in their mesh-independent form (every rank makes this call: a collective
         # per sharded 8-bit state), so that a checkpoint saved on one mesh loads on any other
@@ -1504,20 +1509,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"{name} uses rule {self._rule.name!r}"
             )
         for key, entry in state_dict["state"].items():
-            # torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it): say so first, rather
-            # than fail on a setting of its groups
-            if (
-                type(key) is int
-                and isinstance(entry, Mapping)
-                and _checkpoint.QUANT_KEY not in entry
-                and "state1" not in entry
-            ):
-                named = sorted(k for k, v in entry.items() if isinstance(v, Tensor) and k != "step")
-                if named:
-                    raise ValueError(
-                        f"the state of param {key!r} holds {named}: torch.optim's layout (bitsandbytes' PytorchLARS "
-                        f"saves it), not bitsandbytes' state1/qmap1/absmax1 layout that {name} loads"
-                    )
+            # said first, rather than failing on a setting of its groups
+            if type(key) is int:
+                self._check_layout(f"param {key!r}", entry)
         saved_groups = list(state_dict["param_groups"])
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -1554,6 +1548,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         lr0 = _saved_lr0(origin, groups)
         configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
+        checks: list = []  # the verdicts on DTensor states' values, settled once for the load (a collective)
         for key, entry in state_dict["state"].items():
             if key not in id_map:
                 if not isinstance(key, int) or isinstance(key, bool):  # not a param index: kept, as torch does
@@ -1561,33 +1556,87 @@ class Optimizer8bit(torch.optim.Optimizer):
                     continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
             p, group, saved = id_map[key]
-            where = f"param {key} (shape {tuple(p.shape)})"
-            if not isinstance(entry, Mapping):
-                raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
-            cfg = configs.get(id(p), {})
-            want = self._spec(group, cfg).layout_for(p.numel()).bits
             held = {k: saved[k] for k in ("optim_bits", "min_8bit_size") if type(saved.get(k)) is int}
-            if origin and held:
-                # the bits its saved group gave it: torch.distributed.checkpoint loads 8-bit codes into a 32-bit
-                # state's float32 template (casting them), so the tensors alone no longer tell
-                had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
-                if had != want:
-                    _checkpoint._fail(
-                        where,
-                        f"the checkpoint holds {had}-bit state but this optimizer keeps {want}-bit state for it "
-                        f"(check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
-                    )
-            hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
-            step = _checkpoint.read_step(entry, where)
-            step = _new_step(step, p, group)
-            s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged)
-            state[p] = _checkpoint.record(step, s, self.family, self._qmaps)
+            where = f"param {key} (shape {tuple(p.shape)})"
+            state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks, held if origin else {})
+        _checkpoint.settle(checks)
         self.state = _checkpoint.States(state)
         self.param_groups = groups
         self._init_caches()
         self._lr0 = {id(g): (g, v) for g, v in zip(groups, lr0)}
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+    def _check_layout(self, where: str, entry: Any) -> None:
+        """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name."""
+        if isinstance(entry, Mapping) and _checkpoint.QUANT_KEY not in entry and "state1" not in entry:
+            named = sorted(k for k, v in entry.items() if isinstance(v, Tensor) and k != "step")
+            if named:
+                raise ValueError(
+                    f"the state of {where} holds {named}: torch.optim's layout (bitsandbytes' PytorchLARS saves it), "
+                    f"not bitsandbytes' state1/qmap1/absmax1 layout that {type(self).__name__} loads"
+                )
+
+    def _load_entry(
+        self, entry: Any, p: Tensor, group: Mapping, cfg: Mapping, where: str, checks: list, held: Mapping
+    ) -> _checkpoint.Record:
+        """The record of one param's saved entry, made with its group's settings and manager overrides ``cfg``:
+        :meth:`load_state_dict`'s, and :meth:`_load_assigned`'s. ``checks``: the verdicts on DTensor values, for
+        the caller to settle; ``held``: the saved group's optim_bits and min_8bit_size, where it says."""
+        if not isinstance(entry, Mapping):
+            raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
+        want = self._spec(group, cfg).layout_for(p.numel()).bits
+        if held:
+            # the bits its saved group gave it: torch.distributed.checkpoint loads 8-bit codes into a 32-bit
+            # state's float32 template (casting them), so the tensors alone no longer tell
+            had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
+            if had != want:
+                _checkpoint._fail(
+                    where,
+                    f"the checkpoint holds {had}-bit state but this optimizer keeps {want}-bit state for it "
+                    f"(check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
+                )
+        hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
+        step = _new_step(_checkpoint.read_step(entry, where), p, group)
+        s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks)
+        return _checkpoint.record(step, s, self.family, self._qmaps)
+
+    def _load_assigned(self) -> None:
+        """Load the saved entries assigned into ``optimizer.state[p]`` as :meth:`load_state_dict` loads them:
+        ZeroRedundancyOptimizer.load_state_dict writes each of its rank's so (torch.optim's records are what it
+        saved), and the step would otherwise replace it with a fresh state. A record without ``state`` holding a
+        step, bitsandbytes' state or any tensor is such an entry (refused if it does not load); one holding none
+        (empty, a hook's note) gets a fresh state at the param's first grad, as before. Every entry is checked
+        before any is written. Run by the general step and state_dict; the assignment counted in
+        :data:`_checkpoint.EDITS`, so the fast step never runs it, and it scans only after one."""
+        if type(self.state) is not _checkpoint.States:  # replaced by a plain dict: its edits must count too
+            self.state = _checkpoint.States(self.state)
+        if self._assigned is self.state and self._assigned_edits == _checkpoint.EDITS[0]:
+            return
+        found = [
+            p
+            for p, rec in self.state.items()
+            if isinstance(p, Tensor)
+            and isinstance(rec, Mapping)
+            and "state" not in rec
+            and ("step" in rec or _checkpoint.QUANT_KEY in rec or any(isinstance(v, Tensor) for v in rec.values()))
+        ]
+        if found:
+            configs = self._overrides([p for g in self.param_groups for p in g["params"]])
+            at = {id(p): (gi, i, g) for gi, g in enumerate(self.param_groups) for i, p in enumerate(g["params"])}
+            loaded, checks = [], []
+            for p in found:
+                if id(p) not in at:  # not a param of this optimizer: nothing steps it
+                    continue
+                gi, i, group = at[id(p)]
+                where = f"param [{i}] of param group {gi} (shape {tuple(p.shape)}), assigned to optimizer.state[p]"
+                self._check_layout(where, self.state[p])
+                loaded.append((p, self._load_entry(self.state[p], p, group, configs.get(id(p), {}), where, checks, {})))
+            _checkpoint.settle(checks)
+            for p, rec in loaded:
+                _put(self.state, p, rec)
+            _checkpoint.EDITS[0] += 1  # the plans built over the entries are stale
+        self._assigned, self._assigned_edits = self.state, _checkpoint.EDITS[0]
 
 
 def _origin_in_groups(saved_groups: Any) -> dict:

@@ -480,6 +480,92 @@ def scenario_nn_ddp_unchanged():
         assert type(opt.state[p]["state1"]) is torch.Tensor
 
 
+def scenario_nn_zero_resumes():
+    """ZeroRedundancyOptimizer over AdamW8bit (with DDP): a checkpoint saved after some steps (consolidate_state_dict,
+    state_dict, torch.save) loads into a fresh ZeRO-wrapped AdamW8bit, and training continues bit for bit as the
+    uninterrupted run. ZeRO's load_state_dict writes each of its rank's saved entries straight into the local
+    optimizer's state, which the next step used to drop for a fresh state at step 1."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    import bnbf_nn
+
+    path = os.environ["BNBF_TEST_CKPT"] + "_zero.pt"
+    make = lambda ps: ZeroRedundancyOptimizer(  # noqa: E731
+        ps, optimizer_class=bnbf_nn.AdamW8bit, lr=LR, min_8bit_size=MIN8
+    )
+    model = torch.nn.parallel.DistributedDataParallel(td._model().to(td.DEVICE))
+    opt = make(model.parameters())
+    for t in range(1, td.STEPS + 1):
+        _backward(model, t)
+        opt.step()
+    opt.consolidate_state_dict(to=0)
+    if torch.distributed.get_rank() == 0:
+        torch.save(opt.state_dict(), path)
+    torch.distributed.barrier()
+    saved = [p.detach().clone() for p in model.parameters()]
+    kept = []
+    for t in range(td.STEPS + 1, td.STEPS + 3):
+        _backward(model, t)
+        kept.append([p.grad.detach().clone() for p in model.parameters()])
+        opt.step()
+    resumed_model = td._model().to(td.DEVICE)  # the kept grads are DDP's averaged ones
+    with torch.no_grad():
+        for p, v in zip(resumed_model.parameters(), saved):
+            p.copy_(v)
+    resumed = make(resumed_model.parameters())
+    resumed.load_state_dict(torch.load(path, map_location=td.DEVICE, weights_only=False))
+    for grads in kept:
+        for p, g in zip(resumed_model.parameters(), grads):
+            p.grad = g
+        resumed.step()
+    for p, q in zip(model.parameters(), resumed_model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
+    mine = [q for q in resumed_model.parameters() if q in resumed.optim.state]
+    assert mine and all(resumed.optim.state[q]["step"] == td.STEPS + 2 for q in mine)
+
+
+def scenario_nn_load_refused_on_every_rank():
+    """load_state_dict of a 32-bit state whose bad values (a negative second moment, NaN) lie in rank 1's rows only:
+    every rank refuses it with the same error, which names the global index, and no rank changes. Each rank used to
+    check its own rows only: rank 1 refused while rank 0 loaded (its lr restored), and the ranks diverged."""
+    from torch.distributed.tensor import distribute_tensor
+
+    import bnbf_nn
+
+    # 4.weight is 150 x 8: rank 1 holds rows 75.. (flat 600..); AdEMAMix stacks its first moments, (2, 150, 8)
+    cases = [
+        (bnbf_nn.AdamW32bit, "state2", {900: -1.0, 1000: float("nan")}, "2 values that are negative, NaN or inf"),
+        (bnbf_nn.AdEMAMix32bit, "state1", {1200 + 900: float("nan")}, "1 values that are NaN or inf"),
+    ]
+    for cls, key, bad, what in cases:
+        model = _fsdp_model()
+        opt = cls(model.parameters(), lr=LR)
+        _backward(model, 1)
+        opt.step()
+        sd = opt.state_dict()
+        quant = sd["state"][[k for k, _ in model.named_parameters()].index("4.weight")]["__bnb_optimizer_quant_state__"]
+        t = quant[key]
+        values = t.full_tensor().clone()
+        for i, v in bad.items():
+            values.view(-1)[i] = v
+        quant[key] = distribute_tensor(values, t.device_mesh, t.placements)
+        opt.param_groups[0]["lr"] = LR / 2  # the load would restore LR
+        before = {p: [s.to_local().clone() for s in opt.state[p]["state"]] for p in model.parameters()}
+        try:
+            opt.load_state_dict(sd)
+            said = "loaded"
+        except ValueError as e:
+            said = str(e)
+        every = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(every, said)
+        first = min(bad)
+        want = f"{key} holds {what} (first at flat index {first}: {bad[first]!r})"
+        assert len(set(every)) == 1 and want in said, (cls.__name__, every)
+        assert opt.param_groups[0]["lr"] == LR / 2, cls.__name__
+        for p, kept in before.items():
+            assert all(torch.equal(s.to_local(), k) for s, k in zip(opt.state[p]["state"], kept)), cls.__name__
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 

@@ -584,3 +584,65 @@ def test_a_state_dict_carries_its_own_qmaps():
     assert entries[0]["qmap1"] is not opt_b.state[next(iter(opt_b.state))]["qmap1"]
     fresh = bnbf_nn.AdamW8bit(torch.nn.Linear(16, 16).parameters(), lr=1e-3, min_8bit_size=0)
     fresh.load_state_dict(sd)  # raised "qmap1 is neither the signed dynamic map nor the signed power map"
+
+
+# ---- saved entries assigned into optimizer.state (ZeroRedundancyOptimizer.load_state_dict) ------------------
+
+
+def test_a_saved_entry_assigned_into_state_loads_as_load_state_dict():
+    """ZeroRedundancyOptimizer.load_state_dict writes each saved entry straight into ``optimizer.state[p]``
+    (torch.optim's records are what they save). The step loads such an entry as load_state_dict loads it, and
+    training continues bit for bit (it used to drop it for a fresh state at step 1); state_dict shows it before
+    any step. A bad entry, or one of another bit width than the param's GlobalOptimManager override keeps, is
+    refused as load_state_dict refuses it, before anything steps; so is torch.optim's own layout."""
+    params = make_params(shapes=SHAPES)
+    grads = make_grads(params, 4)
+    opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, grads[:2])
+    sd = reload(opt.state_dict())
+
+    def fresh(entries=None):
+        twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        o = bnbf_nn.AdamW8bit(twin, min_8bit_size=MIN8)
+        for i, q in enumerate(twin):
+            if entries is not None and i in entries:
+                o.state[q] = entries[i]
+        return twin, o
+
+    loaded, by_load = fresh()
+    by_load.load_state_dict(reload(sd))
+    assigned, by_hand = fresh(reload(sd)["state"])
+    run_adapter(by_load, loaded, grads[2:])
+    run_adapter(by_hand, assigned, grads[2:])
+    for i, (p, q) in enumerate(zip(loaded, assigned)):
+        assert by_hand.state[q]["step"] == by_load.state[p]["step"] == 4
+        assert_equal_report(q.detach(), p.detach(), f"param {i} after loading by assignment")
+        for field, a, b in zip(by_load.state[p]["state"]._fields, by_load.state[p]["state"], by_hand.state[q]["state"]):
+            assert_equal_report(b, a, f"param {i} state {field} after loading by assignment")
+    _, shown = fresh(reload(sd)["state"])
+    for i, entry in shown.state_dict()["state"].items():
+        assert float(entry["step"]) == 2
+        for k, v in sd["state"][i][QUANT_KEY].items():
+            assert_equal_report(entry[QUANT_KEY][k], v, f"param {i} {k} in state_dict after assignment")
+
+    bad = reload(sd)
+    bad["state"][1][QUANT_KEY]["state1"] = bad["state"][1][QUANT_KEY]["state1"][:3]
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    torch_layout = {0: {"step": torch.tensor(2.0), "exp_avg": torch.zeros(SHAPES[0])}}
+    cases = [(bad["state"], None, r"state1 has shape \(3,\), the parameter needs \(7,\)")]
+    cases += [(reload(sd)["state"], 32, "holds 8-bit state but this optimizer keeps 32-bit state")]
+    cases += [(torch_layout, None, r"holds \['exp_avg'\]: torch.optim's layout")]
+    for entries, bits, match in cases:
+        (twin, refused), (_, other) = fresh(entries), fresh()
+        for o in (refused, other):
+            if bits:
+                mng.override_config(o.param_groups[0]["params"][0], "optim_bits", bits)
+        before = [q.detach().clone() for q in twin]
+        for q, g in zip(twin, grads[2]):
+            q.grad = g.clone()
+        with pytest.raises(ValueError, match=match):
+            refused.step()
+        assert all(torch.equal(q.detach(), b) for q, b in zip(twin, before)), match
+        assert not any("state" in r for r in refused.state.values()), match
+        with pytest.raises(ValueError, match=match):  # load_state_dict: the same words
+            other.load_state_dict({"state": entries, "param_groups": sd["param_groups"]})
