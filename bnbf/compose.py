@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf import ops
-from bnbf._dispatch import NORM_REDUCE, use_triton
+from bnbf._dispatch import NORM_REDUCE, is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
     _check_grad,
@@ -746,7 +746,7 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
         return _written_back(params, grads, state, hparams, step, opts)
     # traced: no addresses to compare, and a check that raises at trace time leaves the graph unrun
     if len(parts.groups) > 1 and not torch.compiler.is_compiling():
-        _check_before_writing(parts, step)
+        _check_before_writing(parts, step, max_unorm)
     for h, idx in parts.groups:
         bnbf.update_(
             _sub(parts, parts.params, idx),
@@ -1228,7 +1228,7 @@ _CHECKED_SIZE = 16
 _CHECKED_LOCK = threading.Lock()
 
 
-def _check_before_writing(parts: _Parts, step: Any) -> None:
+def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> None:
     """Everything that could make a later group's core call raise after an earlier group was stepped, checked
     before the first: each group's params and states through the core's own checks (``bnbf.plan`` checks them
     as ``update_`` does), the grads' fit, no memory shared between groups and no grad sharing memory with
@@ -1237,7 +1237,10 @@ def _check_before_writing(parts: _Parts, step: Any) -> None:
     The params' and states' checks are kept for the next call (by weak reference), which only confirms that
     they are the same tensors at the same addresses (and the params of the same shapes, strides and dtypes),
     in the same groups, as the core's plans confirm theirs: about 0.3 us a tensor instead of a plan per group
-    (GPT-2's 148 leaves, 540 tensors with 8-bit AdamW: 0.1 ms on the CI machine's CPU, grads' check included)."""
+    (GPT-2's 148 leaves, 540 tensors with 8-bit AdamW: 0.1 ms on the CI machine's CPU, grads' check included).
+
+    DTensor leaves (FSDP2) are checked as :func:`bnbf.distributed.update_` checks them (global shapes, meshes,
+    placements, norms across the mesh), then the local shards stand for them in the core's checks."""
     _check_grads(parts)
     _check_step(step)
     for h, idx in parts.groups:  # the states keep the slots of their hyperparameters (which change per call)
@@ -1246,6 +1249,10 @@ def _check_before_writing(parts: _Parts, step: Any) -> None:
         want = present_mask(rule, h)
         if any(type(st).layout.present != want for st in states):
             _check_present(rule, h, states)
+    if not set(map(type, parts.params)) <= _PLAIN_TENSORS and any(map(is_dtensor, parts.params)):
+        # a DTensor's data_ptr is 0: the memory the groups' steps write is the local shards'
+        ps, gs, ss = bnbf.distributed._local_views(parts.params, parts.grads, parts.states, parts.groups, max_unorm)
+        parts = dataclasses.replace(parts, params=ps, grads=gs, states=ss)
     tensors = list(parts.params)
     for st in parts.states:
         tensors.extend(st)

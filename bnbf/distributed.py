@@ -31,6 +31,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
+import operator
 import weakref
 from typing import Any
 
@@ -47,7 +48,7 @@ from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated, cl
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
-from bnbf.state import OptimSpec, _row, _rows_of, is_state, stack_groups
+from bnbf.state import OptimSpec, State, _row, _rows_of, is_state, stack_groups
 from bnbf.state import relaid as _relaid_plain
 
 __all__ = [
@@ -93,6 +94,15 @@ class _Shards:
     @property
     def sharded(self) -> bool:
         return self.world > 1
+
+    @functools.cached_property
+    def scale_placements(self) -> tuple:
+        """The placements of an 8-bit state's block scales: ``Shard(0)`` on the shard dim."""
+        return tuple(_scale_placements(self))
+
+    def scale_shape(self, block_size: int) -> torch.Size:
+        """The global shape of an 8-bit state's block scales: a row per shard, padded to the largest."""
+        return torch.Size((self.world, _blocks(max(self.counts), block_size)))
 
 
 class _ById:
@@ -356,26 +366,62 @@ def _localize(params: list, grads: list, states: list) -> tuple[list, list, list
         raise ValueError(f"got {len(params)} params, {len(grads)} grads and {len(states)} states")
     lp, lg, ls, shards = [], [], [], []
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        if not is_state(s):
-            raise TypeError(f"state [{i}] must be a bnbf state, got {type(s).__name__}")
-        if not isinstance(p, DTensor):
-            if isinstance(g, DTensor) or any(isinstance(t, DTensor) for t in s):
-                raise TypeError(f"[{i}]: got mixed torch.Tensor and DTensor (a plain param needs plain grad and state)")
-            local = (p, g, s, None)
-        else:
-            local = _localize_one(i, p, g, s)
+        sh = _check_leaf(i, p, g, s)
+        local = (p, g, s, None) if sh is None else (p._local_tensor, _local_grad(i, p, g, sh), _local_state(s, sh), sh)
         for out, x in zip((lp, lg, ls, shards), local):
             out.append(x)
     return lp, lg, ls, shards
 
 
-def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
-    """The local tensor of a DTensor param's grad, in the param's placements."""
+def _check_leaf(i: int, p: Any, g: Any, s: Any) -> _Shards | None:
+    """A leaf's checks but a DTensor param's grad's (:func:`_check_grad`), from metadata alike on every rank: a
+    DTensor param's split and state, a plain param's plain grad and state. Returns the DTensor param's split
+    (None for a plain param)."""
+    if not is_state(s):
+        raise TypeError(f"state [{i}] must be a bnbf state, got {type(s).__name__}")
+    if not isinstance(p, DTensor):
+        if isinstance(g, DTensor) or any(isinstance(t, DTensor) for t in s):
+            raise TypeError(f"[{i}]: got mixed torch.Tensor and DTensor (a plain param needs plain grad and state)")
+        return None
+    sh = _shards(p, f" [{i}]")
+    _check_state(i, p, s, sh)
+    return sh
+
+
+def _local_views(params: list, grads: list, states: list, groups: list, max_unorm: Any) -> tuple[list, list, list]:
+    """For :func:`bnbf.compose.update_`, which checks every group of a call before the first steps (each group
+    then steps through :func:`update_`): every leaf checked as :func:`update_` checks it and each group's norms as
+    :func:`check_step`, with no collective; then each leaf's local tensors, for the core's checks of memory (a
+    grad in other placements, ``Partial``: the local tensor its redistribution will read)."""
+    shards = []
+    for i, (p, g, s) in enumerate(zip(params, grads, states)):
+        sh = _check_leaf(i, p, g, s)
+        if sh is not None:
+            _check_grad(i, p, g, sh)
+        shards.append(sh)
+    for _, idx in groups:
+        check_step([params[i] for i in idx], type(states[idx[0]]).layout.rule, max_unorm)
+    lp = [p if sh is None else p._local_tensor for p, sh in zip(params, shards)]
+    lg = [g if sh is None else g._local_tensor for g, sh in zip(grads, shards)]
+    ls = [s if sh is None else _local_state(s, sh) for s, sh in zip(states, shards)]
+    return lp, lg, ls
+
+
+def _check_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> None:
+    """A DTensor param's grad: a DTensor on the param's mesh, of its global shape (the local shapes of a (301,)
+    grad and a (300,) param agree on one rank of two and not on the other)."""
     if not isinstance(g, DTensor):
         raise TypeError(f"grad [{i}]: got mixed torch.Tensor and DTensor (a DTensor param needs a DTensor grad)")
     mesh = g.device_mesh
     if mesh is not sh.mesh and mesh != sh.mesh:  # `is` first: DeviceMesh's == compares its whole layout
         raise ValueError(f"grad [{i}] is on another device mesh than its param")
+    if g._spec.shape != p._spec.shape:  # the specs': DTensor.shape costs 3x as much (~0.1 us a leaf)
+        raise ValueError(f"grad [{i}] has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+
+
+def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
+    """The local tensor of a DTensor param's grad, in the param's placements, after its checks."""
+    _check_grad(i, p, g, sh)
     if g.placements != sh.placements:
         # e.g. a Partial grad: reduce it to the param's placements (a collective every rank makes)
         g = g.redistribute(sh.mesh, sh.placements)
@@ -384,10 +430,38 @@ def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
     return g._local_tensor
 
 
-def _check_state(i: int, p: DTensor, s: Any) -> None:
+# DTensor state field (the first) -> weak references to the state's fields and the split they were found to fit:
+# the same DTensors keep their mesh, global shapes and placements, so a loop's state is checked once per param
+_FITS = _ById()
+
+
+def _check_state(i: int, p: DTensor, s: Any, sh: _Shards) -> None:
+    """State ``s`` fits DTensor param ``p`` (split ``sh``) on every rank alike: DTensors on its mesh, of its global
+    shape and placements (the block scales: a row per shard). The core's check of the local shapes could pass on
+    one rank (a state made for a (300,) param given to a (301,) one) and raise on another."""
+    hit = _FITS.get(s[0]) if s else None
+    if hit is not None and hit[1] is sh and len(hit[0]) == len(s) and all(map(operator.is_, map(_CALL, hit[0]), s)):
+        return
     mesh = p.device_mesh
     if any(not isinstance(t, DTensor) or (t.device_mesh is not mesh and t.device_mesh != mesh) for t in s):
         raise TypeError(f"state [{i}] of a DTensor param must hold DTensors on the param's mesh (from init_state)")
+    layout = type(s).layout
+    for name, t in zip(s._fields, s):
+        if layout.quantized and name.endswith("_absmax"):
+            shape, placements = sh.scale_shape(layout.block_size), sh.scale_placements
+        else:
+            shape, placements = p.shape, sh.placements
+        if t.shape != shape or t.placements != placements:
+            raise ValueError(
+                f"state [{i}].{name} does not fit the param: expected global shape {tuple(shape)} with placements "
+                f"{placements}, got {tuple(t.shape)} with {t.placements} (was the state built for another param "
+                f"or spec?)"
+            )
+    if s:
+        _FITS[s[0]] = (tuple(map(weakref.ref, s)), sh)
+
+
+_CALL = weakref.ref.__call__
 
 
 def _norms_needed(rule: Any, max_unorm: Any) -> bool:
@@ -462,16 +536,16 @@ def _reducing(reduce: Any, first_blocks: dict | None = None):
             NORM_REDUCE.reset(reduce_token)
 
 
-def _localize_one(i: int, p: DTensor, g: Any, s: Any) -> tuple:
-    """One DTensor leaf's local param, grad and state, after its checks."""
-    sh = _shards(p, f" [{i}]")
-    _check_state(i, p, s)
-    return p._local_tensor, _local_grad(i, p, g, sh), _local_state(s, sh), sh
-
-
 def _rule(states: list) -> Any:
     """The rule of the states (the core checks that they agree); None for no states."""
     return get_rule(type(states[0]).layout.rule) if states and is_state(states[0]) else None
+
+
+def _several_rules(states: list) -> bool:
+    """Whether the states are of several rules: one core call would step them all in the norm context of the
+    first one's rule (a LAMB state after an AdamW one: its norms summed over the shard only, silently)."""
+    kinds = set(map(type, states))  # a few classes, by a C-level pass
+    return len(kinds) > 1 and len({k.layout.rule for k in kinds if issubclass(k, State)}) > 1
 
 
 def _leaves(param: Any, grad: Any, state: Any) -> tuple[list, Any, list, list]:
@@ -529,6 +603,10 @@ def update_(
         return bnbf.update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
+    if _several_rules(states):  # a call per rule (bnbf.compose), each through here in its own norm context
+        return bnbf.compose.update_(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
     # the local shards carry no history: a gradient asked through DTensors is refused here, as for plain tensors
     if not torch.compiler.is_compiling():  # traced: the core's traced checks see the transform
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=True)
@@ -557,6 +635,10 @@ def update(
     params, spec, grads, states = _leaves(param, grad, state)
     if not any(isinstance(p, DTensor) for p in params):
         return bnbf.update(
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
+        )
+    if _several_rules(states):
+        return bnbf.compose.update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
         )
     if not torch.compiler.is_compiling():
@@ -595,7 +677,7 @@ class Plan:
             if not is_state(st):
                 raise TypeError(f"state [{i}] must be a bnbf state, got {type(st).__name__}")
             if sh is not None:
-                _check_state(i, p, st)
+                _check_state(i, p, st, sh)
             elif any(isinstance(t, DTensor) for t in st):
                 raise TypeError(f"state [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain state)")
         local_p = [p if sh is None else p._local_tensor for p, sh in zip(leaves, self._shards)]

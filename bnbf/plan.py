@@ -30,7 +30,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 
 from bnbf import ops
-from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
+from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     _SHAPE_DTYPE,
     NATIVE,
@@ -749,10 +749,23 @@ def _validate(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> 
         raise ValueError("a plan needs at least one tensor")
     if s_spec != spec:
         raise ValueError(f"state structure {s_spec} does not match param structure {spec}")
+    if not set(map(type, params)) <= _PLAIN_TYPES:
+        _check_not_dtensor(tree, params)
     _check_leaves(tree, params, states)
     _check_no_overlap(tree, params, states)
     _check_writable(tree, params, states)  # a plan steps in place
     _rule_of(tree, states)
+
+
+def _check_not_dtensor(tree: Any, params: list) -> None:
+    """TypeError naming a DTensor param (FSDP2's): a plan holds its tensors' addresses, and a DTensor's data_ptr
+    is 0 (its data is its local shard's, which bnbf.distributed.plan plans; bnbf.update_ takes DTensors itself)."""
+    for i, p in enumerate(params):
+        if is_dtensor(p):
+            raise TypeError(
+                f"param{_names(tree)[i]} is a DTensor (FSDP2's sharded param): bnbf.plan plans plain tensors; "
+                f"use bnbf.distributed.plan(params, state), which plans the local shards"
+            )
 
 
 def _picker(idx: list[int]):

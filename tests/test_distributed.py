@@ -327,6 +327,104 @@ def scenario_errors():
             step_fn(with_history, grads, run.state, {"lr": LR}, 1)
     for k, p in run.params.items():
         assert torch.equal(p.to_local(), before[k]), k
+    with pytest.raises(TypeError, match=r"param\['0.weight'\] is a DTensor .* use bnbf.distributed.plan"):
+        bnbf.plan(run.params, run.state)
+
+    # a grad, or a state, of another global shape whose local shapes fit on rank 1 only ((301,) for (300,): 151
+    # and 150 elements on rank 0, 150 and 150 on rank 1): every rank refuses it, naming the global shapes
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    m = mesh()
+    shard = lambda n: distribute_tensor(torch.ones(n, device=DEVICE), m, [Shard(0)])  # noqa: E731
+    held = lambda p, g, s, h, t: bd.plan(p, s).step(g, h, t)  # noqa: E731
+    s = bd.init_state({"w": shard(300)}, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    for n_p, n_g, match in (
+        (300, 301, r"grad \[0\] has shape \(301,\) but the param has shape \(300,\)"),
+        (301, 301, r"state \[0\]\.exp_avg does not fit the param: expected global shape \(301,\)"),
+    ):
+        p, g = {"w": shard(n_p)}, {"w": shard(n_g)}
+        for step_fn in (bd.update_, bnbf.update_, bnbf.update, held):
+            with pytest.raises(ValueError, match=match):
+                step_fn(p, g, s, {"lr": LR}, 1)
+        assert torch.equal(p["w"].to_local(), torch.ones_like(p["w"].to_local()))
+
+
+def scenario_compose_in_place():
+    """bnbf.update_ of per-leaf hyperparameters or of a state tree of two rules (bnbf.compose: one core call per
+    group) on DTensors: the pure step's and the unsharded run's result; every group checked before the first
+    steps, and memory shared between groups refused by the local shards' addresses (a DTensor's are 0)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import bnbf
+
+    gen = torch.Generator().manual_seed(3)
+    full = {k: torch.randn(n, generator=gen).to(DEVICE) for k, n in (("w", (37, 8)), ("b", (37,)), ("v", (300,)))}
+    g_full = {k: torch.randn(v.shape, generator=gen).to(DEVICE) for k, v in full.items()}
+    m = mesh()
+    shard = lambda t: distribute_tensor(t.clone(), m, [Shard(0)])  # noqa: E731
+    no_decay = lambda path, p: {"lr": LR, "weight_decay": 0.0 if p.ndim == 1 else 0.1}  # noqa: E731
+    by_rule = {"adamw": {"lr": LR}, "lion": {"lr": LR / 10}}
+    for spec, hp in (
+        (bnbf.OptimSpec(rule="adamw", state_bits=32), no_decay),
+        (lambda path, p: bnbf.OptimSpec(rule="lion" if p.ndim == 1 else "adamw", state_bits=32), by_rule),
+        (lambda path, p: bnbf.OptimSpec(rule="lion" if p.ndim == 1 else "adamw", min_8bit_size=0), by_rule),
+    ):
+        params, grads = {k: shard(v) for k, v in full.items()}, {k: shard(v) for k, v in g_full.items()}
+        state = bnbf.init_state(params, spec)
+        ref, ref_state = {k: v.clone() for k, v in full.items()}, bnbf.init_state(full, spec)
+        new, new_state = bnbf.update(params, grads, state, hp, 1)
+        bnbf.update_(params, grads, state, hp, 1)
+        bnbf.update_(ref, g_full, ref_state, hp, 1)
+        for k, p in params.items():
+            assert torch.equal(p.to_local(), new[k].to_local()), k
+            assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(state[k], new_state[k])), k
+            if not type(state[k]).layout.quantized:  # elementwise: the unsharded run's, bit for bit
+                assert torch.equal(p.full_tensor(), ref[k]), k
+    # one mapping for states of two rules, LAMB's after AdamW's: LAMB's norms are summed across the mesh (the
+    # step of both in one core call took the first rule's context, which reduces none)
+    spec = lambda path, p: bnbf.OptimSpec(rule="adamw" if p.ndim == 2 else "lamb", state_bits=32)  # noqa: E731
+    params, grads = {k: shard(v) for k, v in full.items()}, {k: shard(v) for k, v in g_full.items()}
+    state, ref = bnbf.init_state(params, spec), {k: v.clone() for k, v in full.items()}
+    ref_state = bnbf.init_state(ref, spec)
+    new, _ = bnbf.update(params, grads, state, {"lr": LR}, 1)
+    bnbf.update_(params, grads, state, {"lr": LR}, 1)
+    bnbf.update_(ref, g_full, ref_state, {"lr": LR}, 1)
+    tol = STATE32[(torch.float32, 32)]
+    for k, p in params.items():
+        for got in (p, new[k]):
+            torch.testing.assert_close(got.full_tensor() - full[k], ref[k] - full[k], atol=tol.atol, rtol=tol.rtol)
+
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    two = lambda path, p: {"lr": LR if path == "a" else LR / 2}  # noqa: E731 - a group per leaf
+    params = {"a": shard(full["v"]), "c": shard(full["v"])}
+    grads = {k: shard(g_full["v"]) for k in params}
+    one = bnbf.init_state(params["a"], spec)
+    with pytest.raises(ValueError, match=r"state\['a'\]\.exp_avg\w* and state\['c'\]\.exp_avg\w* overlap"):
+        bnbf.update_(params, grads, {"a": one, "c": one}, two, 1)
+    state = bnbf.init_state(params, spec)
+    with pytest.raises(ValueError, match=r"grad\['c'\] shares memory with param\['a'\]"):
+        bnbf.update_(params, {"a": grads["a"], "c": params["a"]}, state, two, 1)
+    # a later group that would raise in its own step: LAMB's norms across the mesh beside a plain param, a
+    # plain grad, a grad of another global shape
+    params = {"a": params["a"], "w": shard(full["v"]), "x": full["v"].clone()}
+    lamb = lambda path, p: bnbf.OptimSpec(rule="adamw" if path == "a" else "lamb", state_bits=32)  # noqa: E731
+    state = bnbf.init_state(params, lamb)
+    grads = {"a": grads["a"], "w": shard(g_full["v"]), "x": g_full["v"]}
+    hp = {"adamw": {"lr": LR}, "lamb": {"lr": LR}}
+    with pytest.raises(NotImplementedError, match="lamb scales its step by per-tensor norms"):
+        bnbf.update_(params, grads, state, hp, 1)
+    del params["x"], grads["x"], state["x"]
+    for bad, err, match in (
+        (g_full["v"], TypeError, r"grad \[1\]: got mixed torch.Tensor and DTensor"),
+        (
+            shard(torch.ones(301, device=DEVICE)),
+            ValueError,
+            r"grad\['w'\] has shape \(301,\) but the param has shape \(300,\)",
+        ),
+    ):
+        with pytest.raises(err, match=match):
+            bnbf.update_(params, {**grads, "w": bad}, state, hp, 1)
+    assert torch.equal(params["a"].full_tensor(), full["v"])  # the first group was not stepped
 
 
 def scenario_norms():
