@@ -487,6 +487,16 @@ def _norm_reduce(shards: list, rule: Any, max_unorm: Any) -> Any:
     return functools.partial(dist.all_reduce, group=group)
 
 
+def check_grads(params: list, grads: list) -> None:
+    """Raise, before anything is written, what a step of ``params`` with ``grads`` refuses of them before reading
+    them: a DTensor param's split (placements other than Replicate and one Shard(0)), and its grad's type, mesh
+    and global shape (a grad of None is skipped). For a caller that steps several calls (bnbf_nn's param groups)
+    and must refuse a later call's input before an earlier call writes; no collective."""
+    for i, (p, g) in enumerate(zip(params, grads)):
+        if g is not None and isinstance(p, DTensor):
+            _check_grad(i, p, g, _shards(p, f" [{i}]"))
+
+
 def check_step(params: Any, rule: Any, max_unorm: Any = 0.0) -> None:
     """Raise, before anything is written, where a step of ``params`` (one core call) with ``rule`` would need
     whole-tensor norms it cannot reduce across the mesh (see :func:`update_`'s Raises); else do nothing.

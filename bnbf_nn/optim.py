@@ -961,9 +961,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         if self._adding:
             self._add_slots()
             jobs = [self._prepare_group(group) for group in self.param_groups]
-        for group, plan, grads, every in jobs:
-            if not plan.dist:  # DTensor grads: bnbf.distributed's step checks its shards itself
+        for gi, (group, plan, grads, every) in enumerate(jobs):
+            if not plan.dist:
                 self._check_grads(group, grads, every)
+            elif gi:  # DTensor grads: the first group's step checks its own before writing, a later one's here
+                try:
+                    _distributed().check_grads(group["params"], grads)
+                except (TypeError, ValueError, NotImplementedError) as e:
+                    raise type(e)(f"param group {gi}: {e}") from None
         return jobs
 
     def _check_grads(self, group: Mapping, grads: list, every: bool) -> None:

@@ -310,6 +310,20 @@ def scenario_nn_refused():
         with pytest.raises(NotImplementedError, match="capturable=True or differentiable=True on DTensor"):
             opt.step()
         assert not opt.state, (cls.__name__, kw)
+    # a later group's grad or param the sharded step refuses: raised before the first group steps or gets state
+    params = list(model.parameters())
+    row = torch.nn.Parameter(distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(0)]))
+    cols = torch.nn.Parameter(distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(1)]))
+    for extra, grad, err, match in (
+        (row, torch.randn(4, 300, device=td.DEVICE), TypeError, "param group 1: grad .* mixed torch.Tensor"),
+        (cols, distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(1)]), NotImplementedError,
+         "param group 1: param .* placements"),
+    ):  # fmt: skip
+        extra.grad = grad
+        opt = bnbf_nn.AdamW8bit([{"params": params}, {"params": [extra]}], lr=LR, min_8bit_size=MIN8)
+        with pytest.raises(err, match=match):
+            opt.step()
+        assert not opt.state
     assert all(torch.equal(p.detach().to_local(), before[k]) for k, p in model.named_parameters())
 
 
