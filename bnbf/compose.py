@@ -1243,6 +1243,10 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
     placements, norms across the mesh), then the local shards stand for them in the core's checks."""
     _check_grads(parts)
     _check_step(step)
+    for h, idx in parts.groups:  # a later group's refusal of a gradient asked through the step, before any writes
+        ps, gs, ss = ([xs[i] for i in idx] for xs in (parts.params, parts.grads, parts.states))
+        names = {parts.names[i]: p for i, p in zip(idx, ps)}
+        check_not_differentiated(names, ps, gs, h, step, max_unorm, ss, in_place=True)
     for h, idx in parts.groups:  # the states keep the slots of their hyperparameters (which change per call)
         states = [parts.states[i] for i in idx]
         rule = get_rule(type(states[0]).layout.rule)

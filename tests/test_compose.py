@@ -578,6 +578,11 @@ def test_mixed_errors_raise_before_writing(device):
     shared_state = compose.init_state(shared, specs, hp)
     with pytest.raises(ValueError, match="overlap in memory"):
         compose.update_(shared, _grads(shared), shared_state, hp, 1)
+    # the last group's param with autograd history: a gradient asked through a step that is not differentiable
+    last = "norm.weight"
+    tracked = dict(params, **{last: params[last].detach().requires_grad_() * 1.0})
+    with pytest.raises(RuntimeError, match=r"param\['norm.weight'\] takes part in a gradient computation"):
+        compose.update_(tracked, grads, state, hp, 1)
     assert_untouched(snap)
     with pytest.raises(ValueError, match="hparams has entries that match no param"):
         compose.update(params, grads, state, {k: {} for k in [*params, "extra"]}, 1)
