@@ -702,3 +702,8 @@ _packed_step_op.register_vmap(_packed_step_vmap)
 
 
 _packed_step_op_.register_vmap(ops.in_place_vmap_rule(_packed_step_vmap, "a param or state buffer"))
+
+
+# saved packed states load with torch.load's default weights_only=True, as per-param states do (bnbf.state): their
+# classes rebuild from buffers, dtypes, shapes and names, and the meta checks what it is given
+torch.serialization.add_safe_globals([PackedState, PackedMeta, PackedGroup])

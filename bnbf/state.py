@@ -174,7 +174,7 @@ def _rebuild_state(name: str, fields: tuple) -> State:
     return cls(*fields)
 
 
-torch.serialization.add_safe_globals([_rebuild_state])
+torch.serialization.add_safe_globals([_rebuild_state, Layout])  # Layout: a packed state's meta holds them
 
 
 def is_state(x: Any) -> bool:

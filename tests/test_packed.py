@@ -505,3 +505,21 @@ def test_a_configuration_without_state_is_refused_by_name(rule):
         bnbf.init_state(p, bnbf.OptimSpec(rule=rule), {"lr": 0.1}, packed=True)
     with pytest.raises(ValueError, match="keeps no state with these hyperparameters"):
         bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule=rule), {"lr": 0.1}), p)
+
+
+def test_a_saved_packed_state_loads_with_torch_loads_defaults():
+    """``torch.load``'s default ``weights_only=True`` takes a saved packed state (its classes are registered as the
+    per-param states' are), and the loaded state steps as the saved one."""
+    import io
+
+    params = {"w": torch.randn(300), "b": torch.randn(7, dtype=torch.bfloat16)}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0), packed=True)
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert type(loaded) is type(state)
+    (p1, s1), (p2, s2) = (bnbf.update(params, grads, s, {"lr": 0.1}, 1) for s in (state, loaded))
+    for x, y in zip(tree_leaves((p1, s1.unpack())), tree_leaves((p2, s2.unpack()))):
+        assert torch.equal(x, y)
