@@ -226,15 +226,20 @@ def _dataclass_instance(x: Any) -> bool:
 
 
 def _is_hparams_leaf(x: Any) -> bool:
-    """One leaf's hyperparameters: None, a dataclass instance, or a mapping with no mapping among its values."""
+    """One leaf's hyperparameters: None, a dataclass instance, or a mapping with no mapping among its values, nor
+    a list or tuple of mappings (a subtree of the params' list or tuple: ``{"a": [{"lr": 0.1}, {"lr": 0.2}]}``)."""
     if type(x) is dict and all(type(v) in _LEAF_VALUES for v in x.values()):  # the usual dict of numbers
         return True
     if x is None or _dataclass_instance(x):
         return True
-    return isinstance(x, Mapping) and not any(isinstance(v, Mapping) for v in x.values())
+    return isinstance(x, Mapping) and not any(map(_holds_mappings, x.values()))
 
 
-_LEAF_VALUES = frozenset({float, int, bool, tuple})  # value types that are no mapping
+def _holds_mappings(v: Any) -> bool:
+    return isinstance(v, Mapping) or (type(v) in (list, tuple) and any(isinstance(x, Mapping) for x in v))
+
+
+_LEAF_VALUES = frozenset({float, int, bool})  # value types that are no mapping (a tuple may hold mappings)
 
 
 def _by_rule(h: Any) -> bool:
@@ -260,7 +265,7 @@ def is_shared_hparams(hparams: Any) -> bool:
         isinstance(hparams, Mapping)
         and not _by_rule(hparams)
         and not any(
-            isinstance(v, Mapping) or _is_schedule(v) or (type(v) is tuple and any(_is_schedule(x) for x in v))
+            _holds_mappings(v) or _is_schedule(v) or (type(v) is tuple and any(_is_schedule(x) for x in v))
             for v in hparams.values()
         )
     )

@@ -424,7 +424,8 @@ def _shared(hparams: Any) -> bool:
     if type(hparams) is dict:
         for v in hparams.values():
             number = type(v) is float or type(v) is int or type(v) is bool or isinstance(v, Tensor)
-            if not number and (type(v) is not tuple or any(map(callable, v))):
+            # a tuple of numbers (betas) is one setting; of schedules or mappings (a tuple subtree's), not
+            if not number and (type(v) is not tuple or any(map(callable, v)) or any(isinstance(x, Mapping) for x in v)):
                 break
         else:
             return True

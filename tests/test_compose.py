@@ -1013,3 +1013,26 @@ def test_vmap_of_update__refuses_an_unbatched_param_before_writing():
     with pytest.raises(RuntimeError, match="cannot write param 1: it is not batched"):
         torch.vmap(lambda a, g, s: compose.update_({"a": a, "b": shared}, g, s, hp, 1))(params["a"], grads, state)
     assert_untouched(snap)
+
+
+@pytest.mark.parametrize("seq", [list, tuple])
+def test_a_tree_of_hparams_through_lists_and_tuples_of_the_params(seq):
+    """hparams as a pytree matching params whose subtrees are lists or tuples (``{"a": [{...}, {...}]}``): each
+    leaf takes its own mapping, in init_state, update and update_, equal to separate calls."""
+    t = lambda: torch.linspace(-1, 1, 300)  # noqa: E731
+    params = {"enc": {"w": seq([t(), t() * 2])}, "b": t()}
+    hp = {"enc": {"w": seq([{"lr": 0.1}, {"lr": 0.2, "weight_decay": 0.0}])}, "b": {"lr": 0.3}}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    tree_map, tree_leaves = torch.utils._pytree.tree_map, torch.utils._pytree.tree_leaves
+    grads = tree_map(lambda x: torch.cos(x * 3), params)
+    state = bnbf.init_state(params, spec, hp)
+    new_p, _ = bnbf.update(params, grads, state, hp, 1)
+    hps = [hp["enc"]["w"][0], hp["enc"]["w"][1], hp["b"]]
+    order = [("enc", "w", 0), ("enc", "w", 1), ("b",)]
+    for path, p, h in zip(order, [params["enc"]["w"][0], params["enc"]["w"][1], params["b"]], hps):
+        g = grads["enc"]["w"][path[2]] if path[0] == "enc" else grads["b"]
+        want, _ = bnbf.update(p, g, bnbf.init_state(p, spec, h), h, 1)
+        got = new_p["enc"]["w"][path[2]] if path[0] == "enc" else new_p["b"]
+        assert torch.equal(got, want), path
+    bnbf.update_(params, grads, state, hp, 1)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(new_p)))
