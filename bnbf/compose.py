@@ -1442,10 +1442,20 @@ def updates(
             g32 = _as_float32([g.detach() for g in g_leaves])
     else:  # the core names the leaf that is not a tensor
         p32, g32 = ps, g_leaves
+    # a packed state's launch groups are its params' dtypes', which float32 copies of 16-bit params do not have: its
+    # per-param views step, packed back for the params as given (the two step alike, bit for bit)
+    repack = type(state) is bnbf.packed.PackedState and tensors and any(p.dtype != torch.float32 for p in ps)
     with _clipping(clip) if clip is not None else contextlib.nullcontext():
         new, new_state = update(
-            pytree.tree_unflatten(p32, treespec), pytree.tree_unflatten(g32, treespec), state, hparams, step, **options
+            pytree.tree_unflatten(p32, treespec),
+            pytree.tree_unflatten(g32, treespec),
+            state.unpack() if repack else state,
+            hparams,
+            step,
+            **options,
         )
+    if repack:
+        new_state = bnbf.packed.pack_state(new_state, params)
     with torch.no_grad():
         u = torch._foreach_sub(pytree.tree_leaves(new), p32)
     return pytree.tree_unflatten(u, treespec), new_state

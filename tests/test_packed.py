@@ -523,3 +523,21 @@ def test_a_saved_packed_state_loads_with_torch_loads_defaults():
     (p1, s1), (p2, s2) = (bnbf.update(params, grads, s, {"lr": 0.1}, 1) for s in (state, loaded))
     for x, y in zip(tree_leaves((p1, s1.unpack())), tree_leaves((p2, s2.unpack()))):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_updates_of_16bit_params_with_a_packed_state(dtype):
+    """``bnbf.updates`` steps float32 copies of the params: with a packed state made for 16-bit params it equals the
+    per-param state's ``updates`` (the updates, and the new state unpacked), and returns a packed state."""
+    params = {"w": torch.randn(4097).to(dtype), "b": torch.randn(7).to(dtype), "f": torch.randn(300)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    per_param = bnbf.init_state(params, spec)
+    packed = bnbf.init_state(params, spec, packed=True)
+    before = [t.clone() for t in packed.buffers]
+    u1, s1 = bnbf.updates(params, grads, per_param, {"lr": 0.1}, 1)
+    u2, s2 = bnbf.updates(params, grads, packed, {"lr": 0.1}, 1)
+    assert type(s2) is type(packed)
+    for x, y in zip(tree_leaves((u1, s1)), tree_leaves((u2, s2.unpack()))):
+        assert torch.equal(x, y)
+    assert all(torch.equal(a, b) for a, b in zip(packed.buffers, before))
