@@ -115,7 +115,16 @@ def update(
         if maximize:
             g = -g
         new_p, out, finite = step_math(
-            rule, p.to(dt), g, values, sc, _as(max_unorm, dt, p.device), _as(h.lr, dt, p.device), skip_zeros, clip
+            rule,
+            p.to(dt),
+            g,
+            values,
+            sc,
+            _as(max_unorm, dt, p.device),
+            _as(h.lr, dt, p.device),
+            skip_zeros,
+            clip,
+            derivable=True,
         )
         new_params.append(new_p.to(p.dtype))
         # a non-finite gradient element zeroes its states (as the kernels and the reference path)

@@ -155,7 +155,7 @@ def tile_squares(g: Tensor, tile: int) -> Tensor:
     return sq.view(-1, tile).sum(1).double().sum()
 
 
-def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False, sums=None):
+def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip=False, sums=None, derivable=False):
     """One tensor's step on dequantized values: ``(new_p, new_states, finite)``.
 
     Args:
@@ -166,6 +166,7 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
         max_unorm, lr: the clipping pair, read only with ``clip``.
         sums: the rule's norm sums where they were taken before (a folded gradient clip's, of the clipped
             grads); None: taken here.
+        derivable: the differentiable step's call, whose derivatives must stay finite past non-finite grads.
 
     Returns:
         The new param (non-finite gradient elements keep their old value), the new states (not yet zeroed
@@ -175,8 +176,8 @@ def step_math(rule, p, g, states, scalars, max_unorm, lr, skip_zeros=False, clip
     counted = _counted(finite, g, skip_zeros)
     # the step of a non-finite element is discarded below; taken on 1 its derivatives there are finite (0 · them
     # is 0), where on inf or NaN they would make every derivative of the differentiable step NaN (and on 0, Adam's
-    # sqrt of a zero second moment would)
-    g_in = torch.where(finite, g, 1.0)
+    # sqrt of a zero second moment would). The values are the same either way: the reference path skips the pass
+    g_in = torch.where(finite, g, 1.0) if derivable else g
     if rule.norms is not None:  # per-tensor sums of the rule's terms over the counted elements
         if sums is None:
             sums = _reduced(norm_sums(rule, p, g_in, states, scalars, counted))
