@@ -449,9 +449,14 @@ def _check_grads_apart(param: Any, params: list, grads: list, states: list) -> N
     names = _names(param)
     where = [f"param{names[i]}" for i in range(len(params))]
     where += [f"state{names[i]}.{f}" for i, s in enumerate(states) for f in type(s)._fields]
-    raise ValueError(
-        f"grad{names[j]} shares memory with {where[k]}, which this in-place step writes: the step would read it "
-        f"while writing it (pass a copy of the grad, or use bnbf.update)"
+    raise grad_shares_memory(f"grad{names[j]}", where[k])
+
+
+def grad_shares_memory(grad: str, written: str) -> ValueError:
+    """The error of a grad that shares memory with a param or state an in-place step writes."""
+    return ValueError(
+        f"{grad} shares memory with {written}, which this in-place step writes: the step would read it while writing "
+        "it (pass a copy of the grad, or use bnbf.update)"
     )
 
 

@@ -729,9 +729,10 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip, 
             wp, ws = _in_place(ps, p_dims), _in_place(ss, s_dims)
             if wp is not None and ws is not None:
                 if size:
-                    _stacked_step_(wp, gs, g_dims, ws, hp_u, h_dim, layout, skip_zeros, clip, size)
+                    checked = unwrapped is not None
+                    _stacked_step_(wp, gs, g_dims, ws, hp_u, h_dim, layout, skip_zeros, clip, size, checked)
                 return True
-    if plain:
+    if plain and unwrapped is None:  # (given unwrapped, the caller compared the whole call's memory)
         with torch._C._DisableFuncTorch():
             _check_disjoint(ps, ss)
     new_p, new_s = step(params, grads, states, hp, layout, skip_zeros, clip)
@@ -741,8 +742,9 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip, 
     return True
 
 
-def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros, clip, size) -> None:
-    """:func:`_stacked_step` written into the stacked ``params`` and ``states`` (batched, members contiguous)."""
+def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros, clip, size, checked=False) -> None:
+    """:func:`_stacked_step` written into the stacked ``params`` and ``states`` (batched, members contiguous);
+    ``checked``: their memory found apart by the caller (:func:`check_vmapped_apart`)."""
     ps, ss, gs = (params, (True,) * len(params)), (states, (True,) * len(states)), _stack(grads, g_dims)
     device = params[0].device
     _refuse_capture(device, None)
@@ -753,7 +755,8 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
         with BUILD_LOCK:
             group = stacked_group(ps, ps, ss, ss, layout, size)
             if not group.disjoint:  # once per set of addresses: a hit is the same memory
-                _check_disjoint(params, states)
+                if not checked:
+                    _check_disjoint(params, states)
                 group.disjoint = True
             grad_list = stacked_grads(group, gs, size)
         rows = _member_rows(hp, h_dim, len(params), size)
@@ -764,7 +767,8 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
         with launch_lock(device.type == "cpu"):
             launch_group(group, grad_list, hp, skip_zeros, clip)
         return
-    _check_disjoint(params, states)
+    if not checked:
+        _check_disjoint(params, states)
     if _BUMP is not None:
         _BUMP(params)
         _BUMP(states)

@@ -52,6 +52,7 @@ from bnbf._host_checks import (
     _overlap,
     _unflatten,
     check_not_differentiated,
+    grad_shares_memory,
     is_state,
     traced_hparams,
 )
@@ -479,10 +480,8 @@ def _check_apart(param, params: list, grads: list, state: PackedState | None, di
         views = state.plan_views()
         _check_grads_apart(param, params, grads, views[1] if views else _flatten(state.unpack(), is_leaf=is_state)[0])
     names, (j, k) = _names(param), pair
-    what = f"param{names[k]}" if k < len(params) else f"packed state buffer {k - len(params)}"
-    raise ValueError(
-        f"grad{names[j]} shares memory with {what}, which this in-place step writes: the step would read it while "
-        "writing it (pass a copy of the grad, or use bnbf.update)"
+    raise grad_shares_memory(
+        f"grad{names[j]}", f"param{names[k]}" if k < len(params) else f"packed state buffer {k - len(params)}"
     )
 
 
