@@ -672,6 +672,11 @@ def check_no_repeats(param: Any, params: list, states: list) -> None:
     """ValueError naming a param or a state listed twice, by identity: for tensors without addresses to compare
     (torch.func's wrappers, traced values), where :func:`_check_no_overlap` compares memory."""
     for what, leaves in (("param", params), ("state", states)):
+        if torch.compiler.is_compiling():  # Dynamo (torch 2.11) cannot take id() of a value made inside the graph
+            pair = next(((i, j) for j, x in enumerate(leaves) for i in range(j) if leaves[i] is x), None)
+            if pair is not None:
+                raise _listed_twice(what, _names(param), *pair)
+            continue
         seen: dict[int, int] = {}
         for j, x in enumerate(leaves):
             i = seen.setdefault(id(x), j)

@@ -622,11 +622,12 @@ def test_a_gradient_through_max_grad_norm_needs_differentiable(bits, in_place):
 
 
 @pytest.mark.parametrize("hp", ["one mapping", "per leaf"])
-@pytest.mark.parametrize("how", ["update", "update_", "torch.func.grad"])
+@pytest.mark.parametrize("how", ["update", "update_", "torch.func.grad", "torch.compile"])
 def test_differentiable_steps_refuse_a_leaf_listed_twice(how, hp):
     """As the plain step: a param listed twice (the same tensor back with two new values, or in place one of its
     steps lost), a state shared by two leaves, or views of one tensor are refused, also where the tensors have no
-    address to compare (torch.func's wrappers: by identity) and across the groups of per-leaf hyperparameters."""
+    address to compare (torch.func's wrappers, values made inside a compiled graph: by identity) and across the
+    groups of per-leaf hyperparameters."""
     spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
     hps = {"lr": 0.1} if hp == "one mapping" else (lambda path, p: {"lr": 0.1 if path == "a" else 0.2})
     w, base = torch.randn(300), torch.randn(400)
@@ -636,7 +637,7 @@ def test_differentiable_steps_refuse_a_leaf_listed_twice(how, hp):
         ({"a": w, "b": w}, fresh, r"param\['a'\] and param\['b'\] are the same tensor"),
         ({"a": w, "b": w.clone()}, {"a": fresh["a"], "b": fresh["a"]}, r"state\['a'\] and state\['b'\] are the same"),
     ]
-    if how != "torch.func.grad":  # views of one tensor: only addressable tensors are compared by memory
+    if how not in ("torch.func.grad", "torch.compile"):  # views: only addressable tensors are compared by memory
         cases.append(({"a": base[:300], "b": base[100:]}, fresh, r"overlap in memory"))
     for params, state, match in cases:
         before = [t.clone() for t in (w, base, *fresh["a"], *fresh["b"])]
@@ -650,6 +651,18 @@ def test_differentiable_steps_refuse_a_leaf_listed_twice(how, hp):
                     return bnbf.update(tree, g, state, hps, 1, differentiable=True)[0]["a"].sum()
 
                 torch.func.grad(loss)(params["a"])
+            elif how == "torch.compile":  # the leaves are made in the graph (no source): torch 2.11 took no id() of them
+                same = params["a"] is params["b"]
+
+                def traced(q, r, state=state):
+                    q, r = q * 1, r * 1
+                    return bnbf.update({"a": q, "b": q if same else r}, g, state, hps, 1, differentiable=True)[0]
+
+                torch._dynamo.reset()
+                try:  # fullgraph: the check itself must trace (Dynamo reports the refusal it traced)
+                    torch.compile(traced, backend="eager", fullgraph=True)(params["a"], params["b"])
+                except torch._dynamo.exc.Unsupported as e:
+                    raise ValueError(str(e)) from e
             else:
                 getattr(bnbf, how)(params, g, state, hps, 1, differentiable=True)
         assert all(torch.equal(a, b) for a, b in zip(before, (w, base, *fresh["a"], *fresh["b"])))
