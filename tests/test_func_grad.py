@@ -651,10 +651,10 @@ def test_differentiable_steps_refuse_a_leaf_listed_twice(how, hp):
                     return bnbf.update(tree, g, state, hps, 1, differentiable=True)[0]["a"].sum()
 
                 torch.func.grad(loss)(params["a"])
-            elif how == "torch.compile":  # the leaves are made in the graph (no source): torch 2.11 took no id() of them
+            elif how == "torch.compile":  # leaves made in the graph (no source): torch 2.11 takes no id() of them
                 same = params["a"] is params["b"]
 
-                def traced(q, r, state=state):
+                def traced(q, r, state=state, same=same):
                     q, r = q * 1, r * 1
                     return bnbf.update({"a": q, "b": q if same else r}, g, state, hps, 1, differentiable=True)[0]
 
