@@ -58,6 +58,7 @@ __all__ = [
     "live_bytes",
     "prefetch",
     "ranges_of",
+    "seal",
 ]
 
 PAGED_MIN_NUMEL = 100_000  # bitsandbytes' threshold for paging a tensor's state
@@ -479,6 +480,10 @@ def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None, f
 
         prefetch(ranges_of(state))
     """
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        # a driver prefetch cannot be captured (it invalidates the capture): replays fault the pages in
+        seal()
+        return False
     by_device: dict[int, list[Range]] = {}
     for r in ranges:
         arena = _ARENAS.get(r.device)
@@ -504,6 +509,13 @@ def prefetch(ranges: Sequence[Range], stream: torch.cuda.Stream | None = None, f
             arena.prefetched.setdefault(r.serial, set()).add((r.ptr, r.nbytes))
         issued = True
     return issued
+
+
+def seal() -> None:
+    """End the allocation burst on every device: states allocated next start new chunks (a checkpoint loaded
+    after another: dropping either frees its own chunk)."""
+    for arena in list(_ARENAS.values()):
+        arena.seal()
 
 
 def live_bytes(device: int | None = None) -> int:

@@ -225,7 +225,7 @@ def _fresh(param: Tensor, spec: Any, hparams: Any, stacks: tuple | None, paged: 
         initial = rule.initial_values(rule.make_hparams(hparams))
         kept = [j for j in range(len(rule.states)) if (type(state).layout.present >> j) & 1]
         state = type(state)._make(torch.full_like(t, initial[j], dtype=torch.float64) for j, t in zip(kept, state))
-        return relaid(state, stacks, False) if stacks else state
+        return relaid(state, stacks, paged) if stacks or paged else state
     if not stacks:
         return bnbf.init_state(param.detach(), spec, hparams)
     # laid out in its stacks from the start: a copy would hold the whole state twice during the first step

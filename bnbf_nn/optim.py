@@ -27,8 +27,10 @@ default of 32 is accepted and means 8-bit state, as there), ``args``, ``min_8bit
 for 8-bit state: bnbf's 8-bit state is block-wise), ``state_format`` (``"power"``, the default, or
 ``"dynamic"``, bitsandbytes' map), torch.optim's ``maximize``, and the rule's hyperparameters bitsandbytes
 lacks (LAMB's ``clamp_value``, LARS' ``trust_coefficient``...). ``args`` is bitsandbytes' config object:
-each of its attributes ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``,
-``block_wise`` and ``percentile_clipping`` (100 only) that it has wins over the argument. The classes of
+each of its attributes ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``block_wise`` and
+``percentile_clipping`` (100 only) that it has wins over the argument (not ``is_paged``: bitsandbytes pages by the
+argument alone). ``is_paged`` and ``block_wise`` are read as bitsandbytes reads them, by truth value (``1``,
+numpy's bools), and refused when neither bool nor integer. The classes of
 torch's families (Adam, AdamW, SGD, RMSprop, Adagrad) also take their torch class's ``foreach``
 and ``fused``, which change nothing (bnbf's step is one fused launch per group; CPU params run the reference
 path) and are refused only in the combinations torch refuses. Every class takes torch's ``capturable`` and
@@ -515,9 +517,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         super().__init_subclass__(**kwargs)
 
     def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
-        if not isinstance(is_paged, bool):
-            raise TypeError(f"is_paged must be a bool, got {is_paged!r}")
-        self.is_paged = is_paged
+        self.is_paged = _flag(is_paged, "is_paged", type(self).__name__)
         self.family = family or getattr(type(self), "family", None)
         if self.family is None:
             raise TypeError(f"{type(self).__name__} needs a family (use a named optimizer such as AdamW8bit)")
@@ -613,12 +613,16 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._init_caches()
         self._lr0 = {id(g): (g, v) for g, v in zip(self.param_groups, lr0)}
         stacks = self.family.bnb_slots
+        if self.is_paged:  # the unpickled states are in memory already: a lower bound of the free memory before
+            self._note_free([p for g in self.param_groups for p in g["params"] if isinstance(p, Tensor)])
         for p, rec in self.state.items():  # as __getstate__ leaves them, or pickled before the views existed
             if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec and "state1" not in rec:
                 s = rec["state"]
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
                 _put(self.state, p, _checkpoint.record(rec["step"], s, self.family, self._qmaps))
+        if self.is_paged:
+            bnbf.paged.seal()
         if "name2qmap" not in state:  # pickled before bitsandbytes' attributes existed: as its steps left them
             self.initialized, self.name2qmap = False, {}
             if self.defaults["optim_bits"] == 8:
@@ -1403,7 +1407,8 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _note_free(self, params: list) -> None:
         """The GPU's free bytes before paged states are made (the lowest seen, by device): _paged_slices's
-        budget. Made states take memory once touched, so free memory read later would count them."""
+        budget. Made states take memory once touched, so free memory read later would count them. A load
+        notes it too (before its states are made): a resumed run steps in the slices of a fresh one."""
         for dev in {p.device for p in params if p.is_cuda}:
             free = torch.cuda.mem_get_info(dev)[0]
             self._paged_free[dev.index] = min(free, self._paged_free.get(dev.index, free))
@@ -1554,6 +1559,27 @@ class Optimizer8bit(torch.optim.Optimizer):
         configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
         checks: list = []  # the verdicts on DTensor states' values, settled once for the load (a collective)
+        free = self._paged_free
+        if self.is_paged:
+            self._paged_free = {}
+            self._note_free([p for g in groups for p in g["params"]])
+            free, self._paged_free = self._paged_free, free
+        try:
+            self._load_entries(state_dict, state, id_map, configs, checks, origin)
+        finally:  # this load's states in chunks of their own (a failed load's too, freed with them)
+            if self.is_paged:
+                bnbf.paged.seal()
+        _checkpoint.settle(checks)
+        self.state = _checkpoint.States(state)
+        self.param_groups = groups
+        self._init_caches()
+        self._paged_free = free
+        self._lr0 = {id(g): (g, v) for g, v in zip(groups, lr0)}
+        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
+            hook(self)
+
+    def _load_entries(self, state_dict: Mapping, state: dict, id_map: dict, configs: dict, checks: list, origin):
+        """:meth:`load_state_dict`'s records of the saved entries, into ``state``."""
         for key, entry in state_dict["state"].items():
             if key not in id_map:
                 if not isinstance(key, int) or isinstance(key, bool):  # not a param index: kept, as torch does
@@ -1564,13 +1590,6 @@ class Optimizer8bit(torch.optim.Optimizer):
             held = {k: saved[k] for k in ("optim_bits", "min_8bit_size") if type(saved.get(k)) is int}
             where = f"param {key} (shape {tuple(p.shape)})"
             state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks, held if origin else {})
-        _checkpoint.settle(checks)
-        self.state = _checkpoint.States(state)
-        self.param_groups = groups
-        self._init_caches()
-        self._lr0 = {id(g): (g, v) for g, v in zip(groups, lr0)}
-        for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
-            hook(self)
 
     def _check_layout(self, where: str, entry: Any) -> None:
         """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name."""
@@ -1944,17 +1963,26 @@ def _init_bnb_base(opt, base: str, optimizer_name: str, params, family: Family, 
     Optimizer8bit.__init__(opt, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
 
 
-def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: str, paged_class: bool = False):
+_NP_BOOLS = ("bool", "bool_")  # numpy 2's name, numpy 1's
+
+
+def _flag(value: Any, what: str, name: str) -> bool:
+    """A bool setting as bitsandbytes reads it (its truth value), of a bool or an integer (numpy's too); anything
+    else (a string: "False" is true) is refused."""
+    if isinstance(value, numbers.Integral) or (type(value).__module__ == "numpy" and type(value).__name__ in _NP_BOOLS):
+        return bool(value)
+    raise TypeError(f"{name}: {what} must be a bool, got {value!r}")
+
+
+def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: str):
     """The group settings that are not hyperparameters of the rule, and whether the state is paged.
 
     bitsandbytes' ``args`` object wins over the arguments for each of these attributes it has:
-    ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``state_format``, ``is_paged`` (not for a
-    Paged* class, which always pages), ``block_wise`` and ``percentile_clipping``."""
+    ``optim_bits``, ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``state_format``, ``block_wise`` and
+    ``percentile_clipping``. Not ``is_paged``: bitsandbytes pages by the argument alone."""
     out = dict(settings)
     if args is not None:
         out.update({k: getattr(args, k) for k in out if hasattr(args, k)})
-        if hasattr(args, "is_paged") and not paged_class:
-            is_paged = args.is_paged
         block_wise = getattr(args, "block_wise", block_wise)
         clip = getattr(args, "percentile_clipping", 100)
         if clip != 100:
@@ -1969,10 +1997,7 @@ def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: s
             f"{name}: optim_bits must be an int (8 or 32), got {bits!r}; the arguments after the "
             f"hyperparameters are bitsandbytes' ({', '.join(_bnb_tail(family, None, False))}), not torch's"
         )
-    if not isinstance(is_paged, bool):
-        raise TypeError(f"{name}: is_paged must be a bool, got {is_paged!r}")
-    if not isinstance(block_wise, bool):
-        raise TypeError(f"{name}: block_wise must be a bool, got {block_wise!r}")
+    is_paged, block_wise = _flag(is_paged, "is_paged", name), _flag(block_wise, "block_wise", name)
     if not block_wise and out["optim_bits"] == 8:
         raise ValueError(
             f"{name}: block_wise=False (one scale per tensor) is not supported: bnbf's 8-bit state is "
@@ -2050,7 +2075,10 @@ def _make_class(
     bits_ok = {bits, family.bnb_bits8_default} if bits == 8 and family.bnb_bits_arg else {bits}
 
     def __init__(self, *args, **kwargs):
-        a = sig.bind(self, *args, **kwargs)
+        try:
+            a = sig.bind(self, *args, **kwargs)
+        except TypeError as e:  # as Python words it for a def: the class named
+            raise TypeError(f"{name}.__init__() {e}") from None
         a.apply_defaults()
         a = _as_bnb_reads(a.arguments, family, name)
         if bnb_ranges:
@@ -2079,7 +2107,7 @@ def _make_class(
             "state_format": a["state_format"],
         }
         is_paged = True if paged else a["is_paged"]  # a Paged* class pages whatever is_paged says, as bnb's
-        storage, is_paged = _storage(a["args"], settings, is_paged, a["block_wise"], family, name, paged)
+        storage, is_paged = _storage(a["args"], settings, is_paged, a["block_wise"], family, name)
         # group settings, as torch.optim keeps them
         flags = {k: a[k] for k in ("maximize", *family.torch_flags, *_MODES)}
         Optimizer8bit.__init__(self, a["params"], {**hp, **storage, **flags}, storage["optim_bits"], is_paged)

@@ -318,7 +318,9 @@ def test_positional_arguments_bind_as_bitsandbytes():
 @pytest.mark.parametrize(
     "make, error, match",
     [
-        (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged=1), TypeError, "is_paged must be a bool"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps, is_paged="False"), TypeError, "is_paged must be a bool"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps, block_wise=0.0), TypeError, "block_wise must be a bool"),
+        (lambda ps: bnbf_nn.PagedAdamW(ps, is_paged=False), TypeError, r"PagedAdamW.__init__\(\) got an unexp"),
         (lambda ps: bnbf_nn.Adam8bit(ps, block_wise=False), ValueError, "block_wise=False"),
         (lambda ps: bnbf_nn.Lion8bit(ps, args=SimpleNamespace(block_wise=False)), ValueError, "block_wise=False"),
         (
@@ -691,9 +693,23 @@ def test_copies_keep_bitsandbytes_views_live_and_compact(how):
             assert_equal_report(rec[k], v, f"{how}: {k}")
 
 
+def test_is_paged_read_by_truth_value_as_bitsandbytes_reads_it():
+    """bitsandbytes tests ``is_paged`` for truth: an int or a numpy bool works there, and here (it was refused)."""
+    np = pytest.importorskip("numpy")
+    for v, want in ((1, True), (0, False), (np.bool_(True), True), (np.int64(0), False)):
+        opt = bnbf_nn.AdamW8bit(make_params(), is_paged=v)
+        assert opt.is_paged is want, v
+        if want:
+            bnbf_nn.Adam8bit(make_params(), block_wise=v)
+        else:  # read as False: refused for 8-bit state
+            with pytest.raises(ValueError, match="block_wise=False"):
+                bnbf_nn.Adam8bit(make_params(), block_wise=v)
+
+
 def test_bitsandbytes_args_object_wins():
     """bitsandbytes' config object: each attribute it has wins over the argument (as in bitsandbytes, whose
-    get_config reads ``args``), those it lacks leave the arguments alone."""
+    get_config reads ``args``), those it lacks leave the arguments alone. Not ``is_paged``: bitsandbytes pages by
+    the argument alone (``args.is_paged`` paged against the argument, and the reverse)."""
     args = SimpleNamespace(optim_bits=32, min_8bit_size=100, max_unorm=0.0, skip_zeros=False)
     opt = bnbf_nn.Adam(make_params(), optim_bits=8, args=args)
     assert (opt.param_groups[0]["optim_bits"], opt.param_groups[0]["min_8bit_size"]) == (32, 100)
@@ -713,8 +729,9 @@ def test_bitsandbytes_args_object_wins():
         64,
         0.5,
         True,
-        True,
+        False,
     )
+    assert bnbf_nn.AdamW8bit(make_params(), is_paged=True, args=SimpleNamespace(is_paged=False)).is_paged is True
     assert bnbf_nn.PagedLion(make_params(), args=SimpleNamespace()).is_paged is True  # Paged* always pages
     assert bnbf_nn.PagedLion(make_params(), args=SimpleNamespace(is_paged=False)).is_paged
     partial = bnbf_nn.SGD(make_params(), 0.1, args=SimpleNamespace(min_8bit_size=7), optim_bits=8)

@@ -481,6 +481,100 @@ def test_loading_a_checkpoint_into_a_paged_optimizer_pages_it():
         assert_equal_report(b, a, f"saved and loaded {field}")
 
 
+@pytest.mark.gpu
+def test_a_paged_step_is_captured_when_the_gpu_is_near_full(monkeypatch):
+    """A driver prefetch invalidates a CUDA-graph capture: with the GPU within the headroom of full (stood in for by a
+    headroom larger than the GPU), the paged step prefetched while capturing and the capture failed. It now skips the
+    prefetch while capturing (replays fault the pages in) and replays as the unpaged captured step, bit for bit."""
+    monkeypatch.setattr(bnbf.paged, "PREFETCH_HEADROOM", 1 << 62)
+    params, twin = make([BIG, SMALL], "cuda"), make([BIG, SMALL], "cuda")
+    grads = grads_for(params, 4)
+    ends, opts = [], []
+    for cls, ps in ((bnbf_nn.PagedAdamW8bit, params), (bnbf_nn.AdamW8bit, twin)):
+        opt = cls(ps, lr=1e-2, capturable=True)
+        opts.append(opt)
+        run(opt, ps, grads[:1])
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):  # the warm-up the capture needs
+            run(opt, ps, grads[1:2])
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            opt.step()
+        for gs in grads[2:]:
+            for p, g in zip(ps, gs):
+                p.grad.copy_(g)
+            graph.replay()
+        torch.cuda.synchronize()
+        ends.append([p.detach().clone() for p in ps] + [t for p in ps for t in state_tensors(opt, p)])
+    assert all(bnbf.paged.is_managed(t) for t in state_tensors(opts[0], params[0]))
+    for i, (a, b) in enumerate(zip(*ends)):
+        assert_equal_report(a, b, f"captured paged step, tensor {i}")
+
+
+@pytest.mark.gpu
+def test_a_loaded_paged_optimizer_steps_in_the_slices_of_a_fresh_one(monkeypatch):
+    """A load notes the free memory before its states are made, as a fresh optimizer's first step does: a resumed
+    run whose state is larger than the GPU's free memory steps in slices (it stepped it in one launch faulting every
+    page in: 5x the sliced step, measured on the H200). The free memory is stood in for by a small figure."""
+    shapes = [(320, 400)] * 6 + [SMALL]
+    params, twin = make(shapes, "cuda"), make(shapes, "cuda")
+    per = bnbf.state_nbytes(bnbf.init_state(params[0].detach(), bnbf.OptimSpec(rule="adamw")))
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda dev=None: (5 * per, 1 << 40))
+    grads = grads_for(params, 3)
+    opt = bnbf_nn.PagedAdamW8bit(params)
+    run(opt, params, grads[:1])
+    loaded = bnbf_nn.PagedAdamW8bit(twin)
+    with torch.no_grad():
+        for p, q in zip(params, twin):
+            q.copy_(p)
+    loaded.load_state_dict(opt.state_dict())
+    run(opt, params, grads[1:])
+    run(loaded, twin, grads[1:])
+    torch.cuda.synchronize()
+    for o in (opt, loaded):
+        (slices,) = o._plans[id(o.param_groups[0])].slices
+        assert [len(sub.idx) for sub, _ in slices] == [2, 2, 3], f"{type(o).__name__} slices"
+    for i, (p, q) in enumerate(zip(params, twin)):
+        assert_equal_report(q.detach(), p.detach(), f"param {i} after the load")
+
+
+@pytest.mark.gpu
+def test_each_load_carves_its_own_chunk_and_a_dropped_one_is_freed():
+    """Two loads in a row (of one optimizer, or of two) carved their states from one managed chunk: the first
+    load's states, dropped by the second, kept the chunk alive. Each load now ends the allocation burst."""
+    params, twin = make([BIG], "cuda"), make([BIG], "cuda")
+    plain = bnbf_nn.AdamW8bit(params)
+    run(plain, params, grads_for(params, 1))
+    saved = plain.state_dict()
+    paged = bnbf_nn.PagedAdamW8bit(twin)
+    arena = bnbf.paged._arena(twin[0].device.index)
+
+    def chunks():  # read from the arena's records: ranges_of would itself end the burst
+        return {arena.fields[t.untyped_storage().data_ptr()][0] for t in state_tensors(paged, twin[0])}
+
+    paged.load_state_dict(saved)
+    first = chunks()
+    paged.load_state_dict(saved)
+    second = chunks()
+    gc.collect()
+    assert not first & second, "the second load's states in the first load's chunk"
+    assert not first & set(arena.live), "the first load's chunk outlived its states"
+
+
+@pytest.mark.gpu
+def test_float64_differentiable_paged_state_is_managed():
+    """A Paged* class with float64 params and differentiable=True (float64 32-bit state) pages that state as it pages
+    float32 state (its state was made in ordinary device memory)."""
+    p = torch.nn.Parameter(torch.randn(BIG, device="cuda", dtype=torch.float64))
+    opt = bnbf_nn.PagedAdamW([p], differentiable=True)
+    run(opt, [p], [[g.double() for g in gs] for gs in grads_for([p], 1)])
+    fields = state_tensors(opt, p)
+    assert all(t.dtype == torch.float64 for t in fields)
+    assert all(bnbf.paged.is_managed(t) for t in fields)
+
+
 def _level() -> int:
     """The GPU's free memory once everything dropped has been freed (torch's cached blocks too)."""
     gc.collect()
