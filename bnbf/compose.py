@@ -380,8 +380,9 @@ def _hkey(v: Any) -> Any:
 def _traced_key(v: Any, seen: list) -> Any:
     """:func:`_hkey` for a traced call: a tensor (or another object) keyed by its place among the call's distinct
     ones, found by ``is``, which Dynamo answers while tracing; ``id()`` would make a guard on each input's identity,
-    so a new lr tensor each step would compile again."""
-    if type(v) in _PLAIN:
+    so a new lr tensor each step would compile again. A float by its place too: a schedule of a Python-number step
+    returns a symbolic float, whose exact value (``hex()``) Dynamo would guard on (a compile every step)."""
+    if type(v) in _PLAIN and type(v) is not float:
         return _number_key(v)
     if type(v) in (tuple, list):
         return (type(v), tuple(_traced_key(x, seen) for x in v))

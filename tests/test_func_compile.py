@@ -12,6 +12,7 @@ and under ``TRITON_INTERPRET=1`` (the custom ops then launch the Triton kernels 
 from __future__ import annotations
 
 import gc
+import math
 import weakref
 
 import pytest
@@ -211,6 +212,38 @@ def test_every_rule_compiles_with_a_python_number_step_that_changes(rule):
     got = run(counted)
     assert graphs[-1] <= 2 and graphs[-1] == graphs[1], f"{rule}: graphs after each call {graphs}"
     assert _equal(got, run(step)), f"{rule}: the compiled steps differ from the eager ones"
+
+
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        lambda s: 1e-2 * 0.5 * (1 + math.cos(math.pi * s / 20)),  # Dynamo failed its own guard at the second call
+        lambda s: 1e-3 / s,  # compiled again at every call
+        lambda s: min(1, s / 10) * 1e-3,
+    ],
+    ids=["cosine", "inverse", "warmup"],
+)
+def test_a_schedule_of_a_python_number_step_compiles_twice_at_most(schedule):
+    """A schedule (a callable hyperparameter) of a Python-number step returns a symbolic float from Dynamo's first
+    recompile on. Grouping the leaves by their hyperparameters read its exact value (``float.hex``): a guard on it,
+    so a compile at every call, or (the cosine) Dynamo's assertion that a guard failed on the frame that made it.
+    Traced floats are now keyed by identity: two compiles at most, the eager steps bit for bit."""
+
+    def run(fn):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+        state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+        for t in range(1, 6):
+            params, state = fn(params, tree_map(torch.randn_like, params), state, t)
+        return params, state
+
+    def step(params, grads, state, t):
+        return bnbf.update(params, grads, state, {"lr": schedule, "weight_decay": 0.0}, t)
+
+    cnt = CompileCounter()
+    got = run(torch.compile(step, fullgraph=True, backend=cnt))
+    assert cnt.frame_count <= 2, f"{cnt.frame_count} compiles in 5 calls"
+    assert _equal(got, run(step))
 
 
 @pytest.mark.parametrize("device", DEVICES)
