@@ -74,14 +74,21 @@ def _is_plain(t: object) -> bool:
     return type(t) is Tensor or type(t) is torch.nn.Parameter
 
 
-def _check_param(p: Any, where: str) -> None:
+def _check_param(p: Any, where: str, wide: bool = False) -> None:
+    """``wide``: float64 params pass too (init_state: their 32-bit state serves the differentiable step)."""
     if not isinstance(p, Tensor):
         raise TypeError(f"param{where} must be a Tensor, got {type(p).__name__}")
-    if p.dtype not in _PARAM_DTYPES:
+    if p.dtype not in _PARAM_DTYPES and not (wide and p.dtype == torch.float64):
         kind = "complex" if p.is_complex() else ("integer" if not p.is_floating_point() else str(p.dtype)[6:])
+        also = (
+            "; float64 params step only with differentiable=True, with float64 32-bit state from "
+            "bnbf.init_state(..., OptimSpec(state_bits=32))"
+            if p.dtype == torch.float64
+            else ""
+        )
         raise TypeError(
             f"param{where} has dtype {p.dtype}: {kind} params are not supported "
-            f"(bnbf optimizes float32, float16 and bfloat16 params)"
+            f"(bnbf optimizes float32, float16 and bfloat16 params{also})"
         )
     if p.layout != torch.strided or p.is_nested:
         got = "a nested tensor" if p.is_nested else f"layout {p.layout}"

@@ -56,6 +56,8 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
 
     Args:
         param: a tensor, or a dict/list/tuple pytree of tensors (e.g. ``dict(model.named_parameters())``).
+            float64 params (gradcheck, meta-learning in float64) get float64 32-bit state, for
+            ``update(..., differentiable=True)``; 8-bit state of them is refused.
         spec: the :class:`OptimSpec` (rule and storage).
         hparams: the hyperparameters the state will be updated with, where they decide which states are
             kept or their initial values (SGD/RMSprop momentum, RMSprop centered, Adagrad's
@@ -93,7 +95,12 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
     if any(map(is_dtensor, (p for _, p in leaves))):
         return _distributed().init_state(param, spec, hparams)  # FSDP2's sharded params: the local shards' state
     for path, p in leaves:
-        _check_param(p, pytree.keystr(path))
+        _check_param(p, pytree.keystr(path), wide=True)
+        if p.dtype == torch.float64 and spec.layout_for(p.numel()).quantized:
+            raise TypeError(
+                f"param{pytree.keystr(path)} has dtype torch.float64: float64 params take 32-bit state only (their "
+                f"step is the differentiable one); pass OptimSpec(state_bits=32)"
+            )
     get_rule(spec.rule).make_hparams(hparams)  # bad hyperparameters fail before anything is built
     return pytree.tree_unflatten([_new_state(p.detach(), spec, hparams) for _, p in leaves], treespec)
 

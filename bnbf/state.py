@@ -199,7 +199,8 @@ def new_state(param: Tensor, spec: OptimSpec, hparams: Any = None, stacks: tuple
     h = rule.make_hparams(hparams)
     layout = spec.layout_for(param.numel(), present_mask(rule, h))
     initial = rule.initial_values(h)
-    fields = _allocate(layout, tuple(param.shape), param.device, stacks, spec.paged)
+    wide = param.dtype == torch.float64  # the differentiable step's float64 32-bit state (init_state checked)
+    fields = _allocate(layout, tuple(param.shape), param.device, stacks, spec.paged, torch.float64 if wide else None)
     for j, slot in enumerate(rule.states):
         if not (layout.present >> j) & 1:
             continue

@@ -215,21 +215,12 @@ def new_state(param: Tensor, spec: Any, hparams: Any, family: Any, wide: bool = 
 
 
 def _fresh(param: Tensor, spec: Any, hparams: Any, stacks: tuple | None, paged: bool, wide: bool) -> Any:
-    """:func:`new_state` of a plain param, its stacks ``stacks``. Made unpaged, then relaid into paged memory once
-    (a paged first copy would stay in its managed chunk); ``wide`` (a float64 param): made for a float32 twin
-    (bnbf.init_state takes no float64 param), its fields float64 at the rule's initial values (a float32 field
-    cast would start Adagrad's accumulator at float32's 0.3), then laid out (relaid keeps their dtype)."""
-    if wide:
-        state = bnbf.init_state(param.detach().float(), dataclasses.replace(spec, paged=False), hparams)
-        rule = get_rule(spec.rule)
-        initial = rule.initial_values(rule.make_hparams(hparams))
-        kept = [j for j in range(len(rule.states)) if (type(state).layout.present >> j) & 1]
-        state = type(state)._make(torch.full_like(t, initial[j], dtype=torch.float64) for j, t in zip(kept, state))
-        return relaid(state, stacks, paged) if stacks or paged else state
+    """:func:`new_state` of a plain param, its stacks ``stacks``, laid out in them from the start. ``wide`` (a
+    float64 param): float64 32-bit state, as bnbf.init_state makes it."""
     if not stacks:
         return bnbf.init_state(param.detach(), spec, hparams)
     # laid out in its stacks from the start: a copy would hold the whole state twice during the first step
-    _check_param(param, "")
+    _check_param(param, "", wide=wide)
     get_rule(spec.rule).make_hparams(hparams)
     return new_state_of(param.detach(), dataclasses.replace(spec, paged=paged), hparams, stacks)
 

@@ -335,14 +335,23 @@ def test_state_fields_of_a_subclass_with_its_own_dispatch_are_named(device, rule
 
 def test_a_missing_grad_and_a_float64_param_are_named():
     """A None grad for one param is named (the flattened structures differ in a way their printouts hide), and a
-    float64 param's error names its dtype."""
+    float64 param's errors name its dtype and the route that takes it: init_state makes its float64 32-bit state
+    (refusing 8-bit state), and only the differentiable step steps it."""
     params = {"a": torch.randn(3), "b": torch.randn(3)}
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
     for step in (bnbf.update, bnbf.update_):
         with pytest.raises(ValueError, match=r"grad\['b'\] is None: every param of the call needs a grad"):
             step(params, {"a": torch.randn(3), "b": None}, state, {}, 1)
-    with pytest.raises(TypeError, match="dtype torch.float64: float64 params are not supported"):
-        bnbf.init_state(torch.randn(3, dtype=torch.float64), bnbf.OptimSpec(rule="adamw"))
+    with pytest.raises(TypeError, match="dtype torch.float64: float64 params take 32-bit state only"):
+        bnbf.init_state(torch.randn(4096, dtype=torch.float64), bnbf.OptimSpec(rule="adamw"))
+    p64 = torch.randn(3, dtype=torch.float64)
+    s64 = bnbf.init_state(p64, bnbf.OptimSpec(rule="adagrad", state_bits=32), {"initial_accumulator_value": 0.3})
+    assert s64.sum.dtype == torch.float64 and torch.equal(s64.sum, torch.full((3,), 0.3, dtype=torch.float64))
+    for step in (bnbf.update, bnbf.update_):
+        with pytest.raises(TypeError, match="float64 params step only with differentiable=True"):
+            step(p64, torch.ones_like(p64), s64, {}, 1)
+    new, _ = bnbf.update(p64, torch.ones_like(p64), s64, {"lr": 0.1}, 1, differentiable=True)
+    torch.testing.assert_close(new, p64 - 0.1 / (1.3**0.5 + 1e-10), rtol=1e-15, atol=0)  # Adagrad's first step
 
 
 def test_a_plan_made_under_a_torch_func_transform_is_refused_in_words():
