@@ -99,7 +99,8 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
         if p.dtype == torch.float64 and spec.layout_for(p.numel()).quantized:
             raise TypeError(
                 f"param{pytree.keystr(path)} has dtype torch.float64: float64 params take 32-bit state only (their "
-                f"step is the differentiable one); pass OptimSpec(state_bits=32)"
+                f"step is the differentiable one); pass OptimSpec(state_bits=32) (bnbf_nn: a 32-bit class or "
+                f"optim_bits=32)"
             )
     get_rule(spec.rule).make_hparams(hparams)  # bad hyperparameters fail before anything is built
     return pytree.tree_unflatten([_new_state(p.detach(), spec, hparams) for _, p in leaves], treespec)

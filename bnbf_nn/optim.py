@@ -1409,9 +1409,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         """The GPU's free bytes before paged states are made (the lowest seen, by device): _paged_slices's
         budget. Made states take memory once touched, so free memory read later would count them. A load
         notes it too (before its states are made): a resumed run steps in the slices of a fresh one."""
-        for dev in {p.device for p in params if p.is_cuda}:
-            free = torch.cuda.mem_get_info(dev)[0]
-            self._paged_free[dev.index] = min(free, self._paged_free.get(dev.index, free))
+        for dev, free in _free_memory(params).items():
+            self._paged_free[dev] = min(free, self._paged_free.get(dev, free))
 
     def _create_states(self, group: dict, grads: list, plan: _Buckets) -> _Buckets:
         """States for the parameters that got their first gradient; returns the (re)built plan."""
@@ -1559,11 +1558,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
         checks: list = []  # the verdicts on DTensor states' values, settled once for the load (a collective)
-        free = self._paged_free
-        if self.is_paged:
-            self._paged_free = {}
-            self._note_free([p for g in groups for p in g["params"]])
-            free, self._paged_free = self._paged_free, free
+        free = _free_memory([p for g in groups for p in g["params"]]) if self.is_paged else {}
         try:
             self._load_entries(state_dict, state, id_map, configs, checks, origin)
         finally:  # this load's states in chunks of their own (a failed load's too, freed with them)
@@ -1961,6 +1956,11 @@ def _init_bnb_base(opt, base: str, optimizer_name: str, params, family: Family, 
     )
     modes = {"capturable": a["capturable"], "differentiable": a["differentiable"]}
     Optimizer8bit.__init__(opt, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
+
+
+def _free_memory(params: list) -> dict[int, int]:
+    """The free bytes of each GPU holding any of ``params``, by device index."""
+    return {dev.index: torch.cuda.mem_get_info(dev)[0] for dev in {p.device for p in params if p.is_cuda}}
 
 
 _NP_BOOLS = ("bool", "bool_")  # numpy 2's name, numpy 1's
