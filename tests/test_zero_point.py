@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import types
 
 import pytest
 import torch
@@ -166,6 +167,24 @@ def test_steady_gradient_under_a_decaying_spike(device, fmt):
             g[0] = 1e3
         grads.append(g)
     _check(ROWS["adamw"], grads, fmt, 256, device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fmt", ["power", "dynamic"])
+@pytest.mark.parametrize("magnitude", [1e-15, 1e-19, 1e-21])
+def test_tiny_gradients_with_a_tiny_eps(device, fmt, magnitude):
+    """Gradients near 1e-19 with eps 1e-20: second moments near 1e-38, blocks of subnormal scale. The kernels
+    decoded a power block through absmax / 255**4, 0 below absmax 5.8e-36: AdamW steps of 177 lr at 1e-19
+    (interpreter, measured before the fix) where 32-bit state steps 1 lr."""
+    case = types.SimpleNamespace(
+        name="adamw",
+        id=f"adamw, eps 1e-20, gradients near {magnitude:g}",
+        hparams={**ROWS["adamw"].hparams, "eps": 1e-20},
+    )
+    gen = torch.Generator().manual_seed(0)
+    scale = magnitude * 10 ** (4 * torch.rand(512, generator=gen) - 2)  # four decades in each block
+    grads = [torch.randn(512, generator=gen) * scale for _ in range(12)]
+    _check(case, grads, fmt, 256, device)
 
 
 @pytest.mark.parametrize("fmt", ["power", "dynamic"])

@@ -137,17 +137,21 @@ def _code_bits(q):
 
 
 @triton.jit
-def decode_power(q, SIGNED: tl.constexpr):
-    """Value of uint8 code ``q`` in the "power" format, times 127**2 (signed) or 255**4 (unsigned);
-    callers fold those constants into the block scale."""
+def decode_power(q, absmax, SIGNED: tl.constexpr):
+    """Values of uint8 codes ``q`` (a tile's rows) in the "power" format, for blocks of absmax ``absmax`` (one per
+    row). The block scale enters in the root domain, sqrt(absmax) / 127 (signed) or / 255**2, and the root is
+    squared last: folding absmax / 255**4 into one factor made it subnormal below absmax 5e-29 and 0 below
+    5.8e-36 (a second moment of gradients near 1e-18), where only the true value should underflow. Same number
+    of multiplies per element; one root per row."""
     f = _code_bits(q).to(tl.float32, bitcast=True)
+    root = tl.sqrt(absmax)[:, None]
     if SIGNED:
-        f = f - (8388608.0 + 128.0)  # exactly q - 128
-        return f * tl.abs(f)
+        t = (f - (8388608.0 + 128.0)) * (root * (1.0 / 127.0))  # (q - 128) * sqrt(absmax) / 127
+        return t * tl.abs(t)
     else:
-        f = f - 8388608.0
-        f = f * f
-        return f * f
+        f = f - 8388608.0  # exactly q
+        t = (f * f) * (root * (1.0 / (255.0 * 255.0)))
+        return t * t
 
 
 @triton.jit

@@ -145,13 +145,11 @@ def _tile_load(
 def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.constexpr, FORMAT: tl.constexpr):
     if KEPT:
         if QUANT:
-            absmax = r[1]
             if FORMAT == 2:  # power
-                v = decode_power(r[0], SIGNED)
-                absmax = absmax * (1.0 / (127.0 * 127.0) if SIGNED else 1.0 / (255.0 * 255.0 * 255.0 * 255.0))
+                return decode_power(r[0], r[1], SIGNED)
             else:  # dynamic map: one gather from the 1 KiB map
                 v = tl.load((code_ptr if SIGNED else code_ptr + 256) + r[0].to(tl.int32))
-            return v * absmax[:, None]
+                return v * r[1][:, None]
         else:
             return r[0]
     else:
