@@ -125,6 +125,7 @@ import itertools
 import math
 import numbers
 import operator
+import os
 import sys
 import types
 import typing
@@ -1420,6 +1421,14 @@ class Optimizer8bit(torch.optim.Optimizer):
                 continue
             if self.is_paged and not new:
                 self._note_free(group["params"])
+            if self.is_paged and p.device.type == "cpu" and not getattr(self, "_cpu_paged_warned", False):
+                # as bitsandbytes does, once per optimizer: the state is made, but not paged
+                warnings.warn(
+                    f"{type(self).__name__}: paged state (is_paged=True) needs CUDA params; the state of CPU "
+                    f"params is kept in ordinary memory",
+                    stacklevel=_caller_level(),
+                )
+                self._cpu_paged_warned = True
             cfg = plan.configs.get(id(p), {})
             spec = self._spec(group, cfg)
             hp = self._hparams(group, cfg)
@@ -1956,6 +1965,16 @@ def _init_bnb_base(opt, base: str, optimizer_name: str, params, family: Family, 
     )
     modes = {"capturable": a["capturable"], "differentiable": a["differentiable"]}
     Optimizer8bit.__init__(opt, params, {**hp, **storage, **modes}, storage["optim_bits"], paged, family=family)
+
+
+def _caller_level() -> int:
+    """The ``stacklevel`` of the first frame outside bnbf, bnbf_nn and torch (the caller's ``opt.step()``,
+    however many wrappers torch.optim adds around it)."""
+    ours = tuple(os.path.dirname(m.__file__) + os.sep for m in (bnbf, sys.modules[__package__], torch))
+    frame, level = sys._getframe(1), 1
+    while frame is not None and frame.f_code.co_filename.startswith(ours):
+        frame, level = frame.f_back, level + 1
+    return level
 
 
 def _free_memory(params: list) -> dict[int, int]:

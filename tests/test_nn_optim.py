@@ -17,6 +17,7 @@ import inspect
 import io
 import pickle
 import re
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -282,7 +283,11 @@ def test_paged_classes_on_the_cpu_step_as_unpaged(name):
     b = unpaged(twin, min_8bit_size=MIN8)
     c = bnbf_nn.SGD8bit(third, 0.1, 0.9, is_paged=True, min_8bit_size=MIN8)
     assert a.is_paged and not b.is_paged and c.is_paged
-    run_adapter(a, params, grads)
+    with warnings.catch_warnings(record=True) as caught:  # once per optimizer, as bitsandbytes warns
+        warnings.simplefilter("always")
+        run_adapter(a, params, grads)
+    said = [w for w in caught if "paged state (is_paged=True) needs CUDA params" in str(w.message)]
+    assert len(said) == 1 and said[0].filename == __file__, [str(w.message) for w in caught]
     run_adapter(b, twin, grads)
     assert_same(a, params, [p.detach() for p in twin], [b.state[p]["state"] for p in twin])
     run_adapter(c, third, grads)
