@@ -52,7 +52,8 @@ the same loop.
 Paged optimizers. ``PagedX``, ``PagedX8bit``, ``PagedX32bit`` (X in Adam, AdamW, Lion, AdEMAMix, as in
 bitsandbytes) and ``is_paged=True`` on any class keep the state of large CUDA params (bitsandbytes'
 threshold: 100k elements) in CUDA managed memory (:mod:`bnbf.paged`), prefetched to the GPU before each
-step when it fits; it is freed with the state. On the CPU it changes nothing. ``PytorchLARS`` is LARS with
+step when it fits; it is freed with the state. On the CPU it changes nothing but a warning (once per
+optimizer, as bitsandbytes warns). ``PytorchLARS`` is LARS with
 32-bit state and bitsandbytes' defaults for it.
 
 FSDP2. DTensor params (``fully_shard``) are stepped through :mod:`bnbf.distributed`: each rank keeps the
