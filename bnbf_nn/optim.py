@@ -437,6 +437,20 @@ def _to_bnb_group(family: Family, group: Mapping) -> dict:
     return out
 
 
+def _spelled_value(v: Any) -> tuple | None:
+    """A group's value of a bitsandbytes spelling as a tuple (a schedule writes tuples, a checkpoint may hold
+    lists), None where it is not a sequence."""
+    return tuple(v) if isinstance(v, (tuple, list)) else None
+
+
+def _same(a: Any, b: Any) -> bool:
+    """``a == b`` for settings, False where the comparison has no truth value (tensors of several values)."""
+    try:
+        return bool(a == b)
+    except (TypeError, RuntimeError):
+        return False
+
+
 def _from_bnb_group(family: Family, saved: Mapping, ours: set) -> dict:
     """Our settings that ``saved`` (a bitsandbytes group) only holds in its own spelling."""
     out = {}
@@ -505,6 +519,7 @@ class Optimizer8bit(torch.optim.Optimizer):
     """
 
     family: Family
+    _bnb_ranges = False  # whether the constructor refuses what bitsandbytes' does of its betas (then steps too)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # a subclass overriding one of bitsandbytes' per-param hooks expects it to be called: bnbf_nn's step is
@@ -558,6 +573,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         # id(group) -> (group, the lr it started with) for lr overrides: the group held to tell a dict made later at a
         # freed one's address from it; entries of groups no longer in param_groups go at the next general step
         self._lr0: dict[int, tuple] = {}
+        # id(group) -> (group, {bitsandbytes' spelling: its value when it last agreed with the group's settings})
+        self._spelled: dict[int, tuple] = {}
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
@@ -576,8 +593,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         """Drop the cached plans and starting lrs of groups no longer in param_groups (removed by hand): they hold
         the groups' params and states, which torch.optim frees with the group."""
         live = {id(g): g for g in self.param_groups}
-        for key in [k for k, (g, _) in self._lr0.items() if live.get(k) is not g]:
-            del self._lr0[key]
+        for cache in (self._lr0, self._spelled):
+            for key in [k for k, (g, _) in cache.items() if live.get(k) is not g]:
+                del cache[key]
         for key in [k for k in self._plans if k not in live]:
             del self._plans[key]
 
@@ -614,6 +632,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._set_rule(self.defaults)
         self._init_caches()
         self._lr0 = {id(g): (g, v) for g, v in zip(self.param_groups, lr0)}
+        self._note_spelling()
         stacks = self.family.bnb_slots
         if self.is_paged:  # the unpickled states are in memory already: a lower bound of the free memory before
             self._note_free([p for g in self.param_groups for p in g["params"] if isinstance(p, Tensor)])
@@ -1045,23 +1064,45 @@ class Optimizer8bit(torch.optim.Optimizer):
         for mu in mus:
             _distributed().check_step(group["params"], self._rule, mu)
 
-    def _check_bnb_spelling(self, group: Mapping) -> None:
-        """A group that holds bitsandbytes' spelling of a setting (set for bitsandbytes' optimizer: a momentum
-        schedule writing SGD's ``betas``) must agree with the setting bnbf_nn steps with, else it would be
-        ignored silently: ValueError naming both."""
+    def _sync_bnb_spelling(self, group: dict) -> None:
+        """A group that holds bitsandbytes' spelling of a setting (SGD's ``betas`` = (momentum, dampening)...:
+        loaded from bitsandbytes' checkpoint, or written by a schedule made for its optimizer) steps with the
+        spelling that changed since the two last agreed: a schedule cycling ``betas[0]`` (torch's OneCycleLR
+        resumed from a bitsandbytes run) moves the momentum, one cycling ``momentum`` moves ``betas``. Where both
+        changed, or they never agreed, and they differ: ValueError naming both (else one would be ignored)."""
         want = _to_bnb_group(self.family, group)
+        entry = self._spelled.get(id(group))
+        agreed = dict(entry[1]) if entry is not None and entry[0] is group else {}
         for key in sorted(self._bnb_spelled.keys() & group.keys()):
-            names = self._bnb_spelled[key]
-            try:
-                same = tuple(group[key]) == want[key]
-            except TypeError:  # not a sequence
-                same = False
-            if not same:
-                raise ValueError(
-                    f"param group holds bitsandbytes' {key}={group[key]!r}, which for {type(self).__name__} spells "
-                    f"{names!r}, but the group's own settings are {want[key]!r}: bnbf_nn steps with torch's names, "
-                    f"set those ({', '.join(n for n in names if isinstance(n, str))})"
-                )
+            names, value, last = self._bnb_spelled[key], _spelled_value(group[key]), agreed.get(key)
+            if not _same(value, want[key]):
+                own = [i for i, n in enumerate(names) if isinstance(n, str)]
+                if last is not None and _same(value, last):  # the group's own settings moved: the spelling follows
+                    group[key] = want[key]
+                elif (
+                    last is not None
+                    and _same(want[key], last)
+                    and len(value) == len(names)
+                    and all(_same(value[i], names[i]) for i in range(len(names)) if i not in own)
+                ):  # only bitsandbytes' spelling moved: the settings it spells follow
+                    group.update((names[i], value[i]) for i in own)
+                else:
+                    raise ValueError(
+                        f"param group holds bitsandbytes' {key}={group[key]!r}, which for {type(self).__name__} "
+                        f"spells {names!r}, but the group's own settings are {want[key]!r}: bnbf_nn steps with "
+                        f"torch's names, set those ({', '.join(names[i] for i in own)})"
+                    )
+            agreed[key] = _spelled_value(group[key])
+        self._spelled[id(group)] = (group, agreed)
+
+    def _note_spelling(self) -> None:
+        """Where a group's bitsandbytes spelling agrees with its settings (a load, an unpickle), the agreed value
+        :meth:`_sync_bnb_spelling` tells later changes from."""
+        for group in self.param_groups:
+            if not self._bnb_spelled.keys().isdisjoint(group):
+                want = _to_bnb_group(self.family, group)
+                agreed = {k: _spelled_value(group[k]) for k in self._bnb_spelled.keys() & group.keys()}
+                self._spelled[id(group)] = (group, {k: v for k, v in agreed.items() if _same(v, want[k])})
 
     def _own_spelling(self, cfg: dict) -> dict:
         """A manager override in bnbf_nn's names: bitsandbytes' spelling of this family's settings (SGD's
@@ -1091,7 +1132,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         holds the very objects it was made from (numbers and tuples of them, which cannot change in place);
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
         if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):
-            self._check_bnb_spelling(group)
+            self._sync_bnb_spelling(group)
         seen = self._seen(group)
         memo = bucket.memo
         if memo is not None:
@@ -1104,6 +1145,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 bucket.memo = (seen, call)
                 return call
         bucket.memo = None
+        if self._bnb_ranges:  # what the constructor refuses, written into the group (or an override) later
+            _check_bnb_betas(self.family, {**group, **bucket.override}, type(self).__name__)
         if group["capturable"] or group["differentiable"]:
             return self._mode_settings(group, bucket)
         override = bucket.override
@@ -1360,6 +1403,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}{hint}; "
                     f"known: {sorted(allowed)}"
                 )
+            if not cfg.keys().isdisjoint(_STORAGE):  # buckets leave storage out (a made state's is fixed): each checked
+                self._spec(group, cfg)
             if "state" in self.state.get(p, {}):
                 key = tuple(sorted((k, repr(v)) for k, v in cfg.items() if k not in _STORAGE))
                 buckets.setdefault(key, []).append(i)
@@ -1488,10 +1533,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
         lr0 = [self._lr0_of(g) for g in self.param_groups]
-        for packed, v in zip(groups, lr0):
+        for packed, v, group in zip(groups, lr0, self.param_groups):
             # in the groups: torch.distributed.checkpoint's get_state_dict keeps only "state" and "param_groups",
             # and without it a checkpoint of another rule loaded where its state names agree
             packed[_ORIGIN] = {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": v}
+            # which of bitsandbytes' spellings the group itself holds (the rest are written for bitsandbytes)
+            packed[_ORIGIN]["spelled"] = sorted(self._bnb_spelled.keys() & group.keys())
         out = {"state": state, "param_groups": groups}
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
@@ -1555,6 +1602,10 @@ class Optimizer8bit(torch.optim.Optimizer):
                 }
             )
             new.update(_from_bnb_group(self.family, saved, ours))
+            # bitsandbytes' spelling of settings that are not this class's keys, where the saving optimizer's
+            # group held it (bitsandbytes' always does): a schedule resumed with the run may write it
+            held = origin.get("spelled", [()] * len(saved_groups))[gi] if origin else self._bnb_spelled.keys()
+            new.update((k, deepcopy(saved[k])) for k in self._bnb_spelled.keys() & set(held) & saved.keys())
             if self._rule.norms is not None and new.get("max_unorm") == self.family.max_unorm:
                 new["max_unorm"] = 0.0  # bitsandbytes' default (its PytorchLARS' groups hold it), read as _storage does
             new["params"] = group["params"]
@@ -1580,6 +1631,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._init_caches()
         self._paged_free = free
         self._lr0 = {id(g): (g, v) for g, v in zip(groups, lr0)}
+        self._note_spelling()
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
 
@@ -1674,7 +1726,7 @@ def _origin_in_groups(saved_groups: Any) -> dict:
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
-    return {**found[0], "lr0": [o.get("lr0") for o in found]}
+    return {**found[0], "lr0": [o.get("lr0") for o in found], "spelled": [o.get("spelled", ()) for o in found]}
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:
@@ -1871,6 +1923,11 @@ def _whole(v: Any) -> Any:
     return int(v) if type(v) is float and v.is_integer() else v
 
 
+class _UnsupportedValue(NotImplementedError, ValueError):
+    """A value bnbf_nn does not support where bitsandbytes refuses it too, with ValueError (LAMB8bit's max_unorm):
+    caught as either."""
+
+
 def _from_bnb_args(optimizer_name: str, nstates: int, lr, betas, eps, weight_decay, **extra) -> tuple[Family, dict]:
     family = _BY_NAME.get(_BNB_NAMES.get(optimizer_name, ""))
     if family is None or family.nstates != nstates:
@@ -1895,6 +1952,8 @@ class Optimizer2State(Optimizer8bit):
     ``percentile_clipping`` attributes, those it has, win over the arguments); ``block_wise``,
     ``state_format``, ``capturable`` and ``differentiable`` (torch.optim's meanings) are keyword-only.
     """
+
+    _bnb_ranges = True
 
     def __init__(
         self,
@@ -1933,6 +1992,8 @@ class Optimizer1State(Optimizer8bit):
     ``"lars"``, ``"rmsprop"`` (``betas`` = (alpha, momentum)), ``"adagrad"`` or ``"lion"``. ``args``,
     ``block_wise``, ``state_format``, ``capturable`` and ``differentiable`` as in :class:`Optimizer2State`.
     """
+
+    _bnb_ranges = True
 
     def __init__(
         self,
@@ -2026,7 +2087,7 @@ def _storage(args, settings: dict, is_paged, block_wise, family: Family, name: s
     rule = bnbf.RULES[family.rule]
     if rule.norms is not None:  # LAMB, LARS: their trust ratio stands for bitsandbytes' update clipping
         if out["max_unorm"] not in (0.0, family.max_unorm):
-            raise NotImplementedError(
+            raise _UnsupportedValue(
                 f"{name}: max_unorm={out['max_unorm']} is not supported: bnbf's {rule.name!r} "
                 f"rule scales its update by its own trust ratio"
             )
@@ -2152,7 +2213,14 @@ def _make_class(
     cls = type(
         name,
         (base,),
-        {"__init__": __init__, "family": family, "__doc__": doc, "__module__": __name__, "__qualname__": name},
+        {
+            "__init__": __init__,
+            "family": family,
+            "_bnb_ranges": bnb_ranges,
+            "__doc__": doc,
+            "__module__": __name__,
+            "__qualname__": name,
+        },
     )
     return cls
 

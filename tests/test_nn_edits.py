@@ -293,3 +293,50 @@ def test_a_grad_no_step_can_take_raises_before_any_group_steps(when, bad, match)
     assert torch.utils._pytree.tree_structure(now) == torch.utils._pytree.tree_structure(saved)
     for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize(
+    "key, value, match",
+    [
+        ("optim_bits", 16, "state_bits must be 8 or 32"),
+        ("min_8bit_size", -5, "min_8bit_size must be a non-negative int"),
+    ],
+)
+@pytest.mark.parametrize("which", [0, 2])
+def test_a_bad_storage_override_after_the_first_step_raises_for_any_param(key, value, match, which):
+    """A storage setting (optim_bits, min_8bit_size) overridden after the states are made is refused wherever its
+    param sits in the group: the params of one plan are bucketed without their storage settings (a made state's
+    storage stays), and only the first param of a bucket was checked. Nothing moves."""
+    params = _params()
+    opt = bnbf_nn.AdamW8bit(params, **HP, min_8bit_size=0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[which], key, value)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    assert all(opt.state[p]["step"] == 1 for p in params)
+
+
+@pytest.mark.parametrize(
+    "cls, key", [("SGD8bit", "momentum"), ("SGD", "dampening"), ("RMSprop", "alpha"), ("LARS", "momentum")]
+)
+def test_a_value_the_constructor_refuses_is_refused_in_a_group(cls, key):
+    """The constructors refuse what bitsandbytes' refuses of the settings it passes as ``betas`` (momentum, dampening,
+    RMSprop's alpha in [0, 1)); the same value written into a param group (or a schedule's) is refused at the step,
+    not stepped (RMSprop's alpha of 1.5 made NaN params, SGD's momentum of 1.5 grew them to 3e4). Nothing moves."""
+    params = _params()
+    opt = getattr(bnbf_nn, cls)(params, lr=1e-2, momentum=0.9, min_8bit_size=0)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt.step()
+    opt.param_groups[0][key] = 1.5
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=rf"Invalid {key} value: 1.5 \({cls} takes 0 <= {key} < 1"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    opt.param_groups[0][key] = 0.5
+    opt.step()
+    assert all(opt.state[p]["step"] == 2 for p in params)

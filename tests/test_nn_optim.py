@@ -361,6 +361,7 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.AdamW8bit(ps, state_format="fp4"), ValueError, "state_format"),
         (lambda ps: bnbf_nn.Optimizer2State("adamax", ps), ValueError, "optimizer_name"),
         (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), NotImplementedError, "trust ratio"),
+        (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), ValueError, "trust ratio"),  # bitsandbytes' type
         (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad=True is not supported"),
         (lambda ps: bnbf_nn.LAMB32bit(ps, adam_w_mode=False), NotImplementedError, "adam_w_mode=False is not"),
     ],
@@ -766,20 +767,83 @@ def test_betas_as_bitsandbytes_string(cls):
 def test_a_group_in_bitsandbytes_spelling_is_read_or_refused(cls, kw, spelled):
     """bitsandbytes' groups spell SGD's and LARS's momentum and dampening as ``betas`` (RMSprop's alpha and momentum
     too), and a schedule written for bitsandbytes sets ``group["betas"]``. Where it agrees with the group's own
-    settings the step runs; where it does not, it would be ignored: refused in words, nothing written."""
-    params = make_params()
+    settings the step runs; where only one spelling changed since they last agreed, the other follows (stepping
+    as a twin whose own settings were set so); where both changed, or they never agreed, and they differ, one would
+    be ignored: refused in words, nothing written."""
+    params, twin = make_params(), make_params()
     opt = getattr(bnbf_nn, cls)(params, **kw, min_8bit_size=MIN8)
-    run_adapter(opt, params, make_grads(params, 1))
+    ref = getattr(bnbf_nn, cls)(twin, **kw, min_8bit_size=MIN8)
+    both = lambda seed: (
+        run_adapter(opt, params, make_grads(params, 1, seed)),
+        run_adapter(ref, twin, make_grads(twin, 1, seed)),
+    )  # noqa: E731
+    both(1)
     group = opt.param_groups[0]
     names = {"RMSprop8bit": ("alpha", "momentum")}.get(cls, ("momentum", "dampening"))
+    group["betas"] = (0.3, 0.0)  # never agreed with the group's settings
+    with pytest.raises(ValueError, match=rf"bitsandbytes' betas=\(0.3, 0.0\).*set those \({names[0]}"):
+        run_adapter(opt, params, make_grads(params, 1, seed=2))
     group["betas"] = tuple(group[n] for n in names)
-    run_adapter(opt, params, make_grads(params, 1, seed=2))
-    group["betas"] = spelled
+    both(2)
+    group["betas"] = spelled  # a bitsandbytes schedule's move: the settings follow
+    ref.param_groups[0].update(zip(names, spelled))
+    both(3)
+    assert tuple(group[n] for n in names) == spelled
+    for p, q in zip(params, twin):
+        assert_equal_report(p.detach(), q.detach(), f"{cls}: betas moved")
+    group[names[0]] = 0.7  # torch's name moved: the spelling follows
+    ref.param_groups[0][names[0]] = 0.7
+    both(4)
+    assert group["betas"] == (0.7, spelled[1])
+    for p, q in zip(params, twin):
+        assert_equal_report(p.detach(), q.detach(), f"{cls}: {names[0]} moved")
+    group["betas"], group[names[0]] = (0.6, spelled[1]), 0.65  # both moved, differently
     before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match=rf"bitsandbytes' betas={re.escape(repr(spelled))}.*set those \({names[0]}"):
-        run_adapter(opt, params, make_grads(params, 1, seed=3))
+    with pytest.raises(ValueError, match=rf"bitsandbytes' betas=\(0.6, {spelled[1]}\).*set those \({names[0]}"):
+        run_adapter(opt, params, make_grads(params, 1, seed=5))
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
-    assert all(opt.state[p]["step"] == 2 for p in params)
+    assert all(opt.state[p]["step"] == 4 for p in params)
+
+
+def test_a_bitsandbytes_run_with_a_momentum_schedule_resumes():
+    """bitsandbytes' SGD, LARS and RMSprop groups hold ``betas``, so torch's OneCycleLR made for them cycles
+    ``betas[0]`` (its saved state says ``use_beta1``). Resumed here from bitsandbytes' layout (what
+    ``for_bitsandbytes`` writes, without bnbf_nn's marks), the groups keep ``betas`` and the schedule's
+    momentum reaches the step: the same params as a run that sets SGD's momentum by hand each step."""
+    params, twin = make_params(), make_params()
+    opt = bnbf_nn.SGD8bit(params, 0.1, 0.9, min_8bit_size=MIN8)
+    ref = bnbf_nn.SGD8bit(twin, 0.1, 0.9, min_8bit_size=MIN8)
+    grads = make_grads(params, 6)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+    saved = bnbf_nn.for_bitsandbytes(opt.state_dict())
+    for g in saved["param_groups"]:
+        del g["bnbf"]  # as bitsandbytes saves it
+    resumed = bnbf_nn.SGD8bit(params, 0.1, 0.9, min_8bit_size=MIN8)
+    sched = torch.optim.lr_scheduler.OneCycleLR(resumed, max_lr=0.1, total_steps=10)  # made, then both loaded
+    schedule = {**sched.state_dict(), "use_beta1": True}  # as saved with bitsandbytes' SGD
+    resumed.load_state_dict(saved)
+    sched.load_state_dict(schedule)
+    assert resumed.param_groups[0]["betas"] == (0.9, 0.0)
+    for gs in grads[1:]:
+        ref.param_groups[0].update(lr=resumed.param_groups[0]["lr"], momentum=resumed.param_groups[0]["betas"][0])
+        run_adapter(resumed, params, [gs])
+        run_adapter(ref, twin, [gs])
+        sched.step()
+    for p, q in zip(params, twin):
+        assert_equal_report(p.detach(), q.detach(), "resumed under a betas[0] schedule")
+    run_adapter(resumed, params, grads[:1])  # the last schedule step's betas reach the group's momentum
+    assert resumed.param_groups[0]["momentum"] == resumed.param_groups[0]["betas"][0] != 0.9
+    again = bnbf_nn.SGD8bit(make_params(), 0.1, 0.9, min_8bit_size=MIN8)
+    again.load_state_dict(resumed.state_dict())  # bnbf_nn's own checkpoint keeps the spelling the group held
+    assert again.param_groups[0]["betas"] == resumed.param_groups[0]["betas"]
+    assert "betas" not in ref.param_groups[0] and "betas" not in _loaded(ref).param_groups[0]
+
+
+def _loaded(opt):
+    new = type(opt)([p.detach().clone().requires_grad_() for g in opt.param_groups for p in g["params"]], lr=0.1, min_8bit_size=MIN8)
+    new.load_state_dict(opt.state_dict())
+    return new
 
 
 class _Int(int):  # an integral scalar that is not an int (numpy's int64 behaves so; numpy is no test dependency)
