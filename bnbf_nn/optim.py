@@ -460,6 +460,10 @@ def _from_bnb_group(family: Family, saved: Mapping, ours: set) -> dict:
     return out
 
 
+# override keys of bitsandbytes' docs (the example's is_sparse, its options' percentile_clipping and block_wise) that
+# bitsandbytes 0.50 takes and never reads per parameter: the value that changes nothing (any, for is_sparse)
+_BNB_UNREAD_OVERRIDES = {"is_sparse": None, "percentile_clipping": 100, "block_wise": True}
+
 # bitsandbytes' Optimizer8bit methods that its step calls per parameter (or per step), which subclasses override
 _BNB_HOOKS = frozenset(
     {"get_config", "init_state", "update_step", "check_overrides", "to_gpu", "prefetch_state", "fill_qmap",
@@ -1107,7 +1111,16 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _own_spelling(self, cfg: dict) -> dict:
         """A manager override in bnbf_nn's names: bitsandbytes' spelling of this family's settings (SGD's
         ``betas`` = (momentum, dampening)...) read as bitsandbytes reads it, beside the settings' own names only
-        where they agree (ValueError naming both)."""
+        where they agree (ValueError naming both). Keys of bitsandbytes' docs that it never reads per parameter
+        (:data:`_BNB_UNREAD_OVERRIDES`) are dropped at the values that change nothing, refused at others."""
+        for key in _BNB_UNREAD_OVERRIDES.keys() & cfg.keys():
+            keep = _BNB_UNREAD_OVERRIDES[key]
+            if keep is not None and not _same(cfg[key], keep):
+                raise ValueError(
+                    f"GlobalOptimManager override {key}={cfg[key]!r} is not supported by {type(self).__name__} (only "
+                    f"{keep!r}, which changes nothing; bitsandbytes 0.50 does not read it per parameter either)"
+                )
+            cfg = {k: v for k, v in cfg.items() if k != key}
         for key in self._bnb_spelled.keys() & cfg.keys():
             names, value = self._bnb_spelled[key], cfg[key]
             if not isinstance(value, (tuple, list)) or len(value) != len(names):
@@ -1397,7 +1410,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             unknown = sorted(set(cfg) - allowed)
             if unknown:
                 # bitsandbytes ignores these per param (they are its optimizer's); say so rather than "not a setting"
-                own = sorted({"is_paged", "block_wise", "args"} & set(unknown))
+                own = sorted({"is_paged", "args"} & set(unknown))
                 hint = f" ({own}: arguments of the optimizer as a whole, not per-parameter settings)" if own else ""
                 raise ValueError(
                     f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}{hint}; "

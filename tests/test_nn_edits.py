@@ -340,3 +340,27 @@ def test_a_value_the_constructor_refuses_is_refused_in_a_group(cls, key):
     opt.param_groups[0][key] = 0.5
     opt.step()
     assert all(opt.state[p]["step"] == 2 for p in params)
+
+
+def test_override_keys_of_bitsandbytes_docs():
+    """bitsandbytes' docs override ``is_sparse`` (its example) and list ``percentile_clipping`` and ``block_wise``;
+    bitsandbytes 0.50 takes them and never reads them per parameter. Here: ignored at the values that change
+    nothing (any for is_sparse), stepping as without them; refused at others, with nothing moved."""
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    params, twin = _params(), _params()
+    opt = bnbf_nn.Adam8bit(params, **HP, min_8bit_size=0)
+    ref = bnbf_nn.Adam8bit(twin, **HP, min_8bit_size=0)
+    mng.override_config(params[0], key_value_dict={"is_sparse": True, "percentile_clipping": 100, "block_wise": True})
+    for _ in range(2):
+        for p, q in zip(params, twin):
+            p.grad = q.grad = torch.randn_like(p)
+        opt.step()
+        ref.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, twin))
+    for key, value in (("percentile_clipping", 5), ("block_wise", False)):
+        mng.override_config(params[1], key, value)
+        before = [p.detach().clone() for p in params]
+        with pytest.raises(ValueError, match=rf"override {key}={value} is not supported by Adam8bit"):
+            opt.step()
+        assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+        mng.override_config(params[1], key, 100 if key == "percentile_clipping" else True)

@@ -16,7 +16,6 @@ import fractions
 import inspect
 import io
 import pickle
-import re
 import warnings
 from types import SimpleNamespace
 
@@ -841,7 +840,9 @@ def test_a_bitsandbytes_run_with_a_momentum_schedule_resumes():
 
 
 def _loaded(opt):
-    new = type(opt)([p.detach().clone().requires_grad_() for g in opt.param_groups for p in g["params"]], lr=0.1, min_8bit_size=MIN8)
+    new = type(opt)(
+        [p.detach().clone().requires_grad_() for g in opt.param_groups for p in g["params"]], lr=0.1, min_8bit_size=MIN8
+    )
     new.load_state_dict(opt.state_dict())
     return new
 
