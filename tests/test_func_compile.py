@@ -214,6 +214,51 @@ def test_every_rule_compiles_with_a_python_number_step_that_changes(rule):
     assert _equal(got, run(step)), f"{rule}: the compiled steps differ from the eager ones"
 
 
+def _moved(v, t: int):
+    """Hyperparameter value ``v`` (a float, or a tuple of them) moved a little at call ``t``; ints, bools, None and
+    zeros (the switches, AdEMAMix's warm-up lengths) as they are."""
+    if type(v) is tuple:
+        return tuple(_moved(x, t) for x in v)
+    return v * (1 - 1e-3 * t) if type(v) is float and v != 0 else v
+
+
+@pytest.mark.parametrize("step_kind", ["number", "tensor"])
+@pytest.mark.parametrize("rule", sorted(bnbf.rules.RULES))
+def test_every_float_hyperparameter_may_change_every_call(rule, step_kind):
+    """Every float hyperparameter of every rule (betas, eps, alpha... not only lr) a Python number that changes every
+    call, the step a Python number or a 0-d tensor: two compiles at most, none after the second call, and the eager
+    steps bit for bit. AdEMAMix's β3 warm-up took math.log of β1 and β3 and torch.as_tensor of β3, which made them
+    constants: a compile at every call, until Dynamo's limit failed the fullgraph call."""
+    import dataclasses
+
+    h = bnbf.hparams_for(rule, {"weight_decay": 0.01, **_EXTRA.get(rule, {})})
+    hp = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
+
+    def run(fn):
+        torch.manual_seed(0)
+        params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
+        state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), hp)
+        for t in range(1, 6):
+            step = t if step_kind == "number" else torch.tensor(t)
+            fn(params, tree_map(torch.randn_like, params), state, {k: _moved(v, t) for k, v in hp.items()}, step)
+        return params, state
+
+    def step(params, grads, state, h, t):
+        bnbf.update_(params, grads, state, h, t)
+
+    cnt = CompileCounter()
+    graphs = []
+    compiled = torch.compile(step, fullgraph=True, backend=cnt)
+
+    def counted(*args):
+        compiled(*args)
+        graphs.append(cnt.frame_count)
+
+    got = run(counted)
+    assert graphs[-1] <= 2 and graphs[-1] == graphs[1], f"{rule}: graphs after each call {graphs}"
+    assert _equal(got, run(step)), f"{rule}: the compiled steps differ from the eager ones"
+
+
 @pytest.mark.parametrize(
     "schedule",
     [

@@ -67,12 +67,18 @@ def _inv_ln(x):
         return 1 / x.log()
     if isinstance(x, (int, float)) and x == 0:
         return -0.0
-    return 1 / math.log(x)
+    # log2, not log: Dynamo traces math.log2 of a traced Python number symbolically, where math.log specializes
+    # on its value (a new graph at every step whose β1 or β3 changes)
+    return _LOG2_E / math.log2(x)
+
+
+_LOG2_E = math.log2(math.e)
 
 
 def _min(a, b):
-    # sym_min: a traced symbolic number stays unguarded (a comparison would guard, and on floats that fails)
-    return torch.minimum(a, torch.as_tensor(b, dtype=a.dtype)) if isinstance(a, torch.Tensor) else torch.sym_min(a, b)
+    # sym_min: a traced symbolic number stays unguarded (a comparison would guard, and on floats that fails); and
+    # clamp_max, not minimum with torch.as_tensor(b), which makes a traced number a constant (a compile per value)
+    return torch.clamp_max(a, b) if isinstance(a, torch.Tensor) else torch.sym_min(a, b)
 
 
 def _alpha(h: AdEMAMixHparams, step):
