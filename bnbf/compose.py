@@ -163,8 +163,10 @@ class _Resolver:
 
     def value(self, v: Any) -> Any:
         if _is_schedule(v):
-            if torch.compiler.is_compiling():  # id() would guard on the object's identity: a new one recompiles
-                hit = next((x for x in self.traced if x[0] is v), None)
+            if torch.compiler.is_compiling():
+                # a dict keyed by id() would guard on the object's identity (a new closure each call recompiles);
+                # ids compared, not ``is``, which Dynamo cannot trace between two closures made in the frame
+                hit = next((x for x in self.traced if id(x[0]) == id(v)), None)
                 if hit is None:
                     hit = (v, v(self.step))
                     self.traced.append(hit)

@@ -363,6 +363,11 @@ COMPILED = {
     "schedule": lambda lr: {"lr": lambda t: lr * torch.clamp(t / 3.0, max=1.0), "weight_decay": 0.01},
     "per_leaf_callable": lambda lr: lambda path, q: {"lr": lr, "weight_decay": 0.0 if q.ndim == 1 else 0.1},
     "by_rule": lambda lr: {"adamw": {"lr": lambda t: lr / t}, "lion": {"lr": lr * 0.1}},
+    # two closures over the traced lr: Dynamo could not compare them with ``is`` (the schedules' memo)
+    "two_schedules": lambda lr: {"lr": lambda t: lr * torch.clamp(t / 3.0, max=1.0), "weight_decay": lambda t: lr * 10},
+    "shared_schedule": lambda lr: (lambda f: {"adamw": {"lr": f}, "lion": {"lr": f, "weight_decay": lambda t: lr}})(
+        lambda t: lr / t
+    ),
 }
 
 
