@@ -84,6 +84,16 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
             raise ValueError("a packed state takes one OptimSpec (one rule), not paged")
         if any(map(is_dtensor, _flatten(param)[0])):
             raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
+        wide = [
+            pytree.keystr(k)
+            for k, p in pytree.tree_flatten_with_path(param)[0]
+            if getattr(p, "dtype", None) == torch.float64
+        ]
+        if wide:  # they step only differentiably, which the packed state does not
+            raise TypeError(
+                f"param{wide[0]} has dtype torch.float64: float64 params step only with differentiable=True, which "
+                f"takes the per-param state (init_state without packed=True)"
+            )
         return pack_state(init_state(param, spec, hparams), param)
     if not isinstance(spec, OptimSpec) or not _shared(hparams):
         if isinstance(spec, OptimSpec) or callable(spec) or isinstance(spec, (Mapping, list, tuple)):

@@ -352,6 +352,12 @@ def test_a_missing_grad_and_a_float64_param_are_named():
             step(p64, torch.ones_like(p64), s64, {}, 1)
     new, _ = bnbf.update(p64, torch.ones_like(p64), s64, {"lr": 0.1}, 1, differentiable=True)
     torch.testing.assert_close(new, p64 - 0.1 / (1.3**0.5 + 1e-10), rtol=1e-15, atol=0)  # Adagrad's first step
+    with pytest.raises(
+        TypeError, match=r"param\['w'\] has dtype torch.float64: .*per-param state \(init_state without"
+    ):
+        bnbf.init_state(
+            {"w": p64}, bnbf.OptimSpec(rule="adamw", state_bits=32), packed=True
+        )  # the advice was this call
 
 
 def test_a_plan_made_under_a_torch_func_transform_is_refused_in_words():
