@@ -30,7 +30,7 @@ from torch._C import _functorch
 from torch._C._functorch import TransformType
 
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
-from bnbf._host_checks import NATIVE, _check_grads_apart, _check_no_overlap, _grad_overlap, _overlap
+from bnbf._host_checks import NATIVE, _check_grads_apart, _check_no_overlap, _grad_overlap, _names, _overlap
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, reference_step
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
@@ -857,7 +857,20 @@ def check_vmapped_leaves_apart(tree: Any, params: list, grads: list, states: lis
         _check_no_overlap(tree, ps, ss)
         _check_grads_apart(tree, ps, gs, ss)
 
-    return check_vmapped_apart(params, grads, fields, lambda fs: _per_state(fs, states), check)
+    found = check_vmapped_apart(params, grads, fields, lambda fs: _per_state(fs, states), check)
+    p_dims, g_dims, s_dims = found[2][1], found[3][1], found[4][1]
+    if (None in p_dims or None in s_dims) and any(d is not None for d in (*p_dims, *g_dims, *s_dims)):
+        # refused as the step would refuse it, here where the leaves have names
+        names = _names(tree)
+        if None in p_dims:
+            what = f"param{names[p_dims.index(None)]}"
+        else:
+            i, k = 0, s_dims.index(None)
+            while k >= len(states[i]):  # the field's state, and its place in it
+                k, i = k - len(states[i]), i + 1
+            what = f"the state of param{names[i]} (its field {type(states[i])._fields[k]!r})"
+        raise RuntimeError(UNBATCHED_IN_PLACE.format(what=what))
+    return found
 
 
 def _per_state(fields: list, states: list) -> list:

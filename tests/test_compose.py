@@ -1010,7 +1010,7 @@ def test_vmap_of_update__refuses_an_unbatched_param_before_writing():
     state = torch.vmap(lambda q: compose.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=256), hp))(params)
     shared = params["b"][0].clone()
     snap = snapshot(params, state, shared)
-    with pytest.raises(RuntimeError, match="cannot write param 1: it is not batched"):
+    with pytest.raises(RuntimeError, match=r"cannot write param\['b'\]: it is not batched"):
         torch.vmap(lambda a, g, s: compose.update_({"a": a, "b": shared}, g, s, hp, 1))(params["a"], grads, state)
     assert_untouched(snap)
 

@@ -658,3 +658,25 @@ def test_compiled_vmap_in_place_refuses_an_unbatched_param(packed):
         e = e.__cause__ or e.__context__
     assert any("it is not batched" in c for c in causes), causes
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves((shared, s)), before))
+
+
+def test_vmap_of_update__names_the_unbatched_leaf():
+    """``vmap(update_)`` of a tree with one param, or one state field, shared by every member (not batched) is refused
+    before anything is written, naming the leaf (and the field) as eager errors do, not its place in the call."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    params = {"a": torch.randn(B, 300), "b": torch.randn(B, 20)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    state = torch.vmap(lambda q: bnbf.init_state(q, spec))(params)
+    shared_p = params["b"][0].clone()
+    shared_s = type(state["b"])(*[t[0].clone() for t in state["b"]])
+    before = [t.clone() for t in (*params.values(), *state["a"], *state["b"], shared_p, *shared_s)]
+    with pytest.raises(RuntimeError, match=r"cannot write param\['b'\]: it is not batched"):
+        torch.vmap(lambda a, g, s: bnbf.update_({"a": a, "b": shared_p}, g, s, {"lr": 0.1}, 1))(
+            params["a"], grads, state
+        )
+    with pytest.raises(RuntimeError, match=r"cannot write the state of param\['b'\] \(its field '\w+'\): it is not"):
+        torch.vmap(lambda p, g, sa: bnbf.update_(p, g, {"a": sa, "b": shared_s}, {"lr": 0.1}, 1))(
+            params, grads, state["a"]
+        )
+    after = (*params.values(), *state["a"], *state["b"], shared_p, *shared_s)
+    assert all(torch.equal(x, y) for x, y in zip(before, after))
