@@ -380,3 +380,28 @@ def test_bad_update_options(setup, fn, kw, exc, match):
     with pytest.raises(exc, match=match):
         fn(p, g, s, {}, 2, **kw)
     assert_untouched(snap, f"{fn.__name__} after {kw}")
+
+
+@pytest.mark.parametrize(
+    "rule, key, extra",
+    [
+        ("sgd", "nesterov", {"momentum": 0.9}),
+        ("lars", "nesterov", {"momentum": 0.9}),
+        ("rmsprop", "centered", {}),
+        ("lamb", "adam", {}),
+        ("lamb", "debias", {}),
+        ("adam", "amsgrad", {}),
+        ("adan", "no_prox", {}),
+    ],
+)
+@pytest.mark.parametrize("value", ["False", 1])
+def test_switches_must_be_bools(rule, key, extra, value):
+    """A rule's switches decide its arithmetic (and for some, which states exist): a string "False" read by truth
+    value stepped SGD with Nesterov momentum (0.37 off after one step at lr 0.1). Refused in words, as amsgrad was,
+    nothing written."""
+    p, g = torch.randn(300), torch.randn(300)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule=rule, min_8bit_size=0), extra)
+    before = [p.clone(), *(t.clone() for t in s)]
+    with pytest.raises(TypeError, match=f"{key} must be a bool, got {type(value).__name__}"):
+        bnbf.update_(p, g, s, {**extra, key: value}, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, [p, *s]))

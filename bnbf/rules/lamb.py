@@ -20,7 +20,7 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.adam import AdamMomentsHparams
-from bnbf.rules.base import Number, Rule, StateSlot, _value, finite, norm_of
+from bnbf.rules.base import Number, Rule, StateSlot, _value, check_flag, finite, norm_of
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -32,6 +32,8 @@ class LambHparams(AdamMomentsHparams):
 
     def __post_init__(self):
         super().__post_init__()  # lr, eps, betas, weight_decay as Adam checks them
+        check_flag(self.adam, "adam")
+        check_flag(self.debias, "debias")
         c = _value(self.clamp_value, "clamp_value")
         if c is not None and not (c >= 0.0 and finite(c)):
             raise ValueError(f"Invalid clamp value: {self.clamp_value}")

@@ -30,6 +30,7 @@ from bnbf.rules.base import (
     StateSlot,
     _value,
     check_eps,
+    check_flag,
     check_lr,
     check_momentum,
     check_nonneg,
@@ -52,6 +53,7 @@ class RMSpropHparams:
         check_momentum(self.momentum)
         check_weight_decay(self.weight_decay)
         check_nonneg(self.alpha, "alpha")  # torch: `if not 0.0 <= alpha`, so NaN too
+        check_flag(self.centered, "centered")
 
 
 class RMSpropScalars(NamedTuple):

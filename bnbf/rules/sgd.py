@@ -18,7 +18,17 @@ import torch
 import triton
 import triton.language as tl
 
-from bnbf.rules.base import Number, Rule, StateSlot, _value, check_finite, check_lr, check_momentum, check_weight_decay
+from bnbf.rules.base import (
+    Number,
+    Rule,
+    StateSlot,
+    _value,
+    check_finite,
+    check_flag,
+    check_lr,
+    check_momentum,
+    check_weight_decay,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -34,6 +44,7 @@ class SGDHparams:
         check_momentum(self.momentum)
         check_weight_decay(self.weight_decay)
         check_finite(self.dampening, "dampening")  # torch leaves dampening unchecked: any finite value steps
+        check_flag(self.nesterov, "nesterov")  # a truthy "False" would step with Nesterov momentum
         m, d = _value(self.momentum), _value(self.dampening)
         if self.nesterov and ((m is not None and m <= 0) or (d is not None and d != 0)):
             raise ValueError("Nesterov momentum requires a momentum and zero dampening")
