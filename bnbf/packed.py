@@ -42,6 +42,7 @@ from bnbf._host_checks import (
     _check_grad,
     _check_grads_apart,
     _check_leaves,
+    _check_no_overlap,
     _check_param,
     _check_present,
     _check_step,
@@ -51,6 +52,7 @@ from bnbf._host_checks import (
     _names,
     _overlap,
     _unflatten,
+    check_no_repeats,
     check_not_differentiated,
     grad_shares_memory,
     is_state,
@@ -287,6 +289,15 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
     ):
         raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
     _check_tree(param, params, spec, grads, g_spec, buffers, meta, in_place)
+    if not in_place:  # (in place: _check_apart, every param against every param and buffer)
+        if (
+            torch.compiler.is_compiling()
+            or _functorch.maybe_current_level() is not None
+            or not set(map(type, params)) <= ops._PLAIN_TYPES
+        ):
+            check_no_repeats(param, params, [])  # no addresses to compare
+        else:  # two results for one tensor, as the per-param state's update refuses
+            _check_no_overlap(param, params, [])
     rule = get_rule(meta.rule)
     layouts = [g.layout for g in meta.groups]
     compiling = torch.compiler.is_compiling()

@@ -362,8 +362,8 @@ def _two_groups(device, **tensors):
 def test_params_sharing_memory_across_layout_groups_are_refused(device):
     """Two params of different layout groups (8-bit and 32-bit state) sharing memory: update_ refuses them before
     any group is written (each group's own check saw no overlap, and both groups stepped the shared memory); also
-    where each group's memory was checked at other calls, never together. The pure step writes no param in place:
-    it takes them."""
+    where each group's memory was checked at other calls, never together. The pure step refuses them too (two new
+    values for the same memory), as the per-param state's update does."""
     base = torch.randn(1024, device=device)
     p = {"big": base[:512], "small": base[:200]}  # "small" a view of "big": 32-bit state, "big" 8-bit
     s = _two_groups(device, **p)
@@ -372,7 +372,8 @@ def test_params_sharing_memory_across_layout_groups_are_refused(device):
     with pytest.raises(ValueError, match=r"param\['big'\] and param\['small'\] of this in-place step of a packed"):
         bnbf.update_(p, g, s, {"lr": 0.1}, 1)
     assert_untouched(snap)
-    bnbf.update(p, g, s, {"lr": 0.1}, 1)
+    with pytest.raises(ValueError, match=r"param\['big'\] and param\['small'\] overlap in memory"):
+        bnbf.update(p, g, s, {"lr": 0.1}, 1)
     assert_untouched(snap)
     # each group's params at addresses a step checked (the Triton path caches its launch groups by address), then
     # both at once, overlapping
@@ -541,3 +542,21 @@ def test_updates_of_16bit_params_with_a_packed_state(dtype):
     for x, y in zip(tree_leaves((u1, s1)), tree_leaves((u2, s2.unpack()))):
         assert torch.equal(x, y)
     assert all(torch.equal(a, b) for a, b in zip(packed.buffers, before))
+
+
+@pytest.mark.parametrize("case", ["twice", "overlapping"])
+def test_the_pure_step_refuses_a_param_listed_twice_or_overlapping(case):
+    """The packed state's pure ``update`` of one tensor listed twice (or two overlapping views) returned two
+    different new values for the same memory; refused as the per-param state's ``update`` refuses it (the in-place
+    step already did), with the per-param state's words."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    w = torch.randn(600)
+    params = {"a": w[:300], "b": w[:300] if case == "twice" else w[100:400]}
+    if case == "twice":
+        params["b"] = params["a"]
+    grads = {"a": torch.randn(300), "b": torch.randn(300)}
+    state = bnbf.init_state({"a": torch.zeros(300), "b": torch.zeros(300)}, spec, packed=True)
+    match = "are the same tensor" if case == "twice" else "overlap in memory"
+    for packed in (state, bnbf.init_state({"a": torch.zeros(300), "b": torch.zeros(300)}, spec)):
+        with pytest.raises(ValueError, match=rf"param\['a'\] and param\['b'\] {match}"):
+            bnbf.update(params, grads, packed, {"lr": 1e-2}, 1)
