@@ -53,6 +53,7 @@ from bnbf._host_checks import (
     _check_present,
     _check_step,
     _check_writable,
+    _grad_overlap,
     _grads_ok,
     _groups,
     _prepare,
@@ -1607,6 +1608,13 @@ def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
         return
     _check_writable(params, ps, pure="bnbf.apply_updates")
     _check_no_overlap(params, ps, [])
+    pair = _grad_overlap(ps, us, [])  # an update that is another param's memory: its value would hang on the order
+    if pair is not None:
+        names = [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(params)[0]]
+        raise ValueError(
+            f"update{names[pair[0]]} shares memory with param{names[pair[1]]}, which apply_updates_ writes: it would "
+            f"read it while writing it (pass a copy of the update, or use bnbf.apply_updates)"
+        )
 
 
 # ---- clipping ------------------------------------------------------------------------------------------------

@@ -151,6 +151,11 @@ def test_apply_updates_in_place_checks_everything_before_writing():
         compose.apply_updates_([first, made_there], [ones, ones])
     with pytest.raises(TypeError, match=r"param\[1\] must be a dense \(strided\) tensor, got layout torch.sparse_coo"):
         compose.apply_updates_([first, torch.zeros(4).to_sparse()], [ones, ones])
+    # an update that is another param: b took a + its update or a's old value, by the order of the keys
+    for order in (("a", "b"), ("b", "a")):
+        tree = {k: (first if k == "a" else base[:4]) for k in order}
+        with pytest.raises(ValueError, match=r"update\['b'\] shares memory with param\['a'\], which apply_updates_"):
+            compose.apply_updates_(tree, {k: (first if k == "b" else ones) for k in order})
     assert_untouched(snap)
 
 
