@@ -720,7 +720,7 @@ def _check_no_overlap(param: Any, params: list, states: list) -> None:
         raise ValueError(
             f"param{names[i]} and state{names[j]}.{fj} overlap in memory: a param and a state must not share memory"
         )
-    if states[i] is states[j]:
+    if i != j and states[i] is states[j]:  # (i == j: two fields of one state)
         raise _listed_twice("state", names, i, j)
     raise ValueError(
         f"state{names[i]}.{fi} and state{names[j]}.{fj} overlap in memory: the states of one call must not share memory"

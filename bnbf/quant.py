@@ -103,7 +103,7 @@ def dynamic_map(signed: bool, device: torch.device | str = "cpu") -> Tensor:
 
 
 def _check_block_size(block_size: int) -> None:
-    if not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
+    if type(block_size) is bool or not isinstance(block_size, int) or block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size must be a positive power of two, got {block_size!r}")
 
 
@@ -317,6 +317,8 @@ def dequantize_blockwise(
     Raises ValueError for a ``code`` that is not a 1-D float32 tensor of 256 finite values in ascending order
     (the maps :func:`quantize_blockwise` takes), or an ``absmax`` of the wrong dtype or length."""
     _check_block_size(block_size)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point or dtype.is_complex:
+        raise TypeError(f"dtype must be a floating-point torch.dtype (the values' dtype), got {dtype!r}")
     if codes.dtype != torch.uint8:
         raise TypeError(f"codes must be uint8, got {codes.dtype}")
     nblocks = -(-codes.numel() // block_size)

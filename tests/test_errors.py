@@ -405,3 +405,28 @@ def test_switches_must_be_bools(rule, key, extra, value):
     with pytest.raises(TypeError, match=f"{key} must be a bool, got {type(value).__name__}"):
         bnbf.update_(p, g, s, {**extra, key: value}, 1)
     assert all(torch.equal(a, b) for a, b in zip(before, [p, *s]))
+
+
+def test_two_fields_of_one_state_sharing_memory_are_named():
+    """exp_avg and exp_avg_sq as one tensor: the error named the leaf twice ("state['w'] and state['w'] are the
+    same state"); it names the two fields."""
+    p = torch.randn(300)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    s = type(s)(s.exp_avg, s.exp_avg)
+    for fn in (bnbf.update, bnbf.update_):
+        with pytest.raises(ValueError, match=r"state\['w'\].exp_avg and state\['w'\].exp_avg_sq overlap in memory"):
+            fn({"w": p}, {"w": torch.randn(300)}, {"w": s}, {}, 1)
+
+
+@pytest.mark.parametrize(
+    "kw, exc, match",
+    [
+        ({"dtype": "float32"}, TypeError, "dtype must be a floating-point torch.dtype"),  # "Invalid device string"
+        ({"dtype": torch.int64}, TypeError, "dtype must be a floating-point torch.dtype"),  # truncated the values
+        ({"block_size": True}, ValueError, "block_size must be a positive power of two, got True"),  # read as 1
+    ],
+)
+def test_dequantize_blockwise_refuses_what_it_cannot_return(kw, exc, match):
+    codes, absmax = bnbf.quantize_blockwise(torch.randn(300))
+    with pytest.raises(exc, match=match):
+        bnbf.dequantize_blockwise(codes, absmax, **kw)
