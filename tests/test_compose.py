@@ -878,7 +878,7 @@ def test_kept_scalar_rows_follow_every_value(device, monkeypatch):
 
 def test_sets_are_keyed_by_exact_values(device, monkeypatch):
     """Hyperparameter values that ``==`` conflates are separate sets: weight decay 0.0 and -0.0 (SGD's
-    ``g + wd * p`` keeps a -0.0 grad's sign in the momentum buffer only with -0.0), nesterov True and 1. Each leaf
+    ``g + wd * p`` keeps a -0.0 grad's sign in the momentum buffer only with -0.0), dampening 0.0 and -0.0. Each leaf
     as its own call, bit for bit (the sign of every zero included), pure and in place; on the in-place path a
     value changed in place from 0.0 to -0.0 is a new partition."""
     params = {k: (0.5 + torch.rand(n)).to(device) for k, n in (("a", 257), ("b", 255), ("c", 1), ("d", 300))}
@@ -888,7 +888,7 @@ def test_sets_are_keyed_by_exact_values(device, monkeypatch):
         "a": dict(base, weight_decay=0.0),
         "b": dict(base, weight_decay=-0.0),
         "c": dict(base, nesterov=True),
-        "d": dict(base, nesterov=1),
+        "d": dict(base, dampening=-0.0),
     }
     hp = lambda path, p: leaf_hp[path]
     state = compose.init_state(params, bnbf.OptimSpec(rule="sgd", state_bits=32), hp)
