@@ -10,15 +10,16 @@ State of a sharded param (``W`` shards along the mesh dim that holds ``Shard(0)`
 - float32 states and 8-bit codes: DTensors with the param's mesh, placements and global shape;
 - 8-bit block scales (``*_absmax``): a DTensor of global shape ``[W, blocks of the largest shard]``,
   ``Shard(0)`` on the param's shard dim (row r: shard r's scales, zero-padded). Each shard is quantized in
-  blocks that start at its own first element, so where a shard boundary falls inside a 256-element block
-  the two pieces keep one scale each (finer than unsharded, never coarser). The stochastic rounding draws
+  blocks that start at its own first element, so where a shard starts inside a 256-element block every
+  block of that shard is shifted against the unsharded tensor's (not bit-equal to it; a spike can share a
+  block with elements it did not share one with unsharded). The stochastic rounding draws
   the dither of the unsharded tensor's blocks (each shard's first global block goes to the core,
   :func:`_first_blocks`): shards of whole blocks step bit for bit as the unsharded tensor.
 
 :func:`state_dict` turns states into a mesh-independent form for ``torch.distributed.checkpoint``: codes as
 above and, per 8-bit slot, the scales of the global blocks of the unsharded tensor (replicated, ``numel /
-block_size`` floats). Where a block is split, the pieces are re-expressed in the block's larger scale (the
-one requantization of the round trip, only in split blocks); shards that hold whole blocks save and load
+block_size`` floats). A shifted shard's codes are re-expressed in the global blocks' scales (the one
+requantization of the round trip, in every block of such a shard); shards that hold whole blocks save and load
 bit for bit, on any mesh. :func:`load_state_dict_` loads that form into states on any mesh, or unsharded.
 
 Per-tensor norms (LAMB, LARS, ``max_unorm``) need sums over the whole tensor: a sharded step that reads them
