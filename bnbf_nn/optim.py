@@ -582,6 +582,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
+        self._stale: str | None = None  # why the state cannot be stepped (a refused load that wrote into it)
         self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
         self._qmaps: dict = {}  # the live views' qmaps, this optimizer's own (_checkpoint.qmap)
         # the states and _checkpoint.EDITS that _load_assigned last scanned (it scans again after an edit)
@@ -794,6 +795,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         returns the loss, which ``step`` returns)."""
         if self._fast is not None and not args and not kwargs and self._fast_step():
             return None
+        if self._stale is not None:  # (never set while _fast is)
+            raise RuntimeError(self._stale)
         if _plain_step(self):
             out = self._step(*args, **kwargs)
             self._optimizer_step_code()
@@ -1573,6 +1576,23 @@ class Optimizer8bit(torch.optim.Optimizer):
             state_dict = state_dict.copy()
         for hook in getattr(self, "_optimizer_load_state_dict_pre_hooks", {}).values():
             state_dict = hook(self, state_dict) or state_dict
+        try:
+            self._load(state_dict)
+        except Exception as e:
+            if _holds_live_state(state_dict, self.state):
+                # torch.distributed.checkpoint's load writes into the tensors state_dict() returned (the live
+                # state) before this call: the refused checkpoint's values are in the state now
+                self._stale = (
+                    f"{type(self).__name__}: a load_state_dict was refused ({e}), and the state dict's tensors are "
+                    f"this optimizer's own state (state_dict() returns the live tensors, and "
+                    f"torch.distributed.checkpoint's load writes the checkpoint into them first): the state may hold "
+                    f"the refused checkpoint's values, so stepping is refused until a load_state_dict succeeds"
+                )
+                self._fast = None
+                e.add_note(self._stale)
+            raise
+
+    def _load(self, state_dict: Any) -> None:
         name = type(self).__name__
         if not isinstance(state_dict, Mapping) or not {"state", "param_groups"} <= set(state_dict):
             raise ValueError(f"{name}.load_state_dict expects a dict with 'state' and 'param_groups'")
@@ -1731,6 +1751,26 @@ class Optimizer8bit(torch.optim.Optimizer):
                 _put(self.state, p, rec)
             _checkpoint.EDITS[0] += 1  # the plans built over the entries are stale
         self._assigned, self._assigned_edits = self.state, _checkpoint.EDITS[0]
+
+
+def _holds_live_state(state_dict: Any, state: Mapping) -> bool:
+    """Whether a state dict's tensors share memory with the states of ``state`` (a load could have written them)."""
+
+    def storages(x: Any):
+        if isinstance(x, Tensor):
+            t = x.to_local() if _checkpoint.is_dtensor(x) else x
+            if t.device.type != "meta" and t.untyped_storage().nbytes():
+                yield (t.device, t.untyped_storage().data_ptr())
+        elif isinstance(x, Mapping):
+            for v in x.values():
+                yield from storages(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                yield from storages(v)
+
+    live = set(storages([rec["state"] for rec in state.values() if isinstance(rec, Mapping) and "state" in rec]))
+    entries = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    return bool(live) and isinstance(entries, Mapping) and not live.isdisjoint(storages(entries))
 
 
 def _origin_in_groups(saved_groups: Any) -> dict:

@@ -646,3 +646,36 @@ def test_a_saved_entry_assigned_into_state_loads_as_load_state_dict():
         assert not any("state" in r for r in refused.state.values()), match
         with pytest.raises(ValueError, match=match):  # load_state_dict: the same words
             other.load_state_dict({"state": entries, "param_groups": sd["param_groups"]})
+
+
+def test_a_refused_load_into_the_live_state_refuses_the_next_step():
+    """torch.distributed.checkpoint's resume (get_state_dict, dcp.load, set_state_dict) writes the checkpoint into the
+    tensors ``state_dict()`` returns, the live state, before ``load_state_dict`` can refuse it: a refused load left
+    the refused checkpoint's values in the state (8-bit codes read as 32-bit moments moved a weight by 3.3e7 at lr
+    1e-3). Such a refusal says so, and stepping is refused until a load succeeds; a refused dict of other tensors
+    leaves the optimizer steppable."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 2))
+    good = copy.deepcopy(opt.state_dict())
+    bad = copy.deepcopy(good)
+    bad["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate"):
+        opt.load_state_dict(bad)  # tensors of its own: the state is as it was
+    run_adapter(opt, params, make_grads(params, 1, seed=3))
+    live = opt.state_dict()
+    for entry in live["state"].values():  # as dcp.load writes a checkpoint into them
+        for t in entry[QUANT_KEY].values():
+            if isinstance(t, torch.Tensor) and t.dtype == torch.uint8:
+                t.fill_(255)
+    live["param_groups"][0]["lr"] = -1.0
+    with pytest.raises(ValueError, match="Invalid learning rate") as refused:
+        opt.load_state_dict(live)
+    assert "stepping is refused until a load_state_dict succeeds" in "\n".join(getattr(refused.value, "__notes__", []))
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(RuntimeError, match="the state may hold the refused checkpoint's values"):
+        run_adapter(opt, params, make_grads(params, 1, seed=4))
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+    opt.load_state_dict(good)
+    run_adapter(opt, params, make_grads(params, 1, seed=4))
+    assert not all(torch.equal(p.detach(), b) for p, b in zip(params, before))
