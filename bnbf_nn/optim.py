@@ -1532,6 +1532,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             )
         self._load_assigned()  # else a saved entry assigned into optimizer.state[p] would be left out
         have = [(p, group) for group in self.param_groups for p in group["params"] if "state" in self.state.get(p, ())]
+        _check_states_on_every_rank(self.param_groups, self.state)  # before the gathers, which would not line up
         # DTensor params' states in their mesh-independent form (every rank makes this call: a collective
         # per sharded 8-bit state), so that a checkpoint saved on one mesh loads on any other
         portable = _checkpoint.portable([self.state[p]["state"] for p, _ in have])
@@ -1751,6 +1752,31 @@ class Optimizer8bit(torch.optim.Optimizer):
                 _put(self.state, p, rec)
             _checkpoint.EDITS[0] += 1  # the plans built over the entries are stale
         self._assigned, self._assigned_edits = self.state, _checkpoint.EDITS[0]
+
+
+def _check_states_on_every_rank(groups: list, state: Mapping) -> None:
+    """ValueError where a sharded (DTensor) param has state on some ranks of its mesh and not on others (it got a
+    grad on some ranks only): ``state_dict()`` gathers every sharded 8-bit state's scales, a collective per state,
+    which would then not line up across the ranks (a crash, or a hang). Two small all-reduces per mesh."""
+    by_mesh: dict = {}
+    for i, p in enumerate(p for g in groups for p in g["params"]):
+        if _checkpoint.is_dtensor(p):
+            by_mesh.setdefault(p.device_mesh, []).append((i, p))
+    for mesh, params in by_mesh.items():
+        group = mesh.get_group() if mesh.ndim == 1 else None  # the whole mesh's ranks
+        device = params[0][1].to_local().device
+        has = torch.tensor([float("state" in state.get(p, ())) for _, p in params], device=device)
+        lo, hi = has.clone(), has.clone()
+        torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, group=group)
+        torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, group=group)
+        differ = (lo != hi).nonzero()
+        if differ.numel():
+            i = params[int(differ[0])][0]
+            raise ValueError(
+                f"param {i} (a DTensor) has optimizer state on some ranks and not on others (it got a grad on some "
+                f"ranks only): state_dict() gathers each sharded state on every rank. Give it a grad on every rank "
+                f"(FSDP2's reduce-scatter does), or none"
+            )
 
 
 def _holds_live_state(state_dict: Any, state: Mapping) -> bool:

@@ -336,6 +336,24 @@ def _code_step_close(got: torch.Tensor, want: torch.Tensor, absmax: torch.Tensor
     return bool(((got - want).abs() <= gap * scale).all())
 
 
+def scenario_nn_state_on_some_ranks_only():
+    """A sharded param given a grad on one rank only has state there alone: ``state_dict()`` gathered each sharded
+    state's scales on every rank, so the collectives did not line up (gloo aborted a process; nccl would hang).
+    Now every rank raises the same error, naming the param, before any gather."""
+    import bnbf_nn
+
+    model = _fsdp_model()
+    opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+    names = [k for k, _ in model.named_parameters()]
+    big = next(k for k, p in model.named_parameters() if p.numel() >= MIN8)
+    _backward(model, 1)
+    if torch.distributed.get_rank() == 1:
+        dict(model.named_parameters())[big].grad = None
+    opt.step()
+    with pytest.raises(ValueError, match=rf"param {names.index(big)} \(a DTensor\) has optimizer state on some ranks"):
+        opt.state_dict()
+
+
 def scenario_nn_dcp():
     """DCP with bnbf_nn.AdamW8bit. (1) Saved on 2 ranks through get_state_dict; loaded on one process into
     an unsharded model and a plain AdamW8bit through set_state_dict: the state equals the sharded one where
