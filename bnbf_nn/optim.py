@@ -1088,6 +1088,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                     group[key] = want[key]
                 elif (
                     last is not None
+                    and value is not None
                     and _same(want[key], last)
                     and len(value) == len(names)
                     and all(_same(value[i], names[i]) for i in range(len(names)) if i not in own)
