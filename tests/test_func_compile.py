@@ -190,12 +190,19 @@ def test_every_rule_compiles_with_a_python_number_step_that_changes(rule):
     guard on its value, or break the graph."""
     hp = {"lr": 1e-2, "weight_decay": 0.01, **_EXTRA.get(rule, {})}
 
+    _compiles_twice_at_most(rule, hp, lambda t: ({**hp, "lr": hp["lr"] / t}, t), calls=4)
+
+
+def _compiles_twice_at_most(rule: str, hp: dict, call, calls: int) -> None:
+    """``update_`` of ``rule`` compiled (fullgraph) and called ``calls`` times with ``call(t) -> (hparams, step)``:
+    two compiles at most, none after the second call, and the eager steps bit for bit."""
+
     def run(fn):
         torch.manual_seed(0)
         params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
         state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), hp)
-        for t in range(1, 5):
-            fn(params, tree_map(torch.randn_like, params), state, {**hp, "lr": hp["lr"] / t}, t)
+        for t in range(1, calls + 1):
+            fn(params, tree_map(torch.randn_like, params), state, *call(t))
         return params, state
 
     def step(params, grads, state, h, t):
@@ -234,29 +241,10 @@ def test_every_float_hyperparameter_may_change_every_call(rule, step_kind):
     h = bnbf.hparams_for(rule, {"weight_decay": 0.01, **_EXTRA.get(rule, {})})
     hp = {f.name: getattr(h, f.name) for f in dataclasses.fields(h)}
 
-    def run(fn):
-        torch.manual_seed(0)
-        params = {"w": torch.randn(37, 9), "b": torch.randn(9)}
-        state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, min_8bit_size=0), hp)
-        for t in range(1, 6):
-            step = t if step_kind == "number" else torch.tensor(t)
-            fn(params, tree_map(torch.randn_like, params), state, {k: _moved(v, t) for k, v in hp.items()}, step)
-        return params, state
+    def call(t):
+        return {k: _moved(v, t) for k, v in hp.items()}, (t if step_kind == "number" else torch.tensor(t))
 
-    def step(params, grads, state, h, t):
-        bnbf.update_(params, grads, state, h, t)
-
-    cnt = CompileCounter()
-    graphs = []
-    compiled = torch.compile(step, fullgraph=True, backend=cnt)
-
-    def counted(*args):
-        compiled(*args)
-        graphs.append(cnt.frame_count)
-
-    got = run(counted)
-    assert graphs[-1] <= 2 and graphs[-1] == graphs[1], f"{rule}: graphs after each call {graphs}"
-    assert _equal(got, run(step)), f"{rule}: the compiled steps differ from the eager ones"
+    _compiles_twice_at_most(rule, hp, call, calls=5)
 
 
 @pytest.mark.parametrize(
