@@ -155,23 +155,18 @@ def _is_schedule(v: Any) -> bool:
 
 
 class _Resolver:
-    """Evaluates each schedule (a callable hyperparameter) once per call, however many leaves share it."""
+    """Evaluates each schedule (a callable hyperparameter) once per eager call, however many leaves share it."""
 
     def __init__(self, step: Any):
         self.step = step
         self.memo: dict[int, tuple[Callable, Any]] = {}  # id -> (fn, value): fn held so that its id stays its own
-        self.traced: list[tuple[Callable, Any]] = []  # the same, traced: found by ``is``
 
     def value(self, v: Any) -> Any:
         if _is_schedule(v):
             if torch.compiler.is_compiling():
-                # a dict keyed by id() would guard on the object's identity (a new closure each call recompiles);
-                # ids compared, not ``is``, which Dynamo cannot trace between two closures made in the frame
-                hit = next((x for x in self.traced if id(x[0]) == id(v)), None)
-                if hit is None:
-                    hit = (v, v(self.step))
-                    self.traced.append(hit)
-                return hit[1]
+                # evaluated where it appears, not looked up: Dynamo traces neither ``is`` between two closures made
+                # in the frame (2.13) nor their id() (2.11), and a dict keyed by id() would guard on the identity
+                return v(self.step)
             hit = self.memo.get(id(v))
             if hit is None:
                 hit = self.memo[id(v)] = (v, v(self.step))

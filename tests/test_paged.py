@@ -491,7 +491,7 @@ def test_a_paged_step_is_captured_when_the_gpu_is_near_full(monkeypatch):
     grads = grads_for(params, 4)
     ends, opts = [], []
     for cls, ps in ((bnbf_nn.PagedAdamW8bit, params), (bnbf_nn.AdamW8bit, twin)):
-        opt = cls(ps, lr=1e-2, capturable=True)
+        opt = cls(ps, lr=torch.tensor(1e-2, device="cuda"), capturable=True)  # a captured step reads lr on the device
         opts.append(opt)
         run(opt, ps, grads[:1])
         side = torch.cuda.Stream()
@@ -567,7 +567,8 @@ def test_each_load_carves_its_own_chunk_and_a_dropped_one_is_freed():
 def test_float64_differentiable_paged_state_is_managed():
     """A Paged* class with float64 params and differentiable=True (float64 32-bit state) pages that state as it pages
     float32 state (its state was made in ordinary device memory)."""
-    p = torch.nn.Parameter(torch.randn(BIG, device="cuda", dtype=torch.float64))
+    # a non-leaf, written in place with its history (torch.optim's differentiable idiom)
+    p = torch.randn(BIG, device="cuda", dtype=torch.float64, requires_grad=True).clone()
     opt = bnbf_nn.PagedAdamW([p], differentiable=True)
     run(opt, [p], [[g.double() for g in gs] for gs in grads_for([p], 1)])
     fields = state_tensors(opt, p)
