@@ -229,6 +229,7 @@ def _moved(v, t: int):
     return v * (1 - 1e-3 * t) if type(v) is float and v != 0 else v
 
 
+@pytest.mark.surface  # the rules' scalars are traced the same on both paths; the interpreter pass has the lr test
 @pytest.mark.parametrize("step_kind", ["number", "tensor"])
 @pytest.mark.parametrize("rule", sorted(bnbf.rules.RULES))
 def test_every_float_hyperparameter_may_change_every_call(rule, step_kind):
