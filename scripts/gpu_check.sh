@@ -81,10 +81,13 @@ timeout -s INT -k 20 "${BENCH_BUDGET_S:-100}" \
 bench_rc=$?
 
 echo "== every rule on big_1B (budget ${RULES_BUDGET_S:-60} s)"
-timeout -s INT -k 20 "${RULES_BUDGET_S:-60}" \
-  $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates ${RULES_CANDIDATES:-bnbf8} \
-  --json "$OUT/rules.json" --markdown "$OUT/rules.md" > "$OUT/rules.log" 2>&1
-echo "rules benchmark rc $?"
+# a budget of 0 skips it: `timeout 0` would mean no limit at all
+if [ "${RULES_BUDGET_S:-60}" -gt 0 ]; then
+  timeout -s INT -k 20 "${RULES_BUDGET_S:-60}" \
+    $PY benchmarks/bench_step.py --quick --rules all --sets big_1B --candidates ${RULES_CANDIDATES:-bnbf8} \
+    --json "$OUT/rules.json" --markdown "$OUT/rules.md" > "$OUT/rules.log" 2>&1
+  echo "rules benchmark rc $?"
+fi
 
 # training quality, 8-bit vs 32-bit state (benchmarks/quality.py); capped by what is left of the call
 quality_budget=${QUALITY_BUDGET_S:-150}
@@ -106,8 +109,10 @@ fi
 quality_s=$(( $(date +%s) - tq ))
 echo "quality benchmark rc $quality_rc, $quality_s s"
 echo "== host and kernel time per step"
-timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/profile_step.py 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
-timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/host_breakdown.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.log"
+if [ "${PROFILE_BUDGET_S:-25}" -gt 0 ]; then  # 0 skips (`timeout 0` is no limit)
+  timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/profile_step.py 2>&1 | grep -v -i warn | tee "$OUT/profile.log"
+  timeout -s INT -k 10 "${PROFILE_BUDGET_S:-25}" $PY scripts/host_breakdown.py 2>&1 | grep -v -i warn | tee -a "$OUT/profile.log"
+fi
 t2=$(date +%s)
 
 # ---- summary: the last thing printed
