@@ -1758,7 +1758,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 def _check_states_on_every_rank(groups: list, state: Mapping) -> None:
     """ValueError where a sharded (DTensor) param has state on some ranks of its mesh and not on others (it got a
     grad on some ranks only): ``state_dict()`` gathers every sharded 8-bit state's scales, a collective per state,
-    which would then not line up across the ranks (a crash, or a hang). Two small all-reduces per mesh."""
+    which would then not line up across the ranks (a crash, or a hang). One small all-reduce per mesh."""
     by_mesh: dict = {}
     for i, p in enumerate(p for g in groups for p in g["params"]):
         if _checkpoint.is_dtensor(p):
@@ -1767,10 +1767,9 @@ def _check_states_on_every_rank(groups: list, state: Mapping) -> None:
         group = mesh.get_group() if mesh.ndim == 1 else None  # the whole mesh's ranks
         device = params[0][1].to_local().device
         has = torch.tensor([float("state" in state.get(p, ())) for _, p in params], device=device)
-        lo, hi = has.clone(), has.clone()
-        torch.distributed.all_reduce(lo, torch.distributed.ReduceOp.MIN, group=group)
-        torch.distributed.all_reduce(hi, torch.distributed.ReduceOp.MAX, group=group)
-        differ = (lo != hi).nonzero()
+        both = torch.cat([has, -has])  # one MAX gives the max and (negated) the min
+        torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MAX, group=group)
+        differ = (both[: len(params)] != -both[len(params) :]).nonzero()
         if differ.numel():
             i = params[int(differ[0])][0]
             raise ValueError(
@@ -1784,16 +1783,11 @@ def _holds_live_state(state_dict: Any, state: Mapping) -> bool:
     """Whether a state dict's tensors share memory with the states of ``state`` (a load could have written them)."""
 
     def storages(x: Any):
-        if isinstance(x, Tensor):
-            t = x.to_local() if _checkpoint.is_dtensor(x) else x
-            if t.device.type != "meta" and t.untyped_storage().nbytes():
-                yield (t.device, t.untyped_storage().data_ptr())
-        elif isinstance(x, Mapping):
-            for v in x.values():
-                yield from storages(v)
-        elif isinstance(x, (list, tuple)):
-            for v in x:
-                yield from storages(v)
+        for t in torch.utils._pytree.tree_leaves(x):
+            if isinstance(t, Tensor):
+                t = t.to_local() if _checkpoint.is_dtensor(t) else t
+                if t.device.type != "meta" and t.untyped_storage().nbytes():
+                    yield (t.device, t.untyped_storage().data_ptr())
 
     live = set(storages([rec["state"] for rec in state.values() if isinstance(rec, Mapping) and "state" in rec]))
     entries = state_dict.get("state") if isinstance(state_dict, Mapping) else None
