@@ -876,11 +876,16 @@ def traced_hparams(
     if torch.compiler.is_compiling():
         if _traced_derivative():
             _refuse("the step, traced inside torch.func.grad/vjp/jvp,", states, in_place)
+        # as eagerly (check_not_differentiated): the pure step refuses a grad or param that requires grad; the
+        # in-place step takes grads detached and steps leaves (nn.Parameter), but not a param with history
         grad_mode = torch.is_grad_enabled()
-        for i in range(len(params)):
-            t = grads[i]
-            if grad_mode and (t.requires_grad or (not in_place and params[i].requires_grad)):
-                _refuse(f"{'grad' if t.requires_grad else 'param'}{_names(param)[i]}", states, in_place)
+        if grad_mode:
+            for i in range(len(params)):
+                t, p = grads[i], params[i]
+                if in_place and p.requires_grad and not p.is_leaf:
+                    _refuse(f"param{_names(param)[i]}", states, in_place)
+                if not in_place and (t.requires_grad or p.requires_grad):
+                    _refuse(f"{'grad' if t.requires_grad else 'param'}{_names(param)[i]}", states, in_place)
         h = _hparams_traced(rule, hparams)
         for name, t in hparam_tensors(h, step, max_unorm):
             if grad_mode and t.requires_grad:

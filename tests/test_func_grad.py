@@ -324,6 +324,9 @@ ASKS = {
     "eager beta": lambda p, g, s, up: up(p, g, s, {"betas": (torch.tensor(0.9, requires_grad=True), 0.99)}, 1),
     "eager grad": lambda p, g, s, up: up(p, g.clone().requires_grad_(), s, {"lr": 0.1}, 1),
     "eager param with history": lambda p, g, s, up: up(p.clone().requires_grad_() * 1.0, g, s, {"lr": 0.1}, 1),
+    "compiled grad": lambda p, g, s, up: torch.compile(
+        lambda q: up(p, q, s, {"lr": 0.1}, 1), backend="eager", fullgraph=True
+    )(g.clone().requires_grad_()),
     "func.grad lr": lambda p, g, s, up: torch.func.grad(lambda lr: up(p, g, s, {"lr": lr}, 1)[0].sum())(
         torch.tensor(0.1)
     ),
@@ -353,6 +356,13 @@ ASKS = {
     "compiled func.grad param": lambda p, g, s, up: torch.compile(
         lambda q: torch.func.grad(lambda x: up(x, g, s, {"lr": 0.1}, 1)[0].sum())(q), backend="eager", fullgraph=True
     )(p.clone()),
+    # traced, a param with history was stepped in place (its history silently kept): refused as eagerly
+    "compiled param with history": lambda p, g, s, up: torch.compile(
+        lambda q: up(q * 1.0, g, s, {"lr": 0.1}, 1), backend="eager", fullgraph=True
+    )(p.clone().requires_grad_()),
+    "compiled lr": lambda p, g, s, up: torch.compile(
+        lambda lr: up(p, g, s, {"lr": lr}, 1), backend="eager", fullgraph=True
+    )(torch.tensor(0.1, requires_grad=True)),
     # ... also where the innermost transform is vmap (the transforms below it are looked at): this gave zeros
     "compiled func.grad param through vmap": lambda p, g, s, up: torch.compile(
         lambda q: torch.func.grad(
@@ -393,7 +403,7 @@ def _in_place(p, g, s, h, step, **kw):
 @pytest.mark.parametrize("pure", [True, False], ids=["update", "update_"])
 @pytest.mark.parametrize("ask", list(ASKS))
 def test_asking_for_a_gradient_raises(ask, pure, bits):
-    if ask == "eager grad" and not pure:
+    if ask in ("eager grad", "compiled grad") and not pure:
         pytest.skip("update_ detaches grads that require grad, as torch.optim does (test_update__detaches_grads)")
     p, g, s = _setup(bits)
     before = [t.clone() for t in (p, g, *s)]
@@ -418,6 +428,16 @@ def test_update__detaches_grads():
     bnbf.update_(p, g.clone().requires_grad_(), s, {"lr": 0.1}, 1)
     bnbf.update_(p2, g, type(s)._make(s2), {"lr": 0.1}, 1)
     assert torch.equal(p, p2) and all(torch.equal(a, b) for a, b in zip(s, s2))
+
+
+def test_compiled_update__detaches_grads():
+    """Traced by torch.compile, ``update_`` takes a grad that requires grad detached, as eagerly (it refused it)."""
+    p, g, s = _setup(8)
+    p2, s2 = p.clone(), type(s)._make(t.clone() for t in s)
+    step = torch.compile(lambda p, g, s: bnbf.update_(p, g, s, {"lr": 0.1}, 1), backend="aot_eager", fullgraph=True)
+    step(p, g.clone().requires_grad_(), s)
+    bnbf.update_(p2, g, s2, {"lr": 0.1}, 1)
+    assert not torch.equal(p, g) and torch.equal(p, p2) and all(torch.equal(a, b) for a, b in zip(s, s2))
 
 
 def test_a_leaf_param_is_refused_by_the_pure_step_under_grad_mode():
