@@ -13,7 +13,7 @@ A :class:`PackedState` is a pytree whose children are only the buffers; where ea
 structure, shapes, offsets) is its static part, a :class:`PackedMeta`. :meth:`PackedState.unpack` gives the
 per-param state (views of the buffers: checkpoints, :func:`bnbf.dequantize_state`); :func:`pack_state` packs a
 per-param state. Each leaf's part starts a multiple of 256 bytes into its buffer; the bytes between parts are
-unspecified.
+zero (a pure step zeroes them in its new buffers).
 
 The step's ops, ``bnbf::packed_step`` (pure) and ``bnbf::packed_step_`` (in place), take a layout group's params,
 grads and buffers and the meta's key. Under ``vmap`` every member of a stacked buffer is stepped as its own state,
@@ -91,7 +91,7 @@ class PackedMeta:
     it (the ops name it by ``key``, an int unique in this process)."""
 
     __slots__ = ("key", "spec", "shapes", "dtypes", "rule", "groups", "sizes", "pick", "twins", "buffer_twins",
-                 "checked", "__weakref__")  # fmt: skip
+                 "checked", "pads", "__weakref__")  # fmt: skip
 
     def __init__(self, spec: Any, shapes: tuple, dtypes: tuple, rule: str, groups: tuple, sizes: tuple):
         self.spec, self.shapes, self.dtypes = spec, shapes, dtypes
@@ -102,8 +102,29 @@ class PackedMeta:
         self.buffer_twins = [torch.empty((n,), dtype=d, device="meta") for d, n in sizes]  # likewise of the buffers
         # (launcher groups, grads' addresses) of the last eager update_ whose memory checks passed (_step_direct_)
         self.checked: tuple = ((), None)
+        self.pads: dict = {}  # (device, group) -> per buffer of the group, the indices of its padding (or None)
         self.key = next(_KEYS)
         _METAS[self.key] = self
+
+    def zero_padding(self, gi: int, bufs: list) -> None:
+        """Zero the padding of group ``gi``'s new buffers ``bufs`` (1-D, or ``[members, n]``), which the step
+        does not write: a pure step's fresh buffers equal, byte for byte, what the in-place step leaves (pack_state's
+        zeros), with no stray values (NaN in a float buffer) for a finiteness check or a checkpoint to carry."""
+        device = bufs[0].device
+        idx = self.pads.get((device, gi))
+        if idx is None:
+            g = self.groups[gi]
+            idx = []
+            for f, (offsets, numels) in enumerate(zip(g.offsets, g.numels)):
+                unused = torch.ones(self.sizes[g.first + f][1], dtype=torch.bool)
+                for at, n in zip(offsets, numels):
+                    unused[at : at + n] = False
+                found = unused.nonzero().squeeze(1)
+                idx.append(found.to(device) if found.numel() else None)
+            self.pads[(device, gi)] = idx
+        for b, i in zip(bufs, idx):
+            if i is not None:
+                b.index_fill_(-1, i, 0)
 
     def __reduce__(self):  # unpickled: a meta of this process (its own key)
         return PackedMeta, (self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes)
@@ -519,6 +540,7 @@ def _impl(params, grads, buffers, hp, key, gi, skip_zeros, clip):
     new_params = list(map(torch.empty_like, params))
     new_buffers = list(map(torch.empty_like, buffers))
     _run(params, new_params, grads, buffers, new_buffers, hp, key, gi, skip_zeros, clip)
+    _meta(key).zero_padding(gi, new_buffers)
     return new_params, new_buffers
 
 
@@ -649,6 +671,8 @@ def _vmapped(params, grads, buffers, hp, meta, gi, skip_zeros, clip, found, *, i
         G = ops._stack(gs, g_dims)
         if size:
             _launch_members(P, out_P, G, B, out_B, hp_u, h_dim, meta, gi, skip_zeros, clip, size, in_place)
+            if not in_place:
+                meta.zero_padding(gi, new_b)
     if in_place:
         return None
     add, zeros, levels = _functorch._add_batch_dim, itertools.repeat(0), itertools.repeat(level)

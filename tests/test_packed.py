@@ -160,7 +160,7 @@ def test_layout_and_round_trips(device):
     assert again.meta.key != packed.meta.key and _same(again.unpack(), s)
     g = _grads(torch.bfloat16, device, 1)
     (p1, s1), (p2, s2) = bnbf.update(p, g, again, {"lr": 0.1}, 1), bnbf.update(p, g, packed, {"lr": 0.1}, 1)
-    assert _same(p1, p2) and _same(s1.unpack(), s2.unpack())  # (the bytes between leaves' parts are unspecified)
+    assert _same(p1, p2) and _same(s1.buffers, s2.buffers)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -203,6 +203,42 @@ def test_vmap_members_equal_a_loop(device, bits):
             x.copy_(y)
         loop_p = [{k: v[m].clone() for k, v in pv.items()} for m in range(members)]
         loop_s = [tree_map(torch.clone, _member(stacked, m)) for m in range(members)]
+
+
+def _junk(buffers, members=()):
+    """Fill and free tensors of the buffers' sizes, so that a step's fresh buffers are likely to get memory holding
+    NaN (floats) and 0x77 bytes where the step writes nothing."""
+    junk = [torch.full((*members, *b.shape[-1:]), float("nan"), dtype=torch.float32, device=b.device) for b in buffers]
+    junk += [torch.full((*members, *b.shape[-1:]), 0x77, dtype=torch.uint8, device=b.device) for b in buffers]
+    del junk
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_the_pure_steps_buffers_equal_the_in_place_steps_byte_for_byte(device):
+    """The bytes between the leaves' parts (each part starts 256-byte aligned), which no step writes, are zero in
+    the pure step's fresh buffers as in the in-place step's (pack_state's zeros): they held whatever the allocator
+    gave, NaN in a float buffer among them (eager and vmapped)."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    p = _tree(torch.float32, device)
+    s = bnbf.init_state(p, spec, packed=True)
+    assert any(sum(n) < b.numel() for g in s.meta.groups for n, b in zip(g.numels, s.buffers[g.first :]))
+    q, s_in = tree_map(torch.clone, p), bnbf.PackedState([b.clone() for b in s.buffers], s.meta)
+    for t in (1, 2):
+        g = _grads(torch.float32, device, t)
+        _junk(s.buffers)
+        p, s = bnbf.update(p, g, s, {"lr": 0.01}, t)
+        bnbf.update_(q, g, s_in, {"lr": 0.01}, t)
+        assert _same(p, q) and _same(s.buffers, s_in.buffers)
+    members = 2
+    p = _tree(torch.float32, device, lead=(members,))
+    s = torch.func.vmap(lambda x: bnbf.init_state(x, spec, packed=True))(p)
+    s_in = bnbf.PackedState([b.clone() for b in s.buffers], s.meta)
+    q = tree_map(torch.clone, p)
+    g = _grads(torch.float32, device, 1, lead=(members,))
+    _junk(s.buffers, (members,))
+    p, s = torch.func.vmap(lambda a, b, c: bnbf.update(a, b, c, {"lr": 0.01}, 1))(p, g, s)
+    torch.func.vmap(lambda a, b, c: bnbf.update_(a, b, c, {"lr": 0.01}, 1)[0]["w"])(q, g, s_in)
+    assert _same(s.buffers, s_in.buffers)
 
 
 def test_vmap_with_a_hyperparameter_per_member():
@@ -315,7 +351,7 @@ def test_a_schedule_steps_a_packed_state_as_its_value(in_place):
     for lr in (lambda t: 0.05 * t, 0.1):
         q, st = tree_map(torch.clone, p), bnbf.PackedState([b.clone() for b in s.buffers], s.meta)
         new_p, new_s = step(q, g, st, {"lr": lr, "betas": (0.9, lambda t: 0.999)}, 2)
-        runs.append(tree_leaves((new_p, new_s.unpack())))  # the buffers' padding is unspecified
+        runs.append(tree_leaves((new_p, new_s.buffers)))
     assert all(torch.equal(a, b) for a, b in zip(*runs))
 
 
