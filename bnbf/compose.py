@@ -1672,7 +1672,8 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[Gra
       reference path adds the same way, bnbf.reference.tile_squares);
     - every group's launches (LAMB's and ``max_unorm``'s norm pass with the clipped grads, then the step) wait
       until every group has its sums; :meth:`GradClip.finish` then computes the total (float64, rounded to the
-      grads' dtype as torch's is) and the coefficient with torch's ops (``min(1, max_norm / (total + 1e-6))``)
+      grads' dtype as torch's is; with grads of several dtypes each 16-bit group's norms rounded to its dtype
+      first, as torch takes each norm: :func:`bnbf.reference.fold_total`) and the coefficient with torch's ops (``min(1, max_norm / (total + 1e-6))``)
       on the device, and runs them: the kernels multiply each grad by the coefficient in float32 (one
       product, the bits of a float32 grad clipped by that coefficient with torch's multiply).
 

@@ -55,6 +55,7 @@ class GradClip:
     device: torch.device | None = None  # the total norm's device: the first grad's (torch's); folded
     total: Tensor | None = None  # the total norm, once a folded clip has finished
     _sq: list = dataclasses.field(default_factory=list)
+    _dtypes: list = dataclasses.field(default_factory=list)
     _steps: list = dataclasses.field(default_factory=list)
 
     @classmethod
@@ -62,10 +63,11 @@ class GradClip:
         """Clipping whose total comes from the groups' own sums of g² (see the class docstring)."""
         return cls(None, None, folding=True, fold_max=max_norm, dtype=dtype, device=device)
 
-    def fold(self, sq: Tensor, step: Callable[[], None]) -> None:
+    def fold(self, sq: Tensor, dtype: torch.dtype, step: Callable[[], None]) -> None:
         """A group's norm pass has run: ``sq`` its tensors' sums of g² over every element (float64, one per
-        tensor in the group's order), ``step`` its step, run by :meth:`finish`."""
+        tensor in the group's order), ``dtype`` its grads' dtype, ``step`` its step, run by :meth:`finish`."""
         self._sq.append(sq)
+        self._dtypes.append(dtype)
         self._steps.append(step)
 
     def finish(self) -> None:
@@ -75,10 +77,11 @@ class GradClip:
             return
         if not self._sq:  # every group of the call was to hand its sums in: none did (a path that ignores the clip)
             raise RuntimeError("bnbf: a folded gradient clip received no group's sums of g² (a path ignored the clip)")
-        self.total = fold_total([sq if sq.device == self.device else sq.to(self.device) for sq in self._sq], self.dtype)
+        sqs = [sq if sq.device == self.device else sq.to(self.device) for sq in self._sq]
+        self.total = fold_total(sqs, self.dtype, self._dtypes)
         self.value = clip_coefficient(self.total, self.fold_max)
         self.folding = False
-        steps, self._sq, self._steps = self._steps, [], []
+        steps, self._sq, self._dtypes, self._steps = self._steps, [], [], []
         for step in steps:
             step()
 
@@ -103,10 +106,16 @@ class GradClip:
         return v if self.max_norm is None else clip_coefficient(v, self.max_norm)
 
 
-def fold_total(sq: list[Tensor], dtype: torch.dtype) -> Tensor:
+def fold_total(sq: list[Tensor], dtype: torch.dtype, dtypes: list[torch.dtype] | None = None) -> Tensor:
     """The total norm of a folded clip from the norm passes' per-tensor sums of g² (float64 [tensors] each, one
-    device): added in float64 in the order given, the root, rounded to the grads' dtype (torch's total is in
-    it). The launcher and the reference step hand in sums of the same squares: the same arithmetic after them."""
+    device; ``dtypes`` each part's grads' dtype): added in float64 in the order given, the root, rounded to the
+    total's dtype ``dtype`` (the grads' promoted dtype, torch's total is in it). As torch.nn.utils.clip_grad_norm_
+    takes each grad's norm in the grad's own dtype, a part of another dtype (fp16 grads beside fp32 ones) enters
+    as its tensors' norms rounded to that dtype: inf where one overflows, so the total is inf and the grads are
+    zeroed, as torch zeroes them. The launcher and the reference step hand in sums of the same squares: the same
+    arithmetic after them."""
+    if dtypes is not None and any(d != dtype for d in dtypes):
+        sq = [s if d == dtype else s.sqrt().to(d).double().square() for s, d in zip(sq, dtypes)]
     return (sq[0] if len(sq) == 1 else torch.cat(sq)).sum().sqrt().to(dtype)
 
 
@@ -236,7 +245,9 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
     if powers is None:
         sq = torch.stack([tile_squares(g, tile_width(layout)) for g in grads])
         grad_clip.fold(
-            sq, lambda: _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip)
+            sq,
+            grads[0].dtype,
+            lambda: _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip),
         )
         return
     sums = _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, None, collect=True)
@@ -245,7 +256,7 @@ def reference_step(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros=False
         clipped = clipped_sums(sums, powers, grad_clip.coef(p_in[0].device)).float()
         _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip, sums=clipped)
 
-    grad_clip.fold(sums[:, 2], step)
+    grad_clip.fold(sums[:, 2], grads[0].dtype, step)
 
 
 def _step_group(p_in, p_out, grads, s_in, s_out, hp, layout, skip_zeros, clip, grad_clip, collect=False, sums=None):

@@ -393,6 +393,50 @@ def test_nonfinite_grad_as_torch_clips(device, case, bad, monkeypatch):
     _eq((in_p, in_s), want, f"{case}: grad element {bad}, in place")
 
 
+# a float32 leaf beside float16 ones: one through the grads-only pass (AdamW), one through LARS's norm pass
+MIXED_DTYPES = {
+    "adamw": ({"w": _SPEC("adamw"), "b": _SPEC("adamw")}, {"lr": 1e-2}),
+    "lars": ({"w": _SPEC("adamw"), "b": _SPEC("lars")}, {"adamw": {"lr": 1e-2}, "lars": {"lr": 0.1, "momentum": 0.9}}),
+}
+
+
+@pytest.mark.parametrize("overflow", (False, True), ids=("finite", "fp16 norm overflows"))
+@pytest.mark.parametrize("case", sorted(MIXED_DTYPES))
+def test_mixed_dtype_grads_take_each_norm_in_its_dtype(device, case, overflow, monkeypatch):
+    """float32 and float16 grads in one call: torch.nn.utils.clip_grad_norm_ takes each grad's norm in the grad's
+    dtype and the total of those (promoted to float32). A float16 grad whose norm passes 65504 has an inf norm, so
+    torch's total is inf and every grad is zeroed: the step equals torch's clipping then the step, bit for bit (our
+    total was finite and the grads were scaled to the limit). Finite, the total is within the folded bound of
+    torch's (the float16 norm rounded to float16 before it joins)."""
+    specs, hp = MIXED_DTYPES[case]
+    params, grads, state = _setup(device, specs, hp)
+    params["b"], grads["b"] = params["b"].half(), grads["b"].half()
+    state = {**state, "b": _random_state(compose.init_state({"b": params["b"]}, {"b": specs["b"]}, hp)["b"])}
+    if overflow:
+        grads["b"][:4] = 4e4  # ||g_b|| = 8e4 > 65504; the float32 total of the squares is finite
+    clones = [torch.nn.Parameter(g.clone()) for g in grads.values()]
+    for c, g in zip(clones, grads.values()):
+        c.grad = g.clone()
+    total = torch.nn.utils.clip_grad_norm_(clones, MAX)
+    assert math.isinf(float(total)) == overflow
+    want = bnbf.update(params, {k: c.grad for k, c in zip(grads, clones)}, state, hp, 2)
+    folds = _record_folds(monkeypatch)
+    _no_foreach_norm(monkeypatch)
+    got = bnbf.update(params, grads, state, hp, 2, max_grad_norm=MAX)
+    in_p, in_s = _clones(params, state)
+    bnbf.update_(in_p, grads, in_s, hp, 2, max_grad_norm=MAX)
+    assert len(folds) == 2 and all(c.total.dtype == torch.float32 for c in folds)
+    if overflow:
+        assert all(math.isinf(float(c.total)) and float(c.value) == 0.0 for c in folds)
+        _eq(got, want, f"{case}: a float16 norm past 65504")
+        _eq((in_p, in_s), want, f"{case}: a float16 norm past 65504, in place")
+    else:
+        norms = [g.double().norm().to(g.dtype).double() for g in grads.values()]  # torch's, each in its dtype
+        exact = float(torch.stack(norms).square().sum().sqrt())
+        for c in folds:
+            assert abs(float(c.total) / exact - 1) <= folded_total_rtol(256, torch.float32), (float(c.total), exact)
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
 @pytest.mark.parametrize("rule, bits", (("adamw", 8), ("lamb", 32), ("lion", 8)))
 def test_odd_sizes_skip_zeros_and_bf16(device, rule, bits, dtype, monkeypatch):

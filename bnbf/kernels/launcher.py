@@ -673,7 +673,7 @@ def _fold_squares(group: Group, grad_table: Tensor, n_tiles: int, iters: int, gr
         launch(group.compiled, group.device, "squares", (grid, 1, 1), args, dispatch)
     _launch_sums(group, n_tiles)
     sq = group.sums[:, 2].sum(-1)  # float64 [tensors], the parts in a fixed order (the scratch is free again)
-    grad_clip.fold(sq, functools.partial(_deferred, group.device, grad_clip, steps))
+    grad_clip.fold(sq, group.dtype, functools.partial(_deferred, group.device, grad_clip, steps))
 
 
 def _deferred(device: torch.device, grad_clip, steps) -> None:
@@ -690,7 +690,7 @@ def _fold(group: Group, grads: list, n_tiles: int, powers: tuple, grad_clip, run
     _launch_sums(group, n_tiles)
     per = group.sums.sum(-1)  # float64 [tensors, 3], as the step adds the parts (the scratch is free again)
     # the step holds the grads until it has launched: they may be copies that no one else holds
-    grad_clip.fold(per[:, 2], functools.partial(_folded_step, group, grads, per, powers, grad_clip, run))
+    grad_clip.fold(per[:, 2], group.dtype, functools.partial(_folded_step, group, grads, per, powers, grad_clip, run))
 
 
 def _folded_step(group: Group, grads: list, per: Tensor, powers: tuple, grad_clip, run) -> None:
