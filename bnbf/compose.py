@@ -1673,9 +1673,10 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[Gra
     - every group's launches (LAMB's and ``max_unorm``'s norm pass with the clipped grads, then the step) wait
       until every group has its sums; :meth:`GradClip.finish` then computes the total (float64, rounded to the
       grads' dtype as torch's is; with grads of several dtypes each 16-bit group's norms rounded to its dtype
-      first, as torch takes each norm: :func:`bnbf.reference.fold_total`) and the coefficient with torch's ops (``min(1, max_norm / (total + 1e-6))``)
-      on the device, and runs them: the kernels multiply each grad by the coefficient in float32 (one
-      product, the bits of a float32 grad clipped by that coefficient with torch's multiply).
+      first, as torch takes each norm: :func:`bnbf.reference.fold_total`) and the coefficient with torch's ops
+      (``min(1, max_norm / (total + 1e-6))``) on the device, and runs them: the kernels multiply each grad by the
+      coefficient in float32 (one product, the bits of a float32 grad clipped by that coefficient with torch's
+      multiply).
 
     The total adds the same squares in another order than ``torch._foreach_norm``: its bits may differ from
     torch's by up to (W/2 + 1) float32 ulps for tiles of W elements (tests/tolerances.py,

@@ -20,14 +20,14 @@ writes every leaf's grad into one buffer); an ensemble stacks the buffers and vm
 
 Why the buffers step as the leaves would: a quantization block never spans two leaves, and the padding is zero
 params with zero grads, whose update is zero under every elementwise rule and whose state stays at its initial
-value (zero, or Adagrad's initial accumulator, which a leaf's accumulator only grows from), so each block's
-absmax is its leaf's own. Leaves that would keep float32 state (fewer than ``min_8bit_size`` elements) get a
-buffer with float32 state. The one difference is the 8-bit state's stochastic rounding, which hashes a block's
-index in its buffer: with that index, stepping the buffers equals stepping the leaves one by one bit for bit on
-the reference path and in the interpreter, and within what two compiled variants of the kernel round
-differently on the GPU (tests/test_flat.py). Each buffer is whole groups of 4 blocks, so that the members of a
-stacked buffer keep 16-byte-aligned absmax (the kernels' aligned variant). What is per tensor applies per
-buffer: ``update(..., max_unorm=)`` clips each buffer's update, and rules that scale by a tensor's norms (LAMB,
+value, zero (:meth:`FlatLayout.init_state` starts it at zero also where a leaf's starts elsewhere, as Adagrad's
+accumulator), so each block's absmax is its leaf's own. Leaves that would keep float32 state (fewer than
+``min_8bit_size`` elements) get a buffer with float32 state. The one difference is the 8-bit state's stochastic
+rounding, which hashes a block's index in its buffer: with that index, stepping the buffers equals stepping the
+leaves one by one bit for bit on the reference path and in the interpreter, and within what two compiled variants of
+the kernel round differently on the GPU (tests/test_flat.py). Each buffer is whole groups of 4 blocks, so that the
+members of a stacked buffer keep 16-byte-aligned absmax (the kernels' aligned variant). What is per tensor applies
+per buffer: ``update(..., max_unorm=)`` clips each buffer's update, and rules that scale by a tensor's norms (LAMB,
 LARS) are refused.
 """
 
@@ -149,9 +149,13 @@ class FlatLayout:
         return {k: classes[k](*(torch.cat(col) for col in parts[k])) for k in self.pieces}
 
     def init_state(self, flat: Any, hparams: Any = None) -> dict:
-        """Zero state for the buffers: each with its ``specs[key]``, so leaves keep the state width they would
-        have one by one."""
-        return {key: init_state(buf, self.specs[key], hparams) for key, buf in self._buffers(flat)}
+        """Initial state for the buffers: each leaf's as :func:`bnbf.init_state` makes it (with its buffer's
+        ``specs[key]``, so leaves keep the state width they would have one by one), zero state in the padding
+        (:meth:`flatten_state`). A nonzero initial state (Adagrad's accumulator) in the padding would share a
+        leaf's last 8-bit block and hold its absmax once the leaf's values round below it."""
+        leaves = self.unflatten(flat)
+        specs = pytree.tree_unflatten([self.specs[leaf.key] for leaf in self.leaves], self.treespec)
+        return self.flatten_state(init_state(leaves, specs, hparams))
 
     def _padded(self, leaf: _Leaf, t: Tensor, fill: float) -> list[Tensor]:
         """``t`` (shaped like ``leaf``) flattened, then the padding after the leaf in its buffer, of ``fill``."""
