@@ -127,10 +127,32 @@ class PackedMeta:
                 b.index_fill_(-1, i, 0)
 
     def __reduce__(self):  # unpickled: a meta of this process (its own key)
-        return PackedMeta, (self.spec, self.shapes, self.dtypes, self.rule, self.groups, self.sizes)
+        return _rebuild_meta, (_plain_spec(self.spec), self.shapes, self.dtypes, self.rule, self.groups, self.sizes)
 
     def __repr__(self) -> str:
         return f"PackedMeta({len(self.shapes)} leaves, rule {self.rule!r}, {len(self.sizes)} buffers)"
+
+
+def _plain_spec(spec: Any) -> Any:
+    """The params' structure key (``_flatten``'s) in values ``torch.load``'s default (weights_only) takes: a
+    list's or tuple's type by name, a pytree structure as its JSON (where torch can write it)."""
+    if type(spec) is tuple and spec[0] in (list, tuple):
+        return (spec[0].__name__, spec[1])
+    if isinstance(spec, pytree.TreeSpec):
+        try:
+            return ("treespec", pytree.treespec_dumps(spec))
+        except (NotImplementedError, TypeError, ValueError):  # a node type without a serialized name
+            return spec
+    return spec
+
+
+def _rebuild_meta(spec: Any, *args: Any) -> PackedMeta:
+    """A pickled :class:`PackedMeta` (:meth:`PackedMeta.__reduce__`), its structure key rebuilt."""
+    if type(spec) is tuple and spec[0] in ("list", "tuple"):
+        spec = ({"list": list, "tuple": tuple}[spec[0]], spec[1])
+    elif type(spec) is tuple and spec[0] == "treespec":
+        spec = pytree.treespec_loads(spec[1])
+    return PackedMeta(spec, *args)
 
 
 def _picker(leaves: tuple):
@@ -740,4 +762,4 @@ _packed_step_op_.register_vmap(ops.in_place_vmap_rule(_packed_step_vmap, "a para
 
 # saved packed states load with torch.load's default weights_only=True, as per-param states do (bnbf.state): their
 # classes rebuild from buffers, dtypes, shapes and names, and the meta checks what it is given
-torch.serialization.add_safe_globals([PackedState, PackedMeta, PackedGroup])
+torch.serialization.add_safe_globals([PackedState, PackedMeta, PackedGroup, _rebuild_meta])

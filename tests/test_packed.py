@@ -544,14 +544,24 @@ def test_a_configuration_without_state_is_refused_by_name(rule):
         bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule=rule), {"lr": 0.1}), p)
 
 
-def test_a_saved_packed_state_loads_with_torch_loads_defaults():
+_SAVED_TREES = {
+    "dict": lambda w, b: {"w": w, "b": b},
+    "list": lambda w, b: [w, b],
+    "tuple": lambda w, b: (w, b),
+    "nested": lambda w, b: {"enc": {"w": w}, "head": [b]},
+}
+
+
+@pytest.mark.parametrize("tree", sorted(_SAVED_TREES))
+def test_a_saved_packed_state_loads_with_torch_loads_defaults(tree):
     """``torch.load``'s default ``weights_only=True`` takes a saved packed state (its classes are registered as the
-    per-param states' are), and the loaded state steps as the saved one."""
+    per-param states' are), and the loaded state steps as the saved one; of a list, a tuple or a nested tree too
+    (their structure was pickled as the list and tuple types and torch's TreeSpec, which the default refuses)."""
     import io
 
-    params = {"w": torch.randn(300), "b": torch.randn(7, dtype=torch.bfloat16)}
+    params = _SAVED_TREES[tree](torch.randn(300), torch.randn(7, dtype=torch.bfloat16))
     state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0), packed=True)
-    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    grads = tree_map(torch.randn_like, params)
     buf = io.BytesIO()
     torch.save(state, buf)
     buf.seek(0)
