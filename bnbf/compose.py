@@ -1433,7 +1433,9 @@ def updates(
     if isinstance(max_grad_norm, Tensor) and _asked([max_grad_norm]):
         _refuse_updates(params, [], [], state, max_grad_norm)
     if max_grad_norm is not None:  # the norm of the grads as given (16-bit ones have 16-bit norms, as torch's)
-        clip, grads = _grad_clip(grads, max_grad_norm)
+        # the groups below step float32 copies: a folded total would not see which grads of several dtypes are 16-bit
+        fold = not tensors or len({g.dtype for g in g_leaves}) < 2
+        clip, grads = _grad_clip(grads, max_grad_norm, fold=fold)
         g_leaves = pytree.tree_leaves(grads)
     if tensors:
         with torch.no_grad():
@@ -1655,7 +1657,7 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
     check_nonneg(max_grad_norm, "max_grad_norm")
 
 
-def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[GradClip | None, Any]:
+def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True, fold: bool = True) -> tuple[GradClip | None, Any]:
     """Gradient clipping for one call of :func:`update` / :func:`update_` with ``max_grad_norm``.
 
     Returns ``(clip, grads)``. Eager calls on plain tensors get a folded :class:`bnbf.reference.GradClip`, set
@@ -1688,7 +1690,9 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[Gra
     clipped into copies by :func:`clip_grad_norm` (their routes do not read the clip), which keep the grads'
     history where a derivative is asked through them: the core then refuses it as it refuses unclipped grads.
     ``detach``: the in-place step takes grads that require grad detached (as torch.optim); the pure step keeps
-    them (under grad mode), so that the core names such a grad instead of losing its history.
+    them (under grad mode), so that the core names such a grad instead of losing its history. ``fold=False``: the
+    total from ``torch._foreach_norm`` of ``grads`` (for :func:`updates` of grads of several dtypes: its groups
+    step float32 copies, so they cannot round a 16-bit grad's norm to its dtype as torch does).
     """
     _check_max_grad_norm(max_grad_norm)
     gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
@@ -1701,7 +1705,7 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True) -> tuple[Gra
         return None, clip_grad_norm(grads, max_grad_norm)[0]
     limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
     with torch.no_grad():
-        if _folds():
+        if fold and _folds():
             dtype = gs[0].dtype  # the total norm's: the stack of torch's per-dtype norms promotes
             dtypes = set(map(_DTYPE, gs))
             if len(dtypes) > 1:

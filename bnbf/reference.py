@@ -111,11 +111,12 @@ def fold_total(sq: list[Tensor], dtype: torch.dtype, dtypes: list[torch.dtype] |
     device; ``dtypes`` each part's grads' dtype): added in float64 in the order given, the root, rounded to the
     total's dtype ``dtype`` (the grads' promoted dtype, torch's total is in it). As torch.nn.utils.clip_grad_norm_
     takes each grad's norm in the grad's own dtype, a part of another dtype (fp16 grads beside fp32 ones) enters
-    as its tensors' norms rounded to that dtype: inf where one overflows, so the total is inf and the grads are
+    as its tensors' norms rounded to that dtype (16-bit grads: float32 ones are the total's dtype or the copies
+    bnbf.updates steps, whose norms stay unrounded): inf where one overflows, so the total is inf and the grads are
     zeroed, as torch zeroes them. The launcher and the reference step hand in sums of the same squares: the same
     arithmetic after them."""
     if dtypes is not None and any(d != dtype for d in dtypes):
-        sq = [s if d == dtype else s.sqrt().to(d).double().square() for s, d in zip(sq, dtypes)]
+        sq = [s if d in (dtype, torch.float32) else s.sqrt().to(d).double().square() for s, d in zip(sq, dtypes)]
     return (sq[0] if len(sq) == 1 else torch.cat(sq)).sum().sqrt().to(dtype)
 
 

@@ -407,7 +407,8 @@ def test_mixed_dtype_grads_take_each_norm_in_its_dtype(device, case, overflow, m
     dtype and the total of those (promoted to float32). A float16 grad whose norm passes 65504 has an inf norm, so
     torch's total is inf and every grad is zeroed: the step equals torch's clipping then the step, bit for bit (our
     total was finite and the grads were scaled to the limit). Finite, the total is within the folded bound of
-    torch's (the float16 norm rounded to float16 before it joins)."""
+    torch's (the float16 norm rounded to float16 before it joins). ``bnbf.updates`` then ``apply_updates`` give
+    the same params (its total came from float32 copies of the float16 grads)."""
     specs, hp = MIXED_DTYPES[case]
     params, grads, state = _setup(device, specs, hp)
     params["b"], grads["b"] = params["b"].half(), grads["b"].half()
@@ -420,12 +421,15 @@ def test_mixed_dtype_grads_take_each_norm_in_its_dtype(device, case, overflow, m
     total = torch.nn.utils.clip_grad_norm_(clones, MAX)
     assert math.isinf(float(total)) == overflow
     want = bnbf.update(params, {k: c.grad for k, c in zip(grads, clones)}, state, hp, 2)
+    # updates steps float32 copies: its total is torch's norms of the grads as given (torch._foreach_norm)
+    u, u_state = bnbf.updates(params, grads, state, hp, 2, max_grad_norm=MAX)
     folds = _record_folds(monkeypatch)
     _no_foreach_norm(monkeypatch)
     got = bnbf.update(params, grads, state, hp, 2, max_grad_norm=MAX)
     in_p, in_s = _clones(params, state)
     bnbf.update_(in_p, grads, in_s, hp, 2, max_grad_norm=MAX)
     assert len(folds) == 2 and all(c.total.dtype == torch.float32 for c in folds)
+    _eq((bnbf.apply_updates(params, u), u_state), got, f"{case}: apply_updates(updates(max_grad_norm=))")
     if overflow:
         assert all(math.isinf(float(c.total)) and float(c.value) == 0.0 for c in folds)
         _eq(got, want, f"{case}: a float16 norm past 65504")
