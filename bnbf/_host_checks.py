@@ -32,7 +32,7 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf.rules import RULES, get_rule
-from bnbf.rules.base import _value
+from bnbf.rules.base import _member_values, _value
 from bnbf.state import Layout, State, is_state, present_mask
 
 
@@ -587,7 +587,13 @@ def check_not_differentiated(
 
 def check_clip_not_differentiated(max_grad_norm: Any, state: Any, *, in_place: bool) -> None:
     """:func:`check_not_differentiated` for ``max_grad_norm`` (a tensor the clipping reads before the core's own
-    checks see the clipped grads, which carry no history through the fused clip)."""
+    checks see the clipped grads, which carry no history through the fused clip). Traced: what Dynamo shows (grad
+    mode and ``requires_grad``, or a torch.func grad/jvp around the call)."""
+    if torch.compiler.is_compiling():
+        grad_mode = torch.is_grad_enabled()
+        if isinstance(max_grad_norm, Tensor) and ((grad_mode and max_grad_norm.requires_grad) or _traced_derivative()):
+            _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
+        return
     tracked = isinstance(max_grad_norm, Tensor) and differentiated([max_grad_norm])
     if tracked and _tracked(max_grad_norm, torch.is_grad_enabled(), forward_ad._current_level >= 0):
         _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
@@ -738,9 +744,13 @@ def _groups(params: list, states: list):
 def clips(max_unorm: Any) -> bool:
     """Whether ``max_unorm`` turns update clipping on (> 0); ValueError for a value below 0 or NaN. A CPU tensor's
     value is checked as a number's; a device tensor's is not read (a host sync): the step then clips only where it
-    is > 0, so a tensor 0 is off as the number 0 is (and a negative or NaN one clips nothing)."""
+    is > 0, so a tensor 0 is off as the number 0 is (and a negative or NaN one clips nothing). Under vmap each
+    member's value of a CPU tensor is checked."""
     if isinstance(max_unorm, Tensor):
         v = None if torch.compiler.is_compiling() else _value(max_unorm, "max_unorm")
+        for m in [] if torch.compiler.is_compiling() else _member_values(max_unorm):
+            if not m >= 0.0:
+                raise ValueError(f"Invalid max_unorm value: {m}")
     else:
         v = max_unorm
     if v is not None and not v >= 0.0:

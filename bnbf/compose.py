@@ -1625,6 +1625,14 @@ def _by_device_dtype(gs: list[Tensor]) -> dict[tuple, list[int]]:
     return by
 
 
+def _per_tensor() -> bool:
+    """Whether the ``_foreach`` ops must be one op per tensor (the same arithmetic): vmap has no batching rule for
+    them. Traced, ``ops.vmap_level`` is None; any torch.func transform Dynamo traces around the call counts."""
+    if torch.compiler.is_compiling():
+        return torch._C._are_functorch_transforms_active()
+    return ops.vmap_level() is not None
+
+
 def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     """torch.nn.utils.clip_grad_norm_'s total norm (the same ops, so the same bits), and the grads' indices by
     (device, dtype)."""
@@ -1638,7 +1646,7 @@ def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     by = _by_device_dtype(gs)
     norms: list[Tensor] = []
     for idx in by.values():
-        if ops.vmap_level() is not None:
+        if _per_tensor():
             norms.extend(torch.linalg.vector_norm(gs[i], norm_type) for i in idx)
             continue
         norms.extend(torch._foreach_norm([gs[i] for i in idx], norm_type))
@@ -1654,6 +1662,8 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
         raise TypeError(f"max_grad_norm must be a number or a 0-d tensor, got {type(max_grad_norm).__name__}")
     if isinstance(max_grad_norm, Tensor) and not max_grad_norm.is_floating_point():
         raise TypeError(f"max_grad_norm must be a floating point tensor, got {max_grad_norm.dtype}")
+    if isinstance(max_grad_norm, Tensor) and torch.compiler.is_compiling():
+        return  # traced: a graph input, its value unread (as max_unorm's)
     check_nonneg(max_grad_norm, "max_grad_norm")
 
 
@@ -1829,7 +1839,7 @@ def clip_grad_norm(
         out: list = [None] * len(gs)
         for (device, _), idx in by.items():
             # vmap has no batching rule for _foreach_mul: the same products tensor by tensor
-            mul = torch._foreach_mul if ops.vmap_level() is None else lambda ts, c: [t * c for t in ts]
+            mul = (lambda ts, c: [t * c for t in ts]) if _per_tensor() else torch._foreach_mul
             for i, c in zip(idx, mul([gs[i] for i in idx], coef.to(device))):
                 out[i] = c
     return pytree.tree_unflatten(out, treespec), total
@@ -1852,7 +1862,7 @@ def clip_grad_norm_(grads: Any, max_norm: Any, norm_type: Any = 2.0, error_if_no
         _check_finite_norm(total, norm_type, error_if_nonfinite)
         coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for (device, _), idx in by.items():
-            if ops.vmap_level() is not None:  # vmap has no batching rule for _foreach_mul_
+            if _per_tensor():  # vmap has no batching rule for _foreach_mul_
                 for i in idx:
                     gs[i].mul_(coef.to(device))
                 continue

@@ -20,9 +20,12 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 
 from bnbf._host_checks import (
     _check_grad,
+    _check_member_steps,
+    _check_members,
     _check_no_overlap,
     _check_present,
     _check_step,
@@ -34,6 +37,7 @@ from bnbf._host_checks import (
     _unflatten,
     check_no_repeats,
     check_update_options,
+    hparam_tensors,
     unaddressable,
 )
 from bnbf.reference import step_math
@@ -98,7 +102,11 @@ def update(
     rule = get_rule(rules.pop())
     checked, h = _make_hparams(rule, hparams)
     _check_present(rule, checked, states)
-    _check_step(step)
+    # a count per member (vmap); traced, _check_step reads no value
+    if isinstance(step, Tensor) and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(step):
+        _check_member_steps(step)
+    else:
+        _check_step(step)
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
     if isinstance(step, Tensor) and any(p.dtype == torch.float64 for p in params):
         step = step.double()  # a number's power of an int tensor is float32: 1 - 0.999**t would lose digits
@@ -192,6 +200,9 @@ def _make_hparams(rule: Any, hparams: Any) -> tuple[Any, Any]:
         return h, h
     items = dict(hparams)
     checked = rule.make_hparams({k: _detached(v) for k, v in items.items()})
+    batched = [t for _, t in hparam_tensors(items) if _functorch.is_batchedtensor(t)]
+    if batched:  # per-member values under vmap, which make_hparams cannot read: each checked as a number
+        _check_members(rule, items, batched)
     h = copy.copy(checked)
     for k, v in items.items():
         object.__setattr__(h, k, v)  # the frozen dataclass, checked, with the caller's values

@@ -46,6 +46,7 @@ from bnbf._dispatch import is_dtensor
 from bnbf._host_checks import is_state
 from bnbf.compose import path_name
 from bnbf.functional import init_state
+from bnbf.ops import vmap_level
 from bnbf.quant import zero_code
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
@@ -142,7 +143,7 @@ class FlatLayout:
                 if name.endswith("_absmax"):  # the padding inside a leaf's last block shares its absmax
                     pad = self.pieces[leaf.key][leaf.index + 1]
                     extra = (leaf.shape.numel() + pad) // layout.block_size - t.numel()
-                    col += [t.reshape(-1), t.new_zeros(extra)]
+                    col += [t.reshape(t.numel()), t.new_zeros(extra)]
                     continue
                 slot = next(sl for sl in layout.slots() if sl.name == name)
                 col += self._padded(leaf, t, zero_code(layout.format, slot.signed) if layout.quantized else 0)
@@ -153,6 +154,9 @@ class FlatLayout:
         ``specs[key]``, so leaves keep the state width they would have one by one), zero state in the padding
         (:meth:`flatten_state`). A nonzero initial state (Adagrad's accumulator) in the padding would share a
         leaf's last 8-bit block and hold its absmax once the leaf's values round below it."""
+        found = vmap_level()
+        if found is not None and found[1] == 0:  # an ensemble of no members (torch.cat has no batching at size 0)
+            return {key: init_state(buf, self.specs[key], hparams) for key, buf in self._buffers(flat)}
         leaves = self.unflatten(flat)
         specs = pytree.tree_unflatten([self.specs[leaf.key] for leaf in self.leaves], self.treespec)
         return self.flatten_state(init_state(leaves, specs, hparams))
@@ -160,7 +164,7 @@ class FlatLayout:
     def _padded(self, leaf: _Leaf, t: Tensor, fill: float) -> list[Tensor]:
         """``t`` (shaped like ``leaf``) flattened, then the padding after the leaf in its buffer, of ``fill``."""
         pad = self.pieces[leaf.key][leaf.index + 1]
-        return [t.reshape(-1), t.new_full((pad,), fill)] if pad else [t.reshape(-1)]
+        return [t.reshape(t.numel()), t.new_full((pad,), fill)] if pad else [t.reshape(t.numel())]
 
     def _buffers(self, flat: Any) -> list[tuple[str, Tensor]]:
         """``(key, buffer)`` of each of this layout's buffers in ``flat``, checked."""

@@ -297,7 +297,7 @@ def pack_state(state: Any, param: Any) -> PackedState:
                 offs.append(at)
                 ns.append(n)
                 pad = _aligned(n, itemsize) - n
-                parts.append(field.detach().reshape(-1))
+                parts.append(field.detach().reshape(n))
                 if pad:
                     parts.append(field.new_zeros(pad))
                 at += n + pad

@@ -661,3 +661,43 @@ def test_a_group_is_reused_only_for_the_same_addresses_and_sizes():
     pure = group(300, [torch.empty(300, device=device)], [torch.empty(300, device=device) for _ in states])
     assert pure is not first and len(bnbf.ops._GROUPS) == 3
     assert group(300) is first
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+def test_a_tensor_max_grad_norm_compiles_once(device, in_place):
+    """``max_grad_norm`` as a 0-d tensor that changes every call (the traced checks called functions Dynamo cannot
+    trace: no compile at all): one graph, each call equal to bnbf.clip_grad_norm then the unclipped step; a
+    ``max_grad_norm`` that requires grad is still refused by name."""
+    torch.manual_seed(0)
+    p = {"w": torch.randn(37, 9, device=device), "b": torch.randn(9, device=device)}
+    g = {k: torch.randn_like(v) * 3 for k, v in p.items()}
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+
+    def step(p, g, s, m):
+        if in_place:
+            bnbf.update_(p, g, s, {"lr": 0.01}, 1, max_grad_norm=m)
+            return p, s
+        return bnbf.update(p, g, s, {"lr": 0.01}, 1, max_grad_norm=m)
+
+    counter = CompileCounter()
+    compiled = torch.compile(step, backend=counter, fullgraph=True)
+    for m in (1.0, 0.5, 2.0):
+        got = compiled(*tree_map(torch.clone, (p, g, s)), torch.tensor(m, device=device))
+        want = step(*tree_map(torch.clone, (p, bnbf.clip_grad_norm(g, m)[0], s)), None)
+        assert _equal(got, want), m
+    assert counter.frame_count == 1
+    with pytest.raises(Exception, match="max_grad_norm takes part in a gradient computation"):
+        compiled(*tree_map(torch.clone, (p, g, s)), torch.tensor(1.0, device=device, requires_grad=True))
+
+
+def test_a_compiled_meta_gradient_through_a_tensor_max_grad_norm():
+    """``differentiable=True`` with a 0-d tensor ``max_grad_norm``, compiled: the derivatives equal eager ones."""
+    p, g = torch.randn(4, dtype=torch.float64), torch.randn(4, dtype=torch.float64) * 3
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    s = type(s)._make(f.double() for f in s)
+    step = lambda lr, m: bnbf.update(p, g, s, {"lr": lr}, 1, differentiable=True, max_grad_norm=m)[0].sum()  # noqa: E731
+    fn = torch.func.grad(step, argnums=(0, 1))
+    lr, m = torch.tensor(0.1, dtype=torch.float64), torch.tensor(0.5, dtype=torch.float64)
+    got, want = torch.compile(fn, backend="eager", fullgraph=True)(lr, m), fn(lr, m)
+    assert all(torch.allclose(a, b, rtol=1e-12, atol=0) for a, b in zip(got, want)) and float(want[1]) != 0.0

@@ -680,3 +680,76 @@ def test_vmap_of_update__names_the_unbatched_leaf():
         )
     after = (*params.values(), *state["a"], *state["b"], shared_p, *shared_s)
     assert all(torch.equal(x, y) for x, y in zip(before, after))
+
+
+def test_packed_and_flat_states_of_no_members():
+    """An ensemble of no members: the packed state and the flat layout's buffers and state are made (they raised
+    torch's reshape(-1) error), as the per-param state is."""
+    p = {"w": torch.randn(0, 16, 20), "b": torch.randn(0, 20)}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    packed = torch.vmap(lambda q: bnbf.init_state(q, spec, packed=True))(p)
+    assert all(b.shape[0] == 0 for b in packed.buffers)
+    layout = bnbf.flat_layout({k: torch.zeros(v.shape[1:]) for k, v in p.items()}, spec)
+    flat = torch.vmap(layout.flatten)(p)
+    state = torch.vmap(layout.init_state)(flat)
+    assert all(t.shape[0] == 0 for t in tree_leaves((flat, state)))
+
+
+@pytest.mark.parametrize("case", ["max_grad_norm", "max_unorm", "differentiable lr", "differentiable beta1"])
+def test_a_members_value_an_eager_call_refuses_is_refused(case):
+    """Per-member CPU tensors are checked as an eager call checks its numbers: a negative ``max_grad_norm`` flipped
+    that member's grads (an ascent step), a negative ``max_unorm`` stepped unclipped, and the differentiable step
+    took a negative lr or a beta of 1.5. Nothing is written."""
+    p, g = _stack()
+    diff = case.startswith("differentiable")
+    if diff:
+        p, g = tree_map(torch.Tensor.double, p), tree_map(torch.Tensor.double, g)
+    s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", state_bits=32)))(p)
+    before = [t.clone() for t in tree_leaves((p, g, s))]
+    bad = {"max_grad_norm": -1.0, "max_unorm": -1.0, "differentiable lr": -0.1, "differentiable beta1": 1.5}[case]
+    good = {"max_grad_norm": 1.0, "max_unorm": 1.0, "differentiable lr": 0.1, "differentiable beta1": 0.9}[case]
+    x = torch.tensor([good, bad, good], dtype=torch.float64 if diff else torch.float32)
+    kw = {
+        "max_grad_norm": lambda v: ({"lr": 0.1}, {"max_grad_norm": v}),
+        "max_unorm": lambda v: ({"lr": 0.1}, {"max_unorm": v}),
+        "differentiable lr": lambda v: ({"lr": v}, {"differentiable": True}),
+        "differentiable beta1": lambda v: ({"lr": 0.1, "betas": (v, 0.999)}, {"differentiable": True}),
+    }[case]
+    step = torch.vmap(lambda q, r, u, v: bnbf.update(q, r, u, kw(v)[0], 1, **kw(v)[1]))
+    with pytest.raises(ValueError, match=f"Invalid .*{bad}"):
+        step(p, g, s, x)
+    assert all(torch.equal(a, b) for a, b in zip(before, tree_leaves((p, g, s))))
+    step(p, g, s, torch.full_like(x, good))  # the same call with every member's value valid steps
+
+
+@pytest.mark.parametrize("rule", ["adamw", "ademamix", "adagrad"])
+def test_differentiable_step_with_a_step_per_member(rule):
+    """``differentiable=True`` under vmap with a step count per member (it raised torch's .item() error under vmap):
+    each member equals its own eager step with its step as a 0-d tensor; a member's step 0 is refused."""
+    p, g = tree_map(torch.Tensor.double, _stack())
+    spec = bnbf.OptimSpec(rule=rule, state_bits=32)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    s = tree_map(torch.Tensor.double, s)
+    steps = torch.tensor([1, 5, 40])
+    hp = {"lr": 0.01}
+    step = torch.vmap(lambda q, r, u, t: bnbf.update(q, r, u, hp, t, differentiable=True))
+    got = step(p, g, s, steps)
+    for b in range(B):
+        want = bnbf.update(_member(p, b), _member(g, b), _member(s, b), hp, steps[b], differentiable=True)
+        assert _same(_member(got, b), want), b
+    with pytest.raises(ValueError, match="Invalid step: 0"):
+        step(p, g, s, torch.tensor([1, 0, 2]))
+
+
+@pytest.mark.usefixtures("fresh_dynamo")
+def test_compiled_vmap_with_max_grad_norm():
+    """torch.compile of a vmapped step with ``max_grad_norm`` (it failed: Dynamo does not show the vmap, and the
+    clip took ``_foreach_norm``, which vmap cannot batch): one graph, equal to the eager vmapped step."""
+    from torch._dynamo.testing import CompileCounter
+
+    p, g = _stack()
+    s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=0)))(p)
+    fn = lambda a, b, c: torch.vmap(lambda x, y, z: bnbf.update(x, y, z, {"lr": 0.1}, 1, max_grad_norm=1.0))(a, b, c)
+    counter = CompileCounter()
+    got = torch.compile(fn, backend=counter, fullgraph=True)(p, g, s)
+    assert counter.frame_count == 1 and _same(got, fn(p, g, s))

@@ -187,6 +187,19 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
         raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(x).__name__}") from None
 
 
+def _member_values(x: Any) -> list[float]:
+    """Every member's value of a tensor vmap batches where they sit on the CPU (as an eager CPU tensor's value is
+    read); nothing for anything else."""
+    if not isinstance(x, Tensor) or not _batched(x):
+        return []
+    while torch._C._functorch.is_functorch_wrapped_tensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+    if x.device.type != "cpu":
+        return []
+    with torch._C._DisableFuncTorch():
+        return x.detach().reshape(-1).tolist()
+
+
 def _batched(x: Tensor) -> bool:
     """Whether vmap batches ``x`` at some level of torch.func's wrappers (a grad wrapper may hold a batched tensor)."""
     while not torch._C._functorch.is_batchedtensor(x):
@@ -209,10 +222,14 @@ def check_finite(x: Number, name: str) -> None:
 
 
 def check_nonneg(x: Number, name: str) -> None:
-    """torch's ``if not 0.0 <= x: raise ValueError(f"Invalid {name} value: {x}")``, finite too."""
+    """torch's ``if not 0.0 <= x: raise ValueError(f"Invalid {name} value: {x}")``, finite too; under vmap each
+    member's value of a CPU tensor (a negative ``max_grad_norm`` would flip that member's grads)."""
     v = _value(x, name)
     if v is not None and not (v >= 0.0 and finite(v)):
         raise ValueError(f"Invalid {name} value: {x}")
+    for m in _member_values(x):
+        if not (m >= 0.0 and finite(m)):
+            raise ValueError(f"Invalid {name} value: {m}")
 
 
 def check_lr(lr: Number) -> None:
