@@ -1633,9 +1633,24 @@ def _per_tensor() -> bool:
     return ops.vmap_level() is not None
 
 
+def _refuse_mixed_dtensor(gs: list) -> None:
+    """NotImplementedError for DTensor (FSDP2) grads beside plain ones: torch's clip_grad_norm_ fails on them inside
+    ``_foreach_norm`` (a sharded norm and a local one do not add up to one total)."""
+    if not set(map(type, gs)) <= _PLAIN_TENSORS:
+        sharded = list(map(is_dtensor, gs))
+        if any(sharded) and not all(sharded):
+            raise NotImplementedError(
+                "gradient clipping (max_grad_norm, clip_grad_norm) over DTensor (FSDP2) grads and plain grads in one "
+                "call is not supported: their norms do not add up to one total; shard every param, or clip the two "
+                "kinds yourself"
+            )
+
+
 def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     """torch.nn.utils.clip_grad_norm_'s total norm (the same ops, so the same bits), and the grads' indices by
     (device, dtype)."""
+    if not torch.compiler.is_compiling():
+        _refuse_mixed_dtensor(gs)
     # the usual tree: one group (traced: the loop below, which Dynamo traces and which gives the same ops)
     if not torch.compiler.is_compiling() and len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:
         by = {(gs[0].device, gs[0].dtype): range(len(gs))}
@@ -1706,14 +1721,23 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True, fold: bool =
     """
     _check_max_grad_norm(max_grad_norm)
     gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
-    if (
-        torch.compiler.is_compiling()  # first: the checks after it are not traceable
-        or not gs
-        or not set(map(type, gs)) <= _PLAIN_TENSORS
-        or torch._C._functorch.maybe_current_level() is not None
-    ):
-        return None, clip_grad_norm(grads, max_grad_norm)[0]
+    eager = not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
     limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
+    if eager and gs and not set(map(type, gs)) <= _PLAIN_TENSORS and any(map(is_dtensor, gs)):
+        _refuse_mixed_dtensor(gs)
+        # sharded grads: torch's total (a DTensor reduced to every rank), applied by the kernels as they load each
+        # local grad, as the unsharded step applies it (a clipped 16-bit copy would round the products)
+        with torch.no_grad():
+            total = _total_norm(gs, 2.0)[0]
+            total = total.full_tensor() if is_dtensor(total) else total
+            # the coefficient by torch's ops in the total's dtype, as the folded clip of unsharded grads takes it
+            on_total = limit.to(total.device) if isinstance(limit, Tensor) else limit
+            clip = GradClip(clip_coefficient(total, on_total), None)
+        if (detach or not torch.is_grad_enabled()) and any(map(_REQUIRES_GRAD, gs)):
+            grads = pytree.tree_map(Tensor.detach, grads)
+        return clip, grads
+    if not eager or not gs or not set(map(type, gs)) <= _PLAIN_TENSORS:
+        return None, clip_grad_norm(grads, max_grad_norm)[0]
     with torch.no_grad():
         if fold and _folds():
             dtype = gs[0].dtype  # the total norm's: the stack of torch's per-dtype norms promotes

@@ -453,6 +453,42 @@ def scenario_norms():
                 assert (p - init[k]).norm() <= bound, (k, (p - init[k]).norm(), bound)
 
 
+def scenario_clip_sharded():
+    """max_grad_norm over sharded 16-bit grads: torch's total of the DTensor grads, applied by the kernels as they
+    load each local grad (a clipped bfloat16/float16 copy rounded the products): with grads whose norms every
+    order of adding gives alike (integer norms), whole-block shards step as the unsharded tensors bit for bit.
+    Sharded and plain grads in one call: a clear NotImplementedError (torch's own clip fails inside
+    _foreach_norm), nothing written."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    m = mesh()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+    for dtype in (torch.bfloat16, torch.float16):
+        full = {"w": torch.randn(64, 8, generator=torch.Generator().manual_seed(1)), "b": torch.zeros(32, 16)}
+        full = {k: v.to(DEVICE, dtype) for k, v in full.items()}
+        g_full = {k: torch.zeros_like(v) for k, v in full.items()}
+        g_full["w"].view(-1)[::2] = 0.25  # 256 elements: norm 4
+        g_full["b"].view(-1)[:9] = 1.0  # norm 3; the total 5
+        params = {k: distribute_tensor(v.clone(), m, [Shard(0)]) for k, v in full.items()}
+        grads = {k: distribute_tensor(v.clone(), m, [Shard(0)]) for k, v in g_full.items()}
+        state, ref_state = bd.init_state(params, spec), bnbf.init_state(full, spec)
+        ref = {k: v.clone() for k, v in full.items()}
+        for t in (1, 2):
+            bnbf.update_(params, grads, state, {"lr": LR}, t, max_grad_norm=1.0)
+            bnbf.update_(ref, g_full, ref_state, {"lr": LR}, t, max_grad_norm=1.0)
+        for k, p in _gathered(params).items():
+            assert torch.equal(p, ref[k]), (dtype, k, (p.float() - ref[k].float()).abs().max())
+    mixed = {"w": params["w"], "b": full["b"].clone()}
+    mixed_g = {"w": grads["w"], "b": g_full["b"]}
+    before = [mixed["w"].to_local().clone(), mixed["b"].clone()]
+    with pytest.raises(NotImplementedError, match="DTensor .* and plain grads"):
+        bnbf.update_(mixed, mixed_g, {"w": state["w"], "b": ref_state["b"]}, {"lr": LR}, 3, max_grad_norm=1.0)
+    assert torch.equal(mixed["w"].to_local(), before[0]) and torch.equal(mixed["b"], before[1])
+
+
 def scenario_odd_sizes():
     """numel 1, 257 x 3 and 4097 in float32, float16 and bfloat16, sharded over 2 ranks (rank 1 starts inside
     a block, or holds nothing): the step is the core's step of each local shard, and the checkpoint form
