@@ -597,8 +597,9 @@ def _one_rule_tree(state: Any) -> bool:
     kinds = set(map(type, state.values())) if type(state) is dict else None
     if kinds is None or not all(issubclass(kind, State) for kind in kinds):  # not a flat dict of states
         kinds = set(map(type, pytree.tree_leaves(state, is_leaf=is_state)))
-    rules = {kind.layout.rule for kind in kinds if issubclass(kind, State)}
-    return len(rules) <= 1
+    # compared, not put in a set: torch 2.11's Dynamo (compiled vmap) cannot hash a class attribute's string
+    rules = [kind.layout.rule for kind in kinds if issubclass(kind, State)]
+    return all(r == rules[0] for r in rules)
 
 
 def update(
