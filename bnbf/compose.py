@@ -446,7 +446,7 @@ def init_state(params: Any, spec: Any, hparams: Any = None) -> Any:
         groups.setdefault((s, _hkey(h)), []).append(i)
     # every group's hyperparameters are checked before any state is made
     for (s, _), idx in groups.items():
-        get_rule(s.rule).make_hparams(hps[idx[0]])
+        _named_hparams(s.rule, hps[idx[0]], path_name(keypaths[idx[0]]))
     out: list = [None] * len(leaves)
     for (s, _), idx in groups.items():
         made = bnbf.init_state({names[i]: leaves[i] for i in idx}, s, hps[idx[0]])
@@ -512,6 +512,15 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
     return rebuild, _leaf_names(kps), paths, lambda: kps, [p for _, p in flat], g_leaves, s_leaves
 
 
+def _named_hparams(rule: str, h: Any, path: str) -> Any:
+    """The rule's hyperparameters of a group of leaves, validated; an error names the group's first leaf (the
+    per-leaf and per-rule forms give each leaf its own mapping: torch's words alone would not say whose)."""
+    try:
+        return get_rule(rule).make_hparams(h)
+    except (ValueError, TypeError) as e:
+        raise type(e)(f"hyperparameters of {path!r} ({rule}): {e}") from None
+
+
 def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Parts:
     rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
@@ -534,7 +543,7 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
     if torch.compiler.is_compiling():
         validated = [(hps[idx[0]], idx) for idx in groups.values()]
     else:
-        validated = [(get_rule(rule).make_hparams(hps[idx[0]]), idx) for (rule, _), idx in groups.items()]
+        validated = [(_named_hparams(rule, hps[idx[0]], paths[idx[0]]), idx) for (rule, _), idx in groups.items()]
     flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
     return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form)
 

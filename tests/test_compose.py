@@ -23,6 +23,7 @@ from conftest import DEVICES, assert_untouched, snapshot
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from tolerances import assert_equal_report, assert_trees_same_variant
+from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
 from bnbf import compose
@@ -1041,3 +1042,31 @@ def test_a_tree_of_hparams_through_lists_and_tuples_of_the_params(seq):
         assert torch.equal(got, want), path
     bnbf.update_(params, grads, state, hp, 1)
     assert all(torch.equal(a, b) for a, b in zip(tree_leaves(params), tree_leaves(new_p)))
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+@pytest.mark.parametrize(
+    ("hparams", "error", "match"),
+    [
+        (lambda path, p: {"lr": float("nan") if path == "enc.1.y" else 1e-3}, ValueError, "Invalid learning rate: nan"),
+        (lambda path, p: {"lr": 1e-3, "momentum": 0.9} if path == "enc.1.y" else {"lr": 1e-3}, ValueError, "unknown"),
+        ({"adamw": {"lr": 1e-3}, "lion": {"betas": (0.9, 1.5)}}, ValueError, "Invalid beta parameter at index 1"),
+    ],
+    ids=["per-leaf nan lr", "per-leaf unknown key", "per-rule beta"],
+)
+def test_a_bad_hyperparameter_names_its_leaf(hparams, error, match, in_place):
+    """Per-leaf and per-rule hyperparameters: the error names the leaf (the first of its group) and the rule, then
+    torch's words; nothing is written (it said torch's words alone, which leaf's value was bad unsaid)."""
+    import collections
+
+    pair = collections.namedtuple("pair", "x y")
+    params = {"enc": [torch.randn(300), pair(torch.randn(5), torch.randn(7))], "head": (torch.randn(3),)}
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path.startswith("head") else "adamw", min_8bit_size=256)
+    state = compose.init_state(params, spec)
+    grads = tree_map(torch.randn_like, params)
+    before = [t.clone() for t in tree_leaves((params, state))]
+    leaf = "head.0" if isinstance(hparams, dict) else "enc.1.y"
+    rule = "lion" if isinstance(hparams, dict) else "adamw"
+    with pytest.raises(error, match=rf"hyperparameters of '{leaf}' \({rule}\): .*{match}"):
+        (compose.update_ if in_place else compose.update)(params, grads, state, hparams, 1)
+    assert all(torch.equal(a, b) for a, b in zip(before, tree_leaves((params, state))))
