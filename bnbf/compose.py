@@ -1838,7 +1838,9 @@ def clip_grad_norm(
     The norm of every gradient's norm, ``total``; each gradient times ``min(1, max_norm / (total + 1e-6))``.
     All on the device, without a host synchronisation (the factor is a tensor, applied also when it is 1);
     the same arithmetic as torch's (per (device, dtype) group ``torch._foreach_norm``, then the norm of the
-    norms), so the same bits.
+    norms), so the same bits with a number ``max_norm``. torch reads a tensor ``max_norm`` as a number (a host
+    synchronisation); here it stays a tensor, so with 16-bit grads the factor is computed in float32 and may
+    differ from torch's by an ulp of the grads' dtype.
 
     Args:
         grads: a tensor or pytree of tensors.
