@@ -32,7 +32,7 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf.rules import RULES, get_rule
-from bnbf.rules.base import _member_values, _value
+from bnbf.rules.base import _value, member_values, members
 from bnbf.state import Layout, State, is_state, present_mask
 
 
@@ -748,7 +748,7 @@ def clips(max_unorm: Any) -> bool:
     member's value of a CPU tensor is checked."""
     if isinstance(max_unorm, Tensor):
         v = None if torch.compiler.is_compiling() else _value(max_unorm, "max_unorm")
-        for m in [] if torch.compiler.is_compiling() else _member_values(max_unorm):
+        for m in [] if torch.compiler.is_compiling() else member_values(max_unorm):
             if not m >= 0.0:
                 raise ValueError(f"Invalid max_unorm value: {m}")
     else:
@@ -909,27 +909,17 @@ def traced_hparams(
             h = traced
         else:
             h = rule.make_hparams(hparams)
-        if isinstance(step, Tensor) and _functorch.is_functorch_wrapped_tensor(step):
-            _check_member_steps(step)
-        elif not isinstance(step, torch.SymInt):
-            _check_step(step)
+        check_steps(step)
     _check_present(rule, h, states)
     if isinstance(step, bool) or not isinstance(step, (int, Tensor, torch.SymInt)):
         raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {type(step).__name__}")
     return h
 
 
-def _members(t: Tensor) -> Tensor | None:
-    """Every member's value of a tensor under vmap (the plain tensor below torch.func's wrappers), or None where
-    they are on a device (reading them would synchronize, as an eager device tensor's value is not read)."""
-    t = _unbatched(t)
-    return t if t.device.type == "cpu" and not _functorch.is_functorch_wrapped_tensor(t) else None
-
-
 def _check_members(rule: Any, hparams: Any, batched: list) -> None:
     """Each member's value of per-member hyperparameter tensors (vmap), checked as the number an eager call would
     check: each tensor's values in turn, with the other tensors at their first member's."""
-    plain = {id(t): _members(t) for t in batched}
+    plain = {id(t): members(t) for t in batched}
     if any(u is None for u in plain.values()) or not isinstance(hparams, Mapping):
         return
     with torch._C._DisableFuncTorch():
@@ -947,9 +937,18 @@ def _check_members(rule: Any, hparams: Any, batched: list) -> None:
                 rule.make_hparams({name: one(v, k, value) for name, v in hparams.items()})
 
 
+def check_steps(step: Any) -> None:
+    """:func:`_check_step`, or under vmap (a count per member) :func:`_check_member_steps`; a traced SymInt has
+    no value to read."""
+    if isinstance(step, Tensor) and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(step):
+        _check_member_steps(step)
+    elif not isinstance(step, torch.SymInt):
+        _check_step(step)
+
+
 def _check_member_steps(step: Tensor) -> None:
     """A per-member step tensor (vmap): int32 or int64, and every member's count at least 1 where it is readable."""
-    u = _members(step)
+    u = members(step)
     with torch._C._DisableFuncTorch():
         if step.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")

@@ -1664,7 +1664,7 @@ def _total_norm(gs: list[Tensor], norm_type: float) -> tuple[Tensor, dict]:
     # the usual tree: one group (traced: the loop below, which Dynamo traces and which gives the same ops)
     if not torch.compiler.is_compiling() and len(set(map(_DEVICE, gs))) == 1 and len(set(map(_DTYPE, gs))) == 1:
         by = {(gs[0].device, gs[0].dtype): range(len(gs))}
-        if ops.vmap_level() is not None:  # vmap has no batching rule for _foreach_norm: its per-tensor norms
+        if _per_tensor():  # vmap has no batching rule for _foreach_norm: its per-tensor norms
             norms = [torch.linalg.vector_norm(g, norm_type) for g in gs]
             return torch.linalg.vector_norm(torch.stack(norms), norm_type), by
         return torch.linalg.vector_norm(torch.stack(torch._foreach_norm(gs, norm_type)), norm_type), by
@@ -1732,24 +1732,21 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True, fold: bool =
     _check_max_grad_norm(max_grad_norm)
     gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
     eager = not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
-    limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
-    if eager and gs and not set(map(type, gs)) <= _PLAIN_TENSORS and any(map(is_dtensor, gs)):
-        _refuse_mixed_dtensor(gs)
-        # sharded grads: torch's total (a DTensor reduced to every rank), applied by the kernels as they load each
-        # local grad, as the unsharded step applies it (a clipped 16-bit copy would round the products)
-        with torch.no_grad():
-            total = _total_norm(gs, 2.0)[0]
-            total = total.full_tensor() if is_dtensor(total) else total
-            # the coefficient by torch's ops in the total's dtype, as the folded clip of unsharded grads takes it
-            on_total = limit.to(total.device) if isinstance(limit, Tensor) else limit
-            clip = GradClip(clip_coefficient(total, on_total), None)
-        if (detach or not torch.is_grad_enabled()) and any(map(_REQUIRES_GRAD, gs)):
-            grads = pytree.tree_map(Tensor.detach, grads)
-        return clip, grads
-    if not eager or not gs or not set(map(type, gs)) <= _PLAIN_TENSORS:
+    plain = eager and gs and set(map(type, gs)) <= _PLAIN_TENSORS
+    sharded = eager and gs and not plain and any(map(is_dtensor, gs))
+    if not plain and not sharded:
         return None, clip_grad_norm(grads, max_grad_norm)[0]
+    limit = max_grad_norm.reshape(()) if isinstance(max_grad_norm, Tensor) else max_grad_norm
     with torch.no_grad():
-        if fold and _folds():
+        if sharded:
+            # torch's total (a DTensor reduced to every rank; DTensor beside plain grads refused), its coefficient by
+            # torch's ops in the total's dtype as the folded clip takes it, applied by the kernels as they load each
+            # local grad, as the unsharded step applies it (a clipped 16-bit copy would round the products)
+            total = _total_norm(gs, 2.0)[0].full_tensor()
+            clip = GradClip(
+                clip_coefficient(total, limit.to(total.device) if isinstance(limit, Tensor) else limit), None
+            )
+        elif fold and _folds():
             dtype = gs[0].dtype  # the total norm's: the stack of torch's per-dtype norms promotes
             dtypes = set(map(_DTYPE, gs))
             if len(dtypes) > 1:

@@ -24,11 +24,9 @@ from torch._C import _functorch
 
 from bnbf._host_checks import (
     _check_grad,
-    _check_member_steps,
     _check_members,
     _check_no_overlap,
     _check_present,
-    _check_step,
     _check_writable,
     _flatten,
     _hparams_traced,
@@ -36,6 +34,7 @@ from bnbf._host_checks import (
     _structures,
     _unflatten,
     check_no_repeats,
+    check_steps,
     check_update_options,
     hparam_tensors,
     unaddressable,
@@ -102,11 +101,7 @@ def update(
     rule = get_rule(rules.pop())
     checked, h = _make_hparams(rule, hparams)
     _check_present(rule, checked, states)
-    # a count per member (vmap); traced, _check_step reads no value
-    if isinstance(step, Tensor) and not torch.compiler.is_compiling() and _functorch.is_functorch_wrapped_tensor(step):
-        _check_member_steps(step)
-    else:
-        _check_step(step)
+    check_steps(step)
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
     if isinstance(step, Tensor) and any(p.dtype == torch.float64 for p in params):
         step = step.double()  # a number's power of an int tensor is float32: 1 - 0.999**t would lose digits

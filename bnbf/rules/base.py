@@ -187,17 +187,22 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
         raise TypeError(f"{name} must be a number or a 1-element tensor, got {type(x).__name__}") from None
 
 
-def _member_values(x: Any) -> list[float]:
-    """Every member's value of a tensor vmap batches where they sit on the CPU (as an eager CPU tensor's value is
-    read); nothing for anything else."""
-    if not isinstance(x, Tensor) or not _batched(x):
-        return []
-    while torch._C._functorch.is_functorch_wrapped_tensor(x):
-        x = torch._C._functorch.get_unwrapped(x)
-    if x.device.type != "cpu":
+def members(t: Tensor) -> Tensor | None:
+    """Every member's value of a tensor under vmap (the plain tensor below vmap's wrappers), or None where they are
+    on a device (reading them would synchronize, as an eager device tensor's value is not read) or another
+    transform wraps them."""
+    while torch._C._functorch.is_batchedtensor(t):
+        t = torch._C._functorch.get_unwrapped(t)
+    return t if t.device.type == "cpu" and not torch._C._functorch.is_functorch_wrapped_tensor(t) else None
+
+
+def member_values(x: Any) -> list[float]:
+    """The values of :func:`members` of a tensor vmap batches, as numbers; nothing for anything else."""
+    u = members(x) if isinstance(x, Tensor) and torch._C._functorch.is_batchedtensor(x) else None
+    if u is None:
         return []
     with torch._C._DisableFuncTorch():
-        return x.detach().reshape(-1).tolist()
+        return u.detach().reshape(-1).tolist()
 
 
 def _batched(x: Tensor) -> bool:
@@ -227,7 +232,7 @@ def check_nonneg(x: Number, name: str) -> None:
     v = _value(x, name)
     if v is not None and not (v >= 0.0 and finite(v)):
         raise ValueError(f"Invalid {name} value: {x}")
-    for m in _member_values(x):
+    for m in member_values(x):
         if not (m >= 0.0 and finite(m)):
             raise ValueError(f"Invalid {name} value: {m}")
 
