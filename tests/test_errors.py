@@ -332,11 +332,13 @@ def test_invalid_step(setup, fn, step, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
-@pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor", torch.uint8, torch.int8, torch.int16])
+@pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor", "shape_1", torch.uint8, torch.int8, torch.int16])
 def test_non_integer_step(setup, fn, step, device):
     p, g, s = setup
     if step == "float_tensor":
         step = torch.tensor(2.0, device=device)
+    elif step == "shape_1":  # one element but not 0-d: torch's own step tensors are 0-d
+        step = torch.tensor([2], device=device)
     elif isinstance(step, torch.dtype):  # a count that wraps (the step hashes step % 2**24, which is 0 there)
         step = torch.tensor(2, dtype=step, device=device)
     expect_error(fn, TypeError, "step must be an int or a 0-d int32/int64 tensor", p, g, s, step=step)
