@@ -479,11 +479,14 @@ def unpack(
     where: str,
     paged: bool = False,
     checks: list | None = None,
+    saved_bits: int | None = None,
 ) -> Any:
     """A new bnbf state (on ``param``'s device; in managed memory with ``paged``, see :mod:`bnbf.paged`)
-    holding exactly the checkpoint's values; raises ValueError naming what does not fit before anything is
-    built. Block scales must be finite and non-negative: a negative one flips the sign of its block's
-    values, and NaN or inf makes the next step's params NaN. ``checks``: where the verdicts on DTensor values
+    holding exactly the checkpoint's values, at the bits its tensors hold (``want_bits``, the loading optimizer's,
+    only where they hold none); raises ValueError naming what does not fit before anything is built, among it
+    tensors whose bits differ from ``saved_bits`` (what the checkpoint says it saved: its values were cast).
+    Block scales must be finite and non-negative: a negative one flips the sign of its block's values, and NaN
+    or inf makes the next step's params NaN. ``checks``: where the verdicts on DTensor values
     go, for the caller to :func:`settle` once for the whole load (None: settled here, a collective each)."""
     own = checks is None
     checks = [] if own else checks
@@ -566,12 +569,16 @@ def unpack(
         settle(checks)
     if len(bits) > 1 or len(fmts) > 1:
         _fail(where, "its state tensors mix 8-bit and 32-bit storage or 8-bit formats")
-    got_bits = bits.pop() if bits else want_bits
-    if got_bits != want_bits:
+    got_bits = bits.pop() if bits else saved_bits or want_bits
+    if saved_bits is not None and got_bits != saved_bits:
+        # torch.distributed.checkpoint loads into the loading optimizer's own state, casting 8-bit codes to its
+        # float32 values (or the reverse): such a state cannot take the checkpoint's values
         _fail(
             where,
-            f"the checkpoint holds {got_bits}-bit state but this optimizer keeps {want_bits}-bit state "
-            f"for it (check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
+            f"the checkpoint holds {saved_bits}-bit state but its tensors arrived as {got_bits}-bit ones (cast by "
+            f"torch.distributed.checkpoint into this optimizer's own state, {want_bits}-bit for it): make the "
+            f"optimizer keep {saved_bits}-bit state for it (optim_bits, min_8bit_size, GlobalOptimManager "
+            f"overrides) before loading",
         )
     fmt = fmts.pop() if fmts else "power"
     spec = bnbf.OptimSpec(

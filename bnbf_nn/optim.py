@@ -1557,6 +1557,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             packed[_ORIGIN] = {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": v}
             # which of bitsandbytes' spellings the group itself holds (the rest are written for bitsandbytes)
             packed[_ORIGIN]["spelled"] = sorted(self._bnb_spelled.keys() & group.keys())
+            # each param's state bits (0: no state): a load keeps them, and torch.distributed.checkpoint casts the
+            # tensors into the loading optimizer's own state, so the tensors alone may no longer tell
+            packed[_ORIGIN]["bits"] = [_state_bits(self.state.get(p)) for p in group["params"]]
         out = {"state": state, "param_groups": groups}
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
@@ -1649,7 +1652,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             except (ValueError, TypeError) as e:
                 raise ValueError(f"param group {gi} of the state dict: {e}") from None
             groups.append(new)
-            id_map.update({k: (p, new, saved) for k, p in zip(saved["params"], group["params"])})
+            bits = (origin.get("bits") or [None] * len(saved_groups))[gi]  # each param's (older checkpoints: none)
+            if not (isinstance(bits, (list, tuple)) and len(bits) == len(group["params"])):
+                bits = [None] * len(group["params"])
+            id_map.update({k: (p, new, saved, b) for k, p, b in zip(saved["params"], group["params"], bits)})
         lr0 = _saved_lr0(origin, groups)
         configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
@@ -1678,10 +1684,13 @@ class Optimizer8bit(torch.optim.Optimizer):
                     state[key] = entry
                     continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
-            p, group, saved = id_map[key]
+            p, group, saved, had = id_map[key]
+            cfg = configs.get(id(p), {})
             held = {k: saved[k] for k in ("optim_bits", "min_8bit_size") if type(saved.get(k)) is int}
+            if had not in (8, 32) and origin and held:  # saved before the bits were: its group's settings tell
+                had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
             where = f"param {key} (shape {tuple(p.shape)})"
-            state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks, held if origin else {})
+            state[p] = self._load_entry(entry, p, group, cfg, where, checks, had if had in (8, 32) else None)
 
     def _check_layout(self, where: str, entry: Any) -> None:
         """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name."""
@@ -1694,27 +1703,20 @@ class Optimizer8bit(torch.optim.Optimizer):
                 )
 
     def _load_entry(
-        self, entry: Any, p: Tensor, group: Mapping, cfg: Mapping, where: str, checks: list, held: Mapping
+        self, entry: Any, p: Tensor, group: Mapping, cfg: Mapping, where: str, checks: list, had: int | None
     ) -> _checkpoint.Record:
         """The record of one param's saved entry, made with its group's settings and manager overrides ``cfg``:
-        :meth:`load_state_dict`'s, and :meth:`_load_assigned`'s. ``checks``: the verdicts on DTensor values, for
-        the caller to settle; ``held``: the saved group's optim_bits and min_8bit_size, where it says."""
+        :meth:`load_state_dict`'s, and :meth:`_load_assigned`'s. The state keeps the bits it was saved with,
+        as bitsandbytes' does (``had``, where the checkpoint says; else its tensors'), whatever this optimizer
+        would give a new one. ``checks``: the verdicts on DTensor values, for the caller to settle."""
         if not isinstance(entry, Mapping):
             raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
         want = self._spec(group, cfg).layout_for(p.numel()).bits
-        if held:
-            # the bits its saved group gave it: torch.distributed.checkpoint loads 8-bit codes into a 32-bit
-            # state's float32 template (casting them), so the tensors alone no longer tell
-            had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
-            if had != want:
-                _checkpoint._fail(
-                    where,
-                    f"the checkpoint holds {had}-bit state but this optimizer keeps {want}-bit state for it "
-                    f"(check optim_bits, min_8bit_size and GlobalOptimManager overrides)",
-                )
         hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
         step = _new_step(_checkpoint.read_step(entry, where), p, group)
-        s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks)
+        s = _checkpoint.unpack(
+            entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks, saved_bits=had
+        )
         return _checkpoint.record(step, s, self.family, self._qmaps)
 
     def _load_assigned(self) -> None:
@@ -1747,7 +1749,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                 gi, i, group = at[id(p)]
                 where = f"param [{i}] of param group {gi} (shape {tuple(p.shape)}), assigned to optimizer.state[p]"
                 self._check_layout(where, self.state[p])
-                loaded.append((p, self._load_entry(self.state[p], p, group, configs.get(id(p), {}), where, checks, {})))
+                loaded.append(
+                    (p, self._load_entry(self.state[p], p, group, configs.get(id(p), {}), where, checks, None))
+                )
             _checkpoint.settle(checks)
             for p, rec in loaded:
                 _put(self.state, p, rec)
@@ -1800,7 +1804,18 @@ def _origin_in_groups(saved_groups: Any) -> dict:
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
-    return {**found[0], "lr0": [o.get("lr0") for o in found], "spelled": [o.get("spelled", ()) for o in found]}
+    return {
+        **found[0],
+        "lr0": [o.get("lr0") for o in found],
+        "spelled": [o.get("spelled", ()) for o in found],
+        "bits": [o.get("bits") for o in found],
+    }
+
+
+def _state_bits(record: Any) -> int:
+    """The bits of a param's state (8 or 32), 0 where it has none."""
+    s = record.get("state") if isinstance(record, Mapping) else None
+    return type(s).layout.bits if s is not None else 0
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:

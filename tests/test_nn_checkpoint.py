@@ -354,14 +354,52 @@ def test_bad_state_dict_raises_and_leaves_optimizer_unchanged(case):
     assert opt.state[params[0]]["step"] == 2
 
 
-def test_bits_must_match_this_optimizer():
+@pytest.mark.parametrize("how", ["8bit_into_32bit", "32bit_into_8bit", "override_gone", "bitsandbytes_layout"])
+def test_a_loaded_state_keeps_the_bits_it_was_saved_with(how):
+    """As bitsandbytes' load does, a state keeps its saved bits whatever the loading optimizer would give a new
+    one (its class, optim_bits, min_8bit_size, a GlobalOptimManager override that is gone: Trainer's
+    ``adamw_bnb_8bit`` keeps embeddings in 32 bits, a run resumed with bnbf_nn and no override must load it). It
+    was refused. Training then goes on bit for bit as in the saving optimizer, and the state saves and loads
+    again with those bits."""
     params = make_params(shapes=SHAPES)
-    a = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
-    run_adapter(a, params, make_grads(params, 1))
-    b = bnbf_nn.AdamW32bit([torch.nn.Parameter(p.detach().clone()) for p in params])
-    with pytest.raises(ValueError, match="8-bit state but this optimizer keeps 32-bit"):
-        b.load_state_dict(reload(a.state_dict()))
-    assert not b.state
+    grads = make_grads(params, 4)
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    save_cls, load_cls = {
+        "8bit_into_32bit": (bnbf_nn.AdamW8bit, bnbf_nn.AdamW32bit),
+        "32bit_into_8bit": (bnbf_nn.AdamW32bit, bnbf_nn.AdamW8bit),
+    }.get(how, (bnbf_nn.AdamW8bit, bnbf_nn.AdamW8bit))
+    a = save_cls(params, min_8bit_size=MIN8)
+    if how in ("override_gone", "bitsandbytes_layout"):
+        mng.override_config(params[0], "optim_bits", 32)
+    run_adapter(a, params, grads[:2])
+    saved_bits = [type(a.state[p]["state"]).layout.bits for p in params]
+    sd = reload(a.state_dict())
+    if how == "bitsandbytes_layout":  # saved by bitsandbytes: no bnbf entry in the groups; its min_8bit_size 4096
+        for g in sd["param_groups"]:
+            del g["bnbf"]
+        sd["param_groups"][0]["min_8bit_size"] = 4096
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    assigned = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    b = load_cls(twin, min_8bit_size=MIN8)
+    b.load_state_dict(sd)
+    assert [type(b.state[p]["state"]).layout.bits for p in twin] == saved_bits
+    if how == "bitsandbytes_layout":
+        return  # (its group's settings are bitsandbytes' now: the steps differ)
+    by_hand = load_cls(assigned, min_8bit_size=MIN8)  # entries assigned as ZeroRedundancyOptimizer's load writes them
+    for q, entry in zip(assigned, reload(sd)["state"].values()):
+        by_hand.state[q] = entry
+    run_adapter(a, params, grads[2:])
+    run_adapter(b, twin, grads[2:])
+    run_adapter(by_hand, assigned, grads[2:])
+    assert [type(by_hand.state[p]["state"]).layout.bits for p in assigned] == saved_bits
+    for i, (p, q, r) in enumerate(zip(params, twin, assigned)):
+        assert_equal_report(q.detach(), p.detach(), f"param {i} after loading")
+        assert_equal_report(r.detach(), p.detach(), f"param {i} after loading by assignment")
+    c = load_cls([torch.nn.Parameter(p.detach().clone()) for p in twin], min_8bit_size=MIN8)
+    c.load_state_dict(reload(b.state_dict()))  # and again, from the loading optimizer's own state dict
+    for p, q in zip(twin, c.param_groups[0]["params"]):
+        for field, x, y in zip(b.state[p]["state"]._fields, b.state[p]["state"], c.state[q]["state"]):
+            assert_equal_report(y, x, f"{field} saved again")
 
 
 @pytest.mark.parametrize("name", ["Adam8bit", "AdamW32bit"])
@@ -593,8 +631,8 @@ def test_a_saved_entry_assigned_into_state_loads_as_load_state_dict():
     """ZeroRedundancyOptimizer.load_state_dict writes each saved entry straight into ``optimizer.state[p]``
     (torch.optim's records are what they save). The step loads such an entry as load_state_dict loads it, and
     training continues bit for bit (it used to drop it for a fresh state at step 1); state_dict shows it before
-    any step. A bad entry, or one of another bit width than the param's GlobalOptimManager override keeps, is
-    refused as load_state_dict refuses it, before anything steps; so is torch.optim's own layout."""
+    any step. A bad entry is refused as load_state_dict refuses it, before anything steps; so is torch.optim's own
+    layout."""
     params = make_params(shapes=SHAPES)
     grads = make_grads(params, 4)
     opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
@@ -627,16 +665,11 @@ def test_a_saved_entry_assigned_into_state_loads_as_load_state_dict():
 
     bad = reload(sd)
     bad["state"][1][QUANT_KEY]["state1"] = bad["state"][1][QUANT_KEY]["state1"][:3]
-    mng = bnbf_nn.GlobalOptimManager.get_instance()
     torch_layout = {0: {"step": torch.tensor(2.0), "exp_avg": torch.zeros(SHAPES[0])}}
-    cases = [(bad["state"], None, r"state1 has shape \(3,\), the parameter needs \(7,\)")]
-    cases += [(reload(sd)["state"], 32, "holds 8-bit state but this optimizer keeps 32-bit state")]
-    cases += [(torch_layout, None, r"holds \['exp_avg'\]: torch.optim's layout")]
-    for entries, bits, match in cases:
+    cases = [(bad["state"], r"state1 has shape \(3,\), the parameter needs \(7,\)")]
+    cases += [(torch_layout, r"holds \['exp_avg'\]: torch.optim's layout")]
+    for entries, match in cases:
         (twin, refused), (_, other) = fresh(entries), fresh()
-        for o in (refused, other):
-            if bits:
-                mng.override_config(o.param_groups[0]["params"][0], "optim_bits", bits)
         before = [q.detach().clone() for q in twin]
         for q, g in zip(twin, grads[2]):
             q.grad = g.clone()
@@ -679,3 +712,28 @@ def test_a_refused_load_into_the_live_state_refuses_the_next_step():
     opt.load_state_dict(good)
     run_adapter(opt, params, make_grads(params, 1, seed=4))
     assert not all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
+def test_a_checkpoint_cast_into_a_state_of_other_bits_is_refused():
+    """torch.distributed.checkpoint loads a checkpoint into the loading optimizer's own state dict, casting each
+    tensor to the dtype found there: 8-bit codes become float32 "moments" (0-255) where that optimizer keeps 32-bit
+    state for the param. The groups' record of each param's saved bits tells such a load from a checkpoint saved
+    at 32 bits (which would keep its bits), and it is refused, naming the way out; nothing is loaded."""
+    params = make_params(shapes=SHAPES)
+    a = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
+    run_adapter(a, params, make_grads(params, 2))
+    saved = reload(a.state_dict())
+    twin = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    b = bnbf_nn.AdamW8bit(twin, min_8bit_size=MIN8)
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(twin[0], "optim_bits", 32)
+    run_adapter(b, twin, make_grads(twin, 1, seed=5))  # its own state: 32-bit for param 0
+    template = reload(b.state_dict())
+    for key, entry in template["state"].items():  # as dcp.load fills it: the saved values, cast to its dtypes
+        for name, t in entry[QUANT_KEY].items():
+            t.copy_(saved["state"][key][QUANT_KEY][name][..., : t.shape[-1]].to(t.dtype))
+    template["param_groups"] = saved["param_groups"]
+    before = [[t.clone() for t in b.state[q]["state"]] for q in twin]
+    with pytest.raises(ValueError, match=r"holds 8-bit state but its tensors arrived as 32-bit ones .*optim_bits"):
+        b.load_state_dict(template)
+    for q, kept in zip(twin, before):
+        assert all(torch.equal(x, y) for x, y in zip(b.state[q]["state"], kept))
