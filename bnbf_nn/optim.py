@@ -44,10 +44,11 @@ step captured in a CUDA graph and replayed follows the step count and the schedu
 step raises (a Python step would replay its captured value). ``differentiable=True``: the group steps through
 ``bnbf.update_(..., differentiable=True)`` under grad mode, so autograd records the step (derivatives with
 respect to the params, the grads and tensor hyperparameters, over several steps); it needs 32-bit state
-(``X32bit``, ``optim_bits=32``), and float64 params get float64 state. ``torch.compile(opt.step)`` traces
-each bucket's ``bnbf.update_`` with the step counts as tensors (as ``capturable=True`` keeps them) and runs
-the bookkeeping (checks, new states) eagerly before it: no more graphs than torch.optim's AdamW compiles in
-the same loop.
+(``X32bit``, ``optim_bits=32``), and float64 params get float64 state. ``torch.compile(opt.step)`` steps a
+group whose settings are all numbers eagerly inside the compiled call (no graph); a group with
+``capturable``, ``differentiable`` or a tensor setting is traced, each bucket's ``bnbf.update_`` with the step
+counts as 0-d tensors, the bookkeeping (checks, new states) run eagerly before it: no more graphs than
+torch.optim's AdamW compiles in the same loop.
 
 Paged optimizers. ``PagedX``, ``PagedX8bit``, ``PagedX32bit`` (X in Adam, AdamW, Lion, AdEMAMix, as in
 bitsandbytes) and ``is_paged=True`` on any class keep the state of large CUDA params (bitsandbytes'
@@ -2037,8 +2038,8 @@ class Optimizer2State(Optimizer8bit):
 
     ``optimizer_name`` is bitsandbytes' name: ``"adam"`` (decoupled weight decay, i.e. AdamW), ``"lamb"`` or
     ``"ademamix"``. The other arguments are bitsandbytes' (``args``: an object whose ``optim_bits``,
-    ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``is_paged``, ``block_wise`` and
-    ``percentile_clipping`` attributes, those it has, win over the arguments); ``block_wise``,
+    ``min_8bit_size``, ``max_unorm``, ``skip_zeros``, ``block_wise`` and ``percentile_clipping`` attributes,
+    those it has, win over the arguments; not ``is_paged``, as in bitsandbytes); ``block_wise``,
     ``state_format``, ``capturable`` and ``differentiable`` (torch.optim's meanings) are keyword-only.
     """
 

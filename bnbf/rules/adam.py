@@ -6,7 +6,7 @@
     v̂  = max(v̂, v)   (amsgrad; v̂ = v otherwise)
     p  = p − lr/(1 − β1^t) · m / (√v̂ / √(1 − β2^t) + ε)
 
-States: ``exp_avg`` (signed dynamic map), ``exp_avg_sq`` (unsigned map: it is never negative) and, only with
+States: ``exp_avg`` (the format's signed map), ``exp_avg_sq`` (its unsigned map: it is never negative) and, only with
 ``amsgrad=True``, ``max_exp_avg_sq`` (unsigned; torch.optim's name).
 """
 
