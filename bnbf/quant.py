@@ -2,8 +2,9 @@
 
 A tensor is cut into blocks of ``block_size`` consecutive elements (in memory order). Each block stores
 its largest magnitude (``absmax``, float32) and one uint8 code per element: the index of the map value
-nearest to ``x / absmax``. The maps are bitsandbytes' "dynamic" maps, so codes and absmax can be
-exchanged with bitsandbytes checkpoints.
+nearest to ``x / absmax``, in float32 arithmetic (``x`` times the float32 reciprocal of the absmax; the two
+distances compared as float32 values, a tie going to the lower code). The maps are bitsandbytes' "dynamic"
+maps, so codes and absmax can be exchanged with bitsandbytes checkpoints.
 
 This module holds the public functions and the pure-torch reference (the CPU path and the test oracle);
 the Triton kernels live in :mod:`bnbf.kernels.codec`.
@@ -58,7 +59,21 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
 
     Returns:
         float32 tensor of 256 sorted values.
+
+    Raises:
+        ValueError: for settings whose map does not have ``2**total_bits`` values (bitsandbytes refuses them
+            too: an unsigned map needs ``max_exponent_bits == total_bits - 1``), and for ``total_bits`` outside
+            1..8 or ``max_exponent_bits`` below 1 (0 is the 1-bit map's).
     """
+    for name, v in (("max_exponent_bits", max_exponent_bits), ("total_bits", total_bits)):
+        if type(v) is not int:
+            raise TypeError(f"{name} must be an int, got {type(v).__name__}")
+    # without an exponent bit only the 1-bit map {0, 1} exists (bitsandbytes fails on the others)
+    if not 1 <= total_bits <= 8 or max_exponent_bits < (total_bits > 1):
+        raise ValueError(
+            f"a dynamic map needs 1 <= total_bits <= 8 and max_exponent_bits >= 1 (0 only with total_bits=1), got "
+            f"total_bits={total_bits}, max_exponent_bits={max_exponent_bits}"
+        )
     mantissa_bits = total_bits - 1
     values: list[float] = []
 
@@ -77,8 +92,11 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
     if leftover > 0:
         add_decade(0, leftover)  # bitsandbytes puts the leftover bins in the top decade
     values += [0.0, 1.0]
-    if len(values) > 256:
-        raise ValueError(f"a dynamic map with these settings has {len(values)} values, more than 256")
+    if len(values) != 2**total_bits:  # its codes would not fit total_bits, or leave codes without a value
+        raise ValueError(
+            f"the dynamic map with signed={signed}, max_exponent_bits={max_exponent_bits}, total_bits={total_bits} "
+            f"has {len(values)} values, not 2**total_bits = {2**total_bits}"
+        )
     values += [0.0] * (256 - len(values))
     return torch.tensor(sorted(values), dtype=torch.float32)
 
@@ -285,8 +303,8 @@ def quantize_blockwise(x: Tensor, code: Tensor | None = None, block_size: int = 
         >>> y = dequantize_blockwise(codes, absmax)
     """
     _check_block_size(block_size)
-    if not x.is_floating_point():
-        raise TypeError(f"quantize_blockwise expects a floating-point tensor, got {x.dtype}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # float64's range would pass the absmax check
+        raise TypeError(f"quantize_blockwise expects a float32, float16 or bfloat16 tensor, got {x.dtype}")
     if x.numel() == 0:
         raise ValueError("quantize_blockwise needs a non-empty tensor")
     arithmetic = code is None

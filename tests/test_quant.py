@@ -6,6 +6,7 @@ functions run the Triton kernels, and the kernel-vs-reference tests compare the 
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import pytest
@@ -70,6 +71,41 @@ def test_dynamic_maps_of_other_bits_equal_bitsandbytes(signed, exponent_bits, to
     bnb_f = pytest.importorskip("bitsandbytes.functional")
     theirs = bnb_f.create_dynamic_map(signed, exponent_bits, total_bits).to(torch.float32).sort().values
     assert_equal_report(ours, theirs, f"dynamic map {signed, exponent_bits, total_bits}")
+
+
+def test_dynamic_map_settings_bitsandbytes_cannot_build_are_refused():
+    """Where bitsandbytes builds no map (its map would not have 2**total_bits values: an unsigned map needs
+    max_exponent_bits == total_bits - 1; out-of-range counts), bnbf raises too: it returned maps whose codes did
+    not fit total_bits (17 values for 4-bit codes) or a map of zeros for total_bits=0. Every other setting equals
+    bitsandbytes' map."""
+    for signed, exponent_bits, total_bits in [(False, 7, 4), (False, 4, 8), (False, 1, 3), (True, 7, 0), (True, 0, 8)]:
+        with pytest.raises(ValueError, match="dynamic map"):
+            bnbf.create_dynamic_map(signed, exponent_bits, total_bits)
+    with pytest.raises(TypeError, match="total_bits must be an int"):
+        bnbf.create_dynamic_map(True, 7, 8.0)
+    bnb_f = pytest.importorskip("bitsandbytes.functional")
+    for signed, exponent_bits, total_bits in itertools.product([True, False], range(-1, 10), range(0, 10)):
+        try:
+            theirs = bnb_f.create_dynamic_map(signed, exponent_bits, total_bits).to(torch.float32).sort().values
+        except Exception:  # noqa: BLE001 - bitsandbytes asserts, or fails on its own arguments
+            theirs = None
+        if theirs is not None and theirs.numel() != 256:
+            theirs = None  # (more than 256 values: no 8-bit map)
+        if theirs is None:
+            with pytest.raises(ValueError):
+                bnbf.create_dynamic_map(signed, exponent_bits, total_bits)
+        else:
+            ours = bnbf.create_dynamic_map(signed, exponent_bits, total_bits)
+            assert_equal_report(ours, theirs, f"dynamic map {signed, exponent_bits, total_bits}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn])
+def test_quantize_blockwise_takes_the_documented_dtypes_only(dtype):
+    """float32, float16 or bfloat16, as documented and as bitsandbytes takes: a float64 tensor was accepted, and
+    one with a value past float32's range failed with an IndexError (its infinity found in no float64 value)."""
+    x = torch.tensor([1e300 if dtype == torch.float64 else 1.0, 1.0]).to(dtype)
+    with pytest.raises(TypeError, match=f"float32, float16 or bfloat16 tensor, got {dtype}"):
+        bnbf.quantize_blockwise(x)
 
 
 @pytest.mark.parametrize("signed", [True, False])
