@@ -357,6 +357,24 @@ def _distributed() -> Any:
     return bnbf.distributed
 
 
+def _not_differentiable(opt: Any, gi: int) -> ValueError:
+    return ValueError(
+        f"{type(opt).__name__}: differentiable=True in param group {gi} needs 32-bit state (optim_bits=32, or a "
+        "32-bit class such as AdamW32bit): 8-bit states are rounded to codes, which have no gradient"
+    )
+
+
+def _check_apart(groups: list) -> None:
+    """torch's refusal of a param in two groups (add_param_group's), for params lists edited in place since: each
+    group is one fused call, so such a param would be stepped twice."""
+    seen = set()
+    for g in groups:
+        ids = set(map(id, g["params"]))
+        if not seen.isdisjoint(ids):
+            raise ValueError("some parameters appear in more than one parameter group")
+        seen |= ids
+
+
 def _check_unique(params: list) -> None:
     if len(set(map(id, params))) != len(params):
         raise ValueError(
@@ -688,6 +706,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         if adam:
             _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         self._spec(group, override)
+        if self._bnb_ranges:  # a new state's, before any group steps (_settings checks a made state's)
+            _check_bnb_betas(self.family, settings, type(self).__name__)
         check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"], settings["maximize"])
         _check_torch_flags(settings)
 
@@ -990,10 +1010,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         if not _compiling():  # a traced step leaves it to the next eager one (Dynamo cannot trace `is` of dicts)
             self._prune()
             self._load_assigned()  # before any group steps: a bad entry raises with nothing stepped
-        jobs = [self._prepare_group(group) for group in self.param_groups]
-        if self._adding:
-            self._add_slots()
-            jobs = [self._prepare_group(group) for group in self.param_groups]
+        _check_apart(self.param_groups)
+        jobs = []
+        for gi, group in enumerate(self.param_groups):
+            try:
+                jobs.append(self._prepare_group(group))
+            except (TypeError, ValueError) as e:  # torch's words for a bad setting name no group
+                if "param group" not in str(e) and not getattr(e, "__notes__", None):
+                    e.add_note(f"(in param group {gi} of {type(self).__name__})")
+                raise
         for gi, (group, plan, grads, every) in enumerate(jobs):
             if not plan.dist:
                 self._check_grads(group, grads, every)
@@ -1002,6 +1027,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                     _distributed().check_grads(group["params"], grads)
                 except (TypeError, ValueError, NotImplementedError) as e:
                     raise type(e)(f"param group {gi}: {e}") from None
+        if self._adding:  # the states change only now, every group checked
+            self._add_slots()
+            jobs = [self._prepare_group(group) for group in self.param_groups]
         return jobs
 
     def _check_grads(self, group: Mapping, grads: list, every: bool) -> None:
@@ -1042,21 +1070,44 @@ class Optimizer8bit(torch.optim.Optimizer):
         if plan.dist:  # FSDP2: what a sharded step cannot do raises here, before anything is written
             self._check_dist(group, plan)
         for bucket in plan.buckets:
+            self._check_step_counts(group, bucket)
             bucket.call = self._settings(group, bucket)
             # checked (and built) before any group steps; a differentiable step takes no plan
             if bucket.plan is None and plan.complete and every and not group["differentiable"]:
-                bucket.plan = bucket.make_plan()
+                try:
+                    bucket.plan = bucket.make_plan()
+                except (TypeError, ValueError) as e:  # its words count the bucket's params, not the group's
+                    gi = _index_of(self.param_groups, group)
+                    idx = list(bucket.idx)
+                    e.add_note(f"(the index above is a position in {idx}, param group {gi}'s params this call steps)")
+                    raise
         if not (plan.complete and every):
             checked = set()
+            gi = _index_of(self.param_groups, group)
             for i, (p, g) in enumerate(zip(params, grads)):
                 if g is None or "state" in self.state.get(p, {}):
                     continue
-                self._check_steppable(group, _index_of(self.param_groups, group), i, p)
+                self._check_steppable(group, gi, i, p)
                 cfg = plan.configs.get(id(p))
+                if group["differentiable"] is True and self._spec(group, cfg).layout_for(p.numel()).quantized:
+                    raise _not_differentiable(self, gi)
                 if id(cfg) not in checked:
                     self._check_group(group, cfg)
                     checked.add(id(cfg))
         return group, plan, grads, every
+
+    def _check_step_counts(self, group: dict, bucket: _Bucket) -> None:
+        """Each made state's step count as the step reads it (an int >= 0, or a 0-d tensor where capturable or
+        differentiable steps keep one): a count set by hand to -3, 0.5 or "x" is refused before any group steps."""
+        for k, r in zip(bucket.idx, bucket.records):
+            v = r["step"]
+            if type(v) is int and v >= 0 or isinstance(v, Tensor) and v.dim() == 0 and not v.is_floating_point():
+                continue
+            raise ValueError(
+                f"{type(self).__name__}: optimizer.state[p]['step'] of param {k} of param group "
+                f"{_index_of(self.param_groups, group)} is {v!r}: a step count is an int >= 0 (a 0-d integer "
+                f"tensor with capturable=True or differentiable=True)"
+            )
 
     def _check_dist(self, group: dict, plan: _Buckets) -> None:
         """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
@@ -1163,6 +1214,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 bucket.memo = (seen, call)
                 return call
         bucket.memo = None
+        self._spec(group)  # storage settings written into the group later (optim_bits=7): made states keep theirs
         if self._bnb_ranges:  # what the constructor refuses, written into the group (or an override) later
             _check_bnb_betas(self.family, {**group, **bucket.override}, type(self).__name__)
         if group["capturable"] or group["differentiable"]:
@@ -1190,7 +1242,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         tensors (what sends it to :meth:`_run_modes`), the hyperparameters checked on detached values (reading
         a tensor that requires grad warns), and for a differentiable step the mapping with the caller's
         tensors, so that derivatives reach them."""
-        _tensor_steps(bucket, group["capturable"])
+        if group["differentiable"] and any(type(s).layout.quantized for s in bucket.states):
+            raise _not_differentiable(self, _index_of(self.param_groups, group))
         override = bucket.override
         hp = self._hparams(group, override)
         h = self._rule.make_hparams(_detached(hp))
@@ -1198,13 +1251,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
         if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched: as in _settings
             self._relayout(group, bucket, h)
+        _tensor_steps(bucket, group["capturable"])  # (every check passed)
         if not group["differentiable"]:
             return self._rule.make_hparams(hp), kw
-        if any(type(s).layout.quantized for s in bucket.states):
-            raise ValueError(
-                f"{type(self).__name__}: differentiable=True needs 32-bit state (optim_bits=32, or a 32-bit "
-                "class such as AdamW32bit): 8-bit states are rounded to codes, which have no gradient"
-            )
         return hp, kw
 
     def _relayout(self, group: dict, bucket: _Bucket, h: Any) -> None:

@@ -364,3 +364,80 @@ def test_override_keys_of_bitsandbytes_docs():
             opt.step()
         assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
         mng.override_config(params[1], key, 100 if key == "percentile_clipping" else True)
+
+
+def _sparse_grad(opt, ps):
+    ps[2].grad = ps[2].grad.to_sparse()
+
+
+def _late_momentum(opt, ps):  # bitsandbytes' range, on a param of the last group that gets its first state now
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(ps[2], "betas", (1.0, 0.0))
+
+
+def _slots_on_then_bad_grad(opt, ps):  # group 0 switches a state slot on; group 1's grad is bad
+    opt.param_groups[0]["amsgrad" if "amsgrad" in opt.param_groups[0] else "momentum"] = True
+    _sparse_grad(opt, ps)
+
+
+def _differentiable_8bit(opt, ps):
+    opt.param_groups[1]["differentiable"] = True
+
+
+def _bad_step_count(opt, ps):
+    opt.state[ps[2]]["step"] = -3
+
+
+def _param_in_two_groups(opt, ps):
+    opt.param_groups[1]["params"].append(ps[0])
+
+
+def _bad_storage(opt, ps):
+    opt.param_groups[1]["optim_bits"] = 7
+
+
+LATE = {
+    _late_momentum: (bnbf_nn.SGD8bit, dict(lr=1e-2, momentum=0.9), r"Invalid momentum value: 1.0"),
+    _slots_on_then_bad_grad: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"sparse gradients .*param group 1"),
+    _differentiable_8bit: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"differentiable=True in param group 1 needs 32-bit"),
+    _bad_step_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"'step'\] of param 0 of param group 1 is -3"),
+    _param_in_two_groups: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"appear in more than one parameter group"),
+    _bad_storage: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"state_bits must be 8 or 32"),
+}
+
+
+@pytest.mark.parametrize("fresh", [True, False], ids=["first step", "later step"])
+@pytest.mark.parametrize("edit", list(LATE), ids=lambda f: f.__name__.strip("_"))
+def test_what_a_later_group_refuses_leaves_every_group_as_it_was(edit, fresh):
+    """Refusals found while a later group stepped, after the earlier ones had (found by an audit of failed calls):
+    bitsandbytes' momentum range of a param getting its first state, a state slot switched on in group 0 (added
+    before group 1's grads were checked), differentiable=True written into an 8-bit group, a step count set by hand
+    to -3 (its group found it after group 0 stepped), the same param appended to a second group's list (stepped
+    twice, with no error), a storage setting no made state reads (ignored). Each is refused before anything
+    changes: params, states, step counts."""
+    cls, kw, match = LATE[edit]
+    if fresh and edit in (_bad_step_count, _slots_on_then_bad_grad):
+        pytest.skip("needs made states")
+    ps = _params(3)
+    opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], min_8bit_size=0, **kw)
+    gen = torch.Generator().manual_seed(1)
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=gen)
+    if not fresh:
+        opt.step()
+    edit(opt, ps)
+    snap = copy.deepcopy((list(ps), {k: v for k, v in opt.state.items()}))
+    with pytest.raises((ValueError, RuntimeError), match=match):
+        opt.step()
+    for p, q in zip(ps, snap[0]):
+        assert torch.equal(p.detach(), q.detach())
+    for p, q in zip(ps, snap[0]):
+        got, want = opt.state.get(p, {}), snap[1].get(q, {})
+        assert got.keys() == want.keys(), f"{edit.__name__}: state keys {sorted(got)} != {sorted(want)}"
+        for k in want:
+            a, b = got[k], want[k]
+            if isinstance(b, torch.Tensor):
+                assert type(a) is type(b) and torch.equal(a, b), k
+            elif k == "state":
+                assert type(a) is type(b) and all(torch.equal(x, y) for x, y in zip(a, b)), k
+            elif k == "step":
+                assert type(a) is type(b) and a == b, k

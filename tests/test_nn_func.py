@@ -216,9 +216,10 @@ def test_differentiable_with_8bit_state_raises_naming_32bit_and_writes_nothing()
     opt = bnbf_nn.AdamW8bit([p], differentiable=True, min_8bit_size=0)
     p.grad = torch.randn(300)
     before = p.detach().clone()
-    with pytest.raises(ValueError, match="differentiable=True needs 32-bit state"):
+    with pytest.raises(ValueError, match="differentiable=True in param group 0 needs 32-bit state"):
         opt.step()
     assert torch.equal(p.detach(), before)
+    assert "state" not in opt.state.get(p, {})
 
 
 def test_without_differentiable_a_gradient_through_the_step_raises():
