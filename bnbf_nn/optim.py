@@ -1098,7 +1098,10 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _check_step_counts(self, group: dict, bucket: _Bucket) -> None:
         """Each made state's step count as the step reads it (an int >= 0, or a 0-d tensor where capturable or
-        differentiable steps keep one): a count set by hand to -3, 0.5 or "x" is refused before any group steps."""
+        differentiable steps keep one): a count set by hand to -3, 0.5 or "x" is refused before any group steps.
+        Once per bucket: a hand edit counts in _checkpoint.EDITS, which makes the group's buckets again."""
+        if bucket.counted:
+            return
         for k, r in zip(bucket.idx, bucket.records):
             v = r["step"]
             if type(v) is int and v >= 0 or isinstance(v, Tensor) and v.dim() == 0 and not v.is_floating_point():
@@ -1108,6 +1111,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"{_index_of(self.param_groups, group)} is {v!r}: a step count is an int >= 0 (a 0-d integer "
                 f"tensor with capturable=True or differentiable=True)"
             )
+        bucket.counted = True
 
     def _check_dist(self, group: dict, plan: _Buckets) -> None:
         """A group with DTensor params (FSDP2): refuse what has no sharded implementation (paged state,
@@ -1907,6 +1911,7 @@ class _Bucket:
     plan: bnbf.Plan | None = None  # made at the bucket's first step
     # what the plan steps: the records' states, or states of the settings' layout over their tensors (_relayout)
     states: list | None = None
+    counted: bool = False  # its records' step counts checked (an edit by hand makes the group's buckets again)
 
     def __post_init__(self):
         if self.states is None:
