@@ -12,7 +12,9 @@ and centered buffers, Adam's amsgrad maximum) continue the numbering: RMSprop ke
 The same names, as views of the live state tensors (:func:`views`), are in ``optimizer.state[p]`` beside
 the bnbf state (:func:`record`). In a state dict ``step`` is a float32 tensor, as torch.optim writes it
 (torch.distributed.checkpoint needs every leaf a tensor); :func:`read_step` also takes the ints of older
-checkpoints and of bitsandbytes', and :func:`for_bitsandbytes` writes ints for bitsandbytes to load.
+checkpoints and of bitsandbytes', and :func:`for_bitsandbytes` writes ints for bitsandbytes to load. bnbf_nn's
+entries also hold ``state_bits`` (:data:`BITS_KEY`): a load keeps each state's saved bits, and where
+torch.distributed.checkpoint cast its tensors into the loader's state of other bits, the load is refused.
 Loading refuses absmax values that are negative, NaN or inf.
 
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
@@ -48,6 +50,7 @@ from bnbf.state import present_mask, relaid
 QUANT_KEY = "__bnb_optimizer_quant_state__"  # bitsandbytes (>= 0.48) nests the state tensors under it
 BLOCK = 256  # bitsandbytes' block size
 _IGNORED = frozenset({"unorm_vec", "gnorm_vec"})  # bitsandbytes' scratch buffers, recomputed every step
+BITS_KEY = "state_bits"  # bnbf_nn's record of a state's bits in its saved entry (a 0-d int32 tensor)
 _PER_TENSOR = frozenset({"max1", "max2", "new_max1", "new_max2"})  # bitsandbytes' non-blockwise 8-bit state
 
 
@@ -451,9 +454,21 @@ def for_bitsandbytes(state_dict: Mapping) -> dict:
     state = {}
     for key, entry in state_dict["state"].items():
         if isinstance(entry, Mapping) and "step" in entry:
-            entry = {**entry, "step": read_step(entry, f"param {key!r}")}
+            entry = {k: v for k, v in entry.items() if k != BITS_KEY}  # (bnbf_nn's own record)
+            entry["step"] = read_step(entry, f"param {key!r}")
         state[key] = entry
     return {**state_dict, "state": state}
+
+
+def _saved_bits(v: Any, where: str) -> int | None:
+    """An entry's record of its state's bits (None where it has none: bitsandbytes' entries, older bnbf_nn ones)."""
+    if v is None:
+        return None
+    if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
+        v = v.item()
+    if v not in (8, 32):
+        _fail(where, f"{BITS_KEY} must be 8 or 32, got {v!r}")
+    return int(v)
 
 
 def read_step(entry: Mapping, where: str) -> int:
@@ -479,18 +494,18 @@ def unpack(
     where: str,
     paged: bool = False,
     checks: list | None = None,
-    saved_bits: int | None = None,
 ) -> Any:
     """A new bnbf state (on ``param``'s device; in managed memory with ``paged``, see :mod:`bnbf.paged`)
     holding exactly the checkpoint's values, at the bits its tensors hold (``want_bits``, the loading optimizer's,
     only where they hold none); raises ValueError naming what does not fit before anything is built, among it
-    tensors whose bits differ from ``saved_bits`` (what the checkpoint says it saved: its values were cast).
+    tensors whose bits differ from the entry's record of them (:data:`BITS_KEY`: its values were cast).
     Block scales must be finite and non-negative: a negative one flips the sign of its block's values, and NaN
     or inf makes the next step's params NaN. ``checks``: where the verdicts on DTensor values
     go, for the caller to :func:`settle` once for the whole load (None: settled here, a collective each)."""
     own = checks is None
     checks = [] if own else checks
     entry = dict(entry)
+    saved_bits = _saved_bits(entry.pop(BITS_KEY, None), where)
     entry.update(entry.pop(QUANT_KEY, None) or {})
     hparams = bnbf.hparams_for(rule.name, hparams)
     present = list(rule.slots_present(hparams))

@@ -1104,12 +1104,15 @@ class Optimizer8bit(torch.optim.Optimizer):
             return
         for k, r in zip(bucket.idx, bucket.records):
             v = r["step"]
-            if type(v) is int and v >= 0 or isinstance(v, Tensor) and v.dim() == 0 and not v.is_floating_point():
+            if type(v) is int and v >= 0:
+                continue
+            tensor = isinstance(v, Tensor) and v.dim() == 0 and v.dtype in (torch.int32, torch.int64)
+            if tensor and (v.device.type != "cpu" or _compiling() or int(v) >= 0):  # a device count is not read
                 continue
             raise ValueError(
                 f"{type(self).__name__}: optimizer.state[p]['step'] of param {k} of param group "
-                f"{_index_of(self.param_groups, group)} is {v!r}: a step count is an int >= 0 (a 0-d integer "
-                f"tensor with capturable=True or differentiable=True)"
+                f"{_index_of(self.param_groups, group)} is {v!r}: a step count is an int >= 0 (a 0-d int32 or "
+                f"int64 tensor with capturable=True or differentiable=True)"
             )
         bucket.counted = True
 
@@ -1562,9 +1565,10 @@ class Optimizer8bit(torch.optim.Optimizer):
     # ---- checkpoints -----------------------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """bitsandbytes' layout: per parameter index ``{"step": <float32 tensor>,
+        """bitsandbytes' layout: per parameter index ``{"step": <float32 tensor>, "state_bits": <int32 tensor>,
         "__bnb_optimizer_quant_state__": {"state1", "qmap1", "absmax1", "state2", ...}}`` (``step`` a tensor
-        as in torch.optim, for torch.distributed.checkpoint); groups also spell their settings as
+        as in torch.optim, for torch.distributed.checkpoint; ``state_bits`` bnbf_nn's, 8 or 32, which a load
+        keeps); groups also spell their settings as
         bitsandbytes does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in
         torch.optim."""
         for hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
@@ -1601,7 +1605,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             # step as torch.optim stores it (a float32 tensor): torch.distributed.checkpoint needs every leaf
             # of a state entry to be a tensor to load it back
             step = torch.tensor(float(self.state[p]["step"]), dtype=torch.float32)
-            state[index[id(p)]] = {"step": step, _checkpoint.QUANT_KEY: quant}
+            # the state's bits, which a load keeps: torch.distributed.checkpoint casts the tensors into the loading
+            # optimizer's own state (matched by the param's name), so there the tensors alone may no longer tell
+            bits = torch.tensor(type(self.state[p]["state"]).layout.bits, dtype=torch.int32)
+            state[index[id(p)]] = {"step": step, _checkpoint.BITS_KEY: bits, _checkpoint.QUANT_KEY: quant}
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
         lr0 = [self._lr0_of(g) for g in self.param_groups]
@@ -1611,9 +1618,6 @@ class Optimizer8bit(torch.optim.Optimizer):
             packed[_ORIGIN] = {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": v}
             # which of bitsandbytes' spellings the group itself holds (the rest are written for bitsandbytes)
             packed[_ORIGIN]["spelled"] = sorted(self._bnb_spelled.keys() & group.keys())
-            # each param's state bits (0: no state): a load keeps them, and torch.distributed.checkpoint casts the
-            # tensors into the loading optimizer's own state, so the tensors alone may no longer tell
-            packed[_ORIGIN]["bits"] = [_state_bits(self.state.get(p)) for p in group["params"]]
         out = {"state": state, "param_groups": groups}
         for hook in getattr(self, "_optimizer_state_dict_post_hooks", {}).values():
             out = hook(self, out) or out
@@ -1706,10 +1710,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             except (ValueError, TypeError) as e:
                 raise ValueError(f"param group {gi} of the state dict: {e}") from None
             groups.append(new)
-            bits = (origin.get("bits") or [None] * len(saved_groups))[gi]  # each param's (older checkpoints: none)
-            if not (isinstance(bits, (list, tuple)) and len(bits) == len(group["params"])):
-                bits = [None] * len(group["params"])
-            id_map.update({k: (p, new, saved, b) for k, p, b in zip(saved["params"], group["params"], bits)})
+            id_map.update({k: (p, new, saved) for k, p in zip(saved["params"], group["params"])})
         lr0 = _saved_lr0(origin, groups)
         configs = self._overrides([p for g in groups for p in g["params"]])
         state: defaultdict = defaultdict(dict)
@@ -1738,13 +1739,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                     state[key] = entry
                     continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
-            p, group, saved, had = id_map[key]
-            cfg = configs.get(id(p), {})
-            held = {k: saved[k] for k in ("optim_bits", "min_8bit_size") if type(saved.get(k)) is int}
-            if had not in (8, 32) and origin and held:  # saved before the bits were: its group's settings tell
-                had = self._spec({**group, **held}, cfg).layout_for(p.numel()).bits
+            p, group, _ = id_map[key]
             where = f"param {key} (shape {tuple(p.shape)})"
-            state[p] = self._load_entry(entry, p, group, cfg, where, checks, had if had in (8, 32) else None)
+            state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks)
 
     def _check_layout(self, where: str, entry: Any) -> None:
         """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name."""
@@ -1757,20 +1754,18 @@ class Optimizer8bit(torch.optim.Optimizer):
                 )
 
     def _load_entry(
-        self, entry: Any, p: Tensor, group: Mapping, cfg: Mapping, where: str, checks: list, had: int | None
+        self, entry: Any, p: Tensor, group: Mapping, cfg: Mapping, where: str, checks: list
     ) -> _checkpoint.Record:
         """The record of one param's saved entry, made with its group's settings and manager overrides ``cfg``:
         :meth:`load_state_dict`'s, and :meth:`_load_assigned`'s. The state keeps the bits it was saved with,
-        as bitsandbytes' does (``had``, where the checkpoint says; else its tensors'), whatever this optimizer
-        would give a new one. ``checks``: the verdicts on DTensor values, for the caller to settle."""
+        as bitsandbytes' does (the entry's record of them, else its tensors'), whatever this optimizer would give
+        a new one. ``checks``: the verdicts on DTensor values, for the caller to settle."""
         if not isinstance(entry, Mapping):
             raise ValueError(f"cannot load the optimizer state of {where}: expected a dict, got {type(entry)}")
         want = self._spec(group, cfg).layout_for(p.numel()).bits
         hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
         step = _new_step(_checkpoint.read_step(entry, where), p, group)
-        s = _checkpoint.unpack(
-            entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks, saved_bits=had
-        )
+        s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks)
         return _checkpoint.record(step, s, self.family, self._qmaps)
 
     def _load_assigned(self) -> None:
@@ -1803,9 +1798,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 gi, i, group = at[id(p)]
                 where = f"param [{i}] of param group {gi} (shape {tuple(p.shape)}), assigned to optimizer.state[p]"
                 self._check_layout(where, self.state[p])
-                loaded.append(
-                    (p, self._load_entry(self.state[p], p, group, configs.get(id(p), {}), where, checks, None))
-                )
+                loaded.append((p, self._load_entry(self.state[p], p, group, configs.get(id(p), {}), where, checks)))
             _checkpoint.settle(checks)
             for p, rec in loaded:
                 _put(self.state, p, rec)
@@ -1858,18 +1851,7 @@ def _origin_in_groups(saved_groups: Any) -> dict:
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
-    return {
-        **found[0],
-        "lr0": [o.get("lr0") for o in found],
-        "spelled": [o.get("spelled", ()) for o in found],
-        "bits": [o.get("bits") for o in found],
-    }
-
-
-def _state_bits(record: Any) -> int:
-    """The bits of a param's state (8 or 32), 0 where it has none."""
-    s = record.get("state") if isinstance(record, Mapping) else None
-    return type(s).layout.bits if s is not None else 0
+    return {**found[0], "lr0": [o.get("lr0") for o in found], "spelled": [o.get("spelled", ()) for o in found]}
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:

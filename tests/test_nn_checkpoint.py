@@ -729,11 +729,57 @@ def test_a_checkpoint_cast_into_a_state_of_other_bits_is_refused():
     run_adapter(b, twin, make_grads(twin, 1, seed=5))  # its own state: 32-bit for param 0
     template = reload(b.state_dict())
     for key, entry in template["state"].items():  # as dcp.load fills it: the saved values, cast to its dtypes
-        for name, t in entry[QUANT_KEY].items():
-            t.copy_(saved["state"][key][QUANT_KEY][name][..., : t.shape[-1]].to(t.dtype))
+        for name, t in [*entry[QUANT_KEY].items(), ("state_bits", entry["state_bits"])]:
+            src = saved["state"][key][QUANT_KEY].get(name, saved["state"][key].get(name))
+            t.copy_(src.to(t.dtype))
     template["param_groups"] = saved["param_groups"]
     before = [[t.clone() for t in b.state[q]["state"]] for q in twin]
     with pytest.raises(ValueError, match=r"holds 8-bit state but its tensors arrived as 32-bit ones .*optim_bits"):
         b.load_state_dict(template)
     for q, kept in zip(twin, before):
         assert all(torch.equal(x, y) for x, y in zip(b.state[q]["state"], kept))
+
+
+@pytest.mark.parametrize("change", ["params reordered", "override added"])
+def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change):
+    """torch.distributed.checkpoint matches optimizer state by the param's name, not its index: a loader that lists
+    its params in another order resumes bit for bit (each entry carries its state's bits; a list by position in the
+    groups had refused it, naming a cast that did not happen), and one whose new override keeps 32-bit state for a
+    param saved with 8-bit state is refused (its codes would load cast to float32 moments)."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    def model():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 80))
+
+    def train(m, opt, seeds):
+        for s in seeds:
+            opt.zero_grad()
+            x = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(s))
+            m(x).square().mean().backward()
+            opt.step()
+
+    a = model()
+    order = ["0.weight", "1.weight", "1.bias"]
+    pa = dict(a.named_parameters())
+    opt_a = bnbf_nn.AdamW8bit([pa[n] for n in order], lr=1e-2, min_8bit_size=MIN8)
+    train(a, opt_a, (1, 2))
+    msd, osd = get_state_dict(a, opt_a)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    b = model()
+    pb = dict(b.named_parameters())
+    if change == "override added":
+        bnbf_nn.GlobalOptimManager.get_instance().override_config(pb["0.weight"], "optim_bits", 32)
+    opt_b = bnbf_nn.AdamW8bit([pb[n] for n in order[::-1]], lr=1e-2, min_8bit_size=MIN8)
+    msd_b, osd_b = get_state_dict(b, opt_b)
+    dcp.load({"model": msd_b, "optim": osd_b}, checkpoint_id=str(tmp_path), no_dist=True)
+    if change == "override added":
+        with pytest.raises(ValueError, match="holds 8-bit state but its tensors arrived as 32-bit ones"):
+            set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b)
+        return
+    set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b)
+    train(a, opt_a, (3, 4))
+    train(b, opt_b, (3, 4))
+    for n in order:
+        assert_equal_report(pb[n].detach(), pa[n].detach(), f"{n} after the resume")

@@ -387,6 +387,14 @@ def _bad_step_count(opt, ps):
     opt.state[ps[2]]["step"] = -3
 
 
+def _negative_tensor_count(opt, ps):  # capturable: step counts are 0-d tensors (on the params' CPU here)
+    opt.state[ps[2]]["step"] = torch.tensor(-1)
+
+
+def _int16_tensor_count(opt, ps):
+    opt.state[ps[2]]["step"] = torch.tensor(3, dtype=torch.int16)
+
+
 def _param_in_two_groups(opt, ps):
     opt.param_groups[1]["params"].append(ps[0])
 
@@ -400,6 +408,8 @@ LATE = {
     _slots_on_then_bad_grad: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"sparse gradients .*param group 1"),
     _differentiable_8bit: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"differentiable=True in param group 1 needs 32-bit"),
     _bad_step_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"'step'\] of param 0 of param group 1 is -3"),
+    _negative_tensor_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"group 1 is tensor\(-1\)"),
+    _int16_tensor_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"dtype=torch.int16\): a step count"),
     _param_in_two_groups: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"appear in more than one parameter group"),
     _bad_storage: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"state_bits must be 8 or 32"),
 }
@@ -411,11 +421,11 @@ def test_what_a_later_group_refuses_leaves_every_group_as_it_was(edit, fresh):
     """Refusals found while a later group stepped, after the earlier ones had (found by an audit of failed calls):
     bitsandbytes' momentum range of a param getting its first state, a state slot switched on in group 0 (added
     before group 1's grads were checked), differentiable=True written into an 8-bit group, a step count set by hand
-    to -3 (its group found it after group 0 stepped), the same param appended to a second group's list (stepped
-    twice, with no error), a storage setting no made state reads (ignored). Each is refused before anything
-    changes: params, states, step counts."""
+    to -3, or a tensor count to -1 or int16 (its group found it after group 0 stepped), the same param appended to
+    a second group's list (stepped twice, with no error), a storage setting no made state reads (ignored). Each is
+    refused before anything changes: params, states, step counts."""
     cls, kw, match = LATE[edit]
-    if fresh and edit in (_bad_step_count, _slots_on_then_bad_grad):
+    if fresh and edit in (_bad_step_count, _slots_on_then_bad_grad, _negative_tensor_count, _int16_tensor_count):
         pytest.skip("needs made states")
     ps = _params(3)
     opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], min_8bit_size=0, **kw)
