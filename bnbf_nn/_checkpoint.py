@@ -464,24 +464,29 @@ def _saved_bits(v: Any, where: str) -> int | None:
     """An entry's record of its state's bits (None where it has none: bitsandbytes' entries, older bnbf_nn ones)."""
     if v is None:
         return None
-    if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
-        v = v.item()
-    if v not in (8, 32):
+    bits = _count(v, BITS_KEY, where)
+    if bits not in (8, 32):
         _fail(where, f"{BITS_KEY} must be 8 or 32, got {v!r}")
-    return int(v)
+    return bits
 
 
 def read_step(entry: Mapping, where: str) -> int:
-    step = entry.get("step")
-    if isinstance(step, Tensor) and step.numel() == 1 and not step.is_complex():
-        step = step.item()
-    if isinstance(step, numbers.Integral) and not isinstance(step, bool):  # numpy's ints, as converted checkpoints hold
-        step = int(step)
-    if isinstance(step, numbers.Real) and not isinstance(step, (int, bool)) and float(step).is_integer():
-        step = int(float(step))
-    if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-        _fail(where, f"'step' must be a non-negative int, got {entry.get('step')!r}")
-    return step
+    return _count(entry.get("step"), "'step'", where)
+
+
+def _count(v: Any, name: str, where: str) -> int:
+    """A saved count as an int: a one-element tensor's value (a float32 step, as torch writes it), numpy's ints,
+    integral floats; anything else, or a negative count, refused naming ``name``."""
+    given = v
+    if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
+        v = v.item()
+    if isinstance(v, numbers.Integral) and not isinstance(v, bool):  # numpy's ints, as converted checkpoints hold
+        v = int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (int, bool)) and float(v).is_integer():
+        v = int(float(v))
+    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+        _fail(where, f"{name} must be a non-negative int, got {given!r}")
+    return v
 
 
 def unpack(
