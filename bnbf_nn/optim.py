@@ -1010,7 +1010,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         if not _compiling():  # a traced step leaves it to the next eager one (Dynamo cannot trace `is` of dicts)
             self._prune()
             self._load_assigned()  # before any group steps: a bad entry raises with nothing stepped
-        _check_apart(self.param_groups)
+        kept = [self._plans.get(id(g)) for g in self.param_groups]
         jobs = []
         for gi, group in enumerate(self.param_groups):
             try:
@@ -1019,6 +1019,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 if "param group" not in str(e) and not getattr(e, "__notes__", None):
                     e.add_note(f"(in param group {gi} of {type(self).__name__})")
                 raise
+        if any(job[1] is not plan for job, plan in zip(jobs, kept)):  # a params list changed since (or new)
+            _check_apart(self.param_groups)
         for gi, (group, plan, grads, every) in enumerate(jobs):
             if not plan.dist:
                 self._check_grads(group, grads, every)
