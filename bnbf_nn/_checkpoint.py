@@ -10,12 +10,14 @@ and centered buffers, Adam's amsgrad maximum) continue the numbering: RMSprop ke
 ``amsgrad=True`` keep ``max_exp_avg_sq`` in ``state3`` (``qmap3``, ``absmax3``).
 
 The same names, as views of the live state tensors (:func:`views`), are in ``optimizer.state[p]`` beside
-the bnbf state (:func:`record`). In a state dict ``step`` is a float32 tensor, as torch.optim writes it
-(torch.distributed.checkpoint needs every leaf a tensor); :func:`read_step` also takes the ints of older
-checkpoints and of bitsandbytes', and :func:`for_bitsandbytes` writes ints for bitsandbytes to load. bnbf_nn's
-entries also hold ``state_bits`` (:data:`BITS_KEY`): a load keeps each state's saved bits, and where
-torch.distributed.checkpoint cast its tensors into the loader's state of other bits, the load is refused.
-Loading refuses absmax values that are negative, NaN or inf.
+the bnbf state (:func:`record`), and again under ``__bnb_optimizer_quant_state__`` beside ``state_bits`` (an
+int): torch.distributed.checkpoint's ``flatten_optimizer_state_dict`` rebuilds a loaded entry from the record's
+keys. In a state dict ``step`` is a float32 tensor, as torch.optim writes it (torch.distributed.checkpoint needs
+every leaf a tensor); :func:`read_step` also takes the ints of older checkpoints and of bitsandbytes', and
+:func:`for_bitsandbytes` writes ints for bitsandbytes to load. bnbf_nn's entries also hold ``state_bits``
+(:data:`BITS_KEY`): a load keeps each state's saved bits, and where torch.distributed.checkpoint cast its tensors
+into the loader's state of other bits, the load is refused. Loading refuses absmax values that are negative, NaN
+or inf.
 
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
 the only map bitsandbytes itself creates) or bnbf's power map (``"power"``, bnbf's default). Loading reads
@@ -275,7 +277,8 @@ class _Counted:
 
 class Record(_Counted, dict):
     """``optimizer.state[p]`` of bnbf_nn: ``step`` (int), ``state`` (the bnbf state NamedTuple the kernels
-    step) and bitsandbytes' names for the same tensors (:func:`views`).
+    step) and bitsandbytes' names for the same tensors (:func:`views`), also nested as in a saved entry
+    (:func:`named`).
 
     The kernels step ``state``, so a view replaced by another tensor (``rec["state1"] = t``, as loops that move
     optimizer state do) would be left out of every later step. Instead ``t``'s values are written into the
@@ -331,7 +334,24 @@ def _write_view(key: str, live: Tensor, value: Any) -> None:
 
 
 def record(step: int, state: Any, family: Any, maps: dict) -> Record:
-    return Record(step=step, state=state, **views(state, family.bnb_slots, maps))
+    return Record(step=step, state=state, **named(state, family.bnb_slots, maps))
+
+
+def named(state: Any, stacks: tuple | None, maps: dict) -> dict[str, Any]:
+    """What a record holds besides ``step`` and ``state``: the :func:`views`, and the same views under
+    :data:`QUANT_KEY` beside the state's bits (:data:`BITS_KEY`, an int), so that the record has every key of a
+    saved entry: torch.distributed.checkpoint's ``flatten_optimizer_state_dict`` rebuilds each entry it loads from
+    the keys of ``optimizer.state[p]``, and would leave out any other."""
+    v = views(state, stacks, maps)
+    return {**v, QUANT_KEY: Record(v), BITS_KEY: type(state).layout.bits}
+
+
+def _unflattened(entry: Mapping) -> dict:
+    """``entry`` without the empty dicts that torch.distributed.checkpoint's unflattening makes of the keys of a live
+    record that the checkpoint does not hold (``state``, the views beside :data:`QUANT_KEY`'s): absent, not
+    refused as unexpected entries."""
+    live = lambda k: k in ("state", "step", QUANT_KEY, BITS_KEY) or bool(_VIEW.fullmatch(k))  # noqa: E731
+    return {k: v for k, v in entry.items() if not (isinstance(k, str) and live(k) and isinstance(v, Mapping) and not v)}
 
 
 def _check_values(where: str, key: str, t: Tensor, nonneg: bool, checks: list) -> None:
@@ -509,7 +529,7 @@ def unpack(
     go, for the caller to :func:`settle` once for the whole load (None: settled here, a collective each)."""
     own = checks is None
     checks = [] if own else checks
-    entry = dict(entry)
+    entry = _unflattened(entry)
     saved_bits = _saved_bits(entry.pop(BITS_KEY, None), where)
     entry.update(entry.pop(QUANT_KEY, None) or {})
     hparams = bnbf.hparams_for(rule.name, hparams)

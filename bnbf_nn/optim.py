@@ -1347,7 +1347,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                     kept = s._asdict()
                     new = type(fresh)._make(kept.get(n, t) for n, t in zip(fresh._fields, fresh))
                 _put(r, "state", new)
-                for key, view in _checkpoint.views(new, self.family.bnb_slots, self._qmaps).items():
+                for key, view in _checkpoint.named(new, self.family.bnb_slots, self._qmaps).items():
                     _put(r, key, view)
             self._plans.pop(id(group), None)
         self._adding = []

@@ -30,17 +30,18 @@ def _fsdp_model() -> torch.nn.Module:
     return model
 
 
-def _loaded_from(path: str, make_opt) -> tuple:
+def _loaded_from(path: str, make_opt, options: Any = None) -> tuple:
     """A fresh FSDP2 model and its optimizer (``make_opt(params)``) loaded from the DCP checkpoint at ``path``
-    through ``get_state_dict``/``set_state_dict``; also the optimizer state dict that was loaded."""
+    through ``get_state_dict``/``set_state_dict`` (with ``options``, a ``StateDictOptions``); also the optimizer
+    state dict that was loaded."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
     model = _fsdp_model()
     opt = make_opt(model.parameters())
-    msd, osd = get_state_dict(model, opt)
+    msd, osd = get_state_dict(model, opt, options=options)
     dcp.load({"model": msd, "optim": osd}, checkpoint_id=path)
-    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+    set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
     return model, opt, osd
 
 
@@ -457,6 +458,41 @@ def scenario_nn_dcp():
         opt.step()
     for k, p in _full(model).items():
         assert (p - final[k]).abs().mean() < STATE8[(torch.float32, 8)].mean_abs, k
+
+
+def scenario_nn_dcp_flattened():
+    """get_state_dict/set_state_dict with ``flatten_optimizer_state_dict=True`` (torchtitan's setting), which
+    rebuild each loaded entry from the keys of ``optimizer.state[p]``: AdamW8bit's and AdEMAMix8bit's (stacked)
+    sharded states resume on the same mesh, and training goes on as it went where shards hold whole blocks."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import bnbf_nn
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    for cls in (bnbf_nn.AdamW8bit, bnbf_nn.AdEMAMix8bit):
+        path = os.environ["BNBF_TEST_CKPT"] + "_flat_" + cls.__name__
+        model = _fsdp_model()
+        opt = cls(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        for t in range(1, td.STEPS + 1):
+            _backward(model, t)
+            opt.step()
+        msd, osd = get_state_dict(model, opt, options=options)
+        assert "state" not in osd, cls.__name__
+        dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
+        kept = []
+        for t in range(td.STEPS + 1, td.STEPS + 3):
+            _backward(model, t)
+            kept.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+            opt.step()
+        final = _full(model)
+        model, opt, _ = _loaded_from(path, lambda ps, cls=cls: cls(ps, lr=LR, min_8bit_size=MIN8), options)
+        assert all(r["step"] == td.STEPS for r in opt.state.values()), cls.__name__
+        for grads in kept:
+            for k, p in model.named_parameters():
+                p.grad = grads[k]
+            opt.step()
+        _assert_resumed(model, final)
 
 
 def scenario_nn_dcp_keeps_origin():

@@ -740,45 +740,93 @@ def test_a_checkpoint_cast_into_a_state_of_other_bits_is_refused():
         assert all(torch.equal(x, y) for x, y in zip(b.state[q]["state"], kept))
 
 
+def _dcp_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 80))
+
+
+def _dcp_train(m, opt, seeds):
+    for s in seeds:
+        opt.zero_grad()
+        x = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(s))
+        m(x).square().mean().backward()
+        opt.step()
+
+
+DCP_RESUMES = {  # 8-bit and 32-bit state (the bias); AdEMAMix's stacked state1; amsgrad's state3, beyond bitsandbytes'
+    "AdamW8bit": dict(lr=1e-2),
+    "AdEMAMix8bit": dict(lr=1e-2),
+    "Adam8bit": dict(lr=1e-2, amsgrad=True),
+}
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+@pytest.mark.parametrize("name", list(DCP_RESUMES))
+def test_a_dcp_resume_through_get_and_set_state_dict_continues_bit_for_bit(tmp_path, name, flatten):
+    """get_state_dict/set_state_dict with ``flatten_optimizer_state_dict=True`` (torchtitan's setting) rebuild
+    each loaded entry from the keys of ``optimizer.state[p]``, not from the checkpoint's: every load was refused
+    ("unexpected entry 'state'") while the records lacked a saved entry's ``state_bits`` and
+    ``__bnb_optimizer_quant_state__``. Flattened or not, the resume restores the state exactly and continues bit
+    for bit with the run that went on."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    cls, kw = getattr(bnbf_nn, name), DCP_RESUMES[name]
+    a = _dcp_model()
+    opt_a = cls(a.parameters(), **kw, min_8bit_size=MIN8)
+    _dcp_train(a, opt_a, (1, 2))
+    msd, osd = get_state_dict(a, opt_a, options=options)
+    assert flatten == ("state" not in osd)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    b = _dcp_model()
+    opt_b = cls(b.parameters(), **kw, min_8bit_size=MIN8)
+    msd_b, osd_b = get_state_dict(b, opt_b, options=options)
+    dcp.load({"model": msd_b, "optim": osd_b}, checkpoint_id=str(tmp_path), no_dist=True)
+    set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b, options=options)
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        ra, rb = opt_a.state[p], opt_b.state[q]
+        assert rb["step"] == 2 and type(rb["state"]).layout == type(ra["state"]).layout, n
+        for field, x, y in zip(ra["state"]._fields, ra["state"], rb["state"]):
+            assert_equal_report(y, x, f"{n} {field} after the resume")
+    _dcp_train(a, opt_a, (3, 4))
+    _dcp_train(b, opt_b, (3, 4))
+    for (n, p), q in zip(a.named_parameters(), b.parameters()):
+        assert_equal_report(q.detach(), p.detach(), f"{n} after the resume")
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("change", ["params reordered", "override added"])
-def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change):
+def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change, flatten):
     """torch.distributed.checkpoint matches optimizer state by the param's name, not its index: a loader that lists
     its params in another order resumes bit for bit (each entry carries its state's bits; a list by position in the
     groups had refused it, naming a cast that did not happen), and one whose new override keeps 32-bit state for a
-    param saved with 8-bit state is refused (its codes would load cast to float32 moments)."""
+    param saved with 8-bit state is refused (its codes would load cast to float32 moments); flattened state dicts
+    (``flatten_optimizer_state_dict``) alike."""
     dcp = pytest.importorskip("torch.distributed.checkpoint")
-    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-    def model():
-        torch.manual_seed(0)
-        return torch.nn.Sequential(torch.nn.Embedding(100, 64), torch.nn.Linear(64, 80))
-
-    def train(m, opt, seeds):
-        for s in seeds:
-            opt.zero_grad()
-            x = torch.randint(0, 100, (16,), generator=torch.Generator().manual_seed(s))
-            m(x).square().mean().backward()
-            opt.step()
-
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    model, train = _dcp_model, _dcp_train
     a = model()
     order = ["0.weight", "1.weight", "1.bias"]
     pa = dict(a.named_parameters())
     opt_a = bnbf_nn.AdamW8bit([pa[n] for n in order], lr=1e-2, min_8bit_size=MIN8)
     train(a, opt_a, (1, 2))
-    msd, osd = get_state_dict(a, opt_a)
+    msd, osd = get_state_dict(a, opt_a, options=options)
     dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
     b = model()
     pb = dict(b.named_parameters())
     if change == "override added":
         bnbf_nn.GlobalOptimManager.get_instance().override_config(pb["0.weight"], "optim_bits", 32)
     opt_b = bnbf_nn.AdamW8bit([pb[n] for n in order[::-1]], lr=1e-2, min_8bit_size=MIN8)
-    msd_b, osd_b = get_state_dict(b, opt_b)
+    msd_b, osd_b = get_state_dict(b, opt_b, options=options)
     dcp.load({"model": msd_b, "optim": osd_b}, checkpoint_id=str(tmp_path), no_dist=True)
     if change == "override added":
         with pytest.raises(ValueError, match="holds 8-bit state but its tensors arrived as 32-bit ones"):
-            set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b)
+            set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b, options=options)
         return
-    set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b)
+    set_state_dict(b, opt_b, model_state_dict=msd_b, optim_state_dict=osd_b, options=options)
     train(a, opt_a, (3, 4))
     train(b, opt_b, (3, 4))
     for n in order:

@@ -205,8 +205,13 @@ def test_state_has_bitsandbytes_names_as_live_views(case):
         rec = opt.state[p]
         s = rec["state"]
         packed = _checkpoint.pack(s, family.bnb_slots)
-        views = {k: v for k, v in rec.items() if k not in ("step", "state")}
+        nested = (_checkpoint.QUANT_KEY, _checkpoint.BITS_KEY)
+        views = {k: v for k, v in rec.items() if k not in ("step", "state", *nested)}
         assert set(views) == set(packed) - {"unorm_vec"}, f"param {i}: {sorted(views)} != {sorted(packed)}"
+        # also nested as in a saved entry (the same tensors), beside the bits: a saved entry's keys
+        assert rec[_checkpoint.QUANT_KEY].keys() == views.keys(), f"param {i}"
+        assert all(rec[_checkpoint.QUANT_KEY][k] is v for k, v in views.items()), f"param {i}"
+        assert rec[_checkpoint.BITS_KEY] == type(s).layout.bits, f"param {i}"
         for k, v in views.items():
             assert_equal_report(v, packed[k], f"param {i} {k}")
         # true bytes: the state's own tensors, counted once (the 256-value qmaps are shared maps, as bitsandbytes')
