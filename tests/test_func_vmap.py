@@ -505,6 +505,10 @@ def test_vmap_in_place_refuses_memory_shared_across_groups_as_eager_does(device,
 def test_vmap_in_place_compares_memory_once_per_ensemble(monkeypatch):
     """Two ensembles stepped in turn (a GAN's two models), each with its grads at the same place: after each one's
     first call, the memory is found apart by its addresses alone, without the comparison of every pair."""
+    from bnbf._host_checks import NATIVE
+
+    if NATIVE is None:  # the address match is the compiled pass's; the Python checks compare every call
+        pytest.skip("the compiled host checks are not built")
     compared = []
     real = bnbf.ops._check_no_overlap
     monkeypatch.setattr(bnbf.ops, "_check_no_overlap", lambda *a: compared.append(1) or real(*a))
