@@ -152,7 +152,9 @@ from bnbf_nn.manager import GlobalOptimManager
 __all__ = ["FAMILIES", "Family", "GlobalOptimManager", "Optimizer1State", "Optimizer2State", "Optimizer8bit"]
 
 _STORAGE = {"optim_bits": 32, "min_8bit_size": 4096, "state_format": "power"}  # read when a state is created
-_ORIGIN = "bnbf"  # in each saved group: the optimizer, rule and the group's starting lr (see state_dict)
+# in each group: the optimizer and rule, and in a saved group also its starting lr (see state_dict). Live groups hold
+# it too: torch.distributed.checkpoint's flatten_optimizer_state_dict loads only the keys the live groups have
+_ORIGIN = "bnbf"
 _CALL = {"skip_zeros": False, "max_unorm": 0.0, "maximize": False}  # keyword arguments of bnbf.update_
 # torch.optim's meanings, on every class: step count and lr on the device (capturable), a step autograd records
 _MODES = {"capturable": False, "differentiable": False}
@@ -608,6 +610,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._assigned: Any = None
         self._assigned_edits = -1
 
+    def _origin(self) -> dict:
+        """A group's :data:`_ORIGIN` entry: which optimizer and rule its state is for."""
+        return {"optimizer": type(self).__name__, "rule": self._rule.name}
+
     def _lr0_of(self, group: Mapping) -> Any:
         """The lr ``group`` started with (its lr where it has no entry: added to param_groups by hand)."""
         entry = self._lr0.get(id(group))
@@ -654,6 +660,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             for key, off in {**_CALL, **_MODES}.items():
                 group.setdefault(key, off)
         self._set_rule(self.defaults)
+        for group in self.param_groups:  # pickled before live groups held it
+            group.setdefault(_ORIGIN, self._origin())
         self._init_caches()
         self._lr0 = {id(g): (g, v) for g, v in zip(self.param_groups, lr0)}
         self._note_spelling()
@@ -692,6 +700,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         except Exception:
             self.param_groups.pop()
             raise
+        group[_ORIGIN] = self._origin()
         self._lr0[id(group)] = (group, group["lr"])
 
     def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
@@ -1617,7 +1626,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         for packed, v, group in zip(groups, lr0, self.param_groups):
             # in the groups: torch.distributed.checkpoint's get_state_dict keeps only "state" and "param_groups",
             # and without it a checkpoint of another rule loaded where its state names agree
-            packed[_ORIGIN] = {"optimizer": type(self).__name__, "rule": self._rule.name, "lr0": v}
+            packed[_ORIGIN] = {**self._origin(), "lr0": v}
             # which of bitsandbytes' spellings the group itself holds (the rest are written for bitsandbytes)
             packed[_ORIGIN]["spelled"] = sorted(self._bnb_spelled.keys() & group.keys())
         out = {"state": state, "param_groups": groups}
@@ -1688,7 +1697,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"param group {gi} of the state dict has {len(saved.get('params', ()))} params, "
                     f"{name}'s has {len(group['params'])}"
                 )
-            ours = set(group) - {"params"} - set(_STORAGE)  # how states are stored stays this optimizer's
+            ours = set(group) - {"params", _ORIGIN} - set(_STORAGE)  # how states are stored stays this optimizer's
             if not origin:  # bitsandbytes' own: a setting it fills with a constant says nothing
                 ours -= {k for k, how in self.family.bnb_group if not isinstance(how, (str, tuple))}
             new = {k: v for k, v in group.items() if k != "params"}
@@ -1706,7 +1715,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             new.update((k, deepcopy(saved[k])) for k in self._bnb_spelled.keys() & set(held) & saved.keys())
             if self._rule.norms is not None and new.get("max_unorm") == self.family.max_unorm:
                 new["max_unorm"] = 0.0  # bitsandbytes' default (its PytorchLARS' groups hold it), read as _storage does
-            new["params"] = group["params"]
+            new[_ORIGIN], new["params"] = self._origin(), group["params"]
             try:
                 self._check_group(new)
             except (ValueError, TypeError) as e:

@@ -525,7 +525,8 @@ def scenario_nn_dcp_keeps_origin():
         else:
             raise AssertionError(f"the AdamW8bit checkpoint loaded into {cls.__name__}")
     model, resumed, _ = _loaded_from(path, lambda ps: bnbf_nn.AdamW8bit(ps, lr=LR, min_8bit_size=MIN8))
-    assert resumed.param_groups[0]["lr"] == LR / 2 and "bnbf" not in resumed.param_groups[0]
+    assert resumed.param_groups[0]["lr"] == LR / 2
+    assert resumed.param_groups[0]["bnbf"] == {"optimizer": "AdamW8bit", "rule": "adamw"}  # no lr0: saved only
     assert resumed.state_dict()["param_groups"][0]["bnbf"]["lr0"] == LR
 
 

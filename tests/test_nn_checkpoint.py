@@ -831,3 +831,37 @@ def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change, flat
     train(b, opt_b, (3, 4))
     for n in order:
         assert_equal_report(pb[n].detach(), pa[n].detach(), f"{n} after the resume")
+
+
+@pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
+def test_a_dcp_resume_keeps_the_groups_origin(tmp_path, flatten):
+    """The groups' "bnbf" entry (the saving optimizer's rule, each group's starting lr) reaches load_state_dict
+    through get/set_state_dict, flattened or not: ``flatten_optimizer_state_dict`` loads a group's keys only where
+    the live group has them, and without it an SGD8bit checkpoint loaded into Lion8bit (one state each, the same
+    names) and a hand-set lr resumed as the group's starting lr (what GlobalOptimManager's lr overrides scale)."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+    a = _dcp_model()
+    opt_a = bnbf_nn.SGD8bit(a.parameters(), lr=1e-2, momentum=0.9, min_8bit_size=MIN8)
+    opt_a.param_groups[0]["lr"] = 5e-3  # by hand, no scheduler: the starting lr stays 1e-2
+    _dcp_train(a, opt_a, (1, 2))
+    msd, osd = get_state_dict(a, opt_a, options=options)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+
+    def loaded(cls, **kw):
+        b = _dcp_model()
+        opt = cls(b.parameters(), lr=1e-2, min_8bit_size=MIN8, **kw)
+        msd_b, osd_b = get_state_dict(b, opt, options=options)
+        dcp.load({"optim": osd_b}, checkpoint_id=str(tmp_path), no_dist=True)
+        return b, opt, osd_b
+
+    b, lion, osd_b = loaded(bnbf_nn.Lion8bit)
+    with pytest.raises(ValueError, match=r"from SGD8bit \(rule 'sgd'\); Lion8bit uses rule 'lion'"):
+        set_state_dict(b, lion, model_state_dict={}, optim_state_dict=osd_b, options=options)
+    b, sgd, osd_b = loaded(bnbf_nn.SGD8bit, momentum=0.9)
+    set_state_dict(b, sgd, model_state_dict={}, optim_state_dict=osd_b, options=options)
+    assert sgd.param_groups[0]["lr"] == 5e-3
+    assert sgd.param_groups[0]["bnbf"] == {"optimizer": "SGD8bit", "rule": "sgd"}
+    assert sgd.state_dict()["param_groups"][0]["bnbf"]["lr0"] == 1e-2
