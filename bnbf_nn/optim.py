@@ -1820,17 +1820,20 @@ class Optimizer8bit(torch.optim.Optimizer):
 def _check_states_on_every_rank(groups: list, state: Mapping) -> None:
     """ValueError where a sharded (DTensor) param has state on some ranks of its mesh and not on others (it got a
     grad on some ranks only): ``state_dict()`` gathers every sharded 8-bit state's scales, a collective per state,
-    which would then not line up across the ranks (a crash, or a hang). One small all-reduce per mesh."""
+    which would then not line up across the ranks (a crash, or a hang). One small all-reduce per mesh dim, over
+    that dim's group: a mesh of several dims (HSDP's) may be a sub-mesh of the world's (torchtitan's stages under
+    pipeline parallelism each have their own), and a collective over the default group would pair one stage's
+    params with another's (refusing a stage's own params, or crashing where the stages' counts differ)."""
     by_mesh: dict = {}
     for i, p in enumerate(p for g in groups for p in g["params"]):
         if _checkpoint.is_dtensor(p):
             by_mesh.setdefault(p.device_mesh, []).append((i, p))
     for mesh, params in by_mesh.items():
-        group = mesh.get_group() if mesh.ndim == 1 else None  # the whole mesh's ranks
         device = params[0][1].to_local().device
         has = torch.tensor([float("state" in state.get(p, ())) for _, p in params], device=device)
         both = torch.cat([has, -has])  # one MAX gives the max and (negated) the min
-        torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MAX, group=group)
+        for d in range(mesh.ndim):  # the max along each dim in turn: the max over the whole mesh's ranks
+            torch.distributed.all_reduce(both, torch.distributed.ReduceOp.MAX, group=mesh.get_group(d))
         differ = (both[: len(params)] != -both[len(params) :]).nonzero()
         if differ.numel():
             i = params[int(differ[0])][0]

@@ -355,6 +355,46 @@ def scenario_nn_state_on_some_ranks_only():
         opt.state_dict()
 
 
+def scenario_nn_state_dict_on_sub_meshes():
+    """torchtitan's pipeline stages under HSDP: a world mesh (pp=2, dp_replicate=1, dp_shard=1), each rank a stage
+    whose part is sharded on its own 2-D sub-mesh. ``state_dict()``'s check that every rank of a mesh has a sharded
+    param's state all-reduced over the default group for a mesh of several dims, pairing one stage's params with
+    the other's: stage 1's last param, with no grad yet (so no state, on the one rank of its mesh), was refused on
+    both ranks, and stages of different param counts aborted gloo's process. Now over each mesh dim's group; on
+    HSDP meshes of the whole world, (1, 2) and (2, 1), a param with state on one rank only is still refused on
+    both."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import bnbf_nn
+
+    rank = torch.distributed.get_rank()
+    names = ("dp_replicate", "dp_shard")
+    stage_mesh = init_device_mesh(td.DEVICE.type, (td.WORLD, 1, 1), mesh_dim_names=("pp", *names))[names]
+    for counts in ((3, 3), (3, 2)):
+        torch.manual_seed(rank)
+        part = [
+            fully_shard(torch.nn.Linear(32, 32, bias=False).to(td.DEVICE), mesh=stage_mesh) for _ in range(counts[rank])
+        ]
+        opt = bnbf_nn.AdamW8bit([layer.weight for layer in part], lr=LR, min_8bit_size=MIN8)
+        x = torch.randn(4, 32, device=td.DEVICE)  # 32 x 32 weights: 8-bit state (MIN8), scales gathered
+        for layer in part[: counts[rank] - (rank == 1 and counts == (3, 3))]:  # stage 1's last: no grad yet
+            x = layer(x)
+        x.sum().backward()
+        opt.step()
+        assert len(opt.state_dict()["state"]) == counts[rank] - (rank == 1 and counts == (3, 3)), counts
+    for shape in ((1, td.WORLD), (td.WORLD, 1)):
+        model = td._model().to(td.DEVICE)
+        fully_shard(model, mesh=init_device_mesh(td.DEVICE.type, shape, mesh_dim_names=names))
+        opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        _backward(model, 1)
+        if rank == 1:
+            model[0].weight.grad = None
+        opt.step()
+        with pytest.raises(ValueError, match=r"param 0 \(a DTensor\) has optimizer state on some ranks"):
+            opt.state_dict()
+
+
 def scenario_nn_dcp():
     """DCP with bnbf_nn.AdamW8bit. (1) Saved on 2 ranks through get_state_dict; loaded on one process into
     an unsharded model and a plain AdamW8bit through set_state_dict: the state equals the sharded one where
