@@ -1750,6 +1750,11 @@ class Optimizer8bit(torch.optim.Optimizer):
                     state[key] = entry
                     continue
                 raise ValueError(f"the state dict has state for param {key!r}, which none of its param groups lists")
+            if isinstance(entry, Mapping) and not entry:
+                # no state, as torch.optim loads it: torch.distributed.checkpoint's flatten_optimizer_state_dict makes
+                # an empty entry for each param without live state (one that has had no grad yet), torch's own
+                # state_dict() one for a record only read (a defaultdict's); the param gets a fresh state at its grad
+                continue
             p, group, _ = id_map[key]
             where = f"param {key} (shape {tuple(p.shape)})"
             state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks)

@@ -865,3 +865,31 @@ def test_a_dcp_resume_keeps_the_groups_origin(tmp_path, flatten):
     assert sgd.param_groups[0]["lr"] == 5e-3
     assert sgd.param_groups[0]["bnbf"] == {"optimizer": "SGD8bit", "rule": "sgd"}
     assert sgd.state_dict()["param_groups"][0]["bnbf"]["lr0"] == 1e-2
+
+
+def test_a_flattened_dcp_rollback_keeps_a_param_without_state_stateless(tmp_path):
+    """``flatten_optimizer_state_dict`` rebuilds each param's entry from the keys of the live ``optimizer.state[p]``,
+    so a param without state (requires_grad, but no grad yet) arrives as an empty entry. torch.optim loads it as no
+    state; bnbf_nn refused the whole load ("'step' must be a non-negative int, got None") and, the state dict's
+    tensors being the live state, then refused every step. A rollback of the live optimizer to a flattened DCP
+    checkpoint (torchtitan's setting) now loads, and training goes on bit for bit as after the save."""
+    dcp = pytest.importorskip("torch.distributed.checkpoint")
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+    options = StateDictOptions(flatten_optimizer_state_dict=True)
+    m = _dcp_model()
+    unused = torch.nn.Parameter(torch.randn(64, 64))  # in the optimizer, never in the loss
+    m.register_parameter("unused", unused)
+    opt = bnbf_nn.AdamW8bit(m.parameters(), lr=1e-2, min_8bit_size=MIN8)
+    _dcp_train(m, opt, (1, 2))
+    msd, osd = get_state_dict(m, opt, options=options)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    _dcp_train(m, opt, (3, 4))
+    went_on = [p.detach().clone() for p in m.parameters()]
+    msd, osd = get_state_dict(m, opt, options=options)  # the live model and optimizer: rolled back in place
+    dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(tmp_path), no_dist=True)
+    set_state_dict(m, opt, model_state_dict=msd, optim_state_dict=osd, options=options)
+    assert "state" not in opt.state.get(unused, {}) and all(r["step"] == 2 for r in opt.state.values() if r)
+    _dcp_train(m, opt, (3, 4))
+    for p, q in zip(m.parameters(), went_on):
+        assert_equal_report(p.detach(), q, "after the rollback")
