@@ -675,6 +675,32 @@ def scenario_nn_load_refused_on_every_rank():
             assert all(torch.equal(s.to_local(), k) for s, k in zip(opt.state[p]["state"], kept)), cls.__name__
 
 
+def scenario_nn_overrides_and_fully_shard():
+    """GlobalOptimManager's overrides by param object do not survive fully_shard, which makes each param a new
+    DTensor param (as bitsandbytes' manager, keyed the same way; README says so): one made before applies to
+    nothing, one made after applies; a module override names the module's attribute and follows the new param."""
+    from torch.distributed.fsdp import fully_shard
+
+    import bnbf_nn
+
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    try:
+        model = td._model().to(td.DEVICE)
+        before = model[0].weight
+        mng.override_config(model[0].weight, "optim_bits", 32)
+        mng.register_module_override(model[2], "weight", {"optim_bits": 32})
+        fully_shard(model, mesh=td.mesh())
+        assert model[0].weight is not before
+        mng.override_config(model[4].weight, "optim_bits", 32)
+        opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        _backward(model, 1)
+        opt.step()
+        bits = {i: type(opt.state[model[i].weight]["state"]).layout.bits for i in (0, 2, 4)}
+        assert bits == {0: 8, 2: 32, 4: 32}, bits
+    finally:
+        mng.initialize()
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
