@@ -1865,12 +1865,18 @@ def _holds_live_state(state_dict: Any, state: Mapping) -> bool:
 
 
 def _origin_in_groups(saved_groups: Any) -> dict:
-    """The optimizer and rule that saved the groups, and each group's starting lr (``lr0``: a list); empty where
-    a group lacks them (bitsandbytes' state dicts, older ones of bnbf_nn)."""
+    """The optimizer and rule that saved the groups, and each group's starting lr (``lr0``: a list, :data:`_UNSAVED`
+    for a group whose entry lacks it); empty where a group lacks them (bitsandbytes' state dicts, older ones of
+    bnbf_nn). A live group's entry has no ``lr0``, and state dicts made of the live groups hold it so:
+    ZeroRedundancyOptimizer's state_dict() saves its own groups, copies of the local optimizer's."""
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
-    return {**found[0], "lr0": [o.get("lr0") for o in found], "spelled": [o.get("spelled", ()) for o in found]}
+    lr0 = [o.get("lr0", _UNSAVED) for o in found]
+    return {**found[0], "lr0": lr0, "spelled": [o.get("spelled", ()) for o in found]}
+
+
+_UNSAVED = object()  # a group's starting lr where its "bnbf" entry lacks one: its initial_lr or its lr, as without
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:
@@ -1881,6 +1887,8 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
         return [g.get("initial_lr", g["lr"]) for g in groups]
 
     def ok(v: Any) -> bool:
+        if v is _UNSAVED:
+            return True
         if isinstance(v, Tensor):
             return v.numel() == 1
         return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
@@ -1888,9 +1896,9 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
     if not isinstance(lr0, (list, tuple)) or len(lr0) != len(groups) or not all(map(ok, lr0)):
         raise ValueError(
             f"the state dict's bnbf['lr0'] (each param group's starting lr) must be {len(groups)} non-negative "
-            f"numbers, got {lr0!r}"
+            f"numbers, got {[None if v is _UNSAVED else v for v in lr0]!r}"
         )
-    return [deepcopy(v) for v in lr0]
+    return [g.get("initial_lr", g["lr"]) if v is _UNSAVED else deepcopy(v) for v, g in zip(lr0, groups)]
 
 
 # the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed

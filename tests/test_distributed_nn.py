@@ -593,7 +593,9 @@ def scenario_nn_zero_resumes():
     """ZeroRedundancyOptimizer over AdamW8bit (with DDP): a checkpoint saved after some steps (consolidate_state_dict,
     state_dict, torch.save) loads into a fresh ZeRO-wrapped AdamW8bit, and training continues bit for bit as the
     uninterrupted run. ZeRO's load_state_dict writes each of its rank's saved entries straight into the local
-    optimizer's state, which the next step used to drop for a fresh state at step 1."""
+    optimizer's state, which the next step used to drop for a fresh state at step 1. The checkpoint also loads into a
+    plain AdamW8bit (a single-process fine-tune of it) and continues alike: ZeRO saves its own param groups, copies of
+    the live ones, whose "bnbf" entry has no starting lr (state_dict() adds it), and the load refused it."""
     from torch.distributed.optim import ZeroRedundancyOptimizer
 
     import bnbf_nn
@@ -631,6 +633,19 @@ def scenario_nn_zero_resumes():
         assert torch.equal(p.detach(), q.detach())
     mine = [q for q in resumed_model.parameters() if q in resumed.optim.state]
     assert mine and all(resumed.optim.state[q]["step"] == td.STEPS + 2 for q in mine)
+    plain_model = td._model().to(td.DEVICE)
+    with torch.no_grad():
+        for p, v in zip(plain_model.parameters(), saved):
+            p.copy_(v)
+    plain = bnbf_nn.AdamW8bit(plain_model.parameters(), lr=LR, min_8bit_size=MIN8)
+    plain.load_state_dict(torch.load(path, map_location=td.DEVICE, weights_only=True))
+    assert plain.state_dict()["param_groups"][0]["bnbf"]["lr0"] == LR
+    for grads in kept:
+        for p, g in zip(plain_model.parameters(), grads):
+            p.grad = g
+        plain.step()
+    for p, q in zip(model.parameters(), plain_model.parameters()):
+        assert torch.equal(p.detach(), q.detach())
 
 
 def scenario_nn_load_refused_on_every_rank():
