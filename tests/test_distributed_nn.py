@@ -65,6 +65,16 @@ def _backward(model: torch.nn.Module, step: int) -> None:
     torch.nn.functional.mse_loss(model(x), y).backward()
 
 
+def _two_more_steps(model: torch.nn.Module, opt: Any) -> list:
+    """Steps STEPS + 1 and STEPS + 2 after a save; returns their grads, for a resumed run to take the same steps."""
+    kept = []
+    for t in range(td.STEPS + 1, td.STEPS + 3):
+        _backward(model, t)
+        kept.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
+        opt.step()
+    return kept
+
+
 def _full(model: torch.nn.Module, grads: bool = False) -> dict:
     """The model's params (or grads) gathered whole, by name."""
     return {k: (p.grad if grads else p).detach().full_tensor() for k, p in model.named_parameters()}
@@ -421,11 +431,7 @@ def scenario_nn_dcp():
     # plain DCP of optimizer.state_dict(), with the params, then two more steps whose grads are kept
     saved_params = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
     dcp.save({"optim": opt.state_dict()}, checkpoint_id=path + "_plain")
-    kept = []
-    for t in range(td.STEPS + 1, td.STEPS + 3):
-        _backward(model, t)
-        kept.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
-        opt.step()
+    kept = _two_more_steps(model, opt)
     final = _full(model)
 
     # (2) back to the saved step on the same mesh: a fresh optimizer, its state_dict as the template
@@ -520,11 +526,7 @@ def scenario_nn_dcp_flattened():
         msd, osd = get_state_dict(model, opt, options=options)
         assert "state" not in osd, cls.__name__
         dcp.save({"model": msd, "optim": osd}, checkpoint_id=path)
-        kept = []
-        for t in range(td.STEPS + 1, td.STEPS + 3):
-            _backward(model, t)
-            kept.append({k: p.grad.detach().clone() for k, p in model.named_parameters()})
-            opt.step()
+        kept = _two_more_steps(model, opt)
         final = _full(model)
         model, opt, _ = _loaded_from(path, lambda ps, cls=cls: cls(ps, lr=LR, min_8bit_size=MIN8), options)
         assert all(r["step"] == td.STEPS for r in opt.state.values()), cls.__name__
