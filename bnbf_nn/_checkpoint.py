@@ -283,15 +283,25 @@ class Record(_Counted, dict):
     The kernels step ``state``, so a view replaced by another tensor (``rec["state1"] = t``, as loops that move
     optimizer state do) would be left out of every later step. Instead ``t``'s values are written into the
     state, where ``t`` has the view's shape, dtype and device, and any other tensor raises (a qmap, which
-    names the 8-bit format, only takes its own values). Any other edit (a step count set, the record cleared)
-    counts in :data:`EDITS`."""
+    names the 8-bit format, only takes its own values). The nested views (:data:`QUANT_KEY`) replaced by a
+    mapping (what a loop moving nested state makes) and ``state`` replaced by a state of its type (a
+    ``tree_map`` over the record makes one) are written so too, all checked before any is written, and
+    :data:`BITS_KEY` takes only its own value (the load changes the bits). Any other edit (a step count set, the
+    record cleared) counts in :data:`EDITS`."""
 
     __slots__ = ()
 
     def __setitem__(self, key: Any, value: Any) -> None:
         live = self.get(key)
         if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
+            _check_view(key, live, value)
             _write_view(key, live, value)
+        elif key == QUANT_KEY and isinstance(live, Record) and value is not live:
+            _write_nested(live, value)
+        elif key == "state" and hasattr(type(live), "layout") and value is not live:
+            _write_state(live, value)
+        elif key == BITS_KEY and isinstance(live, int):
+            _check_bits(live, value)
         else:
             EDITS[0] += 1
             dict.__setitem__(self, key, value)
@@ -317,8 +327,9 @@ class States(_Counted, collections.defaultdict):
     __setitem__ = _edited(dict.__setitem__)
 
 
-def _write_view(key: str, live: Tensor, value: Any) -> None:
-    what = f"optimizer.state[p][{key!r}] is a view of the state the optimizer steps"
+def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
+    """ValueError unless ``value`` can be written into the view ``live`` (:func:`_write_view`)."""
+    what = what or f"optimizer.state[p][{key!r}] is a view of the state the optimizer steps"
     where = lambda t: (t.shape, t.dtype, t.device)  # noqa: E731
     if not isinstance(value, Tensor) or where(value) != where(live):
         got = f"{tuple(value.shape)}, {value.dtype}, on {value.device}" if isinstance(value, Tensor) else type(value)
@@ -326,11 +337,54 @@ def _write_view(key: str, live: Tensor, value: Any) -> None:
             f"{what} ({tuple(live.shape)}, {live.dtype}, on {live.device}): assign a tensor of that shape, dtype and "
             f"device (its values are written into the state), not ({got}); a state lives on its param's device"
         )
-    if key.startswith("qmap"):
-        if not torch.equal(value, live):
-            raise ValueError(f"{what}: its qmap names the 8-bit format, which load_state_dict changes, not a write")
-        return
-    live.copy_(value)
+    if key.startswith("qmap") and not torch.equal(value, live):
+        raise ValueError(f"{what}: its qmap names the 8-bit format, which load_state_dict changes, not a write")
+
+
+def _write_view(key: str, live: Tensor, value: Tensor) -> None:
+    if not key.startswith("qmap"):  # a qmap took only its own values
+        live.copy_(value)
+
+
+def _write_nested(live: Record, value: Any) -> None:
+    """``value``'s tensors written into the nested views ``live``: it must hold exactly their keys, each
+    fitting its view (checked for all before any is written, so a refused write changes nothing)."""
+    what = f"optimizer.state[p][{QUANT_KEY!r}] holds views of the state the optimizer steps ({sorted(live)})"
+    if not isinstance(value, Mapping) or set(value) != set(live):
+        got = sorted(value) if isinstance(value, Mapping) else type(value)
+        raise ValueError(f"{what}: assign a mapping of those keys (their values are written into the state), not {got}")
+    for key in live:
+        if value[key] is not live[key]:
+            _check_view(key, live[key], value[key])
+    for key in live:
+        if value[key] is not live[key]:
+            _write_view(key, live[key], value[key])
+
+
+def _write_state(live: Any, value: Any) -> None:
+    """``value``'s tensors written into the state ``live``: a state of the same type (layout), each field
+    fitting its own (all checked before any is written). Replacing it instead would leave the views stale."""
+    if type(value) is not type(live):
+        raise ValueError(
+            f"optimizer.state[p]['state'] is the state the optimizer steps (a {type(live).__name__} of fields "
+            f"{list(live._fields)}): assign a state of that type (its tensors are written into it), not "
+            f"{type(value).__name__}"
+        )
+    pairs = [(n, a, b) for n, a, b in zip(live._fields, live, value) if a is not b]
+    for name, a, b in pairs:
+        _check_view(name, a, b, f"optimizer.state[p]['state'].{name} is a tensor of the state the optimizer steps")
+    for _, a, b in pairs:
+        a.copy_(b)
+
+
+def _check_bits(live: int, value: Any) -> None:
+    given = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
+    if not (isinstance(given, numbers.Integral) and not isinstance(given, bool) and given == live):
+        raise ValueError(
+            f"optimizer.state[p][{BITS_KEY!r}] records the bits of the state the optimizer steps ({live}), not a "
+            f"setting (got {value!r}): a state takes its bits from optim_bits or a GlobalOptimManager override when "
+            "it is made, or from the checkpoint load_state_dict loads"
+        )
 
 
 def record(step: int, state: Any, family: Any, maps: dict) -> Record:
@@ -563,11 +617,15 @@ def unpack(
         k = key[5:]
         t = tensors.get(key)
         if not isinstance(t, Tensor):
-            # slots bitsandbytes never keeps: it ignores amsgrad (Adam, AdamW) and RMSprop's momentum, refuses centered
+            # an option the saving optimizer was made without; bitsandbytes never keeps these slots: it ignores
+            # amsgrad (Adam, AdamW) and RMSprop's momentum, refuses centered
+            optional = int(k) > 2 or (rule.name == "rmsprop" and int(k) > 1)
             hint = (
                 "; a checkpoint of bitsandbytes' holds no such state (it ignores amsgrad and RMSprop's momentum, "
                 "and refuses centered): load it into an optimizer made without that option"
-                if int(k) > 2 or (rule.name == "rmsprop" and int(k) > 1)
+                if optional and saved_bits is None
+                else "; the optimizer that saved it kept no such state: load it into one made without that option"
+                if optional
                 else ""
             )
             _fail(where, f"missing {key!r} (the {rule.name} state {[rule.states[j].name for j in kept]}){hint}")

@@ -650,6 +650,14 @@ class Optimizer8bit(torch.optim.Optimizer):
             "_lr0": lr0,
         }
 
+    def __repr__(self) -> str:  # torch's layout, without the groups' bnbf entry (marks of origin, not settings)
+        groups = (
+            f"\nParameter Group {i}\n"
+            + "".join(f"    {k}: {g[k]}\n" for k in sorted(g) if k not in ("params", _ORIGIN))
+            for i, g in enumerate(self.param_groups)
+        )
+        return f"{type(self).__name__} ({''.join(groups)})"
+
     def __setstate__(self, state: dict) -> None:
         state = dict(state)
         lr0 = state.pop("_lr0", [])
@@ -1711,7 +1719,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             new.update(_from_bnb_group(self.family, saved, ours))
             # bitsandbytes' spelling of settings that are not this class's keys, where the saving optimizer's
             # group held it (bitsandbytes' always does): a schedule resumed with the run may write it
-            held = origin.get("spelled", [()] * len(saved_groups))[gi] if origin else self._bnb_spelled.keys()
+            held = origin.get("spelled", [()] * len(saved_groups))[gi] if origin else _UNSAVED
+            held = self._bnb_spelled.keys() if held is _UNSAVED else held  # a live group's copy holds its own keys
             new.update((k, deepcopy(saved[k])) for k in self._bnb_spelled.keys() & set(held) & saved.keys())
             if self._rule.norms is not None and new.get("max_unorm") == self.family.max_unorm:
                 new["max_unorm"] = 0.0  # bitsandbytes' default (its PytorchLARS' groups hold it), read as _storage does
@@ -1866,14 +1875,15 @@ def _holds_live_state(state_dict: Any, state: Mapping) -> bool:
 
 def _origin_in_groups(saved_groups: Any) -> dict:
     """The optimizer and rule that saved the groups, and each group's starting lr (``lr0``: a list, :data:`_UNSAVED`
-    for a group whose entry lacks it); empty where a group lacks them (bitsandbytes' state dicts, older ones of
-    bnbf_nn). A live group's entry has no ``lr0``, and state dicts made of the live groups hold it so:
-    ZeroRedundancyOptimizer's state_dict() saves its own groups, copies of the local optimizer's."""
+    for a group whose entry lacks it) and bitsandbytes spellings it held (``spelled``: likewise); empty where a
+    group lacks them (bitsandbytes' state dicts, older ones of bnbf_nn). A live group's entry has neither, and
+    state dicts made of the live groups hold it so: ZeroRedundancyOptimizer's state_dict() saves its own groups,
+    copies of the local optimizer's."""
     found = [g.get(_ORIGIN) if isinstance(g, Mapping) else None for g in saved_groups]
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
     lr0 = [o.get("lr0", _UNSAVED) for o in found]
-    return {**found[0], "lr0": lr0, "spelled": [o.get("spelled", ()) for o in found]}
+    return {**found[0], "lr0": lr0, "spelled": [o.get("spelled", _UNSAVED) for o in found]}
 
 
 _UNSAVED = object()  # a group's starting lr where its "bnbf" entry lacks one: its initial_lr or its lr, as without

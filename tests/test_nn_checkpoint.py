@@ -536,7 +536,8 @@ def test_a_bitsandbytes_placeholder_setting_does_not_overwrite_ours():
 
 def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
     """bitsandbytes accepts amsgrad=True and ignores it, so its checkpoints hold no maximum (state3): loading one
-    into an optimizer with amsgrad=True is refused, saying so, with nothing changed."""
+    into an optimizer with amsgrad=True is refused, saying so, with nothing changed. bnbf_nn's own checkpoint of
+    a run without amsgrad is refused too, without blaming bitsandbytes."""
     params = make_params(shapes=SHAPES)
     opt = bnbf_nn.AdamW8bit(params, min_8bit_size=MIN8)
     run_adapter(opt, params, make_grads(params, 1))
@@ -544,11 +545,16 @@ def test_a_checkpoint_without_the_amsgrad_maximum_says_why():
         [torch.nn.Parameter(p.detach().clone()) for p in params], amsgrad=True, min_8bit_size=MIN8
     )
     theirs = reload(opt.state_dict())  # as bitsandbytes' AdamW8bit(amsgrad=True) saves: the flag, no maximum
-    theirs = _as_bitsandbytes(theirs)
+    theirs = _as_bitsandbytes(bnbf_nn.for_bitsandbytes(theirs))
     theirs["param_groups"][0]["amsgrad"] = True
     with pytest.raises(ValueError, match=r"missing 'state3'.*bitsandbytes' holds no such state.*amsgrad"):
         amsgrad.load_state_dict(theirs)
     assert not amsgrad.state
+    ours = reload(opt.state_dict())  # bnbf_nn's own, its group switched to amsgrad: not blamed on bitsandbytes
+    ours["param_groups"][0]["amsgrad"] = True
+    with pytest.raises(ValueError, match=r"missing 'state3'.*; the optimizer that saved it kept no such state") as e:
+        amsgrad.load_state_dict(ours)
+    assert "bitsandbytes" not in str(e.value) and not amsgrad.state
 
 
 def test_a_state_dict_in_torch_optims_layout_is_named():

@@ -274,6 +274,68 @@ def test_replacing_a_view_writes_the_state(name):
     assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
 
 
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
+def test_replacing_the_nested_views_or_the_state_writes_the_state(name):
+    """A loop that rebuilds a record's containers (``rec.update(tree_map(move, dict(rec)))``, a recursive mover)
+    replaces the nested views under ``__bnb_optimizer_quant_state__`` with a plain dict and ``state`` with a
+    new NamedTuple: their values are written into the state the kernels step (replaced instead, the flat views
+    would go on pointing at tensors no step reads), and the next step continues from them. A mapping of other
+    keys, a state of another type, a tensor that does not fit or another ``state_bits`` raises and changes nothing."""
+    params, twin = make_params(), make_params()
+    opt, ref = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8), getattr(bnbf_nn, name)(twin, min_8bit_size=MIN8)
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+
+    def bump(key, t):  # new values for a view (a qmap takes only its own)
+        return t.clone() if key.startswith("qmap") else t + (1 if t.dtype == torch.uint8 else 0.25)
+
+    for i, (p, q) in enumerate(zip(params, twin)):
+        rec = opt.state[p]
+        held = dict(rec)
+        nested, state = rec[_checkpoint.QUANT_KEY], rec["state"]
+        if i % 2:  # the nested views: every view's values moved
+            moved = {k: bump(k, v) for k, v in nested.items()}
+            rec.update({_checkpoint.QUANT_KEY: moved, "state_bits": rec["state_bits"]})
+            for k, v in moved.items():
+                with torch.no_grad():
+                    ref.state[q][_checkpoint.QUANT_KEY][k].copy_(v)
+        else:  # the state, as torch's tree_map rebuilds it
+            moved = torch.utils._pytree.tree_map(lambda t: t.clone() + 1 if t.dtype == torch.uint8 else t * 1.5, state)
+            rec["state"] = moved
+            for a, b in zip(ref.state[q]["state"], moved):
+                with torch.no_grad():
+                    a.copy_(b)
+        assert all(rec[k] is v for k, v in held.items()), "the record's tensors, nested views and state stay live"
+        before = [t.clone() for t in state]
+        first = next(iter(nested))
+        refused = [
+            (_checkpoint.QUANT_KEY, {k: v for k, v in nested.items() if k != first}, "holds views of the state"),
+            (_checkpoint.QUANT_KEY, {**nested, first: nested[first][:1].clone()}, "is a view of the state"),
+            ("state", tuple(state), "assign a state of that type"),
+            ("state", state._replace(**{state._fields[-1]: state[-1].double()}), "is a tensor of the state"),
+            ("state_bits", 40 - rec["state_bits"], "records the bits of the state"),
+        ]
+        if i % 2:  # a good tensor before the bad one is not written either
+            key = sorted(nested)[-1]
+            refused.append(
+                (
+                    _checkpoint.QUANT_KEY,
+                    {**{k: bump(k, v) for k, v in nested.items()}, key: nested[key].half()},
+                    "is a view",
+                )
+            )
+        for key, value, match in refused:
+            with pytest.raises(ValueError, match=match):
+                rec[key] = value
+            assert all(rec[k] is v for k, v in held.items()), f"{name}: a refused {key} replaced the record's entry"
+            for a, b in zip(rec["state"], before):
+                assert_equal_report(a, b, f"{name}: state after a refused write of {key}")
+    run_adapter(opt, params, grads[1:])
+    run_adapter(ref, twin, grads[1:])
+    assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
+
+
 @pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdEMAMix32bit", "PagedLion", "PagedAdam8bit"])
 def test_paged_classes_on_the_cpu_step_as_unpaged(name):
     """On the CPU paged state is ordinary memory: a Paged* class, and ``is_paged=True`` on any class, steps
@@ -841,6 +903,14 @@ def test_a_bitsandbytes_run_with_a_momentum_schedule_resumes():
     again = bnbf_nn.SGD8bit(make_params(), 0.1, 0.9, min_8bit_size=MIN8)
     again.load_state_dict(resumed.state_dict())  # bnbf_nn's own checkpoint keeps the spelling the group held
     assert again.param_groups[0]["betas"] == resumed.param_groups[0]["betas"]
+    copied = (
+        resumed.state_dict()
+    )  # ZeroRedundancyOptimizer's: copies of the live groups, whose bnbf entry lists no spelling
+    for g, live in zip(copied["param_groups"], resumed.param_groups):
+        g["bnbf"] = dict(live["bnbf"])
+    zero = bnbf_nn.SGD8bit(make_params(), 0.1, 0.9, min_8bit_size=MIN8)
+    zero.load_state_dict(copied)
+    assert zero.param_groups[0]["betas"] == resumed.param_groups[0]["betas"]
     assert "betas" not in ref.param_groups[0] and "betas" not in _loaded(ref).param_groups[0]
 
 
@@ -930,3 +1000,14 @@ def test_max_unorm_clips_like_the_core():
     assert_same(opt, params, *run_core(opt, params0, grads, 8, hp=dict(lr=0.5), max_unorm=0.01))
     unclipped = run_core(opt, params0, grads, 8, hp=dict(lr=0.5), max_unorm=0.0)[0]
     assert not torch.equal(unclipped[0], params[0].detach())  # the clipping did something
+
+
+def test_repr_is_torchs_without_the_groups_marks_of_origin():
+    """``repr(optimizer)`` lists each group's settings as torch.optim's does; the groups' ``bnbf`` entry (which
+    optimizer and rule saved them, for load_state_dict) is no setting and is left out."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit([{"params": params[:1]}, {"params": params[1:], "lr": 0.5}], min_8bit_size=MIN8)
+    assert all("bnbf" in g for g in opt.param_groups)
+    plain = torch.optim.SGD(params, lr=0.1)
+    plain.param_groups = [{k: v for k, v in g.items() if k != "bnbf"} for g in opt.param_groups]
+    assert repr(opt) == repr(plain).replace("SGD", "AdamW8bit", 1) and "bnbf" not in repr(opt)
