@@ -400,6 +400,24 @@ def named(state: Any, stacks: tuple | None, maps: dict) -> dict[str, Any]:
     return {**v, QUANT_KEY: Record(v), BITS_KEY: type(state).layout.bits}
 
 
+def stale(rec: Mapping) -> bool:
+    """Whether ``rec`` (holding a bnbf ``state``) is not a :class:`Record` whose bitsandbytes names are views of
+    that state: a plain dict, or views a mover copied apart from it (flat and nested then other tensors, or
+    tensors of other storages). Cheap (it makes no view): movers copy every tensor, so it looks at one."""
+    nested = rec.get(QUANT_KEY)
+    if type(rec) is not Record or type(nested) is not Record:
+        return True
+    if any(rec.get(k) is not v for k, v in nested.items()):
+        return True
+    first = next((v for k, v in nested.items() if not k.startswith("qmap")), None)  # a mover copies every one
+    return first is not None and (not isinstance(first, Tensor) or _home(first) not in map(_home, rec["state"]))
+
+
+def _home(t: Tensor) -> tuple:
+    t = t.to_local() if is_dtensor(t) else t
+    return t.device, t.untyped_storage().data_ptr()
+
+
 def _unflattened(entry: Mapping) -> dict:
     """``entry`` without the empty dicts that torch.distributed.checkpoint's unflattening makes of the keys of a live
     record that the checkpoint does not hold (``state``, the views beside :data:`QUANT_KEY`'s): absent, not

@@ -1799,7 +1799,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         saved), and the step would otherwise replace it with a fresh state. A record without ``state`` holding a
         step, bitsandbytes' state or any tensor is such an entry (refused if it does not load); one holding none
         (empty, a hook's note) gets a fresh state at the param's first grad, as before. Every entry is checked
-        before any is written. Run by the general step and state_dict; the assignment counted in
+        before any is written. A record whose bitsandbytes names are no longer views of its ``state`` is made
+        again around that state. Run by the general step and state_dict; the assignment counted in
         :data:`_checkpoint.EDITS`, so the fast step never runs it, and it scans only after one."""
         if type(self.state) is not _checkpoint.States:  # replaced by a plain dict: its edits must count too
             self.state = _checkpoint.States(self.state)
@@ -1828,6 +1829,18 @@ class Optimizer8bit(torch.optim.Optimizer):
             for p, rec in loaded:
                 _put(self.state, p, rec)
             _checkpoint.EDITS[0] += 1  # the plans built over the entries are stale
+        # a record replaced by a mover's rebuilt one (Lightning's, a tree_map: a plain dict, views copied apart
+        # from the state): bitsandbytes' names made views of the state the kernels step again
+        for p, rec in list(self.state.items()):
+            state = rec.get("state") if isinstance(p, Tensor) and isinstance(rec, Mapping) else None
+            if hasattr(type(state), "layout") and _checkpoint.stale(rec):
+                try:
+                    fresh = _checkpoint.named(state, self.family.bnb_slots, self._qmaps)
+                except RuntimeError:  # its stacks (AdEMAMix's) copied row by row: laid out as rows again
+                    state = _checkpoint.restacked(state, self.family, self.is_paged)
+                    fresh = _checkpoint.named(state, self.family.bnb_slots, self._qmaps)
+                _put(self.state, p, _checkpoint.Record({**rec, "state": state, **fresh}))
+                _checkpoint.EDITS[0] += 1  # the plans hold the records they write the step count into
         self._assigned, self._assigned_edits = self.state, _checkpoint.EDITS[0]
 
 

@@ -336,6 +336,49 @@ def test_replacing_the_nested_views_or_the_state_writes_the_state(name):
     assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
 
 
+def _moved(x, top=None):
+    """``x`` rebuilt by a recursive mover (Lightning's ``apply_to_collection`` with ``Tensor.to``): each tensor
+    copied on its own (a clone stands for a move), each mapping and NamedTuple made again (``top``: the outer type)."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    if isinstance(x, dict):
+        return (top or type(x))({k: _moved(v) for k, v in x.items()})
+    if isinstance(x, tuple) and hasattr(x, "_fields"):
+        return type(x)(*map(_moved, x))
+    return x
+
+
+@pytest.mark.parametrize("top", [dict, None], ids=["plain dict", "record type"])
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
+def test_a_record_rebuilt_by_a_mover_gets_views_of_its_state_again(name, top):
+    """A mover that rebuilds ``optimizer.state[p]`` (``opt.state[p] = apply_to_collection(...)``, as Lightning
+    moves optimizer state) copies the state and each of bitsandbytes' views apart, so the views were no longer
+    views of the state the kernels step: stale after the next step, and writes to them lost. The next step
+    (or state_dict) makes them views of the record's state again; the run continues as one never moved."""
+    params, twin = make_params(), make_params()
+    opt, ref = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8), getattr(bnbf_nn, name)(twin, min_8bit_size=MIN8)
+    grads = make_grads(params, 3)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+    for p in params:
+        opt.state[p] = _moved(opt.state[p], top)
+    run_adapter(opt, params, grads[1:2])
+    run_adapter(ref, twin, grads[1:2])
+    for p, q in zip(params, twin):
+        rec = opt.state[p]
+        assert type(rec) is _checkpoint.Record and type(rec[_checkpoint.QUANT_KEY]) is _checkpoint.Record
+        for k, v in rec[_checkpoint.QUANT_KEY].items():
+            assert rec[k] is v, f"{name}: flat and nested {k} are one view"
+            if not k.startswith("qmap"):
+                bump = 1 if v.dtype == torch.uint8 else 0.25
+                with torch.no_grad():
+                    v.reshape(-1)[0] += bump  # through the view: into the state, as on the twin
+                    ref.state[q][k].reshape(-1)[0] += bump
+    run_adapter(opt, params, grads[2:])
+    run_adapter(ref, twin, grads[2:])
+    assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
+
+
 @pytest.mark.parametrize("name", ["PagedAdamW8bit", "PagedAdEMAMix32bit", "PagedLion", "PagedAdam8bit"])
 def test_paged_classes_on_the_cpu_step_as_unpaged(name):
     """On the CPU paged state is ordinary memory: a Paged* class, and ``is_paged=True`` on any class, steps
