@@ -286,14 +286,21 @@ class Record(_Counted, dict):
     names the 8-bit format, only takes its own values). The nested views (:data:`QUANT_KEY`) replaced by a
     mapping (what a loop moving nested state makes) and ``state`` replaced by a state of its type (a
     ``tree_map`` over the record makes one) are written so too, all checked before any is written, and
-    :data:`BITS_KEY` takes only its own value (the load changes the bits). Any other edit (a step count set, the
-    record cleared) counts in :data:`EDITS`."""
+    :data:`BITS_KEY` takes only its own value (the load changes the bits). Copies of these on another device (a
+    mover's, as Lightning's teardown moves state to the CPU) are kept as given, and the next step or state_dict
+    makes the views of the moved state (:func:`stale`). Any other edit (a step count set, the record cleared)
+    counts in :data:`EDITS`."""
 
     __slots__ = ()
 
     def __setitem__(self, key: Any, value: Any) -> None:
         live = self.get(key)
-        if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
+        if value is not live and _moved(key, live, value):
+            # a mover taking the state to another device, key by key (Lightning's teardown moves it to the CPU):
+            # kept as given, the record is stale, and the next step or state_dict makes the views of the moved state
+            EDITS[0] += 1
+            dict.__setitem__(self, key, value)
+        elif isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
             _check_view(key, live, value)
             _write_view(key, live, value)
         elif key == QUANT_KEY and isinstance(live, Record) and value is not live:
@@ -325,6 +332,21 @@ class States(_Counted, collections.defaultdict):
         dict.update(self, *args, **kwargs)
 
     __setitem__ = _edited(dict.__setitem__)
+
+
+def _moved(key: Any, live: Any, value: Any) -> bool:
+    """Whether ``value`` is the record's entry ``live`` (a view, the nested views or the state) as a mover copies it
+    to another device: every tensor of the same shape and dtype, all on one device other than ``live``'s."""
+    if isinstance(live, Tensor) and isinstance(key, str) and _VIEW.fullmatch(key):
+        pairs = [(live, value)]
+    elif key == QUANT_KEY and isinstance(live, Record) and isinstance(value, Mapping) and set(value) == set(live):
+        pairs = [(live[k], value[k]) for k in live]
+    elif key == "state" and hasattr(type(live), "layout") and type(value) is type(live):
+        pairs = list(zip(live, value))
+    else:
+        return False
+    fits = all(isinstance(b, Tensor) and (b.shape, b.dtype) == (a.shape, a.dtype) for a, b in pairs)
+    return bool(pairs) and fits and len({b.device for _, b in pairs}) == 1 and pairs[0][1].device != pairs[0][0].device
 
 
 def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
