@@ -8,6 +8,7 @@ the frameworks' own code does the saving, loading and moving of optimizer state.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 import pytest
@@ -129,3 +130,122 @@ def test_lightning_mover_to_another_device_moves_the_state(name):
         ((net(x) - y) ** 2).mean().backward()
         with pytest.raises(ValueError, match="is on meta but the param is on cpu"):
             opt.step()  # as torch's AdamW refuses a state left on another device than its param
+
+
+# ---- Hugging Face transformers Trainer -----------------------------------------------------------------
+
+
+def _hf_dataset():
+    from torch.utils.data import Dataset
+
+    class Pairs(Dataset):
+        def __init__(self) -> None:
+            g = torch.Generator().manual_seed(0)
+            self.ids, self.y = torch.randint(0, 50, (32, 6), generator=g), torch.randn(32, 4, generator=g)
+
+        def __len__(self) -> int:
+            return len(self.ids)
+
+        def __getitem__(self, i):
+            return {"input_ids": self.ids[i], "labels": self.y[i]}
+
+    return Pairs()
+
+
+class _EmbedNet(nn.Module):
+    """An embedding (32-bit state through a GlobalOptimManager override, as bitsandbytes' docs advise), a
+    LayerNorm (the Trainer's no-decay group) and a linear head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.ln, self.out = nn.Embedding(50, 32), nn.LayerNorm(32), nn.Linear(32, 4)
+
+    def forward(self, input_ids, labels=None):
+        h = self.out(self.ln(self.emb(input_ids)).mean(1))
+        return {"loss": ((h - labels) ** 2).mean(), "logits": h}
+
+
+def _hf_train(transformers, out, how: str, resume=None):
+    model = _EmbedNet()
+    bnbf_nn.GlobalOptimManager.get_instance().register_module_override(model.emb, "weight", {"optim_bits": 32})
+    args = transformers.TrainingArguments(
+        output_dir=os.fspath(out),
+        max_steps=8,
+        save_steps=4,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=2,
+        max_grad_norm=0.5,
+        weight_decay=0.1,
+        warmup_steps=2,
+        lr_scheduler_type="cosine",
+        report_to=[],
+        use_cpu=True,
+        seed=0,
+        disable_tqdm=True,
+    )
+    kw = {"lr": 1e-2, "min_8bit_size": MIN8}
+    if how == "optimizers":
+        opt = bnbf_nn.AdamW8bit(model.parameters(), **kw)
+        given = {"optimizers": (opt, torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + s)))}
+    else:
+        given = {"optimizer_cls_and_kwargs": (bnbf_nn.AdamW8bit, kw)}
+    trainer = transformers.Trainer(model=model, args=args, train_dataset=_hf_dataset(), **given)
+    trainer.train(resume_from_checkpoint=resume)
+    return model, trainer
+
+
+@pytest.mark.parametrize("how", ["optimizers", "optimizer_cls_and_kwargs"])
+def test_hf_trainer_resume_continues_as_the_uninterrupted_run(tmp_path, how):
+    """The Trainer saves optimizer.pt (torch.save of state_dict) and loads it with weights_only=True into a
+    fresh Trainer's optimizer: with gradient accumulation, max_grad_norm and a schedule, the resumed run ends
+    bit for bit where the uninterrupted one does, the embedding's state still 32-bit and the others 8-bit."""
+    transformers = pytest.importorskip("transformers")
+    if how not in ("optimizers", *inspect.signature(transformers.Trainer).parameters):
+        pytest.skip("this transformers has no optimizer_cls_and_kwargs")
+    whole, _ = _hf_train(transformers, tmp_path / "a", how)
+    resumed, trainer = _hf_train(transformers, tmp_path / "b", how, resume=tmp_path / "a" / "checkpoint-4")
+    assert _same_params(whole, resumed)
+    opt = trainer.optimizer.optimizer if hasattr(trainer.optimizer, "optimizer") else trainer.optimizer
+    assert opt.state[resumed.emb.weight]["state1"].dtype == torch.float32
+    assert opt.state[resumed.out.weight]["state1"].dtype == torch.uint8
+    _views_live(opt)
+
+
+# ---- accelerate --------------------------------------------------------------------------------------------
+
+
+def _accelerate_run(accelerate, steps: range, load=None, save=None):
+    from torch.utils.data import DataLoader, TensorDataset
+
+    accelerate.utils.set_seed(0)
+    net = _net()
+    opt = bnbf_nn.AdamW8bit(net.parameters(), lr=1e-2, min_8bit_size=MIN8)
+    sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.5)
+    acc = accelerate.Accelerator(cpu=True, gradient_accumulation_steps=2)
+    net, opt, loader, sched = acc.prepare(net, opt, DataLoader(TensorDataset(*_data()), batch_size=4), sched)
+    if load:
+        acc.load_state(load)
+    for i, (x, y) in enumerate(loader):
+        if i not in steps:
+            continue
+        with acc.accumulate(net):
+            acc.backward(((net(x) - y) ** 2).mean())
+            if acc.sync_gradients:
+                acc.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+            sched.step()
+            opt.zero_grad(set_to_none=True)
+        if save and i == steps[-1]:
+            acc.save_state(save)
+    return net
+
+
+def test_accelerate_save_state_load_state_continues_as_the_uninterrupted_run(tmp_path):
+    """Accelerator.prepare (which round-trips the optimizer's state dict), accumulate, clip_grad_norm_,
+    save_state after 4 batches and load_state into a fresh Accelerator: bit for bit the uninterrupted run."""
+    accelerate = pytest.importorskip("accelerate")
+    whole = _accelerate_run(accelerate, range(8))
+    _accelerate_run(accelerate, range(4), save=tmp_path / "state")
+    resumed = _accelerate_run(accelerate, range(4, 8), load=tmp_path / "state")
+    assert _same_params(whole, resumed)
