@@ -295,7 +295,7 @@ class Record(_Counted, dict):
 
     def __setitem__(self, key: Any, value: Any) -> None:
         live = self.get(key)
-        if value is not live and _moved(key, live, value):
+        if value is not live and _moved(key, live, value, self.get("state")):
             # a mover taking the state to another device, key by key (Lightning's teardown moves it to the CPU):
             # kept as given, the record is stale, and the next step or state_dict makes the views of the moved state
             EDITS[0] += 1
@@ -334,9 +334,11 @@ class States(_Counted, collections.defaultdict):
     __setitem__ = _edited(dict.__setitem__)
 
 
-def _moved(key: Any, live: Any, value: Any) -> bool:
-    """Whether ``value`` is the record's entry ``live`` (a view, the nested views or the state) as a mover copies it
-    to another device: every tensor of the same shape and dtype, all on one device other than ``live``'s."""
+def _moved(key: Any, live: Any, value: Any, state: Any) -> bool:
+    """Whether ``value`` is the record's entry ``live`` as a mover copies it to another device: every tensor of the
+    same shape and dtype, all on one device other than ``live``'s. The state moves first (a record's keys come in
+    that order); views or nested views on another device than the record's ``state`` are refused as before, their
+    values would be lost when the views are made again."""
     if isinstance(live, Tensor) and isinstance(key, str) and _VIEW.fullmatch(key):
         pairs = [(live, value)]
     elif key == QUANT_KEY and isinstance(live, Record) and isinstance(value, Mapping) and set(value) == set(live):
@@ -346,7 +348,10 @@ def _moved(key: Any, live: Any, value: Any) -> bool:
     else:
         return False
     fits = all(isinstance(b, Tensor) and (b.shape, b.dtype) == (a.shape, a.dtype) for a, b in pairs)
-    return bool(pairs) and fits and len({b.device for _, b in pairs}) == 1 and pairs[0][1].device != pairs[0][0].device
+    to = {b.device for _, b in pairs if isinstance(b, Tensor)}
+    if not (pairs and fits and len(to) == 1 and pairs[0][0].device not in to):
+        return False
+    return key == "state" or all(t.device in to for t in state)
 
 
 def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
