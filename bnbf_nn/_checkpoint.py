@@ -351,7 +351,7 @@ def _moved(key: Any, live: Any, value: Any, state: Any) -> bool:
     to = {b.device for _, b in pairs if isinstance(b, Tensor)}
     if not (pairs and fits and len(to) == 1 and pairs[0][0].device not in to):
         return False
-    return key == "state" or all(t.device in to for t in state)
+    return key == "state" or (state is not None and all(t.device in to for t in state))
 
 
 def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
