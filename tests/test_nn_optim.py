@@ -336,16 +336,71 @@ def test_replacing_the_nested_views_or_the_state_writes_the_state(name):
     assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin])
 
 
-def _moved(x, top=None):
+def _moved(x, top=None, device=None):
     """``x`` rebuilt by a recursive mover (Lightning's ``apply_to_collection`` with ``Tensor.to``): each tensor
-    copied on its own (a clone stands for a move), each mapping and NamedTuple made again (``top``: the outer type)."""
+    copied on its own (to ``device``; None: a clone stands for a move), each mapping and NamedTuple made again
+    (``top``: the outer type)."""
     if isinstance(x, torch.Tensor):
-        return x.clone()
+        return x.clone() if device is None else x.to(device)
     if isinstance(x, dict):
-        return (top or type(x))({k: _moved(v) for k, v in x.items()})
+        return (top or type(x))({k: _moved(v, device=device) for k, v in x.items()})
     if isinstance(x, tuple) and hasattr(x, "_fields"):
-        return type(x)(*map(_moved, x))
+        return type(x)(*(_moved(v, device=device) for v in x))
     return x
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="moves state between the GPU and the CPU")
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
+def test_state_moved_key_by_key_to_the_cpu_and_back_continues(name):
+    """Lightning moves optimizer state key by key (``rec[k] = apply_to_collection(rec[k], Tensor, to)``, every key
+    but ``step``): to the CPU at a fit's teardown (the model with it), back to the GPU on restore. Moved to the
+    CPU, the run goes on there as the same optimizer saved and loaded on the CPU does; moved back, as one
+    never moved."""
+    params, twin = make_params(device="cuda"), make_params(device="cuda")
+    opt, ref = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8), getattr(bnbf_nn, name)(twin, min_8bit_size=MIN8)
+    grads = make_grads(params, 4)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+
+    def move(device):
+        for rec in opt.state.values():
+            for k, v in rec.items():
+                if k != "step":
+                    rec[k] = _moved(v, device=device)
+
+    move("cpu")
+    for p in params:
+        p.data = p.data.cpu()  # Module.cpu(): the same Parameter objects
+    saved = copy.deepcopy(opt.state_dict())
+    cpu_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    loaded = getattr(bnbf_nn, name)(cpu_params, min_8bit_size=MIN8)
+    loaded.load_state_dict(saved)
+    cpu_grads = [[g.cpu() for g in gs] for gs in grads[1:2]]
+    run_adapter(opt, params, cpu_grads)
+    run_adapter(loaded, cpu_params, cpu_grads)
+    assert_same(opt, params, [q.detach() for q in cpu_params], [loaded.state[q]["state"] for q in cpu_params], "cpu: ")
+    run_adapter(ref, twin, grads[1:2])  # the twin took step 2 on the GPU: start the round trip from its values
+    with torch.no_grad():
+        for p, q in zip(params, twin):
+            p.data = q.detach().cpu().clone()
+    for p, q in zip(params, twin):
+        for a, b in zip(opt.state[p]["state"], ref.state[q]["state"]):
+            a.copy_(b)
+    move("cuda")
+    for p in params:
+        p.data = p.data.cuda()
+    run_adapter(opt, params, grads[2:])
+    run_adapter(ref, twin, grads[2:])
+    assert_same(opt, params, [q.detach() for q in twin], [ref.state[q]["state"] for q in twin], "back on cuda: ")
+    for p in params:
+        rec = opt.state[p]
+        homes = {t.untyped_storage().data_ptr() for t in rec["state"]}
+        assert all(rec[k] is v for k, v in rec[_checkpoint.QUANT_KEY].items())
+        assert all(
+            v.untyped_storage().data_ptr() in homes
+            for k, v in rec.items()
+            if _checkpoint._VIEW.fullmatch(k) and not k.startswith("qmap")
+        )
 
 
 @pytest.mark.parametrize("top", [dict, None], ids=["plain dict", "record type"])
