@@ -195,6 +195,8 @@ class Plan:
         # the last (assignment, kept-slot masks, the sets weakly) whose states were found to match
         self._checked_sets = None
         self._cuda = False
+        # the generic path checks every leaf when it steps; what :meth:`_leaves_checked` compares to check them sooner
+        self._generic_meta = None if self._direct else _leaf_meta(params, states)
         if not self._direct:
             return
         if any(p.device.type == "cuda" for p in params) and torch.cuda.is_current_stream_capturing():
@@ -371,6 +373,17 @@ class Plan:
         longer make a valid step)."""
         if not self._confirm(self._params, self._states):
             self._rebuild()
+
+    def _leaves_checked(self) -> None:
+        """The planned leaves checked as this plan's next step checks them, raising its error now: for a caller that
+        steps several plans in turn (bnbf_nn's param groups) and must refuse a changed leaf of the last before the
+        first steps. Unchanged leaves cost a confirmation: the direct path's, or the planned addresses, shapes,
+        strides and dtypes of the generic path's leaves."""
+        if self._direct:
+            self._confirmed()
+        elif self._generic_meta is not None and _leaf_meta(self._params, self._states) != self._generic_meta:
+            _validate(self._tree, self._params, self._states, self._spec, self._spec)
+            self._generic_meta = _leaf_meta(self._params, self._states)
 
     def _rebuild(self) -> None:
         _validate(self._tree, self._params, self._states, self._spec, self._spec)
@@ -724,6 +737,21 @@ def _held(grads: list) -> Any:
     """What a plan hands each launch as its grads: the launches read them through their address tables, so nothing,
     except for a folded clip, whose deferred launches must hold them (they may be copies no one else holds)."""
     return grads if GRAD_CLIP.get() is not None else ()
+
+
+def _leaf_meta(params: list, states: list) -> tuple | None:
+    """What a ``.data =``, ``resize_``, ``as_strided_`` or ``model.to()`` changes of a generic plan's leaves (the
+    params' inference mode too); None where a leaf has no address to read (a subclass): then only its step checks."""
+    try:
+        leaves = [*params, *_CHAIN(states)]
+        return (
+            tuple(map(Tensor.data_ptr, leaves)),
+            tuple(map(_SHAPE_DTYPE, leaves)),
+            tuple(map(Tensor.stride, leaves)),
+            tuple(map(Tensor.is_inference, params)),
+        )
+    except (RuntimeError, TypeError, NotImplementedError):
+        return None
 
 
 def _plannable(params: list, states: list) -> bool:

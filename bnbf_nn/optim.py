@@ -908,10 +908,15 @@ class Optimizer8bit(torch.optim.Optimizer):
             if bucket.memo is None or type(t) is not int:  # settings checked every step, or tensor step counts
                 return False
             # the grads read and checked in one call where the plan can (a direct plan, the extension built)
-            held = plan._grads_held()
+            try:  # confirms the planned params: one changed since raises, before any group steps
+                held = plan._grads_held()
+            except (TypeError, ValueError, RuntimeError) as e:
+                self._note_group(e, group, bucket)
+                raise
             if held is not None:
                 ready.append((bucket, records, plan._step_held, held, call, t + 1))
                 continue
+            self._leaves_checked(group, bucket)  # as _grads_held confirms: a changed param raises before any steps
             grads, every = _grads_of(params)
             if not every:
                 return False
@@ -1091,16 +1096,21 @@ class Optimizer8bit(torch.optim.Optimizer):
         for bucket in plan.buckets:
             self._check_step_counts(group, bucket)
             bucket.call = self._settings(group, bucket)
+            if bucket.plan is not None and plan.complete and every:  # a param changed since: raises before any steps
+                self._leaves_checked(group, bucket)
             # checked (and built) before any group steps; a differentiable step takes no plan
-            if bucket.plan is None and plan.complete and every and not group["differentiable"]:
+            elif bucket.plan is None and plan.complete and every and not group["differentiable"]:
                 try:
                     bucket.plan = bucket.make_plan()
-                except (TypeError, ValueError) as e:  # its words count the bucket's params, not the group's
-                    gi = _index_of(self.param_groups, group)
-                    idx = list(bucket.idx)
-                    e.add_note(f"(the index above is a position in {idx}, param group {gi}'s params this call steps)")
+                except (TypeError, ValueError) as e:
+                    self._note_group(e, group, bucket)
                     raise
         if not (plan.complete and every):
+            has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
+            if plan.partial and plan.has_grad == has_grad:  # the subsets this step takes, made: checked as above
+                for _, sub in plan.partial:
+                    if sub.plan is not None:
+                        self._leaves_checked(group, sub)
             checked = set()
             gi = _index_of(self.param_groups, group)
             for i, (p, g) in enumerate(zip(params, grads)):
@@ -1114,6 +1124,22 @@ class Optimizer8bit(torch.optim.Optimizer):
                     self._check_group(group, cfg)
                     checked.add(id(cfg))
         return group, plan, grads, every
+
+    def _leaves_checked(self, group: dict, bucket: _Bucket) -> None:
+        """A made plan's params and states checked as its next step checks them (a param given another shape or
+        dtype with ``.data =``), so that a param of the last group raises before the first group steps."""
+        if bucket.dist:  # bnbf.distributed's plans check their shards when they step
+            return
+        try:
+            bucket.plan._leaves_checked()
+        except (TypeError, ValueError, RuntimeError) as e:
+            self._note_group(e, group, bucket)
+            raise
+
+    def _note_group(self, e: Exception, group: Mapping, bucket: _Bucket) -> None:
+        """A bucket's plan's error named in the group: its words count the bucket's params, not the group's."""
+        gi = _index_of(self.param_groups, group)
+        e.add_note(f"(the index above is a position in {list(bucket.idx)}, param group {gi}'s params this call steps)")
 
     def _check_step_counts(self, group: dict, bucket: _Bucket) -> None:
         """Each made state's step count as the step reads it (an int >= 0, or a 0-d tensor where capturable or

@@ -1,0 +1,73 @@
+"""A model changed under an existing optimizer: a param of a later param group given other memory between steps
+(``.data =`` a tensor of another shape, another dtype, an expanded tensor) is refused before any group steps, on
+the cached fast step and on the general one (step hooks, params without grad), on the reference path as on the
+Triton path; nothing moves. torch.optim.AdamW raises for these too, after stepping the groups before it."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import bnbf_nn
+
+
+@pytest.fixture(autouse=True)
+def fresh_manager():
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+    yield
+    bnbf_nn.GlobalOptimManager.get_instance().initialize()
+
+
+def _other_shape(p):
+    p.data = torch.randn(50, 8)
+
+
+def _float64(p):
+    p.data = p.data.double()
+
+
+def _expanded(p):
+    p.data = torch.randn(1, 8).expand(40, 8)
+
+
+CHANGES = [
+    (_other_shape, ValueError, r"exp_avg does not fit the param: expected \S+ \(50, 8\)"),
+    (_float64, TypeError, r"dtype torch.float64: float64 params are not supported"),
+    (_expanded, ValueError, r"has a zero stride \(an expanded tensor\)"),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("route", ["fast", "step hook", "a param without grad"])
+@pytest.mark.parametrize("change, exc, match", CHANGES, ids=[c[0].__name__.strip("_") for c in CHANGES])
+def test_a_param_of_a_later_group_changed_between_steps_is_refused_before_any_group_steps(
+    bits, route, change, exc, match
+):
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40, 8, generator=gen)) for _ in range(4)]
+    opt = bnbf_nn.AdamW8bit([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, optim_bits=bits, min_8bit_size=0)
+    if route == "step hook":  # torch's hook wrapper: the general step every time
+        opt.register_step_pre_hook(lambda *_: None)
+
+    def grads():
+        for p in params:
+            p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+        if route == "a param without grad":  # each group steps the params that have one
+            params[1].grad = None
+
+    for _ in range(3):  # the third step takes the cached plans (and the fast step where it applies)
+        grads()
+        opt.step()
+    change(params[2])
+    grads()
+    before = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(exc, match=match) as info:
+        opt.step()
+    assert "param group 1" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert all(p.dtype == b.dtype and torch.equal(p.detach(), b) for p, b in zip(params, before))
+    now = opt.state_dict()["state"]
+    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
