@@ -306,7 +306,10 @@ class Plan:
             return None
         if self._first_blocks is not None or FIRST_BLOCKS.get() is not None or GRAD_CLIP.get() is not None:
             return None
-        self._confirmed()
+        if not self._confirm(self._params, self._states):
+            if any(p.grad is None for p in self._params):  # not stepped this time (torch skips it): not refused either
+                return None
+            self._rebuild()
         return NATIVE.own_grads_at(self._params, self._grad_at)
 
     def _step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:

@@ -916,10 +916,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             if held is not None:
                 ready.append((bucket, records, plan._step_held, held, call, t + 1))
                 continue
-            self._leaves_checked(group, bucket)  # as _grads_held confirms: a changed param raises before any steps
             grads, every = _grads_of(params)
             if not every:
                 return False
+            self._leaves_checked(group, bucket)  # as _grads_held confirms: a changed param raises before any steps
             self._check_grads(group, grads, True)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader

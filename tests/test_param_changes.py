@@ -9,8 +9,11 @@ import copy
 
 import pytest
 import torch
+from tolerances import STATE32
 
 import bnbf_nn
+
+TOL = STATE32[(torch.float32, 32)]
 
 
 @pytest.fixture(autouse=True)
@@ -71,3 +74,32 @@ def test_a_param_of_a_later_group_changed_between_steps_is_refused_before_any_gr
     now = opt.state_dict()["state"]
     for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
         assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_changed_param_without_grad_is_skipped_as_torch_skips_it(bits):
+    """A param given another shape that has no grad is not stepped, so not refused: the others step as torch's."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(40, 8, generator=gen) for _ in range(3)]
+    grads = [[torch.randn(40, 8, generator=gen) for _ in range(3)] for _ in range(4)]
+    out = []
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    ours = bnbf_nn.AdamW32bit if bits == 32 else lambda ps, **kw: bnbf_nn.AdamW8bit(ps, min_8bit_size=0, **kw)
+    for make in (torch.optim.AdamW, ours):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = make([{"params": params[:1]}, {"params": params[1:]}], **hp)
+        for i, gs in enumerate(grads):
+            if i == 3:  # after the cached steps
+                params[1].data = torch.zeros(50, 8)
+            for p, g in zip(params, gs):
+                p.grad = None if p.shape != g.shape else g.clone()
+            opt.step()
+        out.append(params)
+    (want, got) = out
+    assert torch.equal(got[1], torch.zeros(50, 8))
+    if bits == 32:
+        for a, b, t in zip(got, want, init):
+            if a.shape == t.shape:
+                torch.testing.assert_close(a - t, b - t, atol=TOL.atol, rtol=TOL.rtol)
+    else:  # the 8-bit state rounds: the same params move
+        assert [torch.equal(a, t) for a, t in zip(got, init)] == [torch.equal(b, t) for b, t in zip(want, init)]
