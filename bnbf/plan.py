@@ -310,6 +310,8 @@ class Plan:
             if any(p.grad is None for p in self._params):  # not stepped this time (torch skips it): not refused either
                 return None
             self._rebuild()
+            if not self._direct:  # planned again for the generic path (a param made non-contiguous): step() takes it
+                return None
         return NATIVE.own_grads_at(self._params, self._grad_at)
 
     def _step_held(self, held: Any, hparams: Any = None, step: Any = 1, **options: Any) -> None:

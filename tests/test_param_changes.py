@@ -103,3 +103,29 @@ def test_a_changed_param_without_grad_is_skipped_as_torch_skips_it(bits):
                 torch.testing.assert_close(a - t, b - t, atol=TOL.atol, rtol=TOL.rtol)
     else:  # the 8-bit state rounds: the same params move
         assert [torch.equal(a, t) for a, t in zip(got, init)] == [torch.equal(b, t) for b, t in zip(want, init)]
+
+
+def test_a_param_made_non_contiguous_between_steps_steps_as_torch_steps_it():
+    """A param of a later group given a non-contiguous tensor of its shape (``.data = w.t()``) is planned again
+    for the generic path and stepped, as torch steps it. On the Triton path the fast step read the grads through
+    the direct plan's tables after that plan had been made generic (no launch groups left): an IndexError after
+    the first group had stepped."""
+    gen = torch.Generator().manual_seed(0)
+    init = [torch.randn(16, 16, generator=gen) for _ in range(2)]
+    grads = [[torch.randn(16, 16, generator=gen) for _ in range(2)] for _ in range(5)]
+    out = []
+    hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
+    for make in (torch.optim.AdamW, bnbf_nn.AdamW32bit):
+        params = [torch.nn.Parameter(t.clone()) for t in init]
+        opt = make([{"params": params[:1]}, {"params": params[1:]}], **hp)
+        for i, gs in enumerate(grads):
+            if i == 3:  # after the cached steps
+                params[1].data = params[1].data.t()
+            for p, g in zip(params, gs):
+                p.grad = g.clone()
+            opt.step()
+        out.append(params)
+    (want, got) = out
+    assert not got[1].is_contiguous()
+    for a, b, t in zip(got, want, init):
+        torch.testing.assert_close(a - t, b - t, atol=TOL.atol, rtol=TOL.rtol)
