@@ -744,6 +744,15 @@ def _held(grads: list) -> Any:
     return grads if GRAD_CLIP.get() is not None else ()
 
 
+def _checked(params: list, states: list) -> None:
+    """The checks :func:`plan` makes of ``params`` (a list) and their ``states``, building nothing: for a caller
+    that steps several plans in turn and must refuse, before the first steps, leaves of a later one it makes
+    only when it steps them (bnbf_nn's subsets of params with grads)."""
+    leaves, spec = _flatten(params)
+    flat, s_spec = _flatten(states, is_leaf=is_state)
+    _validate(params, leaves, flat, spec, s_spec)
+
+
 def _leaf_meta(params: list, states: list) -> tuple | None:
     """What a ``.data =``, ``resize_``, ``as_strided_`` or ``model.to()`` changes of a generic plan's leaves (the
     params' inference mode too); None where a leaf has no address to read (a subclass): then only its step checks."""

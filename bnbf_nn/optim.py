@@ -144,7 +144,7 @@ from torch import Tensor
 import bnbf
 import bnbf.paged
 from bnbf._host_checks import NATIVE, _check_grad, _grads_ok, check_update_options, own_dispatch, packed_identities
-from bnbf.plan import not_capturable
+from bnbf.plan import _checked, not_capturable
 from bnbf.state import present_mask, relaid, state_class
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -1108,9 +1108,19 @@ class Optimizer8bit(torch.optim.Optimizer):
         if not (plan.complete and every):
             has_grad = tuple(map(operator.is_not, grads, itertools.repeat(None)))
             if plan.partial and plan.has_grad == has_grad:  # the subsets this step takes, made: checked as above
-                for _, sub in plan.partial:
-                    if sub.plan is not None:
-                        self._leaves_checked(group, sub)
+                subs = [sub for _, sub in plan.partial]
+            else:  # a new pattern: its subsets are made when the group steps, their params with state checked now
+                keeps = ([k for k, i in enumerate(b.idx) if has_grad[i]] for b in plan.buckets)
+                subs = [b.subset(keep) for b, keep in zip(plan.buckets, keeps) if keep]
+            for sub in subs:
+                if sub.plan is not None:
+                    self._leaves_checked(group, sub)
+                elif not (sub.dist or group["differentiable"]):  # as making its plan checks them
+                    try:
+                        _checked(sub.params, sub.states)
+                    except (TypeError, ValueError, RuntimeError) as e:
+                        self._note_group(e, group, sub)
+                        raise
             checked = set()
             gi = _index_of(self.param_groups, group)
             for i, (p, g) in enumerate(zip(params, grads)):

@@ -77,6 +77,33 @@ def test_a_param_of_a_later_group_changed_between_steps_is_refused_before_any_gr
 
 
 @pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("change, exc, match", CHANGES, ids=[c[0].__name__.strip("_") for c in CHANGES])
+def test_a_changed_param_is_refused_before_any_group_steps_when_its_group_first_lacks_a_grad(bits, change, exc, match):
+    """The step where a later group first has a param without grad makes that group's subsets of params with
+    grads only when it steps it: a changed param among them is refused before the first group steps, as above."""
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(40, 8, generator=gen)) for _ in range(4)]
+    opt = bnbf_nn.AdamW8bit([{"params": params[:2]}, {"params": params[2:]}], lr=1e-2, optim_bits=bits, min_8bit_size=0)
+    for _ in range(3):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    change(params[2])
+    for p in params:
+        p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
+    params[3].grad = None  # a pattern of grads group 1 has not stepped before
+    before = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(exc, match=match) as info:
+        opt.step()
+    assert "param group 1" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert all(p.dtype == b.dtype and torch.equal(p.detach(), b) for p, b in zip(params, before))
+    now = opt.state_dict()["state"]
+    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
+@pytest.mark.parametrize("bits", [8, 32])
 def test_a_changed_param_without_grad_is_skipped_as_torch_skips_it(bits):
     """A param given another shape that has no grad is not stepped, so not refused: the others step as torch's."""
     gen = torch.Generator().manual_seed(0)
