@@ -403,6 +403,41 @@ def test_state_moved_key_by_key_to_the_cpu_and_back_continues(name):
         )
 
 
+@pytest.mark.parametrize("name", ["AdamW8bit", "Lion32bit", "RMSprop8bit"])
+def test_state_moved_key_by_key_to_another_device_is_kept(name):
+    """Lightning's mover on a machine without a second device (``meta`` stands for it; tests/test_integrations.py
+    runs Lightning's own, where it is installed): every entry but ``step`` given a copy on the other device, the
+    state first, is kept; the next state_dict makes bitsandbytes' names views of the moved state, and the next
+    step refuses the state left on another device than its param, changing nothing. A view given a copy
+    elsewhere while its state stays, or after the state was deleted by hand, is refused as before."""
+    params = make_params()
+    opt = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    rec = opt.state[params[0]]
+    with pytest.raises(ValueError, match="is a view of the state"):
+        rec["state1"] = rec["state1"].to("meta")
+    other = copy.deepcopy(rec)
+    del other["state"]
+    with pytest.raises(ValueError, match="is a view of the state"):
+        other["state1"] = other["state1"].to("meta")
+    for rec in opt.state.values():
+        for k, v in rec.items():
+            if k != "step":
+                rec[k] = _moved(v, device="meta")
+    saved = opt.state_dict()["state"]
+    for p in params:
+        rec = opt.state[p]
+        assert all(t.device.type == "meta" for t in rec["state"]), name
+        assert all(rec[k] is v and v.device.type == "meta" for k, v in rec[_checkpoint.QUANT_KEY].items()), name
+    assert all(t.device.type == "meta" for e in saved.values() for t in e[_checkpoint.QUANT_KEY].values())
+    for p, g in zip(params, make_grads(params, 1, seed=2)[0]):
+        p.grad = g
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match="is on meta but the param is on cpu"):
+        opt.step()
+    assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
+
+
 @pytest.mark.parametrize("top", [dict, None], ids=["plain dict", "record type"])
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
 def test_a_record_rebuilt_by_a_mover_gets_views_of_its_state_again(name, top):
