@@ -294,28 +294,47 @@ class Record(_Counted, dict):
     __slots__ = ()
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self._write(key, value, self.get("state"))()
+
+    def _write(self, key: Any, value: Any, state: Any) -> Any:
+        """What ``self[key] = value`` does, checked (raising before anything is written), as a call that does it;
+        ``state``: the record's ``state`` when it is done (a mover's, where an earlier entry moves it)."""
         live = self.get(key)
-        if value is not live and _moved(key, live, value, self.get("state")):
+        if value is not live and _moved(key, live, value, state):
             # a mover taking the state to another device, key by key (Lightning's teardown moves it to the CPU):
             # kept as given, the record is stale, and the next step or state_dict makes the views of the moved state
-            EDITS[0] += 1
-            dict.__setitem__(self, key, value)
-        elif isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
+            return functools.partial(self._kept, key, value)
+        if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
             _check_view(key, live, value)
-            _write_view(key, live, value)
-        elif key == QUANT_KEY and isinstance(live, Record) and value is not live:
-            _write_nested(live, value)
-        elif key == "state" and hasattr(type(live), "layout") and value is not live:
-            _write_state(live, value)
-        elif key == BITS_KEY and isinstance(live, int):
+            return functools.partial(_write_view, key, live, value)
+        if key == QUANT_KEY and isinstance(live, Record) and value is not live:
+            _check_nested(live, value)
+            return functools.partial(_write_nested, live, value)
+        if key == "state" and hasattr(type(live), "layout") and value is not live:
+            _check_new_state(live, value)
+            return functools.partial(_write_state, live, value)
+        if key == BITS_KEY and isinstance(live, int):
             _check_bits(live, value)
-        else:
-            EDITS[0] += 1
-            dict.__setitem__(self, key, value)
+            return _nothing
+        return functools.partial(self._kept, key, value)
+
+    def _kept(self, key: Any, value: Any) -> None:
+        EDITS[0] += 1
+        dict.__setitem__(self, key, value)
 
     def update(self, *args: Any, **kwargs: Any) -> None:
+        """Each entry as ``self[key] = value``, all checked before any is written (a refused one changes nothing)."""
+        state, writes = self.get("state"), []
         for key, value in dict(*args, **kwargs).items():
-            self[key] = value
+            writes.append(self._write(key, value, state))
+            if key == "state" and writes[-1].func == self._kept:  # kept as given: later entries follow it
+                state = value
+        for write in writes:
+            write()
+
+
+def _nothing() -> None:
+    pass
 
 
 class States(_Counted, collections.defaultdict):
@@ -373,9 +392,9 @@ def _write_view(key: str, live: Tensor, value: Tensor) -> None:
         live.copy_(value)
 
 
-def _write_nested(live: Record, value: Any) -> None:
-    """``value``'s tensors written into the nested views ``live``: it must hold exactly their keys, each
-    fitting its view (checked for all before any is written, so a refused write changes nothing)."""
+def _check_nested(live: Record, value: Any) -> None:
+    """ValueError unless ``value`` can be written into the nested views ``live`` (:func:`_write_nested`): it must
+    hold exactly their keys, each fitting its view."""
     what = f"optimizer.state[p][{QUANT_KEY!r}] holds views of the state the optimizer steps ({sorted(live)})"
     if not isinstance(value, Mapping) or set(value) != set(live):
         got = sorted(value) if isinstance(value, Mapping) else type(value)
@@ -383,25 +402,34 @@ def _write_nested(live: Record, value: Any) -> None:
     for key in live:
         if value[key] is not live[key]:
             _check_view(key, live[key], value[key])
+
+
+def _write_nested(live: Record, value: Any) -> None:
+    """``value``'s tensors written into the nested views ``live`` (checked by :func:`_check_nested`)."""
     for key in live:
         if value[key] is not live[key]:
             _write_view(key, live[key], value[key])
 
 
-def _write_state(live: Any, value: Any) -> None:
-    """``value``'s tensors written into the state ``live``: a state of the same type (layout), each field
-    fitting its own (all checked before any is written). Replacing it instead would leave the views stale."""
+def _check_new_state(live: Any, value: Any) -> None:
+    """ValueError unless ``value`` can be written into the state ``live`` (:func:`_write_state`): a state of the
+    same type (layout), each field fitting its own. Replacing it instead would leave the views stale."""
     if type(value) is not type(live):
         raise ValueError(
             f"optimizer.state[p]['state'] is the state the optimizer steps (a {type(live).__name__} of fields "
             f"{list(live._fields)}): assign a state of that type (its tensors are written into it), not "
             f"{type(value).__name__}"
         )
-    pairs = [(n, a, b) for n, a, b in zip(live._fields, live, value) if a is not b]
-    for name, a, b in pairs:
-        _check_view(name, a, b, f"optimizer.state[p]['state'].{name} is a tensor of the state the optimizer steps")
-    for _, a, b in pairs:
-        a.copy_(b)
+    for name, a, b in zip(live._fields, live, value):
+        if a is not b:
+            _check_view(name, a, b, f"optimizer.state[p]['state'].{name} is a tensor of the state the optimizer steps")
+
+
+def _write_state(live: Any, value: Any) -> None:
+    """``value``'s tensors written into the state ``live`` (checked by :func:`_check_new_state`)."""
+    for a, b in zip(live, value):
+        if a is not b:
+            a.copy_(b)
 
 
 def _check_bits(live: int, value: Any) -> None:

@@ -438,6 +438,37 @@ def test_state_moved_key_by_key_to_another_device_is_kept(name):
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
 
 
+@pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit"])
+def test_a_record_update_checks_every_entry_before_writing_any(name):
+    """``rec.update(entries)`` writes as ``rec[k] = v`` does, but a refused entry leaves the others unwritten: a
+    state, nested views or a view that fit are not written where a later entry raises (they were, then it
+    raised). An update moving the whole record to another device, the state first, is kept as item by item."""
+    params = make_params()
+    opt = getattr(bnbf_nn, name)(params, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    rec = opt.state[params[0]]
+    before = [t.clone() for t in rec["state"]]
+    held = dict(rec)
+    state, nested = rec["state"], rec[_checkpoint.QUANT_KEY]
+    bumped = type(state)(*(t + 1 if t.dtype == torch.uint8 else t * 2 for t in state))
+    bad = rec["state1"][:1].clone()
+    for good in (
+        {"state": bumped},
+        {_checkpoint.QUANT_KEY: {k: v.clone() + (0 if k.startswith("qmap") else 1) for k, v in nested.items()}},
+        {"state1": rec["state1"] + 1},
+    ):
+        for last in ({"state1": bad}, {_checkpoint.BITS_KEY: 40 - rec[_checkpoint.BITS_KEY]}):
+            if "state1" in good and "state1" in last:
+                last = {"absmax1": rec["absmax1"].double()}
+            with pytest.raises(ValueError):
+                rec.update({**good, **last})
+            assert all(rec[k] is v for k, v in held.items())
+            for a, b in zip(rec["state"], before):
+                assert_equal_report(a, b, f"{name}: state after a refused update of {sorted(good)}")
+    rec.update(_moved(dict(rec), device="meta"))
+    assert all(t.device.type == "meta" for t in rec["state"])
+
+
 @pytest.mark.parametrize("top", [dict, None], ids=["plain dict", "record type"])
 @pytest.mark.parametrize("name", ["AdamW8bit", "AdEMAMix8bit", "Lion32bit"])
 def test_a_record_rebuilt_by_a_mover_gets_views_of_its_state_again(name, top):
