@@ -1932,7 +1932,9 @@ def _origin_in_groups(saved_groups: Any) -> dict:
     if not found or not all(isinstance(o, Mapping) for o in found):
         return {}
     lr0 = [o.get("lr0", _UNSAVED) for o in found]
-    return {**found[0], "lr0": lr0, "spelled": [o.get("spelled", _UNSAVED) for o in found]}
+    # a saved group without "spelled" (state dicts of before it was saved) held none; a live group's copy has no lr0
+    spelled = [o.get("spelled", () if "lr0" in o else _UNSAVED) for o in found]
+    return {**found[0], "lr0": lr0, "spelled": spelled}
 
 
 _UNSAVED = object()  # a group's starting lr where its "bnbf" entry lacks one: its initial_lr or its lr, as without

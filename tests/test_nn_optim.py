@@ -1076,13 +1076,17 @@ def test_a_bitsandbytes_run_with_a_momentum_schedule_resumes():
     zero.load_state_dict(copied)
     assert zero.param_groups[0]["betas"] == resumed.param_groups[0]["betas"]
     assert "betas" not in ref.param_groups[0] and "betas" not in _loaded(ref).param_groups[0]
+    older = ref.state_dict()  # saved before bnbf entries listed the spellings: the group held none
+    for g in older["param_groups"]:
+        del g["bnbf"]["spelled"]
+    assert "betas" not in _loaded(ref, older).param_groups[0]
 
 
-def _loaded(opt):
+def _loaded(opt, saved=None):
     new = type(opt)(
         [p.detach().clone().requires_grad_() for g in opt.param_groups for p in g["params"]], lr=0.1, min_8bit_size=MIN8
     )
-    new.load_state_dict(opt.state_dict())
+    new.load_state_dict(opt.state_dict() if saved is None else saved)
     return new
 
 
