@@ -42,6 +42,19 @@ CHANGES = [
 ]
 
 
+def _refused_with_nothing_moved(opt, params, exc, match):
+    """``opt.step()`` raises ``exc`` naming param group 1, with no param and no state changed."""
+    before = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(exc, match=match) as info:
+        opt.step()
+    assert "param group 1" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
+    assert all(p.dtype == b.dtype and torch.equal(p.detach(), b) for p, b in zip(params, before))
+    now = opt.state_dict()["state"]
+    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
+        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+
+
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("route", ["fast", "step hook", "a param without grad"])
 @pytest.mark.parametrize("change, exc, match", CHANGES, ids=[c[0].__name__.strip("_") for c in CHANGES])
@@ -65,15 +78,7 @@ def test_a_param_of_a_later_group_changed_between_steps_is_refused_before_any_gr
         opt.step()
     change(params[2])
     grads()
-    before = [p.detach().clone() for p in params]
-    saved = copy.deepcopy(opt.state_dict()["state"])
-    with pytest.raises(exc, match=match) as info:
-        opt.step()
-    assert "param group 1" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
-    assert all(p.dtype == b.dtype and torch.equal(p.detach(), b) for p, b in zip(params, before))
-    now = opt.state_dict()["state"]
-    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    _refused_with_nothing_moved(opt, params, exc, match)
 
 
 @pytest.mark.parametrize("bits", [8, 32])
@@ -92,15 +97,7 @@ def test_a_changed_param_is_refused_before_any_group_steps_when_its_group_first_
     for p in params:
         p.grad = torch.randn(p.shape, dtype=p.dtype, generator=gen)
     params[3].grad = None  # a pattern of grads group 1 has not stepped before
-    before = [p.detach().clone() for p in params]
-    saved = copy.deepcopy(opt.state_dict()["state"])
-    with pytest.raises(exc, match=match) as info:
-        opt.step()
-    assert "param group 1" in str(info.value) + "".join(getattr(info.value, "__notes__", []))
-    assert all(p.dtype == b.dtype and torch.equal(p.detach(), b) for p, b in zip(params, before))
-    now = opt.state_dict()["state"]
-    for a, b in zip(torch.utils._pytree.tree_leaves(now), torch.utils._pytree.tree_leaves(saved)):
-        assert torch.equal(a, b) if isinstance(a, torch.Tensor) else a == b
+    _refused_with_nothing_moved(opt, params, exc, match)
 
 
 @pytest.mark.parametrize("bits", [8, 32])
