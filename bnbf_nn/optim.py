@@ -919,7 +919,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             grads, every = _grads_of(params)
             if not every:
                 return False
-            self._leaves_checked(group, bucket)  # as _grads_held confirms: a changed param raises before any steps
+            # as _grads_held confirms: a changed param raises before any steps (the first one's step checks first)
+            if ready:
+                self._leaves_checked(group, bucket)
             self._check_grads(group, grads, True)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
@@ -1755,7 +1757,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             new.update(_from_bnb_group(self.family, saved, ours))
             # bitsandbytes' spelling of settings that are not this class's keys, where the saving optimizer's
             # group held it (bitsandbytes' always does): a schedule resumed with the run may write it
-            held = origin.get("spelled", [()] * len(saved_groups))[gi] if origin else _UNSAVED
+            held = origin["spelled"][gi] if origin else _UNSAVED
             held = self._bnb_spelled.keys() if held is _UNSAVED else held  # a live group's copy holds its own keys
             new.update((k, deepcopy(saved[k])) for k in self._bnb_spelled.keys() & set(held) & saved.keys())
             if self._rule.norms is not None and new.get("max_unorm") == self.family.max_unorm:
@@ -1937,7 +1939,9 @@ def _origin_in_groups(saved_groups: Any) -> dict:
     return {**found[0], "lr0": lr0, "spelled": spelled}
 
 
-_UNSAVED = object()  # a group's starting lr where its "bnbf" entry lacks one: its initial_lr or its lr, as without
+# lr0 or spelled missing from a group's "bnbf" entry (a live group's copy, as ZeRO saves): its initial_lr or lr, and
+# the loader's own bitsandbytes spellings
+_UNSAVED = object()
 
 
 def _saved_lr0(origin: Mapping, groups: list) -> list:
