@@ -300,23 +300,14 @@ class Record(_Counted, dict):
         """What ``self[key] = value`` does, checked (raising before anything is written), as a call that does it;
         ``state``: the record's ``state`` when it is done (a mover's, where an earlier entry moves it)."""
         live = self.get(key)
-        if value is not live and _moved(key, live, value, state):
-            # a mover taking the state to another device, key by key (Lightning's teardown moves it to the CPU):
-            # kept as given, the record is stale, and the next step or state_dict makes the views of the moved state
+        kind = _kind(key, live) if value is not live else None
+        # another entry, or a mover taking the state to another device key by key (Lightning's teardown moves it
+        # to the CPU): kept as given; the record is then stale, and the next step or state_dict makes the views again
+        if kind is None or _moved(kind, live, value, state):
             return functools.partial(self._kept, key, value)
-        if isinstance(live, Tensor) and value is not live and isinstance(key, str) and _VIEW.fullmatch(key):
-            _check_view(key, live, value)
-            return functools.partial(_write_view, key, live, value)
-        if key == QUANT_KEY and isinstance(live, Record) and value is not live:
-            _check_nested(live, value)
-            return functools.partial(_write_nested, live, value)
-        if key == "state" and hasattr(type(live), "layout") and value is not live:
-            _check_new_state(live, value)
-            return functools.partial(_write_state, live, value)
-        if key == BITS_KEY and isinstance(live, int):
-            _check_bits(live, value)
-            return _nothing
-        return functools.partial(self._kept, key, value)
+        check, write = _WRITES[kind]
+        check(key, live, value)
+        return functools.partial(write, key, live, value)
 
     def _kept(self, key: Any, value: Any) -> None:
         EDITS[0] += 1
@@ -333,8 +324,16 @@ class Record(_Counted, dict):
             write()
 
 
-def _nothing() -> None:
-    pass
+def _kind(key: Any, live: Any) -> str | None:
+    """Which of the record's own entries ``key`` is (a view, the nested views, the state, its bits), by its live
+    value; None for any other entry (a step count, a hook's note), which an assignment replaces."""
+    if isinstance(live, Tensor) and isinstance(key, str) and _VIEW.fullmatch(key):
+        return "view"
+    if key == QUANT_KEY and isinstance(live, Record):
+        return "nested"
+    if key == "state" and hasattr(type(live), "layout"):
+        return "state"
+    return "bits" if key == BITS_KEY and isinstance(live, int) else None
 
 
 class States(_Counted, collections.defaultdict):
@@ -353,16 +352,16 @@ class States(_Counted, collections.defaultdict):
     __setitem__ = _edited(dict.__setitem__)
 
 
-def _moved(key: Any, live: Any, value: Any, state: Any) -> bool:
-    """Whether ``value`` is the record's entry ``live`` as a mover copies it to another device: every tensor of the
-    same shape and dtype, all on one device other than ``live``'s. The state moves first (a record's keys come in
-    that order); views or nested views on another device than the record's ``state`` are refused as before, their
-    values would be lost when the views are made again."""
-    if isinstance(live, Tensor) and isinstance(key, str) and _VIEW.fullmatch(key):
+def _moved(kind: str, live: Any, value: Any, state: Any) -> bool:
+    """Whether ``value`` is the record's entry ``live`` (of :func:`_kind` ``kind``) as a mover copies it to another
+    device: every tensor of the same shape and dtype, all on one device other than ``live``'s. The state moves first
+    (a record's keys come in that order); views or nested views on another device than the record's ``state`` are
+    refused as before, their values would be lost when the views are made again."""
+    if kind == "view":
         pairs = [(live, value)]
-    elif key == QUANT_KEY and isinstance(live, Record) and isinstance(value, Mapping) and set(value) == set(live):
+    elif kind == "nested" and isinstance(value, Mapping) and set(value) == set(live):
         pairs = [(live[k], value[k]) for k in live]
-    elif key == "state" and hasattr(type(live), "layout") and type(value) is type(live):
+    elif kind == "state" and type(value) is type(live):
         pairs = list(zip(live, value))
     else:
         return False
@@ -370,7 +369,7 @@ def _moved(key: Any, live: Any, value: Any, state: Any) -> bool:
     to = {b.device for _, b in pairs if isinstance(b, Tensor)}
     if not (pairs and fits and len(to) == 1 and pairs[0][0].device not in to):
         return False
-    return key == "state" or (state is not None and all(t.device in to for t in state))
+    return kind == "state" or (state is not None and all(t.device in to for t in state))
 
 
 def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
@@ -387,12 +386,12 @@ def _check_view(key: str, live: Tensor, value: Any, what: str = "") -> None:
         raise ValueError(f"{what}: its qmap names the 8-bit format, which load_state_dict changes, not a write")
 
 
-def _write_view(key: str, live: Tensor, value: Tensor) -> None:
+def _write_view(key: Any, live: Tensor, value: Tensor) -> None:
     if not key.startswith("qmap"):  # a qmap took only its own values
         live.copy_(value)
 
 
-def _check_nested(live: Record, value: Any) -> None:
+def _check_nested(_: Any, live: Record, value: Any) -> None:
     """ValueError unless ``value`` can be written into the nested views ``live`` (:func:`_write_nested`): it must
     hold exactly their keys, each fitting its view."""
     what = f"optimizer.state[p][{QUANT_KEY!r}] holds views of the state the optimizer steps ({sorted(live)})"
@@ -404,14 +403,14 @@ def _check_nested(live: Record, value: Any) -> None:
             _check_view(key, live[key], value[key])
 
 
-def _write_nested(live: Record, value: Any) -> None:
+def _write_nested(_: Any, live: Record, value: Any) -> None:
     """``value``'s tensors written into the nested views ``live`` (checked by :func:`_check_nested`)."""
     for key in live:
         if value[key] is not live[key]:
             _write_view(key, live[key], value[key])
 
 
-def _check_new_state(live: Any, value: Any) -> None:
+def _check_new_state(_: Any, live: Any, value: Any) -> None:
     """ValueError unless ``value`` can be written into the state ``live`` (:func:`_write_state`): a state of the
     same type (layout), each field fitting its own. Replacing it instead would leave the views stale."""
     if type(value) is not type(live):
@@ -425,14 +424,14 @@ def _check_new_state(live: Any, value: Any) -> None:
             _check_view(name, a, b, f"optimizer.state[p]['state'].{name} is a tensor of the state the optimizer steps")
 
 
-def _write_state(live: Any, value: Any) -> None:
+def _write_state(_: Any, live: Any, value: Any) -> None:
     """``value``'s tensors written into the state ``live`` (checked by :func:`_check_new_state`)."""
     for a, b in zip(live, value):
         if a is not b:
             a.copy_(b)
 
 
-def _check_bits(live: int, value: Any) -> None:
+def _check_bits(_: Any, live: int, value: Any) -> None:
     given = value.item() if isinstance(value, Tensor) and value.numel() == 1 else value
     if not (isinstance(given, numbers.Integral) and not isinstance(given, bool) and given == live):
         raise ValueError(
@@ -440,6 +439,19 @@ def _check_bits(live: int, value: Any) -> None:
             f"setting (got {value!r}): a state takes its bits from optim_bits or a GlobalOptimManager override when "
             "it is made, or from the checkpoint load_state_dict loads"
         )
+
+
+def _unchanged(*_: Any) -> None:  # the bits take only their own value: nothing to write
+    pass
+
+
+# each kind of the record's own entries (:func:`_kind`): its check, then its write (key, live value, new value)
+_WRITES = {
+    "view": (_check_view, _write_view),
+    "nested": (_check_nested, _write_nested),
+    "state": (_check_new_state, _write_state),
+    "bits": (_check_bits, _unchanged),
+}
 
 
 def record(step: int, state: Any, family: Any, maps: dict) -> Record:
