@@ -9,6 +9,7 @@ only where CUDA is available.
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
@@ -147,6 +148,19 @@ def device(request) -> str:
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture(autouse=True)
+def _fresh_manager():
+    """GlobalOptimManager is a process-wide singleton: each test starts and ends with it empty, so an override one
+    test registers (keyed by a param's id, which a later test's param may reuse) never reaches another."""
+    nn = sys.modules.get("bnbf_nn")  # not imported yet: nothing registered
+    if nn is not None:
+        nn.GlobalOptimManager.get_instance().initialize()
+    yield
+    nn = sys.modules.get("bnbf_nn")
+    if nn is not None:
+        nn.GlobalOptimManager.get_instance().initialize()
 
 
 @pytest.fixture(scope="session", autouse=True)

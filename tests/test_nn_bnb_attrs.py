@@ -28,13 +28,6 @@ BNB_NON_CASTABLE = {
 }  # fmt: skip
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-    yield
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-
-
 def _params(*shapes, dtype=torch.float32):
     g = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(s, generator=g).to(dtype)) for s in shapes]

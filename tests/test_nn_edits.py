@@ -23,13 +23,6 @@ HP = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1)
 TOL = STATE32[(torch.float32, 32)]
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-    yield
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-
-
 def _params(n: int = 3) -> list[torch.nn.Parameter]:
     gen = torch.Generator().manual_seed(0)
     return [torch.nn.Parameter(torch.randn(40, 8, generator=gen)) for _ in range(n)]

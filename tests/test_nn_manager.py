@@ -17,13 +17,6 @@ import bnbf_nn
 pytestmark = pytest.mark.surface
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-    yield
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-
-
 class MyModel(torch.nn.Module):
     def __init__(self):
         super().__init__()

@@ -16,13 +16,6 @@ import bnbf_nn
 TOL = STATE32[(torch.float32, 32)]
 
 
-@pytest.fixture(autouse=True)
-def fresh_manager():
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-    yield
-    bnbf_nn.GlobalOptimManager.get_instance().initialize()
-
-
 def _other_shape(p):
     p.data = torch.randn(50, 8)
 
