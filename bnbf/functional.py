@@ -230,8 +230,8 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
             if vmapped:
                 ps, gs = [_vmap_input(call.params[i]) for i in idx], [_vmap_input(call.grads[i]) for i in idx]
             else:
-                ps = [call.params[i].detach().contiguous() for i in idx]
-                gs = [call.grads[i].detach().contiguous() for i in idx]
+                ps = [_plain(call.params[i]) for i in idx]
+                gs = [_plain(call.grads[i]) for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(ps, gs, ss, rows[device], layout, skip_zeros, clip)
             per = len(ss) // len(idx)  # fields a state (one layout: as many each)
@@ -244,7 +244,13 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
 
 def _vmap_input(t: Tensor) -> Tensor:
     """A tensor for the op under vmap: batched as it is (the batching rule lays it out), others as outside."""
-    return t if _functorch.is_batchedtensor(t) else t.detach().contiguous()
+    return t if _functorch.is_batchedtensor(t) else _plain(t)
+
+
+def _plain(t: Tensor) -> Tensor:
+    """``t`` contiguous, detached where it requires grad (a detach per tensor is most of a pure step's host time
+    after the allocations, and one that does not require grad has nothing to detach)."""
+    return (t.detach() if t.requires_grad else t).contiguous()
 
 
 def update_(
