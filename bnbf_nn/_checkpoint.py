@@ -600,9 +600,10 @@ def _fail(where: str, msg: str) -> None:
 
 def for_bitsandbytes(state_dict: Mapping) -> dict:
     """``state_dict`` with each param's ``step`` an int, as bitsandbytes writes it (a new dict; the tensors are
-    the same objects). bitsandbytes casts every tensor of a state it loads to the param's dtype, ``step``
-    included, and a bfloat16 or float16 step stops counting (bfloat16: from 256 on), so Adam's bias
-    correction freezes: pass a bnbf_nn state dict through this before bitsandbytes loads it.
+    the same objects). bitsandbytes casts every floating-point tensor of a state it loads but its state entries
+    (``state1``, ``absmax1``...) to the param's dtype, ``step`` included, and a bfloat16 or float16 step stops
+    counting (bfloat16: from 256 on), so Adam's bias correction freezes: pass a bnbf_nn state dict through this
+    before bitsandbytes loads it.
 
     Example::
 
