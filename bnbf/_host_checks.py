@@ -148,17 +148,26 @@ def _check_step(step: Any) -> None:
 
 
 def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
-    """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk."""
+    """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk. A flat one with a
+    leaf of another type (an int grad, a float param) gets the same key, so that the leaf checks name that leaf
+    (a pytree structure for it would differ from its params' key only in form: an error whose printouts agree)."""
     leaf_type = State if is_leaf is is_state else Tensor
     if type(tree) is dict:
         values = list(tree.values())
-        if all(map(isinstance, values, itertools.repeat(leaf_type))):
+        if all(map(isinstance, values, itertools.repeat(leaf_type))) or _all_leaves(values, is_leaf):
             return values, ("dict", tuple(tree))
-    elif type(tree) in (list, tuple) and all(map(isinstance, tree, itertools.repeat(leaf_type))):
+    elif type(tree) in (list, tuple) and (
+        all(map(isinstance, tree, itertools.repeat(leaf_type))) or _all_leaves(tree, is_leaf)
+    ):
         return list(tree), (type(tree), len(tree))
     elif isinstance(tree, leaf_type):
         return [tree], "leaf"
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+def _all_leaves(values: Any, is_leaf: Any) -> bool:
+    """Whether every value is a pytree leaf, None excepted (:func:`_none_leaf` names a None where a leaf should be)."""
+    return all(v is not None and pytree.tree_is_leaf(v, is_leaf=is_leaf) for v in values)
 
 
 def _fast_leaves(tree: Any) -> tuple[list | None, Any]:

@@ -252,7 +252,7 @@ def update_(
     params, p_spec = _flatten(param)
     states, s_spec = _flatten(state, is_leaf=is_state)
     fields = [t for s in states if is_state(s) for t in s]
-    if all(isinstance(t, Tensor) for t in params + fields):
+    if all(map(is_state, states)) and all(isinstance(t, Tensor) for t in params + fields):  # else update's error
         # as the in-place step without differentiable=True: a param listed twice would lose one of its steps, a
         # state field that is a param would overwrite it
         check_apart(param, params, states)

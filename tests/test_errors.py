@@ -155,6 +155,48 @@ def test_structure_mismatch(device, fn):
     expect_error(fn, ValueError, STATE_STRUCTURE, params, params, {"a": state["a"]})
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("form", ["core", "per_leaf", "differentiable"])
+@pytest.mark.parametrize("container", [dict, list])
+def test_a_leaf_that_is_no_tensor_or_state_is_named(device, fn, form, container):
+    """A number or an array where a flat dict or list holds a param, grad or state: the error names that leaf (it
+    once reported the two structures as differing, printed alike: a pytree structure against the flat key)."""
+    tensors = {"a": torch.randn(300, device=device), "b": torch.randn(30, device=device)}
+    state = bnbf.init_state(tensors, spec(bits=32 if form == "differentiable" else 8))
+    hparams = (lambda path, p: {"lr": 0.01}) if form == "per_leaf" else {"lr": 0.01}
+    kw = {"differentiable": True} if form == "differentiable" else {}
+    tree = (lambda d: d) if container is dict else (lambda d: list(d.values()))
+    where = r"\['b'\]" if container is dict else r"\['?1'?\]"  # bnbf.compose (per-leaf) names a list's leaf '1'
+    grads = {k: torch.randn_like(v) for k, v in tensors.items()}
+    for what, bad, match in [
+        ("param", 1.0, f"param{where} must be a"),
+        ("grad", 0, f"grad{where} must be a Tensor, got int"),
+        ("grad", grads["b"].cpu().numpy(), f"grad{where} must be a Tensor, got ndarray"),
+        ("state", 3, f"state{where} is not a bnbf state"),
+    ]:
+        p, g, s = (tree(dict(t, b=bad) if what == name else t) for name, t in
+                   [("param", tensors), ("grad", grads), ("state", state)])  # fmt: skip
+        snap = snapshot(p, g, s)
+        with pytest.raises(TypeError, match=match):
+            fn(p, g, s, hparams, 1, **kw)
+        assert_untouched(snap, f"{fn.__name__} after a bad {what}")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_plan_names_a_leaf_that_is_no_tensor(device):
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(30, device=device)}
+    state = bnbf.init_state(params, spec())
+    with pytest.raises(TypeError, match=re.escape("param['b'] must be a Tensor, got float")):
+        bnbf.plan(dict(params, b=1.0), state)
+    with pytest.raises(TypeError, match=re.escape("state['b'] is not a bnbf state")):
+        bnbf.plan(params, dict(state, b=1))
+    snap = snapshot(params, state)
+    with pytest.raises(TypeError, match=re.escape("grad['b'] must be a Tensor, got int")):
+        bnbf.plan(params, state).step({"a": torch.randn(300, device=device), "b": 0}, {"lr": 0.01}, 1)
+    assert_untouched(snap)
+
+
 # ------------------------------------------------------------------------------------------------
 # params
 

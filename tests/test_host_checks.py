@@ -97,7 +97,7 @@ def grad_cases():
         ("negated", lambda g: [torch._neg_view(g[0]), *g[1:]], (TypeError, r"grad\[0\] has its negative bit set")),
         ("zero tensor", lambda g: [torch._efficientzerotensor(3, 4), *g[1:]], (TypeError, "efficient zero tensor")),
         ("not a tensor", lambda g: [g[0], None, *g[2:]], (ValueError, r"grad\[1\] is None")),
-        ("a number", lambda g: [*g[:-1], 1.0], (ValueError, "grad structure")),
+        ("a number", lambda g: [*g[:-1], 1.0], (TypeError, r"grad\[\d+\] must be a Tensor, got float")),
         ("a dict", lambda g: dict(enumerate(g)), (ValueError, "grad structure")),
         ("one short", lambda g: g[:-1], (ValueError, "grad structure")),
         ("one more", lambda g: [*g, torch.randn(1)], (ValueError, "grad structure")),

@@ -122,7 +122,7 @@ def test_any_pytree(tree):
         (lambda w, v: ([w[:, :3], w[:, 2:]], None), ValueError, r"param\[0\] and param\[1\] overlap in memory"),
         (lambda w, v: ([w, v], "other spec"), ValueError, r"state\[1\]\.exp_avg does not fit the param"),
         (lambda w, v: ([w, v], "other rule"), ValueError, r"state\[1\] is for rule 'lion'"),
-        (lambda w, v: ([w, v], "not a state"), ValueError, "state structure"),
+        (lambda w, v: ([w, v], "not a state"), TypeError, r"state\[1\] is not a bnbf state"),
         (lambda w, v: ([w, v.long()], None), TypeError, r"param\[1\] has dtype torch.int64"),
         (lambda w, v: ([], None), ValueError, "at least one tensor"),
     ],
