@@ -138,6 +138,8 @@ def _check_step(step: Any) -> None:
         # int32 or int64: a narrower count wraps (the step hashes step % 2**24, 0 in int16)
         if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
+        if step.device.type == "meta":
+            raise ValueError("step is a meta tensor: it has no value to step with")
         if step.device.type == "cpu" and not torch.compiler.is_compiling() and int(step) < 1:  # traced: unread
             raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
         return
@@ -961,6 +963,8 @@ def _check_member_steps(step: Tensor) -> None:
     with torch._C._DisableFuncTorch():
         if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
             raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
+        if step.device.type == "meta":
+            raise ValueError("step is a meta tensor: it has no value to step with")
         if u is not None and bool((u < 1).any()):
             raise ValueError(f"Invalid step: {int(u[u < 1].reshape(-1)[0])} (steps count from 1)")
 

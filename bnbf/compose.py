@@ -1684,7 +1684,7 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
     float32 overflows refused (``Invalid max_grad_norm value: -1.0``; torch has no wording, it clips with any
     value: a negative one flips the grads, NaN makes them NaN)."""
     if isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float, Tensor)):
-        raise TypeError(f"max_grad_norm must be a number or a 0-d tensor, got {type(max_grad_norm).__name__}")
+        raise TypeError(f"max_grad_norm must be a number or a 1-element tensor, got {type(max_grad_norm).__name__}")
     if isinstance(max_grad_norm, Tensor) and not max_grad_norm.is_floating_point():
         raise TypeError(f"max_grad_norm must be a floating point tensor, got {max_grad_norm.dtype}")
     if isinstance(max_grad_norm, Tensor) and torch.compiler.is_compiling():

@@ -496,8 +496,8 @@ def test_odd_sizes_skip_zeros_and_bf16(device, rule, bits, dtype, monkeypatch):
         (torch.tensor(-2.0), ValueError, "Invalid max_grad_norm value: -2.0"),
         (torch.tensor([1.0, 2.0]), ValueError, "Tensor max_grad_norm must be 1-element"),
         (torch.tensor(1), TypeError, "max_grad_norm must be a floating point tensor"),
-        ("1.0", TypeError, "max_grad_norm must be a number or a 0-d tensor, got str"),
-        (True, TypeError, "max_grad_norm must be a number or a 0-d tensor, got bool"),
+        ("1.0", TypeError, "max_grad_norm must be a number or a 1-element tensor, got str"),
+        (True, TypeError, "max_grad_norm must be a number or a 1-element tensor, got bool"),
     ],
 )
 def test_bad_max_grad_norm_raises_before_writing(device, bad, error, match):

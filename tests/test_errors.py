@@ -374,6 +374,22 @@ def test_invalid_step(setup, fn, step, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("what", ["lr", "betas[1]", "step"])
+def test_a_meta_hyperparameter_or_step_is_named(setup, fn, what):
+    """A meta tensor has no value to step with: refused naming it, where torch's copy raised "Cannot copy out of
+    meta tensor" naming no hyperparameter."""
+    p, g, s = setup
+    meta = torch.tensor(0.9, device="meta")
+    if what == "step":
+        expect_error(fn, ValueError, "step is a meta tensor", p, g, s, step=torch.tensor(3, device="meta"))
+    elif what == "lr":
+        expect_error(fn, ValueError, "lr is a meta tensor", p, g, s, hparams={"lr": meta})
+    else:
+        expect_error(fn, ValueError, r"betas\[1\] is a meta tensor", p, g, s, hparams={"betas": (0.9, meta)})
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 @pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor", "shape_1", torch.uint8, torch.int8, torch.int16])
 def test_non_integer_step(setup, fn, step, device):
     p, g, s = setup
