@@ -374,18 +374,12 @@ def test_invalid_step(setup, fn, step, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
-@pytest.mark.parametrize("what", ["lr", "betas[1]", "step"])
-def test_a_meta_hyperparameter_or_step_is_named(setup, fn, what):
-    """A meta tensor has no value to step with: refused naming it, where torch's copy raised "Cannot copy out of
-    meta tensor" naming no hyperparameter."""
+def test_a_meta_step_is_named(setup, fn):
+    """A meta tensor has no value to step with: refused naming the step, where torch's copy raised "Cannot copy out
+    of meta tensor" naming nothing. (A meta hyperparameter still gets torch's error: the hyperparameters' checks
+    take meta tensors as stand-ins for a device's, tests/test_capture_checks.py.)"""
     p, g, s = setup
-    meta = torch.tensor(0.9, device="meta")
-    if what == "step":
-        expect_error(fn, ValueError, "step is a meta tensor", p, g, s, step=torch.tensor(3, device="meta"))
-    elif what == "lr":
-        expect_error(fn, ValueError, "lr is a meta tensor", p, g, s, hparams={"lr": meta})
-    else:
-        expect_error(fn, ValueError, r"betas\[1\] is a meta tensor", p, g, s, hparams={"betas": (0.9, meta)})
+    expect_error(fn, ValueError, "step is a meta tensor", p, g, s, step=torch.tensor(3, device="meta"))
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -174,8 +174,6 @@ def _value(x: Number, name: str = "hyperparameters") -> float | None:
             raise ValueError(f"Tensor {name} must be 1-element")  # torch's wording ("Tensor lr must be ...")
         if x.is_complex() or x.dtype == torch.bool:
             raise TypeError(f"{name} must be a real number, got a {x.dtype} tensor")
-        if x.device.type == "meta":  # no value to step with (torch's own error would name no hyperparameter)
-            raise ValueError(f"{name} is a meta tensor: it has no value to step with")
         if x.device.type != "cpu" or _batched(x):  # under vmap: a value per member, which item() cannot read
             return None
         return float(x.detach())  # a differentiable lr's value, read without torch's "requires_grad" warning
