@@ -248,8 +248,8 @@ def _vmap_input(t: Tensor) -> Tensor:
 
 
 def _plain(t: Tensor) -> Tensor:
-    """``t`` contiguous, detached where it requires grad (a detach per tensor is most of a pure step's host time
-    after the allocations, and one that does not require grad has nothing to detach)."""
+    """``t`` contiguous, detached where it requires grad: one that does not has nothing to detach, and a detach a
+    tensor took 0.5 ms of a pure GPT-2 step's host time on an H100 (scripts/pure_host.py)."""
     return (t.detach() if t.requires_grad else t).contiguous()
 
 
