@@ -296,6 +296,26 @@ def test_ademamix_decay_is_the_papers(device, bits):
     assert abs(done / exact - 1) < 0.003, f"decayed {done / exact - 1:+.3%} off the exact decay"
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_rmsprop_with_alpha_zero_steps_as_torch(device):
+    """alpha=0 (the square average is the last g², which bitsandbytes refuses and torch takes): 32-bit state steps
+    as torch.optim.RMSprop does, with and without momentum. (Centered, the variance of one gradient is 0: torch's
+    g² - g² rounds below 0 in some elements, NaN params; bnbf keeps the variance itself, 0, and steps lr·g/eps.)"""
+    for extra in ({}, {"momentum": 0.9}):
+        hp = {"lr": 1e-2, "alpha": 0.0, "eps": 1e-8, **extra}
+        torch.manual_seed(0)
+        p0 = init_params((300,), torch.float32, device)
+        ref = p0.clone().requires_grad_()
+        torch_opt = torch.optim.RMSprop([ref], **hp)
+        p, s = p0, bnbf.init_state(p0, bnbf.OptimSpec(rule="rmsprop", state_bits=32), hp)
+        for step in range(1, 6):
+            g = make_grad((300,), torch.float32, device)
+            ref.grad = g.clone()
+            torch_opt.step()
+            p, s = bnbf.update(p, g, s, hp, step)
+        torch.testing.assert_close(p, ref.detach(), rtol=1e-5, atol=1e-6, msg=f"{extra}")
+
+
 # interpreter budget (a long run: the GPU script runs every row): the interpreter computes as the reference path
 # (no fused multiply-adds), whose every row the plain pass runs; here the first rows of the rules whose update this
 # test was written for
