@@ -431,6 +431,13 @@ def _tensor_steps(bucket: Any, capturable: bool) -> None:
             _put(r, "step", torch.tensor(int(step), dtype=torch.int64, device=p.device if capturable else "cpu"))
 
 
+def _lr_value(lr: Any) -> Any:
+    """A group's lr as it is now, kept as the starting lr that lr overrides are relative to: a copy of a tensor lr,
+    which schedulers change in place (``fill_``; torch's copy their ``initial_lr`` for the same reason); the lr
+    tensor itself would follow them, and the override stay at its starting value."""
+    return lr.detach().clone() if isinstance(lr, Tensor) else lr
+
+
 def _detached(v: Any) -> Any:
     """Hyperparameters with tensors detached, for their checks."""
     if isinstance(v, Tensor):
@@ -709,7 +716,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             self.param_groups.pop()
             raise
         group[_ORIGIN] = self._origin()
-        self._lr0[id(group)] = (group, group["lr"])
+        self._lr0[id(group)] = (group, _lr_value(group["lr"]))
 
     def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
         """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches
@@ -1949,7 +1956,7 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
     state dict has none (bitsandbytes', older ones), the group's ``initial_lr`` or its ``lr``."""
     lr0 = origin.get("lr0")
     if lr0 is None:
-        return [g.get("initial_lr", g["lr"]) for g in groups]
+        return [_lr_value(g.get("initial_lr", g["lr"])) for g in groups]
 
     def ok(v: Any) -> bool:
         if v is _UNSAVED:
@@ -1963,7 +1970,7 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
             f"the state dict's bnbf['lr0'] (each param group's starting lr) must be {len(groups)} non-negative "
             f"numbers, got {[None if v is _UNSAVED else v for v in lr0]!r}"
         )
-    return [g.get("initial_lr", g["lr"]) if v is _UNSAVED else deepcopy(v) for v, g in zip(lr0, groups)]
+    return [_lr_value(g.get("initial_lr", g["lr"])) if v is _UNSAVED else deepcopy(v) for v, g in zip(lr0, groups)]
 
 
 # the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed

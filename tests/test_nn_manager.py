@@ -90,6 +90,30 @@ def test_lr_override_follows_the_scheduler():
     assert_same(opt, params, ps, states)
 
 
+def test_lr_override_follows_a_tensor_lr_changed_in_place():
+    """A tensor lr is changed in place by schedulers (ReduceLROnPlateau's fill_, which sets no initial_lr): the
+    group's starting lr was that very tensor, so the ratio an lr override is scaled by stayed 1 and the override
+    kept its starting lr while the group's halved."""
+    params = make_params()
+    params0 = [p.detach().clone() for p in params]
+    grads = make_grads(params, 4)
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[0], "lr", 1e-3)
+    opt = bnbf_nn.Lion8bit(params, lr=torch.tensor(1e-2), min_8bit_size=MIN8)
+    sched = torch.optim.lr_scheduler.ReduceLROnPlateau(opt, factor=0.5, patience=0)
+    lrs = []
+    for gs in grads:
+        lrs.append(opt.param_groups[0]["lr"].clone())
+        run_adapter(opt, params, [gs])
+        sched.step(1.0)  # no improvement after the first: halves the lr in place
+    assert [float(lr) for lr in lrs] == pytest.approx([1e-2, 1e-2, 5e-3, 2.5e-3])
+    ps = [p.clone() for p in params0]
+    states = bnbf.init_state(ps, bnbf.OptimSpec(rule="lion", min_8bit_size=MIN8))
+    for t, (gs, lr) in enumerate(zip(grads, lrs), start=1):
+        bnbf.update_(ps[:1], gs[:1], states[:1], {"lr": 1e-3 * (lr / torch.tensor(1e-2))}, t)  # scaled as the group
+        bnbf.update_(ps[1:], gs[1:], states[1:], {"lr": lr}, t)
+    assert_same(opt, params, ps, states)
+
+
 def test_override_after_the_first_step_applies_from_the_next():
     params = make_params()
     opt = bnbf_nn.SGD8bit(params, lr=0.1, momentum=0.9, min_8bit_size=MIN8)
