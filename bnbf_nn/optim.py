@@ -622,9 +622,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         return {"optimizer": type(self).__name__, "rule": self._rule.name}
 
     def _lr0_of(self, group: Mapping) -> Any:
-        """The lr ``group`` started with (its lr where it has no entry: added to param_groups by hand)."""
+        """The lr ``group`` started with: for a group added to param_groups by hand, its lr when first read here,
+        kept from then on (read anew each time, its later lrs would leave its lr overrides where they started)."""
         entry = self._lr0.get(id(group))
-        return entry[1] if entry is not None and entry[0] is group else group["lr"]
+        if entry is None or entry[0] is not group:
+            entry = self._lr0[id(group)] = (group, _lr_value(group["lr"]))
+        return entry[1]
 
     def _prune(self) -> None:
         """Drop the cached plans and starting lrs of groups no longer in param_groups (removed by hand): they hold

@@ -246,6 +246,24 @@ def test_an_lr_override_in_a_group_replaced_by_hand(old_freed_first):
     torch.testing.assert_close((before - w.detach()).mean().item(), 1e-4, rtol=1e-3, atol=0)
 
 
+def test_an_lr_override_in_a_group_appended_by_hand_follows_its_lr():
+    """A group appended to param_groups by hand has no starting lr recorded: its lr was read anew at every step as
+    the one the override is relative to, so the override kept its lr while the group's lr was halved each step."""
+    w, v = torch.nn.Parameter(torch.zeros(16, 16)), torch.nn.Parameter(torch.zeros(16, 16))
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(w, "lr", 1e-4)
+    opt = bnbf_nn.SGD8bit([v], lr=1e-3, min_8bit_size=0)
+    template = {k: x for k, x in opt.param_groups[0].items() if k != "params"}
+    opt.param_groups.append({**template, "params": [w], "lr": 1e-2})
+    moved = []
+    for _ in range(3):
+        w.grad, v.grad = torch.ones(16, 16), torch.ones(16, 16)
+        before = w.detach().clone()
+        opt.step()
+        moved.append((before - w.detach()).mean().item())
+        opt.param_groups[1]["lr"] *= 0.5
+    torch.testing.assert_close(moved, [1e-4, 5e-5, 2.5e-5], rtol=1e-6, atol=0)
+
+
 def _two_tensor(t: torch.Tensor) -> torch.Tensor:
     from torch.testing._internal.two_tensor import TwoTensor
 
