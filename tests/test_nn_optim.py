@@ -594,6 +594,17 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.LAMB8bit(ps, max_unorm=0.5), ValueError, "trust ratio"),  # bitsandbytes' type
         (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad=True is not supported"),
         (lambda ps: bnbf_nn.LAMB32bit(ps, adam_w_mode=False), NotImplementedError, "adam_w_mode=False is not"),
+        # torch.optim.Adam's group setting (AdamW's decay where True; AdamW's L2 where False): was ignored
+        (
+            lambda ps: bnbf_nn.Adam8bit([{"params": ps, "decoupled_weight_decay": True}]),
+            ValueError,
+            "decoupled_weight_decay=True: Adam8bit steps Adam's weight decay only; use the AdamW classes",
+        ),
+        (
+            lambda ps: bnbf_nn.AdamW([{"params": ps, "decoupled_weight_decay": False}]),
+            ValueError,
+            "decoupled_weight_decay=False: AdamW steps AdamW's weight decay only; use the Adam classes",
+        ),
     ],
 )
 def test_bad_arguments(make, error, match):
@@ -651,6 +662,11 @@ def test_add_param_group_and_its_validation():
     with pytest.raises(ValueError, match="Invalid learning rate"):
         opt.add_param_group({"params": later, "lr": -1.0})
     assert len(opt.param_groups) == 1
+    adam = bnbf_nn.Adam32bit(make_params())
+    with pytest.raises(ValueError, match="decoupled_weight_decay=True"):
+        adam.add_param_group({"params": later, "decoupled_weight_decay": True})
+    assert len(adam.param_groups) == 1
+    adam.add_param_group({"params": later, "decoupled_weight_decay": False})  # what it steps: taken
     opt.add_param_group({"params": later, "lr": 1e-3})
     run_adapter(opt, later, make_grads(later, 1))
     assert all(opt.state[p]["step"] == 1 for p in later)
