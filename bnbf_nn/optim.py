@@ -69,9 +69,10 @@ step, before anything is written.
 Arguments bitsandbytes ignores or refuses are honoured (SGD's ``dampening`` and ``nesterov``, SGD and LARS
 without momentum, RMSprop's ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and
 ``initial_accumulator_value``, Adam's and AdamW's ``amsgrad``, ``max_unorm`` for 8-bit state); ones bnbf has no
-rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``) raise ``NotImplementedError`` instead of being
-ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay):
-bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``.
+rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``, also in a param group, where LAMB's ``bias_correction``
+is read as its groups' ``debias``) raise ``NotImplementedError`` instead of being ignored. ``Adam`` is
+``torch.optim.Adam`` (L2 weight decay): bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its
+behaviour when ``weight_decay > 0``.
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
@@ -706,6 +707,8 @@ class Optimizer8bit(torch.optim.Optimizer):
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
         refused (torch only warns: a group is one fused step, which would write it twice)."""
+        if isinstance(param_group, dict):  # (torch's TypeError for anything else)
+            self._read_args_in_group(param_group)
         with warnings.catch_warnings():  # torch's warning for it precedes the error below
             warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
             super().add_param_group(param_group)  # torch refuses a tensor already in another group
@@ -720,6 +723,30 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise
         group[_ORIGIN] = self._origin()
         self._lr0[id(group)] = (group, _lr_value(group["lr"]))
+
+    def _read_args_in_group(self, group: dict) -> None:
+        """A group given with one of the class's arguments that groups hold under the rule's name (LAMB's
+        ``bias_correction``: ``debias``) or not at all (LAMB's ``amsgrad``, ``adam_w_mode``), read as the
+        constructor reads the argument: renamed, or refused at a value the constructor refuses (the step would
+        ignore the key)."""
+        renames = dict(self.family.renames)
+        for key, default in self.family.args:
+            if key not in group or key in self._hkeys:
+                continue
+            ours = renames.get(key)
+            if ours is None:
+                if not _same(group[key], default):
+                    raise NotImplementedError(
+                        f"{type(self).__name__}: {key}={group[key]!r} in a param group is not supported (bnbf's "
+                        f"{self._rule.name!r} rule has no such option)"
+                    )
+            elif ours in group and not _same(group[ours], group[key]):
+                raise ValueError(
+                    f"a param group gives {key}={group[key]!r} and {ours}={group[ours]!r}, which "
+                    f"{type(self).__name__}'s groups hold as {ours}: give one"
+                )
+            else:
+                group[ours] = group.pop(key)
 
     def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
         """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches

@@ -595,16 +595,12 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.LAMB(ps, amsgrad=True), NotImplementedError, "amsgrad=True is not supported"),
         (lambda ps: bnbf_nn.LAMB32bit(ps, adam_w_mode=False), NotImplementedError, "adam_w_mode=False is not"),
         # torch.optim.Adam's group setting (AdamW's decay where True; AdamW's L2 where False): was ignored
-        (
-            lambda ps: bnbf_nn.Adam8bit([{"params": ps, "decoupled_weight_decay": True}]),
-            ValueError,
-            "decoupled_weight_decay=True: Adam8bit steps Adam's weight decay only; use the AdamW classes",
-        ),
-        (
-            lambda ps: bnbf_nn.AdamW([{"params": ps, "decoupled_weight_decay": False}]),
-            ValueError,
-            "decoupled_weight_decay=False: AdamW steps AdamW's weight decay only; use the Adam classes",
-        ),
+        (lambda ps: bnbf_nn.Adam8bit([dict(params=ps, decoupled_weight_decay=True)]), ValueError, "use the AdamW c"),
+        (lambda ps: bnbf_nn.AdamW([dict(params=ps, decoupled_weight_decay=False)]), ValueError, "use the Adam c"),
+        # LAMB's arguments its groups lack, refused in a param group as by the constructor (they were ignored there)
+        (lambda ps: bnbf_nn.LAMB8bit([dict(params=ps, amsgrad=True)]), NotImplementedError, "amsgrad=True in a p"),
+        (lambda ps: bnbf_nn.LAMB([dict(params=ps, adam_w_mode=False)]), NotImplementedError, "adam_w_mode=False in"),
+        (lambda ps: bnbf_nn.LAMB([dict(params=ps, bias_correction=False, debias=True)]), ValueError, "hold as debias"),
     ],
 )
 def test_bad_arguments(make, error, match):
@@ -654,6 +650,19 @@ def test_param_groups_with_their_own_settings():
     rb = run_core(opt, b0, gb, 32, hp=dict(lr=3e-2, weight_decay=0.0, betas=(0.5, 0.9)))
     assert_same(opt, a, *ra, "group 0 ")
     assert_same(opt, b, *rb, "group 1 ")
+
+
+def test_a_group_given_lambs_bias_correction_steps_with_it():
+    """LAMB's bias_correction is its rule's debias in the groups: a param group given it in the constructor's name (as
+    torch code gives a group its own settings) was ignored, the group stepping with bias correction."""
+    a, b = make_params(), make_params()
+    grads = make_grads(a, 2)
+    opt = bnbf_nn.LAMB8bit([{"params": a, "bias_correction": False}], min_8bit_size=MIN8)
+    twin = bnbf_nn.LAMB8bit(b, bias_correction=False, min_8bit_size=MIN8)
+    run_adapter(opt, a, grads)
+    run_adapter(twin, b, grads)
+    assert opt.param_groups[0]["debias"] is False and "bias_correction" not in opt.param_groups[0]
+    assert_same(opt, a, [p.detach() for p in b], [twin.state[p]["state"] for p in b])
 
 
 def test_add_param_group_and_its_validation():
