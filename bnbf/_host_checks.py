@@ -135,11 +135,7 @@ def _layout(s: Any) -> Layout:
 
 def _check_step(step: Any) -> None:
     if isinstance(step, Tensor):
-        # int32 or int64: a narrower count wraps (the step hashes step % 2**24, 0 in int16)
-        if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
-        if step.device.type == "meta":
-            raise ValueError("step is a meta tensor: it has no value to step with")
+        _check_step_tensor(step)
         if step.device.type == "cpu" and not torch.compiler.is_compiling() and int(step) < 1:  # traced: unread
             raise ValueError(f"Invalid step: {int(step)} (steps count from 1)")
         return
@@ -147,6 +143,15 @@ def _check_step(step: Any) -> None:
         raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {type(step).__name__}")
     if step < 1:
         raise ValueError(f"Invalid step: {step} (steps count from 1)")
+
+
+def _check_step_tensor(step: Tensor) -> None:
+    """A step tensor's kind, its value not read: 0-d int32 or int64 (a narrower count wraps: the step hashes
+    step % 2**24, 0 in int16), with a value (not meta)."""
+    if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
+    if step.device.type == "meta":
+        raise ValueError("step is a meta tensor: it has no value to step with")
 
 
 def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
@@ -961,10 +966,7 @@ def _check_member_steps(step: Tensor) -> None:
     """A per-member step tensor (vmap): int32 or int64, and every member's count at least 1 where it is readable."""
     u = members(step)
     with torch._C._DisableFuncTorch():
-        if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
-            raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
-        if step.device.type == "meta":
-            raise ValueError("step is a meta tensor: it has no value to step with")
+        _check_step_tensor(step)
         if u is not None and bool((u < 1).any()):
             raise ValueError(f"Invalid step: {int(u[u < 1].reshape(-1)[0])} (steps count from 1)")
 
