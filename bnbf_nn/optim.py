@@ -753,16 +753,17 @@ class Optimizer8bit(torch.optim.Optimizer):
         where the family has torch's class (in torch's order and wording where torch checks them); ``as_given``:
         the constructor's arguments, where torch also checks nesterov (see :meth:`_hparams`)."""
         settings = {**group, **(override or {})}
-        adam = self.family.rule in ("adam", "adamw") and "foreach" in settings
+        adamish = self.family.rule in ("adam", "adamw")
+        adam = adamish and "foreach" in settings
         if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
         decoupled = self.family.rule == "adamw"
-        if self.family.rule in ("adam", "adamw") and settings.get("decoupled_weight_decay", decoupled) != decoupled:
+        if adamish and settings.get("decoupled_weight_decay", decoupled) != decoupled:
             # torch.optim's Adam and AdamW step by it (AdamW's L2 decay where False): read as neither would ignore it
+            ours, other = ("AdamW", "Adam") if decoupled else ("Adam", "AdamW")
             raise ValueError(
-                f"decoupled_weight_decay={settings['decoupled_weight_decay']!r}: {type(self).__name__} steps "
-                f"{'AdamW' if decoupled else 'Adam'}'s weight decay only; use the {'Adam' if decoupled else 'AdamW'} "
-                f"classes (bnbf_nn.{'Adam' if decoupled else 'AdamW'}, ...8bit, ...32bit) for the other"
+                f"decoupled_weight_decay={settings['decoupled_weight_decay']!r}: {type(self).__name__} steps {ours}'s "
+                f"weight decay only; use the {other} classes (bnbf_nn.{other}, ...8bit, ...32bit) for the other"
             )
         bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
         if adam:
