@@ -234,6 +234,20 @@ class Family:
         taken = {"lr"} | {k for k, _ in self.args} | {v for _, v in self.renames}
         return tuple((f.name, f.default) for f in dataclasses.fields(rule.hparams) if f.name not in taken)
 
+    def hparam_of(self, key: str, value: Any, default: Any, who: str, where: str = "") -> str | None:
+        """The rule's hyperparameter that the argument ``key`` sets (its rename, or ``key``), or None where the rule
+        has no such option and ``value`` is the argument's default; another value raises (``who``: the class, and
+        ``where`` the value was given)."""
+        rule = bnbf.RULES[self.rule]
+        ours = dict(self.renames).get(key, key)
+        if ours in {f.name for f in dataclasses.fields(rule.hparams)}:
+            return ours
+        if not _same(value, default):
+            raise NotImplementedError(
+                f"{who}: {key}={value!r}{where} is not supported (bnbf's {rule.name!r} rule has no such option)"
+            )
+        return None
+
 
 _ADAM = (("betas", (0.9, 0.999)), ("eps", 1e-8), ("weight_decay", 0.0), ("amsgrad", False))
 _SGD = (("momentum", 0.0), ("dampening", 0.0), ("weight_decay", 0.0), ("nesterov", False))
@@ -729,24 +743,18 @@ class Optimizer8bit(torch.optim.Optimizer):
         ``bias_correction``: ``debias``) or not at all (LAMB's ``amsgrad``, ``adam_w_mode``), read as the
         constructor reads the argument: renamed, or refused at a value the constructor refuses (the step would
         ignore the key)."""
-        renames = dict(self.family.renames)
         for key, default in self.family.args:
-            if key not in group or key in self._hkeys:
+            if key not in group:
                 continue
-            ours = renames.get(key)
-            if ours is None:
-                if not _same(group[key], default):
-                    raise NotImplementedError(
-                        f"{type(self).__name__}: {key}={group[key]!r} in a param group is not supported (bnbf's "
-                        f"{self._rule.name!r} rule has no such option)"
-                    )
-            elif ours in group and not _same(group[ours], group[key]):
+            ours = self.family.hparam_of(key, group[key], default, type(self).__name__, " in a param group")
+            if ours is None or ours == key:
+                continue
+            if ours in group and not _same(group[ours], group[key]):
                 raise ValueError(
                     f"a param group gives {key}={group[key]!r} and {ours}={group[ours]!r}, which "
                     f"{type(self).__name__}'s groups hold as {ours}: give one"
                 )
-            else:
-                group[ours] = group.pop(key)
+            group[ours] = group.pop(key)
 
     def _check_group(self, group: Mapping, override: Mapping | None = None, as_given: bool = False) -> None:
         """A group's settings (with a parameter's manager overrides) as bnbf checks them, and torch's switches
@@ -2433,17 +2441,11 @@ def _make_class(
                 f"{name} keeps {bits}-bit state; got optim_bits={a['optim_bits']} "
                 f"(use {family.name}(optim_bits=...) to choose)"
             )
-        rule = bnbf.RULES[family.rule]
-        fields = {f.name for f in dataclasses.fields(rule.hparams)}
         hp = {"lr": a["lr"]}
-        renames = dict(family.renames)
         for key, default in family.args + family.extra_args():
-            if renames.get(key, key) in fields:
-                hp[renames.get(key, key)] = a[key]
-            elif a[key] != default:
-                raise NotImplementedError(
-                    f"{name}: {key}={a[key]!r} is not supported (bnbf's {rule.name!r} rule has no such option)"
-                )
+            ours = family.hparam_of(key, a[key], default, name)
+            if ours is not None:
+                hp[ours] = a[key]
         settings = {
             "optim_bits": bits or a["optim_bits"],
             "min_8bit_size": a["min_8bit_size"],
