@@ -137,6 +137,33 @@ def _code_bits(q):
 
 
 @triton.jit
+def widen(x, sign):
+    """Loaded param or grad ``x`` as float32, times ``sign`` (1.0 or -1.0: maximize; None: 1). A bfloat16's
+    float32 bits are its bits shifted up 16: compiled, one instruction an element of each 32-bit pair, the sign
+    flip folded in (shift-add for the low half, and-xor for the high one; a convert takes 1.5, the multiply 1)."""
+    if _COMPILED and x.dtype == tl.bfloat16:
+        if sign is None:
+            y = tl.inline_asm_elementwise(
+                "shl.b32 $0, $2, 16; and.b32 $1, $2, 0xFFFF0000;", "=r,=r,r", [x], dtype=tl.int32, is_pure=True, pack=2
+            )
+        else:
+            flip = tl.full(x.shape, 0, tl.int32) | (sign.to(tl.int32, bitcast=True) & -0x80000000)
+            y = tl.inline_asm_elementwise(
+                "mad.lo.u32 $0, $2, 65536, $3; and.b32 $1, $2, 0xFFFF0000; xor.b32 $1, $1, $4;",
+                "=r,=r,r,r,r",
+                [x, flip],
+                dtype=tl.int32,
+                is_pure=True,
+                pack=2,
+            )
+        return y.to(tl.float32, bitcast=True)
+    elif sign is None:
+        return x.to(tl.float32)
+    else:
+        return x.to(tl.float32) * sign
+
+
+@triton.jit
 def decode_power(q, absmax, SIGNED: tl.constexpr):
     """Values of uint8 codes ``q`` (a tile's rows) in the "power" format, for blocks of absmax ``absmax`` (one per
     row). The block scale enters in the root domain, sqrt(absmax) / 127 (signed) or / 255**2, and the root is

@@ -28,6 +28,7 @@ from bnbf.kernels.codec import (
     power_absmax,
     power_root_scale,
     to_dtype,
+    widen,
 )
 
 _COMPILED = tl.constexpr(not interpreting())
@@ -157,6 +158,23 @@ def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.con
 
 
 @triton.jit
+def _block_absmax(s, VEC: tl.constexpr):
+    """max |s| of each row (a quantization block) of a tile, finite values only. Compiled, each thread's elements
+    are reduced as floats (|x| folds into the max), then across the warp as the float bits read as integers (the
+    same order for non-negative floats): Triton lowers a 32-lane integer max to one ``redux.sync`` where a float max
+    takes five shuffles and five maxima (bf16 AdamW: 64.8 -> 62.9 instructions an element). The reshape follows
+    the tile's layout (VEC contiguous elements a thread), so it moves no data."""
+    ROWS: tl.constexpr = s.shape[0]
+    BLOCK: tl.constexpr = s.shape[1]
+    if _COMPILED and BLOCK >= 32 * VEC:
+        a = tl.reshape(tl.abs(s), [ROWS, BLOCK // (32 * VEC), 32, VEC])
+        a = tl.max(tl.max(a, axis=3), axis=1)
+        return tl.max(a.to(tl.int32, bitcast=True), axis=1).to(tl.float32, bitcast=True)
+    else:
+        return tl.max(tl.abs(s), axis=1)
+
+
+@triton.jit
 def _store_state(
     sp,
     s,
@@ -170,13 +188,14 @@ def _store_state(
     SIGNED: tl.constexpr,
     FORMAT: tl.constexpr,
     MASKED: tl.constexpr,
+    VEC: tl.constexpr,
 ):
     """Write one state of a tile: 8-bit codes, stochastically rounded (:func:`dither` of ``lane`` and
     ``seed``), and the block's new absmax; or float32 values."""
     if QUANT:
         if MASKED:
             s = tl.where(mask, s, 0.0)  # padding lanes must not raise the block's absmax
-        absmax = tl.max(tl.abs(s), axis=1)
+        absmax = _block_absmax(s, VEC)
         d = dither(lane, seed)
         if FORMAT == 2:
             q = encode_power_scaled(s, power_root_scale(absmax, SIGNED)[:, None], SIGNED, d)
@@ -275,11 +294,11 @@ def _tile_step(
     """One tile's step from its loaded bytes ``raw`` (see :func:`_tile_load`); with ``CLIP`` 1 or 2 the grads
     are scaled by ``gscale``, the sign times the clipping coefficient."""
     rows, offs, mask, rmask = _tile_offsets(chunk, numel, BLOCK, ROWS, VEC)
-    p = raw[0].to(tl.float32)
+    p = widen(raw[0], None)
     if CLIP == 1 or CLIP == 2:  # one float32 product, as torch's clipped copy of a float32 grad (the sign is exact)
         g = _mul_rn(raw[1].to(tl.float32), gscale)
     else:
-        g = raw[1].to(tl.float32) * hp[HP_STRIDE - 4]  # -1 with maximize
+        g = widen(raw[1], hp[HP_STRIDE - 4])  # -1 with maximize
     # the states as the rule's math takes them: one float32 value per slot, the scalar 0.0 for a slot not kept
     s = ()
     for j in tl.static_range(SLOTS):
@@ -350,6 +369,7 @@ def _tile_step(
                 (SIGNED >> j) & 1,
                 FORMAT,
                 MASKED,
+                VEC,
             )
 
 
