@@ -96,11 +96,25 @@ def _slot_ptrs(table, SLOT: tl.constexpr, PRESENT: tl.constexpr, QUANT: tl.const
 
 
 @triton.jit
+def _shift_ptrs(ptrs, row0, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
+    """``ptrs`` (see :func:`_program`) moved to block ``row0``: element pointers by ``row0 * BLOCK``, absmax pointers
+    by ``row0``. A slot's unused fields (placeholders, a 32-bit state's absmax) move too, and stay unread."""
+    n = row0 * BLOCK
+    slots = ()
+    for j in tl.static_range(SLOTS):
+        sp = ptrs[3][j]
+        slots = slots + ((sp[0] + n, sp[1] + n, sp[2] + row0, sp[3] + row0),)
+    return ptrs[0] + n, ptrs[1] + n, ptrs[2] + n, slots
+
+
+@triton.jit
 def _tile_offsets(chunk, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
     rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
-    offs = rows[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
     # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
-    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them
+    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them. The lane's
+    # own hints hold where the sum folds away with its hints (a constant tile offset of 0, see _program)
+    lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), VEC)
+    offs = rows[:, None] * BLOCK + lane[None, :]
     offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])
     return rows, offs, offs < numel, rows * BLOCK < numel
 
@@ -627,19 +641,25 @@ def _program(
     # whole tiles skip the bounds masks, which would otherwise stop the loads from vectorizing
     if (first + ITERS) * (ROWS * BLOCK) <= numel:
         if PREFETCH:  # the next tile's loads are in flight while this tile computes
-            raw = _tile_load(ptrs, first, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+            # every address moved to the program's first block once: tile ``it`` is then at a constant offset, which
+            # the loads and stores take as an immediate (each tile's int64 addresses took ~3 instructions an
+            # element); the dither's block index stays the tensor's (mod 2**32 the product distributes)
+            row0 = first * ROWS
+            at = _shift_ptrs(ptrs, row0, BLOCK, SLOTS)
+            left = numel - row0 * BLOCK  # the elements from there on (unread: whole tiles take no masks)
+            raw = _tile_load(at, 0, left, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
             for it in tl.static_range(ITERS):
                 if it + 1 < ITERS:
-                    nxt = _tile_load(ptrs, first + it + 1, numel, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
+                    nxt = _tile_load(at, it + 1, left, SLOTS, PRESENT, QUANT, BLOCK, ROWS, False, VEC)
                 _tile_step(
                     raw,
-                    ptrs,
+                    at,
                     hp,
-                    dith,
+                    dith + row0.to(tl.uint32) * DITHER_BLOCK,
                     gscale,
                     code_ptr,
-                    first + it,
-                    numel,
+                    it,
+                    left,
                     nrm,
                     part + it,
                     n_tiles,
