@@ -167,8 +167,8 @@ def _decode(r, code_ptr, KEPT: tl.constexpr, QUANT: tl.constexpr, SIGNED: tl.con
                 return v * r[1][:, None]
         else:
             return r[0]
-    else:
-        return 0.0
+    else:  # 0-d, where a kept slot is a tile: a rule tells the two apart by shape when the kernel compiles
+        return tl.full([], 0.0, tl.float32)
 
 
 @triton.jit

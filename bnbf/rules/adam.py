@@ -119,9 +119,12 @@ def _moments_step(p, g, s, h):
     m, v, vmax = s
     m = h.b1 * m + h.omb1 * g
     v = h.b2 * v + h.omb2 * g * g
-    # amsgrad: the running maximum. Without it the slot is not kept and arrives as the scalar 0.0, and
-    # max(0, v) is v (v >= 0): one max instruction instead of a second kernel variant
-    vmax = tl.maximum(vmax, v)
+    # amsgrad: the running maximum. Without it the slot is not kept and arrives as the scalar 0.0 (a 0-d value where a
+    # kept slot is a tile), and v itself is the maximum: the shape is known when the kernel compiles
+    if len(vmax.shape) > 0:
+        vmax = tl.maximum(vmax, v)
+    else:
+        vmax = v
     denom = tl.sqrt(vmax) * h.inv_bc2_sqrt + h.eps
     p = p * h.decay - h.step_size * fast_div(m, denom)
     return p, (m, v, vmax)

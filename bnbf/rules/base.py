@@ -8,7 +8,8 @@ A rule is one file in ``bnbf/rules/`` that defines:
   ``scalars(hparams, step)``, which returns one, derived once per call on the host (passed as kernel
   arguments, or with tensor ops on the device into a float32 row when hyperparameters are tensors);
 - ``math``: a ``@triton.jit`` function ``(p, g, s, hp, nrm) -> (p, s)`` on float32 values: ``s`` is a
-  tuple with one value per state slot (the scalar 0.0 for a slot this state does not keep), ``hp`` the
+  tuple with one value per state slot (the scalar 0.0 for a slot this state does not keep: 0-d, where a kept slot
+  is a tile, so ``len(x.shape) == 0`` tells a slot not kept when the kernel compiles), ``hp`` the
   tuple of the rule's scalars, which the math names first thing (``h = AdamScalars(*hp)``; ``h.b1``),
   and for rules with ``norms``, ``nrm`` the tensor's three sums (float32 scalars, ``nrm[k]``);
 - ``reference``: the same math in plain torch (the CPU path and the kernels' oracle); it receives the
