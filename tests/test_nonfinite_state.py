@@ -103,3 +103,29 @@ def test_a_state_overflowing_to_inf_leaves_its_block_alone(device, row, fmt):
     # (centered RMSprop reports torch's square_avg, variance + grad_avg², which overflows at the element itself)
     for name, values in bnbf.dequantize_state(state).items():
         assert bool(torch.isfinite(values[others]).all()), f"{row.id}: {name} holds non-finite values"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("rule", ["adam", "adamw"])
+def test_a_nan_32bit_second_moment_steps_as_torch(device, rule):
+    """A NaN in a 32-bit second moment (amsgrad off) gives a NaN param element, as torch.optim does; every other
+    element steps as torch's. The kernel once read the moment through max(0, v), which turned NaN into 0."""
+    gen = torch.Generator().manual_seed(1)
+    p = torch.randn(N, generator=gen).to(device)
+    g = (torch.randn(N, generator=gen) * 0.01).to(device)
+    hp = {"lr": 1e-2, "weight_decay": 0.01}
+    state = bnbf.init_state(p, bnbf.OptimSpec(rule=rule, state_bits=32))
+    state.exp_avg_sq[BAD] = float("nan")
+    ref = p.clone().requires_grad_(True)
+    opt = (torch.optim.Adam if rule == "adam" else torch.optim.AdamW)([ref], **hp)
+    ref.grad = g.clone()
+    opt.step()  # torch's state starts at zero: give it the NaN too, then step again with both
+    opt.state[ref]["exp_avg_sq"].copy_(state.exp_avg_sq)
+    opt.state[ref]["exp_avg"].zero_()
+    ref.data.copy_(p)
+    opt.state[ref]["step"].fill_(0)
+    opt.step()
+    new_p, _ = bnbf.update(p, g, state, hp, 1)
+    assert bool(torch.isnan(new_p[BAD])), f"{rule}: the NaN second moment did not reach the param"
+    others = torch.arange(N, device=device) != BAD
+    torch.testing.assert_close(new_p[others], ref.detach()[others], rtol=1e-6, atol=1e-7)
