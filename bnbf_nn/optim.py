@@ -191,6 +191,7 @@ _STEPPABLE = frozenset({torch.float32, torch.float16, torch.bfloat16})  # param 
 _GRAD = operator.attrgetter("grad")
 _IS_NONE = functools.partial(operator.is_, None)
 _NUMBER = frozenset({float, int})
+_INT = {int}
 _SCALAR = frozenset({float, int, bool, str, type(None)})
 _CONSTANT = _SCALAR | {tuple}
 
@@ -438,11 +439,12 @@ def _new_step(step: int, param: Tensor, group: Mapping) -> int | Tensor:
 
 
 def _tensor_steps(bucket: Any, capturable: bool) -> None:
-    """The bucket's int steps as tensors (states made or loaded before capturable/differentiable was set;
-    once: later steps find tensors), on the params' devices for capturable=True."""
+    """The bucket's step counts as int64 tensors (ints of states made or loaded before capturable/differentiable
+    was set, float tensors set by hand, as torch.optim keeps its steps; once: later steps find them), on the params'
+    devices for capturable=True."""
     for r, p in zip(bucket.records, bucket.params):
         step = r["step"]
-        if type(step) is int or (capturable and step.device != p.device):
+        if type(step) is int or step.is_floating_point() or (capturable and step.device != p.device):
             _put(r, "step", torch.tensor(int(step), dtype=torch.int64, device=p.device if capturable else "cpu"))
 
 
@@ -1059,9 +1061,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                     )
                 if bucket.call is None:
                     bucket.call = self._settings(g, bucket)
-                for r, p in zip(bucket.records, bucket.params):
-                    if type(r["step"]) is int:
-                        _put(r, "step", torch.tensor(r["step"], dtype=torch.int64, device=p.device))
+                # 0-d int64 tensors the graph adds to: on the params' devices, but a differentiable (not capturable)
+                # step's on the CPU, as its eager step keeps them
+                _tensor_steps(bucket, g["capturable"] or not g["differentiable"])
                 steps = [int(r["step"]) for r in bucket.records] if not bucket.uniform else ()
                 if steps and steps.count(steps[0]) != len(steps):
                     raise NotImplementedError(
@@ -1208,22 +1210,29 @@ class Optimizer8bit(torch.optim.Optimizer):
         e.add_note(f"(the index above is a position in {list(bucket.idx)}, param group {gi}'s params this call steps)")
 
     def _check_step_counts(self, group: dict, bucket: _Bucket) -> None:
-        """Each made state's step count as the step reads it (an int >= 0, or a 0-d tensor where capturable or
-        differentiable steps keep one): a count set by hand to -3, 0.5 or "x" is refused before any group steps.
-        Once per bucket: a hand edit counts in _checkpoint.EDITS, which makes the group's buckets again."""
+        """Each made state's step count as the step reads it: an int >= 0, or a 0-d tensor of one (int32 or int64,
+        as capturable or differentiable steps keep it, or floating point, as torch.optim keeps its steps: a whole
+        value, the step made int then, see :meth:`_run`); a count set by hand to -3, 0.5, ``torch.tensor(2.5)`` or
+        "x" is refused before any group steps. Once per bucket: a hand edit counts in _checkpoint.EDITS, which
+        makes the group's buckets again."""
         if bucket.counted:
             return
         for k, r in zip(bucket.idx, bucket.records):
             v = r["step"]
             if type(v) is int and v >= 0:
                 continue
-            tensor = isinstance(v, Tensor) and v.dim() == 0 and v.dtype in (torch.int32, torch.int64)
-            if tensor and (v.device.type != "cpu" or _compiling() or int(v) >= 0):  # a device count is not read
-                continue
+            tensor = isinstance(v, Tensor) and v.dim() == 0 and v.device.type != "meta"
+            if tensor and v.dtype in (torch.int32, torch.int64):
+                if v.device.type != "cpu" or _compiling() or int(v) >= 0:  # a device count is not read
+                    continue
+            elif tensor and v.is_floating_point():  # read wherever it is (once): 2.5 has no int to step from
+                value = v.item()
+                if value >= 0 and value.is_integer():
+                    continue
             raise ValueError(
                 f"{type(self).__name__}: optimizer.state[p]['step'] of param {k} of param group "
-                f"{_index_of(self.param_groups, group)} is {v!r}: a step count is an int >= 0 (a 0-d int32 or "
-                f"int64 tensor with capturable=True or differentiable=True)"
+                f"{_index_of(self.param_groups, group)} is {v!r}: a step count is a whole number >= 0, an int or a "
+                f"0-d tensor (int32 or int64, or floating point as torch.optim keeps it)"
             )
         bucket.counted = True
 
@@ -1356,10 +1365,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         return h, kw
 
     def _mode_settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
-        """:meth:`_settings` of a group with capturable=True or differentiable=True: the bucket's steps as
-        tensors (what sends it to :meth:`_run_modes`), the hyperparameters checked on detached values (reading
-        a tensor that requires grad warns), and for a differentiable step the mapping with the caller's
-        tensors, so that derivatives reach them."""
+        """:meth:`_settings` of a group with capturable=True or differentiable=True (which :meth:`_run_modes`
+        steps, its step counts made tensors there): the hyperparameters checked on detached values (reading a
+        tensor that requires grad warns), and for a differentiable step the mapping with the caller's tensors, so
+        that derivatives reach them."""
         if group["differentiable"] and any(type(s).layout.quantized for s in bucket.states):
             raise _not_differentiable(self, _index_of(self.param_groups, group))
         override = bucket.override
@@ -1369,7 +1378,6 @@ class Optimizer8bit(torch.optim.Optimizer):
         check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
         if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched: as in _settings
             self._relayout(group, bucket, h)
-        _tensor_steps(bucket, group["capturable"])  # (every check passed)
         if not group["differentiable"]:
             return self._rule.make_hparams(hp), kw
         return hp, kw
@@ -1496,11 +1504,17 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _run(self, group: dict, bucket: _Bucket, grads: list, call: tuple[Any, dict]) -> None:
         records = bucket.records
         t = records[0]["step"]
-        if type(t) is not int:  # capturable=True or differentiable=True (see _settings)
+        # capturable=True or differentiable=True, or tensor step counts (set by hand, or kept from such a step): the
+        # counts are made what the group keeps there, only now that every group is checked
+        if type(t) is not int or group["capturable"] or group["differentiable"]:
             self._run_modes(group, bucket, grads, call)
             return
         if not bucket.uniform:
-            if list(map(_STEP, records)).count(t) != len(records):  # params of the group out of step: split
+            steps = list(map(_STEP, records))
+            if set(map(type, steps)) != _INT:  # another param's count a tensor (set by hand): as the first's would be
+                self._run_modes(group, bucket, grads, call)
+                return
+            if steps.count(t) != len(records):  # params of the group out of step: split
                 by_step: dict[int, list[int]] = defaultdict(list)
                 for k, r in enumerate(records):
                     by_step[r["step"]].append(k)
@@ -1524,18 +1538,18 @@ class Optimizer8bit(torch.optim.Optimizer):
         to there, and the group's lr as it is: a tensor lr is read on the device, so a captured step replays
         with the current step and lr) or differentiable=True (:func:`bnbf.update_`'s differentiable step under
         grad mode)."""
+        records = bucket.records
+        capturable = group["capturable"]
+        if not (capturable or group["differentiable"]):  # tensor steps of a group that turned both off (or of
+            for r in records:  # compiled steps, or set by hand): ints again, one read each
+                _put(r, "step", int(r["step"]))
+            self._run(group, bucket, grads, call)
+            return
         if bucket.dist:
             raise NotImplementedError(
                 f"{type(self).__name__}: capturable=True or differentiable=True on DTensor params (FSDP2) is not "
                 "supported"
             )
-        records = bucket.records
-        capturable = group["capturable"]
-        if not (capturable or group["differentiable"]):  # tensor steps of a group that turned both off (or of
-            for r in records:  # compiled steps): ints again, one read each
-                _put(r, "step", int(r["step"]))
-            self._run(group, bucket, grads, call)
-            return
         _tensor_steps(bucket, capturable)
         steps = list(map(_STEP, records))
         if not bucket.uniform:

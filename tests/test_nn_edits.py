@@ -28,9 +28,9 @@ def _params(n: int = 3) -> list[torch.nn.Parameter]:
     return [torch.nn.Parameter(torch.randn(40, 8, generator=gen)) for _ in range(n)]
 
 
-def _run(make, edit, steps: int = 6, at: int = 3):
+def _run(make, edit, steps: int = 6, at: int = 3, records: list | None = None):
     """``steps`` steps of ``make(params)`` with fixed grads, ``edit(opt, params, spare)`` applied after step ``at``;
-    the params and spare tensors afterwards, and each param's step count."""
+    the params and spare tensors afterwards, and each param's step count (``records``: gets each param's record)."""
     params, (spare,) = _params(), _params(1)
     opt = make(params)
     gen = torch.Generator().manual_seed(1)
@@ -41,6 +41,8 @@ def _run(make, edit, steps: int = 6, at: int = 3):
         if i == at:
             edit(opt, params, spare)
     counts = [int(opt.state[p]["step"]) if "step" in opt.state.get(p, {}) else None for p in (*params, spare)]
+    if records is not None:
+        records.extend(opt.state[p] for p in params)
     return [p.detach() for p in (*params, spare)], counts
 
 
@@ -102,6 +104,26 @@ def test_an_edit_between_steps_reaches_the_next_step_as_in_torch(edit):
     got8, counts8 = _run(lambda ps: bnbf_nn.AdamW8bit(ps, **HP, min_8bit_size=0), _ours(edit))
     assert counts8 == want_counts
     assert [torch.equal(g, p0) for g, p0 in zip(got8, init)] == [torch.equal(w, p0) for w, p0 in zip(want, init)]
+
+
+@pytest.mark.parametrize("kw", [{}, {"capturable": True}], ids=["plain", "capturable"])
+@pytest.mark.parametrize("edit", [_first_count, _second_count], ids=lambda f: f.__name__.strip("_"))
+def test_a_step_count_set_as_torch_keeps_it_steps_from_that_count(edit, kw):
+    """torch.optim keeps a param's step as a float32 0-d tensor, and code written for it sets one so
+    (``opt.state[p]["step"] = torch.tensor(3.0)``): bnbf_nn refused it; now it steps from that count, as torch, and
+    the record holds the count as bnbf_nn writes its own afterwards (an int; a 0-d int64 tensor with capturable)."""
+    want, want_counts = _run(lambda ps: torch.optim.AdamW(ps, **HP), _torch_step(edit))
+    records: list = []
+    got, counts = _run(lambda ps: bnbf_nn.AdamW32bit(ps, **HP, **kw), _torch_step(edit), records=records)
+    assert counts == want_counts
+    init = _params() + _params(1)
+    for g, w, p0 in zip(got, want, init):
+        torch.testing.assert_close(g - p0, w - p0, atol=TOL.atol, rtol=TOL.rtol)
+    for r in records:
+        if kw:
+            assert isinstance(r["step"], torch.Tensor) and r["step"].dtype == torch.int64, r["step"]
+        else:
+            assert type(r["step"]) is int, r["step"]
 
 
 def test_a_reset_state_is_in_the_next_state_dict():
@@ -406,6 +428,15 @@ def _int16_tensor_count(opt, ps):
     opt.state[ps[2]]["step"] = torch.tensor(3, dtype=torch.int16)
 
 
+def _fractional_count(opt, ps):  # torch's float step tensor: only a whole number is a count
+    opt.state[ps[2]]["step"] = torch.tensor(2.5)
+
+
+def _float_count_then_bad_grad(opt, ps):  # group 0's float count (taken, made an int64 tensor when it steps)
+    opt.state[ps[0]]["step"] = torch.tensor(1.0)
+    _sparse_grad(opt, ps)
+
+
 def _param_in_two_groups(opt, ps):
     opt.param_groups[1]["params"].append(ps[0])
 
@@ -421,6 +452,8 @@ LATE = {
     _bad_step_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"'step'\] of param 0 of param group 1 is -3"),
     _negative_tensor_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"group 1 is tensor\(-1\)"),
     _int16_tensor_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"dtype=torch.int16\): a step count"),
+    _fractional_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"group 1 is tensor\(2.5000\): a step count is a whole"),
+    _float_count_then_bad_grad: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"sparse gradients"),
     _param_in_two_groups: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"appear in more than one parameter group"),
     _bad_storage: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"state_bits must be 8 or 32"),
 }
@@ -432,11 +465,13 @@ def test_what_a_later_group_refuses_leaves_every_group_as_it_was(edit, fresh):
     """Refusals found while a later group stepped, after the earlier ones had (found by an audit of failed calls):
     bitsandbytes' momentum range of a param getting its first state, a state slot switched on in group 0 (added
     before group 1's grads were checked), differentiable=True written into an 8-bit group, a step count set by hand
-    to -3, or a tensor count to -1 or int16 (its group found it after group 0 stepped), the same param appended to
-    a second group's list (stepped twice, with no error), a storage setting no made state reads (ignored). Each is
-    refused before anything changes: params, states, step counts."""
+    to -3, or a tensor count to -1, int16 or torch's float 2.5 (its group found it after group 0 stepped), the same
+    param appended to a second group's list (stepped twice, with no error), a storage setting no made state reads
+    (ignored). Each is refused before anything changes: params, states, step counts (a float count that group 0
+    takes stays as set)."""
     cls, kw, match = LATE[edit]
-    if fresh and edit in (_bad_step_count, _slots_on_then_bad_grad, _negative_tensor_count, _int16_tensor_count):
+    counts = (_bad_step_count, _negative_tensor_count, _int16_tensor_count, _fractional_count)
+    if fresh and edit in (_slots_on_then_bad_grad, _float_count_then_bad_grad, *counts):
         pytest.skip("needs made states")
     ps = _params(3)
     opt = cls([{"params": ps[:2]}, {"params": ps[2:]}], min_8bit_size=0, **kw)
@@ -460,5 +495,5 @@ def test_what_a_later_group_refuses_leaves_every_group_as_it_was(edit, fresh):
                 assert type(a) is type(b) and torch.equal(a, b), k
             elif k == "state":
                 assert type(a) is type(b) and all(torch.equal(x, y) for x, y in zip(a, b)), k
-            elif k == "step":
-                assert type(a) is type(b) and a == b, k
+            elif k == "step":  # a tensor count of the same dtype too: not made the group's kind of count yet
+                assert type(a) is type(b) and a == b and getattr(a, "dtype", None) == getattr(b, "dtype", None), k
