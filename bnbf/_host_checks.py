@@ -561,7 +561,16 @@ def _traced_derivative() -> bool:
 
 
 def check_not_differentiated(
-    tree: Any, params: list, grads: list, h: Any, step: Any, max_unorm: Any, states: list, *, in_place: bool
+    tree: Any,
+    params: list,
+    grads: list,
+    h: Any,
+    step: Any,
+    max_unorm: Any,
+    states: list,
+    *,
+    in_place: bool,
+    ask: tuple[str, str] | None = None,
 ) -> None:
     """Raise where a gradient is asked for through a step that is not differentiable (bnbf's default step,
     the fused kernels and 8-bit states): never return a silent zero gradient.
@@ -574,6 +583,10 @@ def check_not_differentiated(
     require grad (``backward(create_graph=True)``) as torch.optim's steps do, detached: a plan's step would
     pay ~5 us a step (GPT-2's 148 grads) to look at each, and the grads' history never reaches the params of
     an in-place step anyway.
+
+    ``ask``: how the caller's API asks for a differentiable step, for the error's words: (what takes
+    ``differentiable=True``, how it asks for 32-bit state); bnbf's own (``bnbf.update_``, ``OptimSpec``) by
+    default. bnbf_nn's optimizers name their class and options.
     """
     hps = hparam_tensors(h, step, max_unorm)
     # the states' fields in C-level calls (packed states pass layouts, which hold no tensors)
@@ -595,10 +608,10 @@ def check_not_differentiated(
         if in_place and not _functorch.is_gradtrackingtensor(base) and exempt:
             continue
         names = names or _names(tree)
-        _refuse(f"{kind}{names[i]}", states, in_place)
+        _refuse(f"{kind}{names[i]}", states, in_place, ask)
     for name, t in hps:
         if _tracked(t, grad_mode, fwd):
-            _refuse(f"the hyperparameter {name}", states, in_place)
+            _refuse(f"the hyperparameter {name}", states, in_place, ask)
 
 
 def check_clip_not_differentiated(max_grad_norm: Any, state: Any, *, in_place: bool) -> None:
@@ -615,12 +628,15 @@ def check_clip_not_differentiated(max_grad_norm: Any, state: Any, *, in_place: b
         _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
 
 
-def _refuse(what: str, states: list, in_place: bool) -> None:
-    fix = f"pass differentiable=True to bnbf.{'update_' if in_place else 'update'} to differentiate through the step"
+def _refuse(what: str, states: list, in_place: bool, ask: tuple[str, str] | None = None) -> None:
+    """The refusal of a derivative asked through a step that is not differentiable (``ask``: see
+    :func:`check_not_differentiated`)."""
+    where, bits = ask or (f"bnbf.{'update_' if in_place else 'update'}", "OptimSpec(state_bits=32)")
+    fix = f"pass differentiable=True to {where} to differentiate through the step"
     if any(_layout(s).quantized for s in states):
         fix += (
-            ", with 32-bit state (OptimSpec(state_bits=32)): differentiable=True needs 32-bit state, 8-bit "
-            "states are rounded to codes, which have no gradient"
+            f", with 32-bit state ({bits}): differentiable=True needs 32-bit state, 8-bit states are rounded to "
+            "codes, which have no gradient"
         )
     raise RuntimeError(
         f"{what} takes part in a gradient computation (it requires grad, or torch.func.grad/jvp wraps it), but "

@@ -144,6 +144,7 @@ from torch import Tensor
 
 import bnbf
 import bnbf.paged
+from bnbf import _host_checks
 from bnbf._host_checks import NATIVE, _check_grad, _grads_ok, check_update_options, own_dispatch, packed_identities
 from bnbf.plan import _checked, not_capturable
 from bnbf.state import present_mask, relaid, state_class
@@ -1190,6 +1191,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                     raise _not_differentiable(self, gi)
                 if id(cfg) not in checked:
                     self._check_group(group, cfg)
+                    layout = self._spec(group, cfg).layout_for(p.numel())
+                    max_unorm = (cfg or {}).get("max_unorm", group["max_unorm"])
+                    self._check_not_differentiated(group, self._hparams(group, cfg), max_unorm, [layout])
                     checked.add(id(cfg))
         return group, plan, grads, every
 
@@ -1347,12 +1351,17 @@ class Optimizer8bit(torch.optim.Optimizer):
         if group["capturable"] or group["differentiable"]:
             return self._mode_settings(group, bucket)
         override = bucket.override
-        h = self._rule.make_hparams(self._hparams(group, override))
+        hp = self._hparams(group, override)
         kw = {}
         for key, off in _CALL.items():
             v = override.get(key, group[key])
             if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
                 kw[key] = v
+        # the group's settings and the overrides numbers (or tuples of them): no tensor a derivative is asked of
+        numbers = set(map(type, seen)) <= _CONSTANT and all(map(_immutable, (*seen, *override.values())))
+        if not numbers:
+            self._check_not_differentiated(group, hp, kw.get("max_unorm"), bucket.states)
+        h = self._rule.make_hparams(hp)
         check_update_options(
             self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0), kw.get("maximize", False)
         )
@@ -1360,9 +1369,22 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._relayout(group, bucket, h)
             # not memoized: the fast step holds the bucket's old plan; the next step's checks memoize the new layout
             return h, kw
-        if not override and set(map(type, seen)) <= _CONSTANT and all(map(_immutable, seen)):
+        if not override and numbers:
             bucket.memo = (seen, (h, kw))  # a tensor may change in place: such settings are checked every step
         return h, kw
+
+    def _check_not_differentiated(self, group: Mapping, hp: Mapping, max_unorm: Any, states: list) -> None:
+        """A tensor setting that asks for a derivative (a tensor lr that requires grad, in grad mode) in a group
+        whose step is not differentiable: the core's refusal (:func:`check_not_differentiated`, which the step
+        would raise naming ``bnbf.update_``, after the groups before it stepped), raised before any group steps and
+        naming this class's option. Read only where a group's settings are (tensors are never memoized)."""
+        if group["differentiable"]:
+            return
+        found = [t for _, t in _host_checks.hparam_tensors(hp, None, max_unorm)]
+        if found and _host_checks.differentiated(found):
+            where = f"{type(self).__name__} (as its argument, or in param group {_index_of(self.param_groups, group)})"
+            ask = (where, f"optim_bits=32, or {self.family.name}32bit")
+            _host_checks.check_not_differentiated(None, [], [], hp, None, max_unorm, states, in_place=True, ask=ask)
 
     def _mode_settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """:meth:`_settings` of a group with capturable=True or differentiable=True (which :meth:`_run_modes`
@@ -1373,8 +1395,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise _not_differentiable(self, _index_of(self.param_groups, group))
         override = bucket.override
         hp = self._hparams(group, override)
-        h = self._rule.make_hparams(_detached(hp))
         kw = {k: override.get(k, group[k]) for k in _CALL}
+        self._check_not_differentiated(group, hp, kw["max_unorm"], bucket.states)
+        h = self._rule.make_hparams(_detached(hp))
         check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
         if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched: as in _settings
             self._relayout(group, bucket, h)

@@ -222,16 +222,37 @@ def test_differentiable_with_8bit_state_raises_naming_32bit_and_writes_nothing()
     assert "state" not in opt.state.get(p, {})
 
 
-def test_without_differentiable_a_gradient_through_the_step_raises():
-    p = torch.nn.Parameter(torch.randn(5))
-    lr = torch.tensor(0.1, requires_grad=True)
-    opt = bnbf_nn.SGD32bit([p], lr=lr, momentum=0.9)
-    p.grad = torch.randn(5)
+@pytest.mark.parametrize("capturable", [False, True], ids=["plain", "capturable"])
+@pytest.mark.parametrize("when", ["first step", "later step", "compiled step"])
+@pytest.mark.parametrize("cls", [bnbf_nn.SGD32bit, bnbf_nn.AdamW8bit], ids=lambda c: c.__name__)
+def test_without_differentiable_a_gradient_through_the_step_raises_naming_the_class(cls, when, capturable):
+    """A tensor lr that requires grad (in grad mode) asks for a derivative through the step. Without
+    differentiable=True the core refuses it, in words that named its own option (``bnbf.update_``) and were raised
+    in the group's step, after the groups before it had stepped; the error names the class and group now (and
+    32-bit state, for 8-bit state), before any group steps: every param, state and step count as it was."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    params = [torch.nn.Parameter(torch.randn(s)) for s in ((257,), (4, 9))]
+    kw = {"momentum": 0.9} if cls is bnbf_nn.SGD32bit else {"min_8bit_size": 0}
+    opt = cls([{"params": params[:1]}, {"params": params[1:]}], 0.1, capturable=capturable, **kw)
+    step = torch.compile(opt.step, backend=CompileCounter()) if when == "compiled step" else opt.step
+    for p in params:
+        p.grad = torch.randn_like(p)
+    if when != "first step":
+        step()
+    opt.param_groups[1]["lr"] = torch.tensor(0.1, requires_grad=True)
+    before = snapshot(params, [opt.state[p] for p in params])
+    counts = [opt.state[p].get("step") for p in params]
+    where = rf"pass differentiable=True to {cls.__name__} \(as its argument, or in param group 1\) to differentiate"
+    bits = r" through the step, with 32-bit state \(optim_bits=32, or AdamW32bit\)" if "8bit" in cls.__name__ else ""
     # torch may warn about the lr that requires grad (once per process: not asserted)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)
-        with pytest.raises(RuntimeError, match="differentiable=True"):
-            opt.step()
+        with pytest.raises(RuntimeError, match=where + bits):
+            step()
+    torch._dynamo.reset()
+    assert_untouched(before, "params and states")
+    assert [opt.state[p].get("step") for p in params] == counts
 
 
 # ---- capturable=True (CPU bookkeeping) ---------------------------------------------------------------------
