@@ -70,9 +70,11 @@ Arguments bitsandbytes ignores or refuses are honoured (SGD's ``dampening`` and 
 without momentum, RMSprop's ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and
 ``initial_accumulator_value``, Adam's and AdamW's ``amsgrad``, ``max_unorm`` for 8-bit state); ones bnbf has no
 rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``, also in a param group, where LAMB's ``bias_correction``
-is read as its groups' ``debias``) raise ``NotImplementedError`` instead of being ignored. ``Adam`` is
-``torch.optim.Adam`` (L2 weight decay): bitsandbytes' ``Adam`` applies decoupled decay, so use ``AdamW`` for its
-behaviour when ``weight_decay > 0``.
+is read as its groups' ``debias``, also where a hand edit sets it in a live group: at the next step) raise
+``NotImplementedError`` instead of being ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay): bitsandbytes'
+``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``; torch's
+``decoupled_weight_decay`` opposite to the class is refused in a param group, where a hand edit sets it too (at the
+next step).
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
@@ -163,6 +165,7 @@ _MODES = {"capturable": False, "differentiable": False}
 _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups spell every optimizer's settings
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 _STEP = operator.itemgetter("step")
+_ABSENT = object()  # a group's value of a key it does not hold (see Optimizer8bit._watched)
 # torch's global step hooks (private to torch.optim.optimizer; absent: torch's wrapper runs every step)
 _GLOBAL_HOOKS = tuple(
     getattr(_torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
@@ -609,6 +612,12 @@ class Optimizer8bit(torch.optim.Optimizer):
         # what a bucket's settings are made from, the lr last (see _settings)
         self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
         self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
+        # the one group key besides the rule's own that the step reads, which a group need not hold: torch.optim.Adam's
+        # decoupled_weight_decay (refused opposite to the class), LAMB's bias_correction (read as its groups' debias).
+        # Checked where a group is made, added or loaded, and by the step where a hand edit set it (_read_watched):
+        # each step reads it once per bucket, and memoized settings hold its value (see _settings)
+        adamish = self.family.rule in ("adam", "adamw")
+        self._watched = "decoupled_weight_decay" if adamish else next((k for k, _ in self.family.renames), None)
         # bitsandbytes' spellings of this family's settings that are not its own keys (SGD's betas = (momentum,
         # dampening)...): a group holding one is checked against the settings it spells (_check_bnb_spelling;
         # not the constants bitsandbytes never reads, Adagrad's betas and Lion's eps)
@@ -768,14 +777,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         adam = adamish and "foreach" in settings
         if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
             raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
-        decoupled = self.family.rule == "adamw"
-        if adamish and settings.get("decoupled_weight_decay", decoupled) != decoupled:
-            # torch.optim's Adam and AdamW step by it (AdamW's L2 decay where False): read as neither would ignore it
-            ours, other = ("AdamW", "Adam") if decoupled else ("Adam", "AdamW")
-            raise ValueError(
-                f"decoupled_weight_decay={settings['decoupled_weight_decay']!r}: {type(self).__name__} steps {ours}'s "
-                f"weight decay only; use the {other} classes (bnbf_nn.{other}, ...8bit, ...32bit) for the other"
-            )
+        if adamish:
+            self._check_decoupled(settings)
         bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
         if adam:
             _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
@@ -784,6 +787,30 @@ class Optimizer8bit(torch.optim.Optimizer):
             _check_bnb_betas(self.family, settings, type(self).__name__)
         check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"], settings["maximize"])
         _check_torch_flags(settings)
+
+    def _check_decoupled(self, settings: Mapping) -> None:
+        """torch.optim.Adam's and AdamW's ``decoupled_weight_decay``, in a group of the Adam or AdamW classes: torch
+        steps by it (AdamW's L2 decay where False), so a value opposite to the class is refused, not ignored."""
+        decoupled = self.family.rule == "adamw"
+        if settings.get("decoupled_weight_decay", decoupled) != decoupled:
+            ours, other = ("AdamW", "Adam") if decoupled else ("Adam", "AdamW")
+            raise ValueError(
+                f"decoupled_weight_decay={settings['decoupled_weight_decay']!r}: {type(self).__name__} steps {ours}'s "
+                f"weight decay only; use the {other} classes (bnbf_nn.{other}, ...8bit, ...32bit) for the other"
+            )
+
+    def _read_watched(self, group: dict) -> None:
+        """The group's :attr:`_watched` key, which it holds (set by hand since the group was added, or loaded), as
+        the step reads it: ``decoupled_weight_decay`` checked, LAMB's ``bias_correction`` read as the group's
+        ``debias`` (the group's value of it, written after the step last read the group: this step had dropped
+        it), checked before it is written."""
+        key = self._watched
+        ours = dict(self.family.renames).get(key)
+        if ours is None:
+            self._check_decoupled(group)
+            return
+        self._check_group({**group, ours: group[key]})
+        group[ours] = group.pop(key)
 
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
@@ -1333,18 +1360,23 @@ class Optimizer8bit(torch.optim.Optimizer):
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
         if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):
             self._sync_bnb_spelling(group)
+        watched = self._watched  # (one dict lookup: a hand edit of it is read at this step, see _read_watched)
+        mark = None if watched is None else group.get(watched, _ABSENT)
         seen = self._seen(group)
         memo = bucket.memo
-        if memo is not None:
+        if memo is not None and mark is memo[2]:
             if all(map(operator.is_, seen, memo[0])):
                 return memo[1]
             if type(seen[-1]) in _NUMBER and all(map(operator.is_, seen[:-1], memo[0][:-1])):
                 # only the lr changed (a schedule): the last step's dataclass made again with it runs its checks
                 # (3.3 against 8.5 us for remaking it from the group's mapping, CPU)
                 call = (dataclasses.replace(memo[1][0], lr=seen[-1]), memo[1][1])
-                bucket.memo = (seen, call)
+                bucket.memo = (seen, call, mark)
                 return call
         bucket.memo = None
+        if mark is not None and mark is not _ABSENT:
+            self._read_watched(group)
+            mark, seen = group.get(watched, _ABSENT), self._seen(group)
         self._spec(group)  # storage settings written into the group later (optim_bits=7): made states keep theirs
         if self._bnb_ranges:  # what the constructor refuses, written into the group (or an override) later
             _check_bnb_betas(self.family, {**group, **bucket.override}, type(self).__name__)
@@ -1370,7 +1402,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             # not memoized: the fast step holds the bucket's old plan; the next step's checks memoize the new layout
             return h, kw
         if not override and numbers:
-            bucket.memo = (seen, (h, kw))  # a tensor may change in place: such settings are checked every step
+            bucket.memo = (seen, (h, kw), mark)  # a tensor may change in place: such settings are checked every step
         return h, kw
 
     def _check_not_differentiated(self, group: Mapping, hp: Mapping, max_unorm: Any, states: list) -> None:
@@ -2072,7 +2104,8 @@ class _Bucket:
     whole: bool  # the bucket is the whole group, in order
     uniform: bool = False  # every param is known to be at the same step (only this class writes steps)
     call: tuple | None = None  # this step's (validated hparams, the step's keywords), see _prepare_group
-    memo: tuple | None = None  # (the group's values, the settings made from them) where reusable, see _settings
+    # (the group's values, the settings made from them, its watched key's value) where reusable, see _settings
+    memo: tuple | None = None
     plan: bnbf.Plan | None = None  # made at the bucket's first step
     # what the plan steps: the records' states, or states of the settings' layout over their tensors (_relayout)
     states: list | None = None

@@ -665,6 +665,51 @@ def test_a_group_given_lambs_bias_correction_steps_with_it():
     assert_same(opt, a, [p.detach() for p in b], [twin.state[p]["state"] for p in b])
 
 
+def test_lambs_bias_correction_set_in_a_group_later_steps_with_it():
+    """LAMB's bias_correction written into a live group by hand (as torch code sets a group's setting between steps)
+    was ignored: only a group being made, added or loaded read it as debias. The next step reads it (the group's
+    debias is older), on the fast path too, and steps as a twin whose debias was set at the same step."""
+    a, b = make_params(), make_params()
+    grads = make_grads(a, 5)
+    opt, twin = bnbf_nn.LAMB8bit(a, min_8bit_size=MIN8), bnbf_nn.LAMB8bit(b, min_8bit_size=MIN8)
+    run_adapter(opt, a, grads[:3])
+    run_adapter(twin, b, grads[:3])
+    opt.param_groups[0]["bias_correction"] = False
+    twin.param_groups[0]["debias"] = False
+    run_adapter(opt, a, grads[3:])
+    run_adapter(twin, b, grads[3:])
+    assert opt.param_groups[0]["debias"] is False and "bias_correction" not in opt.param_groups[0]
+    assert_same(opt, a, [p.detach() for p in b], [twin.state[p]["state"] for p in b])
+    with pytest.raises(TypeError, match="debias must be a bool"):  # the rule's check of debias, before it is written
+        opt.param_groups[0]["bias_correction"] = "yes"
+        opt.step()
+    assert opt.param_groups[0]["debias"] is False and opt.param_groups[0]["bias_correction"] == "yes"
+
+
+@pytest.mark.parametrize("cls", [bnbf_nn.Adam8bit, bnbf_nn.AdamW32bit], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("held", [False, True], ids=["key added", "key flipped"])
+def test_decoupled_weight_decay_set_in_a_group_later_is_refused_at_the_next_step(cls, held):
+    """torch.optim.Adam's and AdamW's decoupled_weight_decay written into a live group by hand (absent from it, or
+    held at the class's value since add_param_group) was ignored: only a group being made, added or loaded was
+    checked. The next step refuses the value opposite to the class, on the fast path too, with nothing stepped;
+    the class's value steps again."""
+    decoupled = cls.family.rule == "adamw"
+    params = make_params()
+    opt = cls([{"params": params[:1]}], min_8bit_size=MIN8)
+    opt.add_param_group({"params": params[1:], **({"decoupled_weight_decay": decoupled} if held else {})})
+    grads = make_grads(params, 3)
+    run_adapter(opt, params, grads[:2])
+    opt.param_groups[1]["decoupled_weight_decay"] = not decoupled
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=f"decoupled_weight_decay={not decoupled}: {cls.__name__} steps"):
+        run_adapter(opt, params, grads[2:])
+    assert all(torch.equal(p.detach(), q) for p, q in zip(params, before))
+    assert [opt.state[p]["step"] for p in params] == [2] * len(params)
+    opt.param_groups[1]["decoupled_weight_decay"] = decoupled
+    run_adapter(opt, params, grads[2:])
+    assert [opt.state[p]["step"] for p in params] == [3] * len(params)
+
+
 def test_add_param_group_and_its_validation():
     opt = bnbf_nn.Lion8bit(make_params(), min_8bit_size=MIN8)
     later = make_params(seed=5)
