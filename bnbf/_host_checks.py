@@ -151,7 +151,24 @@ def _check_step_tensor(step: Tensor) -> None:
     if step.dim() != 0 or step.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
     if step.device.type == "meta":
-        raise ValueError("step is a meta tensor: it has no value to step with")
+        raise _no_value("step")
+
+
+def _no_value(name: str) -> ValueError:
+    return ValueError(f"{name} is a meta tensor: it has no value to step with")
+
+
+def check_hparam_values(values: tuple, h: Any, max_unorm: Any = None) -> None:
+    """ValueError naming a meta hyperparameter (or max_unorm) among those a step's scalars (``values``: the rule's
+    scalars of ``h``, :func:`bnbf.plan._scalars`) are made of: the step reads their values, which a meta tensor has
+    not (torch's copy to the params' device raised "Cannot copy out of meta tensor", naming nothing). The
+    hyperparameters' own checks (``make_hparams``) take meta tensors, as stand-ins for a device's (the capture
+    checks), and a meta hyperparameter that no scalar is made of (Adagrad's initial_accumulator_value) has nothing
+    read; a meta step tensor is refused by :func:`_check_step_tensor`."""
+    if any(isinstance(v, Tensor) and v.device.type == "meta" for v in values):
+        for name, t in hparam_tensors(h, None, max_unorm):
+            if t.device.type == "meta":
+                raise _no_value(name)
 
 
 def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:

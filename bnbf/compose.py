@@ -56,10 +56,12 @@ from bnbf._host_checks import (
     _grad_overlap,
     _grads_ok,
     _groups,
+    _no_value,
     _prepare,
     _states_ok,
     _traced_derivative,
     check_clip_not_differentiated,
+    check_hparam_values,
     check_not_differentiated,
     differentiated,
     hparam_tensors,
@@ -1267,6 +1269,8 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
         want = present_mask(rule, h)
         if any(type(st).layout.present != want for st in states):
             _check_present(rule, h, states)
+        if any(t.device.type == "meta" for _, t in hparam_tensors(h)):  # refused where its group's step reads it
+            check_hparam_values(rule.scalars(h, 1), h)  # (max_unorm: refused by the first group's call)
     if not set(map(type, parts.params)) <= _PLAIN_TENSORS and any(map(is_dtensor, parts.params)):
         # a DTensor's data_ptr is 0: the memory the groups' steps write is the local shards'
         ps, gs, ss = bnbf.distributed._local_views(parts.params, parts.grads, parts.states, parts.groups, max_unorm)
@@ -1687,6 +1691,8 @@ def _check_max_grad_norm(max_grad_norm: Any) -> None:
         raise TypeError(f"max_grad_norm must be a number or a 1-element tensor, got {type(max_grad_norm).__name__}")
     if isinstance(max_grad_norm, Tensor) and not max_grad_norm.is_floating_point():
         raise TypeError(f"max_grad_norm must be a floating point tensor, got {max_grad_norm.dtype}")
+    if isinstance(max_grad_norm, Tensor) and max_grad_norm.device.type == "meta":
+        raise _no_value("max_grad_norm")
     if isinstance(max_grad_norm, Tensor) and torch.compiler.is_compiling():
         return  # traced: a graph input, its value unread (as max_unorm's)
     check_nonneg(max_grad_norm, "max_grad_norm")

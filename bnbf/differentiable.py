@@ -33,6 +33,7 @@ from bnbf._host_checks import (
     _names,
     _structures,
     _unflatten,
+    check_hparam_values,
     check_no_repeats,
     check_steps,
     check_update_options,
@@ -106,6 +107,7 @@ def update(
     if isinstance(step, Tensor) and any(p.dtype == torch.float64 for p in params):
         step = step.double()  # a number's power of an int tensor is float32: 1 - 0.999**t would lose digits
     scalars = rule.scalars(h, step)
+    check_hparam_values((*scalars, max_unorm, h.lr), h, max_unorm)  # the values _as reads
     new_params, new_states = [], []
     for p, g, s in zip(params, grads, states):
         dt = torch.promote_types(p.dtype, torch.float32)

@@ -54,6 +54,7 @@ from bnbf._host_checks import (
     _rule_of,
     _states_ok,
     _unflatten,
+    check_hparam_values,
     check_not_differentiated,
     check_update_options,
     differentiated,
@@ -470,10 +471,11 @@ class Plan:
         _check_step(step)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._check_capture(grads, at, h, step)
-        values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+        values, clip = _scalar_values(rule, h, step, skip_zeros, max_unorm, maximize)
         if set(map(type, values)) <= _NUMBERS:  # Python numbers reach the kernel as arguments: nothing to upload
             scalars = tuple(map(float, values))
         else:
+            check_hparam_values(values, h, max_unorm)  # a meta one has no value to read
             if differentiated([t for _, t in hparam_tensors(h, step, max_unorm)]):
                 check_not_differentiated(tree, params, grads, h, step, max_unorm, states, in_place=True)
             with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
@@ -830,9 +832,19 @@ def _grad_table(seqs: list, host: Tensor) -> tuple[bytes, tuple[bool, ...]]:
 
 
 def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:
+    """:func:`_scalar_values`, with a meta tensor among them refused naming its hyperparameter (the step reads
+    their values: :func:`bnbf._host_checks.check_hparam_values`)."""
+    values, clip = _scalar_values(rule, h, step, skip_zeros, max_unorm, maximize)
+    if not set(map(type, values)) <= _NUMBERS:  # 0-d tensors among them
+        check_hparam_values(values, h, max_unorm)
+    return values, clip
+
+
+def _scalar_values(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:
     """The rule's scalars followed by the four the step adds: the gradient's sign (-1 with ``maximize``), the
     seed of the states' stochastic rounding (the step mod 2**24, see bnbf.quant), and the clipping pair
-    (max_unorm, lr); and whether clipping is on."""
+    (max_unorm, lr); and whether clipping is on. Not checked for meta tensors (:func:`_scalars` checks them):
+    for :meth:`Plan._checked_step`, which tells numbers from tensors anyway."""
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
     seed = step % DITHER_SEED_MOD  # an int, or a device op on a tensor step (no host sync)
     return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip

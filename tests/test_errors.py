@@ -376,10 +376,66 @@ def test_invalid_step(setup, fn, step, device):
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_a_meta_step_is_named(setup, fn):
     """A meta tensor has no value to step with: refused naming the step, where torch's copy raised "Cannot copy out
-    of meta tensor" naming nothing. (A meta hyperparameter still gets torch's error: the hyperparameters' checks
-    take meta tensors as stand-ins for a device's, tests/test_capture_checks.py.)"""
+    of meta tensor" naming nothing. (A meta hyperparameter: test_a_meta_hparam_is_named.)"""
     p, g, s = setup
     expect_error(fn, ValueError, "step is a meta tensor", p, g, s, step=torch.tensor(3, device="meta"))
+
+
+def _meta(v: float) -> torch.Tensor:
+    return torch.tensor(v, device="meta")
+
+
+META_HPARAMS = [
+    ({"lr": _meta(1e-3)}, "lr"),
+    ({"weight_decay": _meta(0.1)}, "weight_decay"),
+    ({"betas": (_meta(0.9), 0.999)}, re.escape("betas[0]")),
+    ({"lr": torch.tensor(1e-3), "eps": _meta(1e-8)}, "eps"),  # beside a tensor that has a value
+]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize(("hparams", "name"), META_HPARAMS, ids=["lr", "weight_decay", "betas", "eps"])
+def test_a_meta_hparam_is_named(setup, fn, hparams, name):
+    """A meta hyperparameter has no value either: refused where the step reads its hyperparameters' values (torch's
+    copy to the params' device raised "Cannot copy out of meta tensor" naming nothing). make_hparams takes one: the
+    capture checks stand meta tensors for a device's (tests/test_capture_checks.py). update_ also through the plan
+    its earlier steps of these very containers made."""
+    p, g, s = setup
+    expect_error(fn, ValueError, f"^{name} is a meta tensor: it has no value to step with$", p, g, s, hparams)
+    params, grads, states = {"w": p}, {"w": g}, {"w": s}
+    for step in (2, 3):  # update_'s cached plan of these containers
+        fn(params, grads, states, {"lr": 1e-3}, step)
+    expect_error(fn, ValueError, f"^{name} is a meta tensor", params, grads, states, hparams)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+def test_a_meta_hparam_is_named_on_every_path(device, fn):
+    """The packed state, per-leaf hyperparameters and mixed rules (bnbf.compose), the differentiable step, and a
+    meta max_unorm or max_grad_norm: refused naming it, nothing written (compose checks every leaf's before it
+    steps the first)."""
+    p = {"a": torch.randn(300, device=device), "b": torch.randn(4, 300, device=device)}
+    g = {k: torch.randn_like(v) * 0.01 for k, v in p.items()}
+    meta_lr = {"lr": _meta(1e-3)}
+    packed = bnbf.init_state(p, spec(), packed=True)
+    expect_error(fn, ValueError, "^lr is a meta tensor", p, g, packed, meta_lr)
+    s = bnbf.init_state(p, spec())
+    per_leaf = {"a": {"lr": 1e-3}, "b": meta_lr}
+    expect_error(fn, ValueError, "^lr is a meta tensor", p, g, s, per_leaf)
+    mixed = {"a": bnbf.init_state(p["a"], spec("sgd")), "b": s["b"]}
+    expect_error(fn, ValueError, "^lr is a meta tensor", p, g, mixed, {"sgd": {"lr": 1e-3}, "adamw": meta_lr})
+    s32 = bnbf.init_state(p, spec(bits=32))
+    for state, hparams, options, name in [
+        (s, {"lr": 1e-3}, {"max_unorm": _meta(1.0)}, "max_unorm"),
+        (s, {"lr": 1e-3}, {"max_grad_norm": _meta(1.0)}, "max_grad_norm"),
+        (s32, meta_lr, {"differentiable": True}, "lr"),
+        (s32, {"lr": 1e-3}, {"differentiable": True, "max_unorm": _meta(1.0)}, "max_unorm"),
+    ]:
+        snap = snapshot(p, g, state)
+        with pytest.raises(ValueError, match=f"^{name} is a meta tensor"):
+            fn(p, g, state, hparams, 2, **options)
+        assert_untouched(snap, f"{fn.__name__} with a meta {name}")
 
 
 @pytest.mark.parametrize("device", DEVICES)
