@@ -217,7 +217,23 @@ def _unflatten(leaves: list, spec: Any) -> Any:
 
 def _names(param: Any) -> list[str]:
     """Key strings of the leaves (only needed for error messages)."""
-    return [pytree.keystr(path) for path, _ in pytree.tree_flatten_with_path(param)[0]]
+    return [keystr(path) for path, _ in pytree.tree_flatten_with_path(param)[0]]
+
+
+class LeafName(str):
+    """A leaf's key in the flat dicts that :mod:`bnbf.compose` hands the core (one per group of leaves): the leaf's
+    ``functional_call`` name (``"m.1"``), given ``keypath``, the leaf's key path in the caller's tree, by which the
+    core's messages name it (:func:`keystr`: ``['m'][1]``, as a call of the whole tree names it)."""
+
+    keypath: tuple
+
+
+def keystr(path: tuple) -> str:
+    """A leaf's key path as ``torch.utils._pytree.keystr`` prints it (``[1]`` for a list's or tuple's index,
+    ``['a']`` for a dict's key); a :class:`LeafName` key as its own key path."""
+    if len(path) == 1 and type(path[0]) is pytree.MappingKey and type(path[0].key) is LeafName:
+        path = path[0].key.keypath
+    return pytree.keystr(path)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -293,7 +309,7 @@ def _none_leaf(what: str, tree: Any) -> None:
     for path, leaf in leaves:
         if leaf is None:
             raise ValueError(
-                f"{what}{pytree.keystr(path)} is None: every param of the call needs a {what} (pass only the params "
+                f"{what}{keystr(path)} is None: every param of the call needs a {what} (pass only the params "
                 f"that have one)"
             )
 

@@ -47,6 +47,7 @@ from bnbf import ops
 from bnbf._dispatch import NORM_REDUCE, is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
+    LeafName,
     _check_grad,
     _check_grads_apart,
     _check_no_overlap,
@@ -65,6 +66,7 @@ from bnbf._host_checks import (
     check_not_differentiated,
     differentiated,
     hparam_tensors,
+    keystr,
     packed_identities,
     unaddressable,
 )
@@ -117,10 +119,20 @@ def path_name(keypath: tuple) -> str:
 
 
 def _leaf_names(keypaths: list) -> list[str]:
-    """Names for the per-group dicts handed to the core (its error messages name them): functional_call's
-    names where they are unique (always for ``dict(model.named_parameters())``), pytree's key strings if not."""
+    """Keys for the per-group dicts handed to the core: functional_call's names where they are unique (always for
+    ``dict(model.named_parameters())``), pytree's key strings if not; each a :class:`bnbf._host_checks.LeafName`
+    carrying the leaf's key path in the caller's tree, by which the core's messages name it (``grad[1]``,
+    ``grad['m'][1]``, as a call of the whole tree names it). Traced, plain strings (Dynamo cannot trace a str
+    subclass made in the frame): an error raised while tracing names a list's leaf ``['1']``."""
     names = [path_name(k) for k in keypaths]
-    return names if len(set(names)) == len(names) else [pytree.keystr(k) for k in keypaths]
+    if len(set(names)) != len(names):
+        names = [pytree.keystr(k) for k in keypaths]
+    if torch.compiler.is_compiling():
+        return names
+    names = list(map(LeafName, names))
+    for name, k in zip(names, keypaths):  # the path kept, its string made only for a message (keystr: 0.3 us a leaf)
+        name.keypath = k
+    return names
 
 
 def _broadcast(tree: Any, keypaths: list, is_leaf: Callable[[Any], bool], what: str) -> list:
@@ -1341,7 +1353,7 @@ def _check_grads(parts: _Parts) -> None:
     ):
         return
     for name, p, g in zip(parts.names, ps, gs):
-        _check_grad(f"['{name}']", p, g)
+        _check_grad(keystr((pytree.MappingKey(name),)), p, g)
 
 
 def _span(t: Tensor) -> tuple[int, int]:
@@ -1356,7 +1368,7 @@ def _check_disjoint(parts: _Parts) -> None:
     spans = []
     for gi, (_, idx) in enumerate(parts.groups):
         for i in idx:
-            name = f"['{parts.names[i]}']"
+            name = keystr((pytree.MappingKey(parts.names[i]),))
             if parts.params[i].numel():
                 spans.append((str(parts.params[i].device), *_span(parts.params[i]), gi, f"param{name}"))
             for field, t in zip(parts.states[i]._fields, parts.states[i]):

@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
-from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated, clips
+from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated, clips, keystr
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -260,7 +260,7 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
     leaves, treespec = pytree.tree_flatten_with_path(param)
     if not any(isinstance(p, DTensor) for _, p in leaves):
         return bnbf.init_state(param, spec, hparams)
-    shards = [_shards(p, pytree.keystr(k)) if isinstance(p, DTensor) else None for k, p in leaves]
+    shards = [_shards(p, keystr(k)) if isinstance(p, DTensor) else None for k, p in leaves]
     # the layout of the global tensor: min_8bit_size compared with the global numel, not the shard's
     big = dataclasses.replace(spec, min_8bit_size=0)
     small = dataclasses.replace(spec, state_bits=32)
@@ -769,7 +769,7 @@ def _states(state: Any) -> tuple[list, Any]:
 
 def _names(tree: Any) -> list[str]:
     """Each leaf's path (``['w']``), for messages."""
-    return [pytree.keystr(k) for k, _ in pytree.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
+    return [keystr(k) for k, _ in pytree.tree_flatten_with_path(tree, is_leaf=is_state)[0]]
 
 
 def dequantize_state(state: Any) -> Any:

@@ -30,6 +30,7 @@ from bnbf._host_checks import (
     _prepare_traced,
     _unflatten,
     check_clip_not_differentiated,
+    keystr,
     unaddressable,
 )
 from bnbf.differentiable import update as differentiable_update
@@ -85,9 +86,7 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
         if any(map(is_dtensor, _flatten(param)[0])):
             raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
         wide = [
-            pytree.keystr(k)
-            for k, p in pytree.tree_flatten_with_path(param)[0]
-            if getattr(p, "dtype", None) == torch.float64
+            keystr(k) for k, p in pytree.tree_flatten_with_path(param)[0] if getattr(p, "dtype", None) == torch.float64
         ]
         if wide:  # they step only differentiably, which the packed state does not
             raise TypeError(
@@ -105,10 +104,10 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
     if any(map(is_dtensor, (p for _, p in leaves))):
         return _distributed().init_state(param, spec, hparams)  # FSDP2's sharded params: the local shards' state
     for path, p in leaves:
-        _check_param(p, pytree.keystr(path), wide=True)
+        _check_param(p, keystr(path), wide=True)
         if p.dtype == torch.float64 and spec.layout_for(p.numel()).quantized:
             raise TypeError(
-                f"param{pytree.keystr(path)} has dtype torch.float64: float64 params take 32-bit state only (their "
+                f"param{keystr(path)} has dtype torch.float64: float64 params take 32-bit state only (their "
                 f"step is the differentiable one); pass OptimSpec(state_bits=32) (bnbf_nn: a 32-bit class or "
                 f"optim_bits=32)"
             )

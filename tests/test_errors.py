@@ -11,8 +11,10 @@ import re
 import pytest
 import torch
 from conftest import DEVICES, HAS_CUDA, assert_untouched, snapshot
+from torch.utils import _pytree as pytree
 
 import bnbf
+from bnbf.state import is_state
 
 # argument checks, errors and plumbing, not kernel numerics: the interpreter pass skips them (conftest)
 pytestmark = pytest.mark.surface
@@ -33,10 +35,10 @@ def warm(p, s, rule="adamw"):
     return p, s
 
 
-def expect_error(fn, exc, match, param, grad, state, hparams=None, step=2):
+def expect_error(fn, exc, match, param, grad, state, hparams=None, step=2, **options):
     snap = snapshot(param, grad, state)
     with pytest.raises(exc, match=match or None):
-        fn(param, grad, state, hparams if hparams is not None else {}, step)
+        fn(param, grad, state, hparams if hparams is not None else {}, step, **options)
     assert_untouched(snap, f"{fn.__name__} after a {exc if isinstance(exc, type) else exc[0]}")
 
 
@@ -167,7 +169,7 @@ def test_a_leaf_that_is_no_tensor_or_state_is_named(device, fn, form, container)
     hparams = (lambda path, p: {"lr": 0.01}) if form == "per_leaf" else {"lr": 0.01}
     kw = {"differentiable": True} if form == "differentiable" else {}
     tree = (lambda d: d) if container is dict else (lambda d: list(d.values()))
-    where = r"\['b'\]" if container is dict else r"\['?1'?\]"  # bnbf.compose (per-leaf) names a list's leaf '1'
+    where = r"\['b'\]" if container is dict else r"\[1\]"
     grads = {k: torch.randn_like(v) for k, v in tensors.items()}
     for what, bad, match in [
         ("param", 1.0, f"param{where} must be a"),
@@ -195,6 +197,69 @@ def test_a_plan_names_a_leaf_that_is_no_tensor(device):
     with pytest.raises(TypeError, match=re.escape("grad['b'] must be a Tensor, got int")):
         bnbf.plan(params, state).step({"a": torch.randn(300, device=device), "b": 0}, {"lr": 0.01}, 1)
     assert_untouched(snap)
+
+
+# every path that names a leaf: the core's, bnbf.compose's (per-rule, per-leaf and callable hyperparameters,
+# schedules, mixed rules, max_grad_norm), the differentiable step's, the packed state's
+NAMING_FORMS = {
+    "shared": ({"lr": 1e-3}, {}),
+    "per_rule": ({"adamw": {"lr": 1e-3}}, {}),
+    "per_leaf": (None, {}),  # a tree of mappings like the params
+    "callable": (lambda path, p: {"lr": 1e-3}, {}),
+    "schedule": ({"lr": lambda t: 1e-3}, {}),
+    "max_grad_norm": ({"lr": 1e-3}, {"max_grad_norm": 1.0}),
+    "differentiable": ({"lr": 1e-3}, {"differentiable": True}),
+    "differentiable_per_leaf": (None, {"differentiable": True}),
+    "packed": ({"lr": 1e-3}, {}),
+    "mixed_rules": ({"lr": 1e-3}, {}),
+}
+NAMED_TREES = {  # (params from two tensors, their name for the second leaf)
+    "list": (lambda a, b: [a, b], "[1]"),
+    "tuple": (lambda a, b: (a, b), "[1]"),
+    "nested": (lambda a, b: {"m": [a, b]}, "['m'][1]"),
+    "dict": (lambda a, b: {"a": a, "b": b}, "['b']"),
+    "int_keys": (lambda a, b: {0: a, 1: b}, "[1]"),  # a dict's key, printed as pytree's keystr prints it: [1]
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("form", list(NAMING_FORMS))
+@pytest.mark.parametrize("tree", list(NAMED_TREES))
+def test_a_leaf_is_named_alike_on_every_path(device, fn, form, tree):
+    """A list or tuple index as [1], a dict key as ['b'] (torch.utils._pytree.keystr's style), whichever path steps
+    the call: bnbf.compose once named a list's leaf grad['1'] and a nested one grad['m.1'], the core grad[1]."""
+    make, name = NAMED_TREES[tree]
+    a, b = torch.randn(300, device=device), torch.randn(30, device=device)
+    params = make(a, b)
+    hparams, kw = NAMING_FORMS[form]
+    if hparams is None:
+        hparams = make({"lr": 1e-3}, {"lr": 2e-3})
+    state = bnbf.init_state(params, spec(bits=32 if "differentiable" in form else 8), packed=form == "packed")
+    if form == "mixed_rules":
+        state = make(bnbf.init_state(a, spec("sgd")), pytree.tree_leaves(state, is_leaf=is_state)[1])
+    grads = make(torch.randn_like(a), torch.randn(31, device=device))
+    expect_error(fn, ValueError, re.escape(f"grad{name} has shape (31,) but the param has shape (30,)"),
+                 params, grads, state, hparams, **kw)  # fmt: skip
+
+
+@pytest.mark.parametrize("tree", list(NAMED_TREES))
+@pytest.mark.parametrize("spec_form", ["one", "per_leaf", "callable", "packed"])
+def test_init_state_and_plans_name_a_leaf_alike(tree, spec_form):
+    make, name = NAMED_TREES[tree]
+    one = spec(bits=32)
+    specs = {"one": one, "per_leaf": make(one, one), "callable": lambda path, p: one, "packed": one}[spec_form]
+    bad = make(torch.randn(300), torch.ones(30, dtype=torch.int32))
+    with pytest.raises(TypeError, match=re.escape(f"param{name} has dtype torch.int32")):
+        bnbf.init_state(bad, specs, packed=spec_form == "packed")
+    params = make(torch.randn(300), torch.randn(30))
+    state = bnbf.init_state(params, specs, packed=spec_form == "packed")
+    if spec_form == "one":  # a plan: its leaves' checks, and a step's of the grads
+        with pytest.raises(TypeError, match=re.escape(f"param{name} has dtype torch.int32")):
+            bnbf.plan(bad, state)
+        grads = make(torch.randn(300), torch.randn(31))
+        with pytest.raises(ValueError, match=re.escape(f"grad{name} has shape (31,)")):
+            bnbf.plan(params, state).step(grads, {"lr": 1e-3}, 1)
 
 
 # ------------------------------------------------------------------------------------------------
