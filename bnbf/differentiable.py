@@ -76,6 +76,7 @@ def update(
         in theirs; differentiable with respect to every tensor input.
 
     Example:
+        >>> import torch, bnbf
         >>> p = torch.ones(3, dtype=torch.float64, requires_grad=True)
         >>> lr = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
         >>> s = bnbf.init_state(torch.ones(3), bnbf.OptimSpec(rule="sgd", state_bits=32))
@@ -243,6 +244,7 @@ def update_(
         ``(param, state)``, the same objects, written.
 
     Example:
+        >>> import torch, bnbf
         >>> p0 = torch.ones(3, dtype=torch.float64, requires_grad=True)
         >>> p = p0.clone()  # a non-leaf: written in place, with its history
         >>> s = bnbf.init_state(torch.ones(3), bnbf.OptimSpec(rule="sgd", state_bits=32))

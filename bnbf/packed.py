@@ -256,6 +256,7 @@ def pack_state(state: Any, param: Any) -> PackedState:
         A :class:`PackedState` whose :meth:`~PackedState.unpack` equals ``state``.
 
     Example:
+        >>> import torch, bnbf
         >>> p = {"w": torch.zeros(4096), "b": torch.zeros(8)}
         >>> s = bnbf.pack_state(bnbf.init_state(p, bnbf.OptimSpec(rule="adamw")), p)
         >>> [tuple(b.shape) for b in s.buffers]  # w's 8-bit moments and their 16 scales, b's 32-bit moments

@@ -490,15 +490,6 @@ def test_differentiable_refusals():
         bnbf.update(p, g, s, {"lr": torch.tensor(-1.0, requires_grad=True)}, 1, differentiable=True)
 
 
-def test_the_docstring_examples_run():
-    import doctest
-
-    import bnbf.differentiable
-
-    failed, tried = doctest.testmod(bnbf.differentiable, extraglobs={"torch": torch, "bnbf": bnbf})
-    assert failed == 0 and tried > 0
-
-
 @_plain_only
 def test_max_grad_norm_with_differentiable():
     """``max_grad_norm`` under ``differentiable=True`` clips (it was once ignored there): the float32 step

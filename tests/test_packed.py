@@ -10,7 +10,6 @@ suite compares with torch.optim, torch-optimizer, lion-pytorch and the papers' f
 
 from __future__ import annotations
 
-import doctest
 import pickle
 
 import pytest
@@ -31,13 +30,6 @@ SHAPES = {"w": (33, 17), "one": (1,), "b": (255,), "c": (257,), "big": (4097,), 
 HP = {"adam": {}, "adamw": {}, "lion": {}, "sgd": {"momentum": 0.9}, "rmsprop": {"momentum": 0.5, "centered": True},
       "adagrad": {}, "ademamix": {}, "lamb": {}, "lars": {"momentum": 0.9}, "adan": {}}  # fmt: skip
 RULES = ["adamw", "lion", "ademamix", "lamb"] if INTERP else list(HP)
-
-
-def test_doctests():
-    import bnbf.packed
-
-    failed, tried = doctest.testmod(bnbf.packed, extraglobs={"torch": torch, "bnbf": bnbf})
-    assert tried >= 3 and failed == 0
 
 
 def _tree(dtype, device, seed=0, lead=()):
