@@ -19,15 +19,9 @@ MODULES = sorted(
     for path in ROOT.rglob("*.py")
     if ">>>" in path.read_text()
 )
-# modules whose examples fail for now and are not this test's to mend: xfail, not strict (the fix there passes)
-KNOWN = {
-    "bnbf.kernels.members": "its examples use bnbf without importing it (to be mended where the kernels are edited)",
-}
 
 
-@pytest.mark.parametrize(
-    "name", [pytest.param(m, marks=pytest.mark.xfail(reason=KNOWN[m])) if m in KNOWN else m for m in MODULES]
-)
+@pytest.mark.parametrize("name", MODULES)
 def test_docstring_examples_run(name):
     module = importlib.import_module(name)
     tests = [t for t in doctest.DocTestFinder().find(module) if t.examples]

@@ -123,6 +123,7 @@ def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: 
         tensors those addresses belong to; the cache holds no caller tensor.
 
     Example:
+        >>> import torch, bnbf
         >>> p = torch.zeros(4, 300)  # 4 members of 300 elements
         >>> s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=0)))(p)
         >>> ps, ss = ([p], (True,)), (list(s), (True,) * len(s))
@@ -386,6 +387,7 @@ def stacked_grads(group: MemberGroup, grads: tuple, size: int) -> list[Tensor]:
         addresses with the group's last grads and, equal, uses the group's grad table, the one set here.
 
     Example:
+        >>> import torch, bnbf
         >>> p = torch.zeros(4, 300)
         >>> s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=0)))(p)
         >>> ps, ss = ([p], (True,)), (list(s), (True,) * len(s))
