@@ -647,18 +647,20 @@ def check_not_differentiated(
             _refuse(f"the hyperparameter {name}", states, in_place, ask)
 
 
-def check_clip_not_differentiated(max_grad_norm: Any, state: Any, *, in_place: bool) -> None:
+def check_clip_not_differentiated(
+    max_grad_norm: Any, state: Any, *, in_place: bool, ask: tuple[str, str] | None = None
+) -> None:
     """:func:`check_not_differentiated` for ``max_grad_norm`` (a tensor the clipping reads before the core's own
     checks see the clipped grads, which carry no history through the fused clip). Traced: what Dynamo shows (grad
-    mode and ``requires_grad``, or a torch.func grad/jvp around the call)."""
+    mode and ``requires_grad``, or a torch.func grad/jvp around the call). ``ask``: as there."""
     if torch.compiler.is_compiling():
         grad_mode = torch.is_grad_enabled()
         if isinstance(max_grad_norm, Tensor) and ((grad_mode and max_grad_norm.requires_grad) or _traced_derivative()):
-            _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
+            _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place, ask)
         return
     tracked = isinstance(max_grad_norm, Tensor) and differentiated([max_grad_norm])
     if tracked and _tracked(max_grad_norm, torch.is_grad_enabled(), forward_ad._current_level >= 0):
-        _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place)
+        _refuse("max_grad_norm", _flatten(state, is_leaf=is_state)[0], in_place, ask)
 
 
 def _refuse(what: str, states: list, in_place: bool, ask: tuple[str, str] | None = None) -> None:

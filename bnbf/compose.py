@@ -1505,13 +1505,11 @@ def _refuse_updates(params: Any, ps: list, gs: list, state: Any, max_grad_norm: 
     which steps detached float32 copies (the core would not see what is asked): it names the leaf, the option
     and this function."""
     states = pytree.tree_leaves(state, is_leaf=is_state)
-    try:
-        if max_grad_norm is not None:
-            check_clip_not_differentiated(max_grad_norm, state, in_place=False)
-        elif not torch.compiler.is_compiling():  # the leaf's name from the eager checks; traced, the error below
-            check_not_differentiated(params, ps, gs, None, None, None, states, in_place=False)
-    except RuntimeError as e:
-        raise RuntimeError(str(e).replace("to bnbf.update to", "to bnbf.updates to")) from None
+    ask = ("bnbf.updates", "OptimSpec(state_bits=32)")
+    if max_grad_norm is not None:
+        check_clip_not_differentiated(max_grad_norm, state, in_place=False, ask=ask)
+    elif not torch.compiler.is_compiling():  # the leaf's name from the eager checks; traced, the error below
+        check_not_differentiated(params, ps, gs, None, None, None, states, in_place=False, ask=ask)
     raise RuntimeError(
         "a derivative is asked through bnbf.updates, which is not differentiable by default: pass "
         "differentiable=True to bnbf.updates (32-bit state), or step detached tensors under torch.no_grad()"
