@@ -475,6 +475,22 @@ def test_a_meta_hparam_is_named(setup, fn, hparams, name):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+def test_a_meta_starting_value_is_named(device, bits):
+    """A state made from a meta hyperparameter's value (Adagrad's initial_accumulator_value) is refused naming it,
+    where torch's float() raised "Tensor.item() cannot be called on meta tensors"; a meta hyperparameter the state
+    does not start from (lr) is taken, as the capture checks take one."""
+    p = torch.randn(300, device=device)
+    snap = snapshot(p)
+    spec = bnbf.OptimSpec(rule="adagrad", state_bits=bits, min_8bit_size=0)
+    with pytest.raises(ValueError, match="^initial_accumulator_value is a meta tensor: it has no value to start"):
+        bnbf.init_state(p, spec, {"initial_accumulator_value": _meta(0.1)})
+    assert_untouched(snap, "after a refused init_state")
+    s = bnbf.init_state(p, spec, {"lr": _meta(0.1), "initial_accumulator_value": 0.1})
+    assert bool((bnbf.dequantize_state(s)["sum"] > 0).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 def test_a_meta_hparam_is_named_on_every_path(device, fn):
     """The packed state, per-leaf hyperparameters and mixed rules (bnbf.compose), the differentiable step, and a

@@ -17,7 +17,16 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, check_eps, check_lr, check_nonneg, check_weight_decay
+from bnbf.rules.base import (
+    Number,
+    Rule,
+    StateSlot,
+    check_eps,
+    check_lr,
+    check_nonneg,
+    check_weight_decay,
+    start_value,
+)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -71,5 +80,5 @@ ADAGRAD = Rule(
     scalars,
     adagrad_math,
     adagrad_reference,
-    initial=lambda h: (float(h.initial_accumulator_value),),
+    initial=lambda h: (start_value(h.initial_accumulator_value, "initial_accumulator_value"),),
 )

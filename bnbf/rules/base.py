@@ -238,6 +238,15 @@ def check_nonneg(x: Number, name: str) -> None:
             raise ValueError(f"Invalid {name} value: {m}")
 
 
+def start_value(x: Number, name: str) -> float:
+    """A hyperparameter's value that a state starts from (``initial``: Adagrad's initial_accumulator_value), read
+    once when the state is made; a meta tensor has none (``float()`` raised torch's "Tensor.item() cannot be called
+    on meta tensors", naming nothing)."""
+    if isinstance(x, Tensor) and x.device.type == "meta":
+        raise ValueError(f"{name} is a meta tensor: it has no value to start the state from")
+    return float(x)
+
+
 def check_lr(lr: Number) -> None:
     v = _value(lr, "lr")
     if v is not None and not (v >= 0.0 and finite(v)):
