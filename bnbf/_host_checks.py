@@ -33,6 +33,7 @@ from torch.utils import _pytree as pytree
 
 from bnbf.rules import RULES, get_rule
 from bnbf.rules.base import _value, member_values, members
+from bnbf.rules.base import no_value as _no_value
 from bnbf.state import Layout, State, is_state, present_mask
 
 
@@ -152,10 +153,6 @@ def _check_step_tensor(step: Tensor) -> None:
         raise TypeError(f"step must be an int or a 0-d int32/int64 tensor, got {step.dtype} {tuple(step.shape)}")
     if step.device.type == "meta":
         raise _no_value("step")
-
-
-def _no_value(name: str) -> ValueError:
-    return ValueError(f"{name} is a meta tensor: it has no value to step with")
 
 
 def check_hparam_values(values: tuple, h: Any, max_unorm: Any = None) -> None:

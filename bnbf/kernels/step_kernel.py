@@ -111,8 +111,9 @@ def _shift_ptrs(ptrs, row0, BLOCK: tl.constexpr, SLOTS: tl.constexpr):
 def _tile_offsets(chunk, numel, BLOCK: tl.constexpr, ROWS: tl.constexpr, VEC: tl.constexpr):
     rows = chunk * ROWS + tl.arange(0, ROWS)  # int64: tensors may exceed 2**31 elements
     # the same vector width for every load (fp32, bf16 and uint8) keeps one register layout for the
-    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them. The lane's
-    # own hints hold where the sum folds away with its hints (a constant tile offset of 0, see _program)
+    # whole tile; otherwise each width gets its own layout and shared-memory conversions between them. The lane
+    # carries them too: where the tile offset is the constant 0 (_program's first whole tile) the sum below folds
+    # away, and its hints with it
     lane = tl.max_contiguous(tl.multiple_of(tl.arange(0, BLOCK), VEC), VEC)
     offs = rows[:, None] * BLOCK + lane[None, :]
     offs = tl.max_contiguous(tl.multiple_of(offs, [BLOCK, VEC]), [1, VEC])

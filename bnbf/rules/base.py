@@ -243,8 +243,13 @@ def start_value(x: Number, name: str) -> float:
     once when the state is made; a meta tensor has none (``float()`` raised torch's "Tensor.item() cannot be called
     on meta tensors", naming nothing)."""
     if isinstance(x, Tensor) and x.device.type == "meta":
-        raise ValueError(f"{name} is a meta tensor: it has no value to start the state from")
+        raise no_value(name, "start the state from")
     return float(x)
+
+
+def no_value(name: str, use: str = "step with") -> ValueError:
+    """The error for a meta tensor whose value is needed (a step's, a hyperparameter's, a state's starting value)."""
+    return ValueError(f"{name} is a meta tensor: it has no value to {use}")
 
 
 def check_lr(lr: Number) -> None:
