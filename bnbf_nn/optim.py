@@ -69,12 +69,12 @@ step, before anything is written.
 Arguments bitsandbytes ignores or refuses are honoured (SGD's ``dampening`` and ``nesterov``, SGD and LARS
 without momentum, RMSprop's ``momentum`` and ``centered``, Adagrad's ``lr_decay`` and
 ``initial_accumulator_value``, Adam's and AdamW's ``amsgrad``, ``max_unorm`` for 8-bit state); ones bnbf has no
-rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``, also in a param group, where LAMB's ``bias_correction``
-is read as its groups' ``debias``, also where a hand edit sets it in a live group: at the next step) raise
-``NotImplementedError`` instead of being ignored. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay): bitsandbytes'
-``Adam`` applies decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``; torch's
-``decoupled_weight_decay`` opposite to the class is refused in a param group, where a hand edit sets it too (at the
-next step).
+rule for (LAMB's ``amsgrad=True`` and ``adam_w_mode=False``, Adan's ``max_grad_norm`` other than 0, also in a param
+group, where LAMB's ``bias_correction`` is read as its groups' ``debias``) raise ``NotImplementedError`` instead of
+being ignored, also where a hand edit sets them in a live group (at its next step, and in ``get_config``) or a loaded
+state dict's group holds them. ``Adam`` is ``torch.optim.Adam`` (L2 weight decay): bitsandbytes' ``Adam`` applies
+decoupled decay, so use ``AdamW`` for its behaviour when ``weight_decay > 0``; torch's ``decoupled_weight_decay``
+opposite to the class is refused in a param group, where a hand edit sets it too (at the next step).
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
@@ -166,6 +166,7 @@ _BNB_GROUP_KEYS = ("betas", "eps", "weight_decay")  # how bitsandbytes' groups s
 _BNB_2STATE_KEYS = ("alpha", "t_alpha", "t_beta3")  # in every bitsandbytes two-state group (AdEMAMix's settings)
 _STEP = operator.itemgetter("step")
 _ABSENT = object()  # a group's value of a key it does not hold (see Optimizer8bit._watched)
+_ABSENTS = itertools.repeat(_ABSENT)  # map(group.get, keys, _ABSENTS): each key's value, or _ABSENT
 # torch's global step hooks (private to torch.optim.optimizer; absent: torch's wrapper runs every step)
 _GLOBAL_HOOKS = tuple(
     getattr(_torch_optimizer, name, None) for name in ("_global_optimizer_pre_hooks", "_global_optimizer_post_hooks")
@@ -198,6 +199,13 @@ _NUMBER = frozenset({float, int})
 _INT = {int}
 _SCALAR = frozenset({float, int, bool, str, type(None)})
 _CONSTANT = _SCALAR | {tuple}
+
+
+def _constant_mark(mark: Any) -> bool:
+    """Whether the watched keys' values (:meth:`Optimizer8bit._settings`' mark) cannot change while the group holds
+    the same objects: absent, or numbers (a tensor's value may change in place)."""
+    marks = mark if type(mark) is tuple else (mark,)
+    return all(m is None or m is _ABSENT or _immutable(m) for m in marks)
 
 
 def _immutable(v: Any) -> bool:
@@ -612,12 +620,19 @@ class Optimizer8bit(torch.optim.Optimizer):
         # what a bucket's settings are made from, the lr last (see _settings)
         self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
         self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
-        # the one group key besides the rule's own that the step reads, which a group need not hold: torch.optim.Adam's
-        # decoupled_weight_decay (refused opposite to the class), LAMB's bias_correction (read as its groups' debias).
-        # Checked where a group is made, added or loaded, and by the step where a hand edit set it (_read_watched):
-        # each step reads it once per bucket, and memoized settings hold its value (see _settings)
+        # the group keys besides the rule's own that the step reads, which a group need not hold: torch.optim.Adam's
+        # decoupled_weight_decay (refused opposite to the class), and the family's arguments that the rule has under
+        # another name (LAMB's bias_correction: its groups' debias) or not at all (LAMB's amsgrad and adam_w_mode,
+        # Adan's max_grad_norm: taken at one value). Checked where a group is made, added or loaded, and by the step
+        # where a hand edit set one (_read_watched); memoized settings hold their values (see _settings)
         adamish = self.family.rule in ("adam", "adamw")
-        self._watched = "decoupled_weight_decay" if adamish else next((k for k, _ in self.family.renames), None)
+        fields = {f.name for f in dataclasses.fields(self._rule.hparams)}
+        renamed = dict(self.family.renames)
+        args = tuple(k for k, _ in self.family.args if k in renamed or k not in fields)
+        self._watched = (("decoupled_weight_decay",) if adamish else ()) + args
+        # how _settings reads them: one key by one dict lookup; several by one C-level test, which finds none
+        # held in the usual case (LAMB's three), their values read only where the group holds one
+        self._watch = None if not self._watched else self._watched[0] if len(self._watched) == 1 else self._watched
         # bitsandbytes' spellings of this family's settings that are not its own keys (SGD's betas = (momentum,
         # dampening)...): a group holding one is checked against the settings it spells (_check_bnb_spelling;
         # not the constants bitsandbytes never reads, Adagrad's betas and Lion's eps)
@@ -799,18 +814,44 @@ class Optimizer8bit(torch.optim.Optimizer):
                 f"weight decay only; use the {other} classes (bnbf_nn.{other}, ...8bit, ...32bit) for the other"
             )
 
-    def _read_watched(self, group: dict) -> None:
-        """The group's :attr:`_watched` key, which it holds (set by hand since the group was added, or loaded), as
-        the step reads it: ``decoupled_weight_decay`` checked, LAMB's ``bias_correction`` read as the group's
-        ``debias`` (the group's value of it, written after the step last read the group: this step had dropped
-        it), checked before it is written."""
-        key = self._watched
-        ours = dict(self.family.renames).get(key)
-        if ours is None:
-            self._check_decoupled(group)
-            return
-        self._check_group({**group, ours: group[key]})
-        group[ours] = group.pop(key)
+    def _read_watched(self, group: dict, where: str | None = None) -> None:
+        """The :attr:`_watched` keys the group holds (set by hand since the group was added, or loaded), read as the
+        step reads them (:meth:`_watched_settings`); a renamed one (LAMB's ``bias_correction``) is then moved into
+        the rule's key (``debias``: the group's value of it is older, this step had dropped it). Nothing is written
+        where one is refused."""
+        read = self._watched_settings(group, where)
+        for key, ours in self.family.renames:
+            if ours in read:
+                del group[key]
+        group.update(read)
+
+    def _watched_settings(self, group: Mapping, where: str | None = None) -> dict:
+        """What the step reads from the :attr:`_watched` keys ``group`` holds, refusing as the constructor refuses:
+        ``decoupled_weight_decay`` opposite to the class, an argument the rule lacks at another value than its
+        one (``NotImplementedError`` naming the key and ``where``, by default the group's index), a renamed one
+        checked as the rule's key. Returns the renamed ones under the rule's keys (``{"debias": ...}``)."""
+        held = [k for k in self._watched if k in group]
+        if not held:
+            return {}
+        if where is None:
+            where = f" in param group {_index_of(self.param_groups, group)}"
+        defaults = dict(self.family.args)
+        read = {}
+        for key in held:
+            if key in defaults:
+                ours = self.family.hparam_of(key, group[key], defaults[key], type(self).__name__, where)
+                if ours is not None:
+                    read[ours] = group[key]
+        try:
+            if "decoupled_weight_decay" in held:
+                self._check_decoupled(group)
+            if read:
+                self._check_group({**group, **read})
+        except (TypeError, ValueError) as e:  # the words of a check that names no group
+            if "param group" not in str(e) and not getattr(e, "__notes__", None):
+                e.add_note(f"({where.strip()} of {type(self).__name__})")
+            raise
+        return read
 
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
@@ -896,7 +937,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         ``lr``, ``alpha``, ``t_alpha``, ``t_beta3``, ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and
         ``skip_zeros``, then every other setting the param's :class:`GlobalOptimManager` overrides; each with the
         param's overrides applied, through the functions the step reads them with (an ``lr`` override relative to
-        the group's lr). The step never calls it (one fused call per group)."""
+        the group's lr). The step never calls it (one fused call per group). A group holding a key set by hand that
+        the next step reads (LAMB's ``bias_correction`` as its ``debias``...) is read as that step reads it, and a
+        value the step refuses raises here too."""
+        read = self._watched_settings(group, f" in param group {gindex}")
+        group = {**group, **read} if read else group
         p = self.param_groups[gindex]["params"][pindex]
         override = self._overrides([p]).get(id(p), {})
         spec = self._spec(group, override)
@@ -1360,11 +1405,21 @@ class Optimizer8bit(torch.optim.Optimizer):
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
         if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):
             self._sync_bnb_spelling(group)
-        watched = self._watched  # (one dict lookup: a hand edit of it is read at this step, see _read_watched)
-        mark = None if watched is None else group.get(watched, _ABSENT)
+        # the watched keys' values, so that a hand edit of one is read at this step (see _read_watched)
+        watch = self._watch
+        if watch is None:
+            mark = None
+        elif type(watch) is str:
+            mark = group.get(watch, _ABSENT)
+        else:
+            mark = _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
         seen = self._seen(group)
         memo = bucket.memo
-        if memo is not None and mark is memo[2]:
+        # several keys' values are a new tuple at each read: the very same objects as the memo's (none edited)
+        if memo is not None and (
+            mark is memo[2]
+            or (type(mark) is tuple and type(memo[2]) is tuple and all(map(operator.is_, mark, memo[2])))
+        ):
             if all(map(operator.is_, seen, memo[0])):
                 return memo[1]
             if type(seen[-1]) in _NUMBER and all(map(operator.is_, seen[:-1], memo[0][:-1])):
@@ -1376,7 +1431,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         bucket.memo = None
         if mark is not None and mark is not _ABSENT:
             self._read_watched(group)
-            mark, seen = group.get(watched, _ABSENT), self._seen(group)
+            if type(watch) is str:
+                mark = group.get(watch, _ABSENT)
+            else:  # (as read above)
+                mark = _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
+            seen = self._seen(group)
         self._spec(group)  # storage settings written into the group later (optim_bits=7): made states keep theirs
         if self._bnb_ranges:  # what the constructor refuses, written into the group (or an override) later
             _check_bnb_betas(self.family, {**group, **bucket.override}, type(self).__name__)
@@ -1401,7 +1460,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._relayout(group, bucket, h)
             # not memoized: the fast step holds the bucket's old plan; the next step's checks memoize the new layout
             return h, kw
-        if not override and numbers:
+        if not override and numbers and _constant_mark(mark):
             bucket.memo = (seen, (h, kw), mark)  # a tensor may change in place: such settings are checked every step
         return h, kw
 
@@ -1869,7 +1928,11 @@ class Optimizer8bit(torch.optim.Optimizer):
             ours = set(group) - {"params", _ORIGIN} - set(_STORAGE)  # how states are stored stays this optimizer's
             if not origin:  # bitsandbytes' own: a setting it fills with a constant says nothing
                 ours -= {k for k, how in self.family.bnb_group if not isinstance(how, (str, tuple))}
-            new = {k: v for k, v in group.items() if k != "params"}
+            # the live group's settings that the state dict lacks stay (bitsandbytes' lack some); not its watched keys,
+            # which the saved group states (absent: the value a group steps without them), but a renamed one set by
+            # hand since the live group last stepped, which that step would have read as the rule's key
+            new = {k: v for k, v in group.items() if k != "params" and k not in self._watched}
+            new.update((ours, group[key]) for key, ours in self.family.renames if key in group)
             new.update(
                 {
                     k: deepcopy(v)
@@ -1887,6 +1950,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 new["max_unorm"] = 0.0  # bitsandbytes' default (its PytorchLARS' groups hold it), read as _storage does
             new[_ORIGIN], new["params"] = self._origin(), group["params"]
             try:
+                self._read_watched(new, f" in param group {gi} of the state dict")
                 self._check_group(new)
             except (ValueError, TypeError) as e:
                 raise ValueError(f"param group {gi} of the state dict: {e}") from None

@@ -222,6 +222,36 @@ def test_get_config_reports_the_hyperparameters_the_step_uses():
     assert sgd.get_config(0, 0, sgd.param_groups[0])["betas"] == (0.5, 0.0)
 
 
+@pytest.mark.parametrize(
+    "cls,key,value,error,match",
+    [
+        (bnbf_nn.LAMB8bit, "amsgrad", True, NotImplementedError, "amsgrad=True in param group 1 is not supported"),
+        (bnbf_nn.Adan, "max_grad_norm", 1.0, NotImplementedError, "max_grad_norm=1.0 in param group 1 is not"),
+        (bnbf_nn.LAMB, "bias_correction", "yes", TypeError, "debias must be a bool"),
+        (bnbf_nn.AdamW8bit, "decoupled_weight_decay", False, ValueError, "steps AdamW's weight decay only"),
+    ],
+    ids=lambda v: getattr(v, "__name__", None) if isinstance(v, type) else None,
+)
+def test_get_config_refuses_a_hand_edit_the_next_step_refuses(cls, key, value, error, match):
+    """A group setting written by hand that the next step reads and refuses (one bnbf's rule lacks, LAMB's
+    bias_correction as its debias, torch's decoupled_weight_decay opposite to the class): get_config answered as if
+    the group did not hold it; it reads the group as that step will, raising the step's error (which names the
+    group), with the group kept."""
+    ps = _params(8, 8)
+    opt = cls([{"params": ps[:1]}, {"params": ps[1:]}])
+    _step(opt, ps)
+    group = opt.param_groups[1]
+    group[key] = value
+    kept = dict(group)
+    with pytest.raises(error, match=match):
+        opt.get_config(1, 0, group)
+    with pytest.raises(error, match=match) as e:
+        _step(opt, ps)
+    assert "param group 1" in " ".join([str(e.value), *getattr(e.value, "__notes__", ())])  # (on the fast path too)
+    assert group == kept
+    assert list(opt.get_config(0, 0, opt.param_groups[0])) == BNB_CONFIG_KEYS  # the other group reads as it did
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
 def test_attributes_survive_deepcopy_and_pickles(how, monkeypatch):
     """``initialized`` and ``name2qmap`` are kept; an optimizer pickled before they existed gets them as its

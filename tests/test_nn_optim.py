@@ -710,6 +710,114 @@ def test_decoupled_weight_decay_set_in_a_group_later_is_refused_at_the_next_step
     assert [opt.state[p]["step"] for p in params] == [3] * len(params)
 
 
+# the family arguments bnbf's rule lacks, which the constructor and add_param_group take at one value only:
+# (class, key, a value they refuse, the value they take)
+RULELESS_ARGS = [
+    (bnbf_nn.LAMB8bit, "amsgrad", True, False),
+    (bnbf_nn.LAMB32bit, "adam_w_mode", False, True),
+    (bnbf_nn.Adan8bit, "max_grad_norm", 1.0, 0.0),
+]
+
+
+def _kept(opt, params) -> tuple:
+    """What a refused call must leave as it was: the params, the states, the step counts and the group dicts."""
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    states = [[t.clone() for t in opt.state[p]["state"]] for p in params]
+    return [p.detach().clone() for p in params], states, [opt.state[p]["step"] for p in params], copy.deepcopy(groups)
+
+
+def _assert_kept(opt, params, kept: tuple) -> None:
+    now = _kept(opt, params)
+    for what, a, b in zip(("param", "state"), now[:2], kept[:2]):
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert all(map(torch.equal, x, y)) if what == "state" else torch.equal(x, y), f"{what} {i}"
+    assert now[2:] == kept[2:]
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["key added", "key flipped"])
+@pytest.mark.parametrize("cls,key,refused,taken", RULELESS_ARGS, ids=lambda v: getattr(v, "__name__", repr(v)))
+def test_an_argument_the_rule_lacks_set_in_a_group_later_is_refused_at_the_next_step(cls, key, refused, taken, held):
+    """LAMB's amsgrad and adam_w_mode and Adan's max_grad_norm, which bnbf's rules lack (the constructor and
+    add_param_group take them at one value), written into a live group by hand were ignored: the step reads the
+    rule's keys. The next step refuses another value as the constructor does, naming the key and the group, on the
+    fast path and the general one, with nothing changed; the one value steps as a twin whose group lacks the key."""
+    a, b = make_params(), make_params()
+    grads = make_grads(a, 4)
+    opt = cls([{"params": a[:1]}, {"params": a[1:], **({key: taken} if held else {})}], min_8bit_size=MIN8)
+    twin = cls([{"params": b[:1]}, {"params": b[1:]}], min_8bit_size=MIN8)
+    run_adapter(opt, a, grads[:2])
+    run_adapter(twin, b, grads[:2])
+    opt.param_groups[1][key] = refused
+    kept = _kept(opt, a)
+    message = f"^{cls.__name__}: {key}={refused!r} in param group 1 is not supported"
+    for args in ((), (lambda: None,)):  # the fast path, then the general one (a closure)
+        with pytest.raises(NotImplementedError, match=message):
+            opt.step(*args)
+        _assert_kept(opt, a, kept)
+    opt.param_groups[1][key] = taken
+    run_adapter(opt, a, grads[2:])
+    run_adapter(twin, b, grads[2:])
+    assert_same(opt, a, [p.detach() for p in b], [twin.state[p]["state"] for p in b])
+
+
+def test_an_argument_the_rule_lacks_held_as_a_tensor_is_read_at_every_step():
+    """A tensor there (Adan's max_grad_norm=torch.tensor(0.0), its one value) may change in place, as a scheduler
+    fills a tensor lr: the settings of a group holding it are not memoized, and a value filled in later is refused at
+    the next step (memoized with them, it was ignored)."""
+    params = make_params()
+    opt = bnbf_nn.Adan8bit([{"params": params, "max_grad_norm": torch.tensor(0.0)}], min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 2))
+    opt.param_groups[0]["max_grad_norm"].fill_(1.0)
+    with pytest.raises(NotImplementedError, match=r"max_grad_norm=tensor\(1\.\) in param group 0 is not supported"):
+        run_adapter(opt, params, make_grads(params, 1))
+
+
+@pytest.mark.parametrize("cls,key,refused,taken", RULELESS_ARGS, ids=lambda v: getattr(v, "__name__", repr(v)))
+def test_a_state_dict_group_with_a_refused_argument_is_refused_at_load(cls, key, refused, taken):
+    """A saved group holding one of them at a value the constructor refuses (saved after a hand edit) loaded, and
+    was ignored from then on; the load refuses it as the step does, before anything is loaded."""
+    a = make_params()
+    opt = cls(a, min_8bit_size=MIN8)
+    run_adapter(opt, a, make_grads(a, 1))
+    sd = opt.state_dict()
+    sd["param_groups"][0][key] = refused
+    kept = _kept(opt, a)
+    with pytest.raises(NotImplementedError, match=f"{key}={refused!r} in param group 0 of the state dict"):
+        opt.load_state_dict(sd)
+    _assert_kept(opt, a, kept)
+    sd["param_groups"][0][key] = taken
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0][key] == taken
+
+
+def test_a_load_replaces_lambs_bias_correction_set_by_hand_before_it():
+    """A live group's bias_correction set by hand and not yet stepped outlived a load (whose group holds debias):
+    the next step read it over the loaded debias. The saved group states the settings, as in torch.optim; a saved
+    group's own bias_correction is read as its debias, and one that is not a bool is refused at the load."""
+    a, b = make_params(), make_params()
+    grads = make_grads(a, 4)
+    opt, twin = bnbf_nn.LAMB8bit(a, min_8bit_size=MIN8), bnbf_nn.LAMB8bit(b, min_8bit_size=MIN8)
+    run_adapter(opt, a, grads[:2])
+    sd = copy.deepcopy(opt.state_dict())  # debias True
+    with torch.no_grad():
+        for p, q in zip(b, a):
+            p.copy_(q)
+    opt.param_groups[0]["bias_correction"] = False
+    opt.load_state_dict(sd)
+    twin.load_state_dict(sd)
+    assert "bias_correction" not in opt.param_groups[0] and opt.param_groups[0]["debias"] is True
+    run_adapter(opt, a, grads[2:3])
+    run_adapter(twin, b, grads[2:3])
+    assert_same(opt, a, [p.detach() for p in b], [twin.state[p]["state"] for p in b])
+    sd["param_groups"][0]["bias_correction"] = False
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["debias"] is False and "bias_correction" not in opt.param_groups[0]
+    sd["param_groups"][0]["bias_correction"] = "yes"
+    with pytest.raises(ValueError, match="param group 0 of the state dict: .*debias must be a bool"):
+        opt.load_state_dict(sd)
+    assert opt.param_groups[0]["debias"] is False
+
+
 def test_add_param_group_and_its_validation():
     opt = bnbf_nn.Lion8bit(make_params(), min_8bit_size=MIN8)
     later = make_params(seed=5)
