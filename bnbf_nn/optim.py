@@ -581,6 +581,7 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     family: Family
     _bnb_ranges = False  # whether the constructor refuses what bitsandbytes' does of its betas (then steps too)
+    _in_step = False  # set while a subclass's own step runs, whose wrapper runs torch's step hooks (_outermost)
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         # a subclass overriding one of bitsandbytes' per-param hooks expects it to be called: bnbf_nn's step is
@@ -593,6 +594,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                 "GlobalOptimManager.override_config or param groups instead"
             )
         super().__init_subclass__(**kwargs)
+        step = vars(cls).get("step")
+        if isinstance(step, types.FunctionType) and not getattr(step, "hooked", False):
+            cls.step = _outermost(step)
 
     def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
         self.is_paged = _flag(is_paged, "is_paged", type(self).__name__)
@@ -964,6 +968,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             return None
         if self._stale is not None:  # (never set while _fast is)
             raise RuntimeError(self._stale)
+        if self._in_step:  # called by a subclass's step, around which the hooks run (see _outermost)
+            return self._step(*args, **kwargs)
         if _plain_step(self):
             out = self._step(*args, **kwargs)
             self._optimizer_step_code()
@@ -2155,6 +2161,31 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
 
 # the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed
 Optimizer8bit._hooked_step = torch.optim.Optimizer.profile_hook_step(Optimizer8bit._step)
+
+
+def _outermost(step: Any) -> Any:
+    """A subclass's own ``step`` with torch's wrapper (step hooks, profiler range) around it once: torch wraps an
+    unmarked ``step`` of the class it makes (this one), and the base class's step, which the subclass's calls,
+    would run the hooks again inside it (torch.optim.AdamW's subclasses run them once, unless an AdamW was made
+    too). Where :func:`_plain_step` finds nothing to run, as the base class's step, without the range."""
+    hooked = torch.optim.Optimizer.profile_hook_step(step)
+
+    @functools.wraps(step)
+    def outermost(self, *args, **kwargs):
+        if self._in_step:  # within another overridden step (a subclass of a subclass, or a step calling itself)
+            return step(self, *args, **kwargs)
+        self._in_step = True
+        try:
+            if not _plain_step(self):
+                return hooked(self, *args, **kwargs)
+            out = step(self, *args, **kwargs)
+            self._optimizer_step_code()
+            return out
+        finally:
+            self._in_step = False
+
+    outermost.hooked = True  # (torch's _patch_step_function wraps a step without it)
+    return outermost
 
 
 @dataclasses.dataclass

@@ -15,8 +15,12 @@ import dataclasses
 import fractions
 import inspect
 import io
+import json
 import pickle
+import subprocess
+import sys
 import warnings
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -1053,6 +1057,82 @@ def test_step_wrapper_as_torchs():
     assert "Optimizer.step#AdamW8bit.step" in {e.name for e in prof.events()}
     assert all(opt.state[p]["step"] == 3 for p in params)
     assert getattr(type(opt).step, "hooked", False), "torch would wrap the step in its profiler range every call"
+
+
+# a subclass whose step calls super().step(), stepped with a step pre-hook and a post-hook: the hooks' calls, in a
+# process that made no optimizer of the base class, and in one that made one first
+_SUBCLASS_STEP = """
+import json, sys, torch, bnbf_nn
+
+
+def calls(base, make_base=False):
+    class Sub(base):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    if make_base:
+        base([torch.nn.Parameter(torch.ones(1))])
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    opt, seen = Sub([p]), []
+    opt.register_step_pre_hook(lambda *a: seen.append("pre"))
+    opt.register_step_post_hook(lambda *a: seen.append("post"))
+    opt.step()
+    return seen
+
+
+base = torch.optim.AdamW if sys.argv[1] == "torch" else bnbf_nn.AdamW8bit
+print(json.dumps([calls(base), calls(base, make_base=True)]))
+"""
+
+
+def _subclass_step_calls(which: str) -> list:
+    run = subprocess.run(
+        [sys.executable, "-c", _SUBCLASS_STEP, which],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=Path(__file__).parent.parent,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def test_a_subclass_overriding_step_runs_torchs_step_hooks_once():
+    """A subclass whose step calls super().step() ran torch's step hooks twice: torch wraps the subclass's step, and
+    the base class's step ran them again within it. A subclass of torch.optim.AdamW runs them once, in a process that
+    made no AdamW (making one wraps AdamW's own step too, and then torch runs them twice: torch's class patching, not
+    a contract); ours runs them once either way."""
+    once = ["pre", "post"]
+    assert _subclass_step_calls("torch") == [once, ["pre", "pre", "post", "post"]]
+    assert _subclass_step_calls("bnbf_nn") == [once, once]
+
+
+def test_a_subclass_of_a_subclass_overriding_step_runs_the_hooks_once_around_the_outermost():
+    """Hooks around the outermost overridden step only: a subclass of a subclass, each overriding step; a pre-hook's
+    new arguments reach the outer step, which returns the closure's loss."""
+    order = []
+
+    class Inner(bnbf_nn.AdamW8bit):
+        def step(self, closure=None):
+            order.append("inner")
+            return super().step(closure)
+
+    class Outer(Inner):
+        def step(self, closure=None):
+            order.append("outer")
+            return super().step(closure)
+
+    params = make_params()
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt = Outer(params, min_8bit_size=MIN8)
+    opt.step()
+    opt.register_step_pre_hook(lambda o, a, k: (order.append("pre"), (a, {"closure": lambda: torch.tensor(3.0)}))[1])
+    opt.register_step_post_hook(lambda o, a, k: order.append("post"))
+    assert float(opt.step()) == 3.0
+    assert order == ["outer", "inner", "pre", "outer", "inner", "post"]
+    assert all(opt.state[p]["step"] == 2 for p in params) and not opt._in_step
 
 
 @pytest.mark.parametrize("bits", [8, 32])
