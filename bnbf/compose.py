@@ -1285,7 +1285,9 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
             check_hparam_values(rule.scalars(h, 1), h)  # (max_unorm: refused by the first group's call)
     if not set(map(type, parts.params)) <= _PLAIN_TENSORS and any(map(is_dtensor, parts.params)):
         # a DTensor's data_ptr is 0: the memory the groups' steps write is the local shards'
-        ps, gs, ss = bnbf.distributed._local_views(parts.params, parts.grads, parts.states, parts.groups, max_unorm)
+        ps, gs, ss = bnbf.distributed._local_views(
+            parts.params, parts.grads, parts.states, parts.groups, max_unorm, parts.names
+        )
         parts = dataclasses.replace(parts, params=ps, grads=gs, states=ss)
     tensors = list(parts.params)
     for st in parts.states:

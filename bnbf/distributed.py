@@ -45,7 +45,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
-from bnbf._host_checks import _flatten, _unflatten, check_not_differentiated, clips, keystr
+from bnbf._host_checks import LeafName, _flatten, _unflatten, check_not_differentiated, clips, keystr
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -129,18 +129,50 @@ class _ById:
         d[k] = (weakref.ref(key, gone), value)
 
 
+class _Names:
+    """The leaves' key paths as the core's messages print them (``['w']``, ``[1]``, ``['m'][0]``), worked out from
+    ``make()`` at the first message that needs one: a step that raises nothing pays for none."""
+
+    __slots__ = ("_make", "_names")
+
+    def __init__(self, make: Any):
+        self._make = make
+        self._names = None
+
+    def __getitem__(self, i: int) -> str:
+        if self._names is None:
+            self._names = self._make()
+        return self._names[i]
+
+
+def _names_of(tree: Any) -> _Names:
+    return _Names(functools.partial(_names, tree))
+
+
+def _names_of_spec(spec: Any, n: int) -> _Names:
+    """The names of the ``n`` leaves of a structure (:func:`bnbf._host_checks._flatten`'s or pytree's spec)."""
+    return _Names(lambda: _names(_unflatten(list(range(n)), spec)))
+
+
+def _names_of_keys(keys: list) -> _Names:
+    """The names of a flat dict's leaves (:mod:`bnbf.compose`'s groups: a :class:`bnbf._host_checks.LeafName` key
+    is named by the leaf's key path in the caller's tree)."""
+    return _Names(lambda: [keystr((pytree.MappingKey(k),)) for k in keys])
+
+
 # DTensor param -> its _Shards (the split costs tens of microseconds to work out; a step needs it for every
 # param). Weak on the key; an entry is used only while the param keeps its mesh, placements and shape.
 _SHARDS = _ById()
 
 
-def _shards(p: DTensor, where: str = "") -> _Shards:
+def _shards(p: DTensor, names: _Names | None = None, i: int = 0, what: str = "param") -> _Shards:
     """The split of ``p``: only ``Replicate`` and at most one ``Shard(0)`` (FSDP2, HSDP), whose shards are
-    contiguous element ranges of the flattened tensor; anything else raises."""
+    contiguous element ranges of the flattened tensor; anything else raises, naming ``p`` as ``what`` and its
+    leaf's name ``names[i]`` (nothing where ``names`` is None: a lone tensor or state)."""
     hit = _SHARDS.get(p)
     if hit is not None and hit[0] is p.device_mesh and hit[1] == p.placements and hit[2] == p.shape:
         return hit[3]
-    made = _split(p, where)
+    made = _split(p, what + (names[i] if names is not None else ""))
     _SHARDS[p] = (p.device_mesh, p.placements, p.shape, made)
     return made
 
@@ -152,11 +184,11 @@ def _split(p: DTensor, where: str) -> _Shards:
         pl = placements[i]
         if type(pl) is not Shard or pl.dim != 0:  # _StridedShard (a Shard) splits rows in another order
             raise NotImplementedError(
-                f"param{where} has placements {placements}: bnbf steps DTensors that are Replicate or Shard(0) "
+                f"{where} has placements {placements}: bnbf steps DTensors that are Replicate or Shard(0) "
                 f"(FSDP2's layout); redistribute it first"
             )
     if len(shard_dims) > 1:
-        raise NotImplementedError(f"param{where} has placements {placements}: at most one Shard(0) is supported")
+        raise NotImplementedError(f"{where} has placements {placements}: at most one Shard(0) is supported")
     shape = tuple(p.shape)
     numel = p.numel()
     if not shard_dims:
@@ -172,7 +204,7 @@ def _split(p: DTensor, where: str) -> _Shards:
     counts = tuple((row0[r + 1] - row0[r]) * per_row for r in range(world))
     local_shape, offset = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
     if offset[0] * per_row != starts[index] or torch.Size(local_shape).numel() != counts[index]:
-        raise NotImplementedError(f"param{where}: DTensor's Shard(0) split is not torch.chunk's; unsupported")
+        raise NotImplementedError(f"{where}: DTensor's Shard(0) split is not torch.chunk's; unsupported")
     return _Shards(p.device_mesh, placements, mesh_dim, world, index, starts, counts)
 
 
@@ -192,8 +224,9 @@ def _scale_placements(sh: _Shards) -> list:
 _LOCAL = _ById()
 
 
-def _local_state(s: Any, sh: _Shards) -> Any:
-    """The state of the local shard (plain tensors sharing the DTensors' storage)."""
+def _local_state(s: Any, sh: _Shards, names: _Names | None = None, i: int = 0) -> Any:
+    """The state of the local shard (plain tensors sharing the DTensors' storage); ``names[i]``: the state's name,
+    for messages."""
     if not s:  # a rule state with no slots (SGD without momentum)
         return s
     first = s[0]
@@ -206,7 +239,8 @@ def _local_state(s: Any, sh: _Shards) -> Any:
     fields = []
     for name, t in zip(s._fields, s):
         if not isinstance(t, DTensor):
-            raise TypeError(f"state field {name!r} of a DTensor param must be a DTensor, got {type(t).__name__}")
+            where = names[i] if names is not None else ""
+            raise TypeError(f"state{where}.{name} of a DTensor param must be a DTensor, got {type(t).__name__}")
         local = t._local_tensor
         if layout.quantized and name.endswith("_absmax"):
             local = local[0, : _blocks(sh.count, layout.block_size)]  # this shard's row, without padding
@@ -260,22 +294,33 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None) -> Any:
     leaves, treespec = pytree.tree_flatten_with_path(param)
     if not any(isinstance(p, DTensor) for _, p in leaves):
         return bnbf.init_state(param, spec, hparams)
-    shards = [_shards(p, keystr(k)) if isinstance(p, DTensor) else None for k, p in leaves]
+    names = _Names(lambda: [keystr(k) for k, _ in leaves])
+    shards = [_shards(p, names, i) if isinstance(p, DTensor) else None for i, (_, p) in enumerate(leaves)]
     # the layout of the global tensor: min_8bit_size compared with the global numel, not the shard's
     big = dataclasses.replace(spec, min_8bit_size=0)
     small = dataclasses.replace(spec, state_bits=32)
-    local = [p.to_local() if isinstance(p, DTensor) else p for _, p in leaves]
+    # keyed by LeafName, so that the core's messages name each leaf by its key path in ``param``
+    local = {_leaf_key(i, k): p.to_local() if isinstance(p, DTensor) else p for i, (k, p) in enumerate(leaves)}
+    keys = list(local)
     out = [None] * len(leaves)
     for variant in (big, small):
         idx = [i for i, (_, p) in enumerate(leaves) if (p.numel() >= spec.min_8bit_size) == (variant is big)]
         if idx:
-            made = bnbf.init_state([local[i] for i in idx], variant, hparams)
-            for i, s in zip(idx, made):
+            made = bnbf.init_state({keys[i]: local[keys[i]] for i in idx}, variant, hparams)
+            for i, s in zip(idx, made.values()):
                 out[i] = s
     for i, (_, p) in enumerate(leaves):
         if shards[i] is not None:
             out[i] = _wrap_state(out[i], shards[i], p.shape, p.stride())
     return pytree.tree_unflatten(out, treespec)
+
+
+def _leaf_key(i: int, keypath: tuple) -> LeafName:
+    """A unique key for leaf ``i`` of a flat dict handed to the core, by which its messages name the leaf
+    ``keypath``."""
+    key = LeafName(i)
+    key.keypath = keypath
+    return key
 
 
 def relaid(state: Any, stacks: tuple | None) -> Any:
@@ -298,7 +343,7 @@ def relaid(state: Any, stacks: tuple | None) -> Any:
     like = _param_like(state)
     if not isinstance(like, DTensor):
         return _relaid_plain(state, stacks)
-    sh = _shards(like)
+    sh = _shards(like, what="state")
     layout = type(state).layout
     rule = get_rule(layout.rule)
     groups = stack_groups(layout, stacks)
@@ -361,44 +406,54 @@ def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(out))
 
 
-def _localize(params: list, grads: list, states: list) -> tuple[list, list, list, list]:
+def _localize(params: list, grads: list, states: list, names: _Names) -> tuple[list, list, list, list]:
     """Local tensors of every leaf; checks the DTensor leaves (all before anything is written)."""
     if not (len(params) == len(grads) == len(states)):
         raise ValueError(f"got {len(params)} params, {len(grads)} grads and {len(states)} states")
     lp, lg, ls, shards = [], [], [], []
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        sh = _check_leaf(i, p, g, s)
-        local = (p, g, s, None) if sh is None else (p._local_tensor, _local_grad(i, p, g, sh), _local_state(s, sh), sh)
+        sh = _check_leaf(names, i, p, g, s)
+        local = (
+            (p, g, s, None)
+            if sh is None
+            else (p._local_tensor, _local_grad(names, i, p, g, sh), _local_state(s, sh), sh)
+        )
         for out, x in zip((lp, lg, ls, shards), local):
             out.append(x)
     return lp, lg, ls, shards
 
 
-def _check_leaf(i: int, p: Any, g: Any, s: Any) -> _Shards | None:
+def _check_leaf(names: _Names, i: int, p: Any, g: Any, s: Any) -> _Shards | None:
     """A leaf's checks but a DTensor param's grad's (:func:`_check_grad`), from metadata alike on every rank: a
     DTensor param's split and state, a plain param's plain grad and state. Returns the DTensor param's split
-    (None for a plain param)."""
+    (None for a plain param). ``names[i]``: the leaf's name, for messages."""
     if not is_state(s):
-        raise TypeError(f"state [{i}] must be a bnbf state, got {type(s).__name__}")
+        raise TypeError(f"state{names[i]} must be a bnbf state, got {type(s).__name__}")
     if not isinstance(p, DTensor):
         if isinstance(g, DTensor) or any(isinstance(t, DTensor) for t in s):
-            raise TypeError(f"[{i}]: got mixed torch.Tensor and DTensor (a plain param needs plain grad and state)")
+            raise TypeError(
+                f"param{names[i]}: got mixed torch.Tensor and DTensor (a plain param needs a plain grad and state)"
+            )
         return None
-    sh = _shards(p, f" [{i}]")
-    _check_state(i, p, s, sh)
+    sh = _shards(p, names, i)
+    _check_state(names, i, p, s, sh)
     return sh
 
 
-def _local_views(params: list, grads: list, states: list, groups: list, max_unorm: Any) -> tuple[list, list, list]:
+def _local_views(
+    params: list, grads: list, states: list, groups: list, max_unorm: Any, keys: list
+) -> tuple[list, list, list]:
     """For :func:`bnbf.compose.update_`, which checks every group of a call before the first steps (each group
     then steps through :func:`update_`): every leaf checked as :func:`update_` checks it and each group's norms as
     :func:`check_step`, with no collective; then each leaf's local tensors, for the core's checks of memory (a
-    grad in other placements, ``Partial``: the local tensor its redistribution will read)."""
+    grad in other placements, ``Partial``: the local tensor its redistribution will read). ``keys``: the leaves'
+    keys in the groups' dicts (:func:`_names_of_keys`), for messages."""
+    names = _names_of_keys(keys)
     shards = []
     for i, (p, g, s) in enumerate(zip(params, grads, states)):
-        sh = _check_leaf(i, p, g, s)
+        sh = _check_leaf(names, i, p, g, s)
         if sh is not None:
-            _check_grad(i, p, g, sh)
+            _check_grad(names, i, p, g, sh)
         shards.append(sh)
     for _, idx in groups:
         check_step([params[i] for i in idx], type(states[idx[0]]).layout.rule, max_unorm)
@@ -408,21 +463,21 @@ def _local_views(params: list, grads: list, states: list, groups: list, max_unor
     return lp, lg, ls
 
 
-def _check_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> None:
+def _check_grad(names: _Names, i: int, p: DTensor, g: Any, sh: _Shards) -> None:
     """A DTensor param's grad: a DTensor on the param's mesh, of its global shape (the local shapes of a (301,)
     grad and a (300,) param agree on one rank of two and not on the other)."""
     if not isinstance(g, DTensor):
-        raise TypeError(f"grad [{i}]: got mixed torch.Tensor and DTensor (a DTensor param needs a DTensor grad)")
+        raise TypeError(f"grad{names[i]}: got mixed torch.Tensor and DTensor (a DTensor param needs a DTensor grad)")
     mesh = g.device_mesh
     if mesh is not sh.mesh and mesh != sh.mesh:  # `is` first: DeviceMesh's == compares its whole layout
-        raise ValueError(f"grad [{i}] is on another device mesh than its param")
+        raise ValueError(f"grad{names[i]} is on another device mesh than its param")
     if g._spec.shape != p._spec.shape:  # the specs': DTensor.shape costs 3x as much (~0.1 us a leaf)
-        raise ValueError(f"grad [{i}] has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
+        raise ValueError(f"grad{names[i]} has shape {tuple(g.shape)} but the param has shape {tuple(p.shape)}")
 
 
-def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
+def _local_grad(names: _Names, i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
     """The local tensor of a DTensor param's grad, in the param's placements, after its checks."""
-    _check_grad(i, p, g, sh)
+    _check_grad(names, i, p, g, sh)
     if g.placements != sh.placements:
         # e.g. a Partial grad: reduce it to the param's placements (a collective every rank makes)
         g = g.redistribute(sh.mesh, sh.placements)
@@ -436,7 +491,7 @@ def _local_grad(i: int, p: DTensor, g: Any, sh: _Shards) -> Tensor:
 _FITS = _ById()
 
 
-def _check_state(i: int, p: DTensor, s: Any, sh: _Shards) -> None:
+def _check_state(names: _Names, i: int, p: DTensor, s: Any, sh: _Shards) -> None:
     """State ``s`` fits DTensor param ``p`` (split ``sh``) on every rank alike: DTensors on its mesh, of its global
     shape and placements (the block scales: a row per shard). The core's check of the local shapes could pass on
     one rank (a state made for a (300,) param given to a (301,) one) and raise on another."""
@@ -445,7 +500,7 @@ def _check_state(i: int, p: DTensor, s: Any, sh: _Shards) -> None:
         return
     mesh = p.device_mesh
     if any(not isinstance(t, DTensor) or (t.device_mesh is not mesh and t.device_mesh != mesh) for t in s):
-        raise TypeError(f"state [{i}] of a DTensor param must hold DTensors on the param's mesh (from init_state)")
+        raise TypeError(f"state{names[i]} of a DTensor param must hold DTensors on the param's mesh (from init_state)")
     layout = type(s).layout
     for name, t in zip(s._fields, s):
         if layout.quantized and name.endswith("_absmax"):
@@ -454,7 +509,7 @@ def _check_state(i: int, p: DTensor, s: Any, sh: _Shards) -> None:
             shape, placements = p.shape, sh.placements
         if t.shape != shape or t.placements != placements:
             raise ValueError(
-                f"state [{i}].{name} does not fit the param: expected global shape {tuple(shape)} with placements "
+                f"state{names[i]}.{name} does not fit the param: expected global shape {tuple(shape)} with placements "
                 f"{placements}, got {tuple(t.shape)} with {t.placements} (was the state built for another param "
                 f"or spec?)"
             )
@@ -493,9 +548,10 @@ def check_grads(params: list, grads: list) -> None:
     them: a DTensor param's split (placements other than Replicate and one Shard(0)), and its grad's type, mesh
     and global shape (a grad of None is skipped). For a caller that steps several calls (bnbf_nn's param groups)
     and must refuse a later call's input before an earlier call writes; no collective."""
+    names = _names_of(params)
     for i, (p, g) in enumerate(zip(params, grads)):
         if g is not None and isinstance(p, DTensor):
-            _check_grad(i, p, g, _shards(p, f" [{i}]"))
+            _check_grad(names, i, p, g, _shards(p, names, i))
 
 
 def check_step(params: Any, rule: Any, max_unorm: Any = 0.0) -> None:
@@ -515,7 +571,8 @@ def check_step(params: Any, rule: Any, max_unorm: Any = 0.0) -> None:
     if not _norms_needed(rule, max_unorm):
         return
     leaves = pytree.tree_leaves(params)
-    shards = [_shards(p, f" [{i}]") if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
+    names = _names_of(params)
+    shards = [_shards(p, names, i) if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
     _norm_reduce(shards, rule, max_unorm)
 
 
@@ -609,7 +666,7 @@ def update_(
         params = dict(model.named_parameters())
         bnbf.distributed.update_(params, {k: p.grad for k, p in params.items()}, state, {"lr": 1e-3}, step=1)
     """
-    params, _, grads, states = _leaves(param, grad, state)
+    params, spec, grads, states = _leaves(param, grad, state)
     if not any(isinstance(p, DTensor) for p in params):
         return bnbf.update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
@@ -621,10 +678,21 @@ def update_(
     # the local shards carry no history: a gradient asked through DTensors is refused here, as for plain tensors
     if not torch.compiler.is_compiling():  # traced: the core's traced checks see the transform
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=True)
-    lp, lg, ls, shards = _localize(params, grads, states)
-    with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
-        bnbf.update_(lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
+    opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+    _local_call(bnbf.update_, param, spec, params, grads, states, hparams, step, opts)
     return param, state
+
+
+def _local_call(fn: Any, param: Any, spec: Any, params: list, grads: list, states: list, *args: Any) -> tuple:
+    """``fn`` (:func:`bnbf.update_` or :func:`bnbf.update`) of the leaves' local tensors (checked), in the norm
+    context their shards need; ``args``: hparams, step and the options' dict. Returns ``fn``'s result and the
+    shards. The local tensors go in the structure of ``param``, so the core's messages name a leaf by its key
+    path there."""
+    hparams, step, opts = args
+    lp, lg, ls, shards = _localize(params, grads, states, _names_of(param))
+    with _reducing(_norm_reduce(shards, _rule(states), opts["max_unorm"]), _first_blocks(lp, ls, shards)):
+        out = fn(_unflatten(lp, spec), _unflatten(lg, spec), _unflatten(ls, spec), hparams, step, **opts)
+    return out, shards
 
 
 def update(
@@ -654,11 +722,9 @@ def update(
         )
     if not torch.compiler.is_compiling():
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=False)
-    lp, lg, ls, shards = _localize(params, grads, states)
-    with _reducing(_norm_reduce(shards, _rule(states), max_unorm), _first_blocks(lp, ls, shards)):
-        new_p, new_s = bnbf.update(
-            lp, lg, ls, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
-        )
+    opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
+    (new_p, new_s), shards = _local_call(bnbf.update, param, spec, params, grads, states, hparams, step, opts)
+    new_p, new_s = _flatten(new_p)[0], _flatten(new_s, is_leaf=is_state)[0]
     out_p, out_s = [], []
     for p, sh, np_, ns in zip(params, shards, new_p, new_s):
         if sh is None:
@@ -681,23 +747,28 @@ class Plan:
             states, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
         if s_spec != self._spec:
             raise ValueError("state must have the structure of params (from init_state)")
-        self._shards = [_shards(p, f" [{i}]") if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
+        # the leaves' names, for messages: from the structure, which the plan keeps (not the caller's containers)
+        self._names = names = _names_of_spec(self._spec, len(leaves))
+        self._shards = [_shards(p, names, i) if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
         self._params = leaves
         self.rule = get_rule(type(states[0]).layout.rule) if states else None
         for i, (p, st, sh) in enumerate(zip(leaves, states, self._shards)):
             if not is_state(st):
-                raise TypeError(f"state [{i}] must be a bnbf state, got {type(st).__name__}")
+                raise TypeError(f"state{names[i]} must be a bnbf state, got {type(st).__name__}")
             if sh is not None:
-                _check_state(i, p, st, sh)
+                _check_state(names, i, p, st, sh)
             elif any(isinstance(t, DTensor) for t in st):
-                raise TypeError(f"state [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain state)")
+                raise TypeError(
+                    f"state{names[i]}: got mixed torch.Tensor and DTensor (a plain param needs a plain state)"
+                )
         local_p = [p if sh is None else p._local_tensor for p, sh in zip(leaves, self._shards)]
         local_s = [s if sh is None else _local_state(s, sh) for s, sh in zip(states, self._shards)]
         blocks = _first_blocks(local_p, local_s, self._shards) or {}
         # (leaf, first block) of the shards that have one: found again by the local tensors' addresses each step
         self._blocks = [(i, blocks[p.data_ptr()]) for i, p in enumerate(local_p) if p.data_ptr() in blocks]
         with _reducing(None, self._first_blocks()):  # the tables carry the shards' first blocks
-            self._plan = bnbf.plan(local_p, local_s)
+            # in the structure of ``params``: the core's messages name a leaf by its key path there
+            self._plan = bnbf.plan(_unflatten(local_p, self._spec), _unflatten(local_s, self._spec))
 
     def _first_blocks(self) -> dict | None:
         return {self._params[i]._local_tensor.data_ptr(): b for i, b in self._blocks} or None
@@ -717,17 +788,25 @@ class Plan:
         if g_spec != self._spec:
             raise ValueError("grads must have the structure of the plan's params")
         local = []
+        names = self._names
         for i, (p, g, sh) in enumerate(zip(self._params, flat, self._shards)):
             if sh is None:
                 if isinstance(g, DTensor):
                     raise TypeError(
-                        f"grad [{i}]: got mixed torch.Tensor and DTensor (a plain param needs a plain grad)"
+                        f"grad{names[i]}: got mixed torch.Tensor and DTensor (a plain param needs a plain grad)"
                     )
                 local.append(g)
                 continue
-            local.append(_local_grad(i, p, g, sh))
+            local.append(_local_grad(names, i, p, g, sh))
         with _reducing(_norm_reduce(self._shards, self.rule, max_unorm), self._first_blocks()):
-            self._plan.step(local, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize)
+            self._plan.step(
+                _unflatten(local, self._spec),
+                hparams,
+                step,
+                skip_zeros=skip_zeros,
+                max_unorm=max_unorm,
+                maximize=maximize,
+            )
 
 
 def plan(params: Any, state: Any) -> Plan:
@@ -787,14 +866,15 @@ def dequantize_state(state: Any) -> Any:
         exp_avg = bnbf.distributed.dequantize_state(state)["w"]["exp_avg"].full_tensor()
     """
     states, spec = _states(state)
+    names = _names_of(state)
     out = []
     for i, s in enumerate(states):
         like = _param_like(s)
         if not isinstance(like, DTensor):
             out.append(bnbf.dequantize_state(s))
             continue
-        sh = _shards(like, f" [{i}]")
-        local = bnbf.dequantize_state(_local_state(s, sh))
+        sh = _shards(like, names, i, "state")
+        local = bnbf.dequantize_state(_local_state(s, sh, names, i))
         out.append({k: _like_param(v, sh, like) for k, v in local.items()})
     return pytree.tree_unflatten(out, spec)
 
@@ -867,6 +947,7 @@ def state_dict(state: Any) -> Any:
         torch.distributed.checkpoint.save({"optim": bnbf.distributed.state_dict(state)}, checkpoint_id=path)
     """
     states, spec = _states(state)
+    names = _names_of(state)
     out = []
     for i, s in enumerate(states):
         layout = type(s).layout
@@ -874,8 +955,8 @@ def state_dict(state: Any) -> Any:
         if not isinstance(like, DTensor) or not layout.quantized:
             out.append({**dict(zip(s._fields, s)), LAYOUT_KEY: layout.class_name})
             continue
-        sh = _shards(like, f" [{i}]")
-        local = _local_state(s, sh)
+        sh = _shards(like, names, i, "state")
+        local = _local_state(s, sh, names, i)
         bs = layout.block_size
         local_b, global_b = _element_blocks(sh.start, sh.count, bs, like.device)
         entry = {LAYOUT_KEY: layout.class_name}
@@ -948,25 +1029,33 @@ def load_state_dict_(state: Any, saved: Any) -> Any:
     entries, e_spec = pytree.tree_flatten(saved, is_leaf=_is_entry)
     if len(entries) != len(states):
         raise ValueError(f"saved holds {len(entries)} states, state {len(states)}")
-    for name, s, e in zip(_names(state), states, entries):
-        _check_entry(name, s, e)
+    names = _names_of(state)
+    for i, (s, e) in enumerate(zip(states, entries)):
+        _check_entry(names[i], s, e)
+    # each DTensor state's split and local view, which may still refuse it, before the first state is written
+    shards, local = [], []
+    for i, s in enumerate(states):
+        like = _param_like(s)
+        sh = _shards(like, names, i, "state") if isinstance(like, DTensor) else None
+        shards.append(sh)
+        local.append(s if sh is None else _local_state(s, sh, names, i))
     with torch.no_grad():
-        for i, (s, e) in enumerate(zip(states, entries)):
-            _load_one(i, s, e)
+        for s, e, sh, ls in zip(states, entries, shards, local):
+            _load_one(s, e, sh, ls)
     return state
 
 
-def _load_one(i: int, s: Any, e: dict) -> None:
+def _load_one(s: Any, e: dict, sh: _Shards | None, local: Any) -> None:
+    """Entry ``e`` written into state ``s`` (checked); ``sh``, ``local``: its split and local view (None and ``s``
+    for a plain state)."""
     layout = type(s).layout
     like = _param_like(s)
-    if not isinstance(like, DTensor):
+    if sh is None:
         for name, t in zip(s._fields, s):
             src = e[name].full_tensor() if isinstance(e[name], DTensor) else e[name]
             if src is not t:
                 t.copy_(src)
         return
-    sh = _shards(like, f" [{i}]")
-    local = _local_state(s, sh)
     mine = slice(sh.start, sh.start + sh.count)  # this shard's elements of a plain (global) tensor
 
     def rows(t: Tensor) -> Tensor:

@@ -339,8 +339,8 @@ def scenario_errors():
     held = lambda p, g, s, h, t: bd.plan(p, s).step(g, h, t)  # noqa: E731
     s = bd.init_state({"w": shard(300)}, bnbf.OptimSpec(rule="adamw", state_bits=32))
     for n_p, n_g, match in (
-        (300, 301, r"grad \[0\] has shape \(301,\) but the param has shape \(300,\)"),
-        (301, 301, r"state \[0\]\.exp_avg does not fit the param: expected global shape \(301,\)"),
+        (300, 301, r"grad\['w'\] has shape \(301,\) but the param has shape \(300,\)"),
+        (301, 301, r"state\['w'\]\.exp_avg does not fit the param: expected global shape \(301,\)"),
     ):
         p, g = {"w": shard(n_p)}, {"w": shard(n_g)}
         for step_fn in (bd.update_, bnbf.update_, bnbf.update, held):
@@ -415,7 +415,7 @@ def scenario_compose_in_place():
         bnbf.update_(params, grads, state, hp, 1)
     del params["x"], grads["x"], state["x"]
     for bad, err, match in (
-        (g_full["v"], TypeError, r"grad \[1\]: got mixed torch.Tensor and DTensor"),
+        (g_full["v"], TypeError, r"grad\['w'\]: got mixed torch.Tensor and DTensor"),
         (
             shard(torch.ones(301, device=DEVICE)),
             ValueError,

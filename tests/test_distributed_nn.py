@@ -326,9 +326,9 @@ def scenario_nn_refused():
     row = torch.nn.Parameter(distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(0)]))
     cols = torch.nn.Parameter(distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(1)]))
     for extra, grad, err, match in (
-        (row, torch.randn(4, 300, device=td.DEVICE), TypeError, "param group 1: grad .* mixed torch.Tensor"),
+        (row, torch.randn(4, 300, device=td.DEVICE), TypeError, r"param group 1: grad\[0\]: .*mixed torch.Tensor"),
         (cols, distribute_tensor(torch.randn(4, 300, device=td.DEVICE), td.mesh(), [Shard(1)]), NotImplementedError,
-         "param group 1: param .* placements"),
+         r"param group 1: param\[0\] has placements"),
     ):  # fmt: skip
         extra.grad = grad
         opt = bnbf_nn.AdamW8bit([{"params": params}, {"params": [extra]}], lr=LR, min_8bit_size=MIN8)

@@ -1,5 +1,6 @@
-"""bnbf.distributed's per-object caches (the split of a DTensor param, the local views of its state) and the
-grad's local tensor, in this process: a fake process group of two ranks, nothing spawned."""
+"""bnbf.distributed's per-object caches (the split of a DTensor param, the local views of its state), the
+grad's local tensor and the names its errors give leaves, in this process: a fake process group of two ranks,
+nothing spawned."""
 
 from __future__ import annotations
 
@@ -67,14 +68,15 @@ def test_local_grad_is_the_local_tensor_and_checks_mesh(mesh):
     g = distribute_tensor(torch.randn(10, 3), mesh, [Shard(0)])
     sh = bd._shards(p)
     assert bd._shards(p) is sh  # cached
+    names = bd._names_of([p])  # the leaves' names, for messages
     assert (sh.starts, sh.counts) == ((0, 15), (15, 15))
-    local = bd._local_grad(0, p, g, sh)
+    local = bd._local_grad(names, 0, p, g, sh)
     # the fake process group leaves the shards' memory unset (NaNs, which torch.equal calls unequal): compare storage
     assert local is g._local_tensor and local.data_ptr() == g.to_local().data_ptr()
-    with pytest.raises(TypeError, match="DTensor param needs a DTensor grad"):
-        bd._local_grad(0, p, g.to_local(), sh)
+    with pytest.raises(TypeError, match=r"grad\[0\]: .* DTensor param needs a DTensor grad"):
+        bd._local_grad(names, 0, p, g.to_local(), sh)
     rep = distribute_tensor(torch.randn(10, 3), mesh, [Replicate()])
-    assert bd._local_grad(0, p, rep, sh).shape == (5, 3)  # redistributed to the param's placements
+    assert bd._local_grad(names, 0, p, rep, sh).shape == (5, 3)  # redistributed to the param's placements
 
 
 def _rank0_shard(t: torch.Tensor, mesh):
@@ -182,3 +184,160 @@ def test_compiled_step_with_a_tensor_lr_refuses_dtensor_params_before_writing(me
     opt.param_groups[0]["lr"] = 1e-2
     step()  # numbers: the eager step inside the compiled call
     torch.testing.assert_close(before - p._local_tensor, 1e-2 * torch.sign(p.grad._local_tensor), atol=1e-4, rtol=0)
+
+
+def _tree(leaves: list) -> dict:
+    """A nested tree of four leaves, so that a leaf's key path (``['head'][1]``) differs from its flat position."""
+    return {"enc": {"w": leaves[0]}, "head": [leaves[1], leaves[2]], "b": leaves[3]}
+
+
+def _named_leaves(mesh):
+    """DTensor params of ``_tree``'s shape, their DTensor grads and 32-bit states."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    torch.manual_seed(0)
+    shapes = [(8, 4), (8, 4), (10, 4), (4,)]  # two alike: one state for both passes the fit check
+    params = _tree([_rank0_shard(torch.randn(s), mesh) for s in shapes])
+    grads = _tree([_rank0_shard(torch.randn(s), mesh) for s in shapes])
+    return params, grads, bd.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
+
+
+def _snapshot(*trees) -> list:
+    local = lambda t: t._local_tensor if hasattr(t, "_local_tensor") else t  # noqa: E731
+    return [local(t).clone() for t in torch.utils._pytree.tree_leaves(trees)]
+
+
+def test_step_errors_name_leaves_by_key_path(mesh):
+    """Every refusal of a step of DTensor params names the leaf as the core names a plain one (``grad['head'][1]``,
+    not its flat position ``grad [2]``), whichever entry point raises it (bnbf.distributed's own checks, or the
+    core's of the local shards), with nothing written."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    params, grads, state = _named_leaves(mesh)
+    hp = {"lr": 1e-2}
+    steps = {
+        "update_": lambda p, g, s: bd.update_(p, g, s, hp, 1),
+        "update": lambda p, g, s: bd.update(p, g, s, hp, 1),
+        "bnbf.update_": lambda p, g, s: bnbf.update_(p, g, s, hp, 1),
+        "plan": lambda p, g, s: bd.plan(p, s).step(g, hp, 1),
+        "compose": lambda p, g, s: bnbf.update_(p, g, s, lambda path, leaf: hp, 1),  # per-leaf: bnbf.compose
+    }
+    wrong_shape = _rank0_shard(torch.randn(7, 4), mesh)
+    bad = [
+        (
+            {**grads, "head": [grads["head"][0], wrong_shape]},
+            state,
+            ValueError,
+            r"grad\['head'\]\[1\] has shape \(7, 4\) but the param has shape \(10, 4\)",
+        ),
+        (
+            {**grads, "head": [grads["head"][0], grads["head"][1].full_tensor()]},
+            state,
+            TypeError,
+            r"grad\['head'\]\[1\]: got mixed torch.Tensor and DTensor",
+        ),
+        (
+            grads,
+            {**state, "head": [state["head"][1], state["head"][0]]},
+            ValueError,
+            r"state\['head'\]\[0\]\.exp_avg does not fit the param",
+        ),
+        (  # the core's check of the local shards: one state for two params
+            grads,
+            {**state, "head": [state["enc"]["w"], state["head"][1]]},
+            ValueError,
+            r"state\['enc'\]\['w'\] and state\['head'\]\[0\] are the same state",
+        ),
+    ]
+    before = _snapshot(params, state)
+    for g, s, err, match in bad:
+        for name, step in steps.items():
+            with pytest.raises(err, match=match):
+                step(params, g, s)
+            assert all(torch.equal(a, b) for a, b in zip(_snapshot(params, state), before)), (name, match)
+
+
+def test_plain_leaf_beside_dtensors_is_named_by_key_path(mesh):
+    """A plain param given DTensor state, in a call or a plan of DTensor params: named by its key path."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    params, grads, state = _named_leaves(mesh)
+    plain = {**params, "b": params["b"].full_tensor()}
+    plain_g = {**grads, "b": grads["b"].full_tensor()}
+    before = _snapshot(plain, state)
+    for step in (bd.update_, bd.update):
+        with pytest.raises(TypeError, match=r"param\['b'\]: got mixed torch.Tensor and DTensor"):
+            step(plain, plain_g, state, {"lr": 1e-2}, 1)
+    with pytest.raises(TypeError, match=r"state\['b'\]: got mixed torch.Tensor and DTensor"):
+        bd.plan(plain, state)
+    plain_state = {**state, "b": bnbf.init_state(plain["b"], bnbf.OptimSpec(rule="adamw", state_bits=32))}
+    held = bd.plan(plain, plain_state)
+    with pytest.raises(TypeError, match=r"grad\['b'\]: got mixed torch.Tensor and DTensor"):
+        held.step(grads, {"lr": 1e-2}, 1)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(plain, state), before))
+
+
+def test_init_state_and_check_errors_name_leaves_by_key_path(mesh):
+    """init_state (its own split check and the core's checks of the local shards), check_step and check_grads
+    name a leaf by its key path; check_grads takes a list (bnbf_nn's group), named ``[i]`` as the core names a
+    list's leaf."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    params, grads, _ = _named_leaves(mesh)
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    ints = _tree([params["enc"]["w"], params["head"][0], _rank0_shard(torch.ones(10, 4, dtype=torch.int32), mesh),
+                  params["b"]])  # fmt: skip
+    with pytest.raises(TypeError, match=r"param\['head'\]\[1\] has dtype torch.int32"):
+        bd.init_state(ints, spec)
+    cols = DTensor.from_local(torch.randn(10, 2), mesh, [Shard(1)], run_check=False, shape=(10, 4), stride=(4, 1))
+    by_cols = {**params, "head": [params["head"][0], cols]}
+    with pytest.raises(NotImplementedError, match=r"param\['head'\]\[1\] has placements \(Shard\(dim=1\),\)"):
+        bd.init_state(by_cols, spec)
+    with pytest.raises(NotImplementedError, match=r"param\['head'\]\[1\] has placements \(Shard\(dim=1\),\)"):
+        bd.check_step(by_cols, "lamb")
+    flat_p = torch.utils._pytree.tree_leaves(params)
+    flat_g = torch.utils._pytree.tree_leaves(grads)
+    flat_g[2] = _rank0_shard(torch.randn(7, 4), mesh)
+    with pytest.raises(ValueError, match=r"grad\[2\] has shape \(7, 4\)"):
+        bd.check_grads(flat_p, flat_g)
+
+
+def _mixed_field_state(state, mesh):
+    """``state`` with its ``['head'][1]`` state's last field a plain tensor (a hand-made state: init_state gives
+    DTensors only)."""
+    s = state["head"][1]
+    bad = s._replace(**{s._fields[-1]: getattr(s, s._fields[-1]).to_local().clone()})
+    return {**state, "head": [state["head"][0], bad]}
+
+
+def test_state_functions_name_states_by_key_path_and_load_writes_nothing_on_refusal(mesh):
+    """dequantize_state, state_dict and load_state_dict_ name a state they refuse by its key path; load_state_dict_
+    refuses it before writing any state (it wrote the states before it, then raised)."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    params, _, _ = _named_leaves(mesh)
+    for bits in (32, 8):
+        state = bd.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=0))
+        bad = _mixed_field_state(state, mesh)
+        match = r"state\['head'\]\[1\]\.exp_avg_sq\w* of a DTensor param must be a DTensor"
+        with pytest.raises(TypeError, match=match):
+            bd.dequantize_state(bad)
+        if bits == 8:  # a 32-bit state's checkpoint form is its own fields
+            with pytest.raises(TypeError, match=match):
+                bd.state_dict(bad)
+        # a checkpoint of other values, as plain tensors of the global shapes
+        saved = torch.utils._pytree.tree_map(
+            lambda x: torch.full(x.shape, 0.5, dtype=x.dtype) if isinstance(x, torch.Tensor) else x,
+            bd.state_dict(state),
+        )
+        before = _snapshot(bad)
+        with pytest.raises(TypeError, match=match):
+            bd.load_state_dict_(bad, saved)
+        assert all(torch.equal(a, b) for a, b in zip(_snapshot(bad), before)), bits
