@@ -39,14 +39,17 @@ from bnbf.state import Layout, State, is_state, present_mask
 
 def _native() -> Any:
     """The compiled twins of the plan's per-step checks (bnbf/csrc/host_checks.cpp), built at install time;
-    None where they were not built, were built against another torch, or ``BNBF_HOST_CHECKS=python``."""
+    None where they were not built, were built against another torch or from an older source (without a check
+    this one calls), or ``BNBF_HOST_CHECKS=python``."""
     if os.environ.get("BNBF_HOST_CHECKS", "native") == "python":
         return None
     try:
         from bnbf import _host_checks_native as native
     except ImportError:  # not built (an isolated build without torch, no compiler), or another torch's symbols
         return None
-    return native if getattr(native, "torch_version", None) == torch.__version__ else None
+    if getattr(native, "torch_version", None) != torch.__version__ or not hasattr(native, "fields_match"):
+        return None
+    return native
 
 
 NATIVE = _native()

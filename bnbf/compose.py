@@ -70,7 +70,17 @@ from bnbf._host_checks import (
     packed_identities,
     unaddressable,
 )
-from bnbf.plan import _cached, _confirmed, _one_set, _scalars, group_rows, packed_rows, rows_layout
+from bnbf.plan import (
+    _cached,
+    _confirmed,
+    _one_set,
+    _scalars,
+    fields_as_planned,
+    fields_planned,
+    group_rows,
+    packed_rows,
+    rows_layout,
+)
 from bnbf.reference import GRAD_CLIP, GradClip, clip_coefficient
 from bnbf.rules import RULES, get_rule
 from bnbf.rules.base import check_nonneg
@@ -1240,7 +1250,8 @@ class _Checked:
     cache keeps no tensor alive."""
 
     refs: list  # weakref.ref to each param and state field
-    layout: tuple  # their addresses, the params' shapes, strides and dtypes, the state classes, the groups
+    layout: tuple  # the params' addresses, shapes, strides and dtypes, the state classes, the groups
+    fields: Any  # the state fields' addresses, shapes and dtypes (bnbf.plan.fields_planned)
     grads: bytes | None = None  # the addresses of the (contiguous) grads last found apart from them
 
     def same(self, tensors: list, layout: tuple) -> bool:
@@ -1296,11 +1307,11 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
     for gi, (_, idx) in enumerate(parts.groups):
         for i in idx:
             group_of[i] = gi
-    # what the core's plans confirm between steps: every param's and state field's address, the params'
-    # shapes, strides and dtypes (``resize_``, ``t_``, ``set_``, ``.data =``)
+    # what the core's plans confirm between steps: every param's and state field's address, shape and dtype, the
+    # params' strides and the fields' contiguity (``resize_``, ``t_``, ``as_strided_``, ``set_``, ``.data =``)
     ps = parts.params
     layout = (
-        tuple(map(Tensor.data_ptr, tensors)),
+        tuple(map(Tensor.data_ptr, ps)),
         tuple(map(_SHAPE, ps)),
         tuple(map(Tensor.stride, ps)),
         tuple(map(_DTYPE, ps)),
@@ -1309,11 +1320,11 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
     )
     key = tuple(map(id, tensors))
     found = _CHECKED.get(key)
-    if found is None or not found.same(tensors, layout):
+    if found is None or not found.same(tensors, layout) or not fields_as_planned(parts.states, found.fields):
         for _, idx in parts.groups:
             bnbf.plan(_sub(parts, parts.params, idx), _sub(parts, parts.states, idx))
         _check_disjoint(parts)
-        found = _Checked([weakref.ref(t) for t in tensors], layout)
+        found = _Checked([weakref.ref(t) for t in tensors], layout, fields_planned(parts.states))
         with _CHECKED_LOCK:
             _CHECKED[key] = found
             while len(_CHECKED) > _CHECKED_SIZE:

@@ -232,15 +232,14 @@ class Plan:
         self._devices = {p.device for p in params}
         self._interpreted = any(d.type == "cpu" for d in self._devices)
         self._cuda = any(d.type == "cuda" for d in self._devices)  # a step may be captured in a CUDA graph
-        # what a step compares: the params' addresses, shapes and dtypes, the fields' addresses, and what
+        # what a step compares: the params' addresses, shapes and dtypes, the fields' (fields_planned), and what
         # each grad must be (the param's shape, dtype, device, strided)
         self._ptrs = tuple(map(Tensor.data_ptr, params))
         self._meta = list(map(_SHAPE_DTYPE, params))
         self._grad_meta = list(map(_GRAD_META, params))
-        self._field_ptrs = tuple(map(Tensor.data_ptr, _CHAIN(states)))
+        self._fields = fields_planned(states)
         if NATIVE is not None:  # the compiled checks: packed addresses, shape-and-dtype twins (grads vs the params)
             self._packed = array.array("Q", self._ptrs).tobytes()
-            self._field_packed = array.array("Q", self._field_ptrs).tobytes()
             self._twins = [torch.empty(p.shape, dtype=p.dtype, device="meta") for p in params]
 
     def __reduce__(self) -> tuple:
@@ -356,20 +355,18 @@ class Plan:
 
     def _confirm(self, params: list, states: list) -> bool:
         """Whether the planned params and state fields still have their planned memory, shapes, dtypes and
-        contiguity: what an in-place ``resize_``, ``t_``, ``set_`` or ``.data =`` changes. (A param's device
-        is its memory's: another device is another address. Its layout cannot change: torch refuses
+        contiguity: what an in-place ``resize_``, ``t_``, ``as_strided_``, ``set_`` or ``.data =`` changes. (A
+        tensor's device is its memory's: another device is another address. Its layout cannot change: torch refuses
         ``.data =`` a sparse tensor.)"""
         if NATIVE is not None:
-            return NATIVE.meta_match(params, self._twins, self._packed) and NATIVE.ptrs_equal(
-                states, self._field_packed, True
-            )
+            return NATIVE.meta_match(params, self._twins, self._packed) and fields_as_planned(states, self._fields)
         try:
             return (
                 tuple(map(Tensor.data_ptr, params)) == self._ptrs
                 and set(map(type, params)) <= _PLAIN_TYPES
                 and list(map(_SHAPE_DTYPE, params)) == self._meta
                 and all(map(Tensor.is_contiguous, params))
-                and tuple(map(Tensor.data_ptr, _CHAIN(states))) == self._field_ptrs
+                and fields_as_planned(states, self._fields)
             )
         except RuntimeError:  # e.g. a tensor without storage
             return False
@@ -753,6 +750,34 @@ def _checked(params: list, states: list) -> None:
     leaves, spec = _flatten(params)
     flat, s_spec = _flatten(states, is_leaf=is_state)
     _validate(params, leaves, flat, spec, s_spec)
+
+
+def fields_planned(states: list) -> Any:
+    """What :func:`fields_as_planned` compares the states' fields with later: their addresses, shapes and dtypes
+    (packed in one bytes object for the compiled check)."""
+    if NATIVE is not None:
+        packed = NATIVE.fields_packed(states)
+        if packed is not None:
+            return packed
+    fields = list(_CHAIN(states))
+    return tuple(map(Tensor.data_ptr, fields)), list(map(_SHAPE_DTYPE, fields))
+
+
+def fields_as_planned(states: list, planned: Any) -> bool:
+    """Whether every field of ``states`` is contiguous, at its planned address with its planned shape and dtype
+    (``planned``: from :func:`fields_planned`). ``resize_``, ``as_strided_``, ``set_`` and ``t_`` can change a
+    field's shape or strides and keep its address, and the kernels would step it at its planned size and layout."""
+    if type(planned) is bytes:
+        return NATIVE is not None and NATIVE.fields_match(states, planned)
+    fields = list(_CHAIN(states))
+    try:
+        return (
+            tuple(map(Tensor.data_ptr, fields)) == planned[0]
+            and list(map(_SHAPE_DTYPE, fields)) == planned[1]
+            and all(map(Tensor.is_contiguous, fields))
+        )
+    except RuntimeError:  # e.g. a tensor without storage
+        return False
 
 
 def _leaf_meta(params: list, states: list) -> tuple | None:

@@ -140,7 +140,8 @@ def test_grads(twin, direct, name, mutate, error):
 
 def test_confirm_notices_what_can_change_between_steps(twin, direct):
     """A param or state field given other memory, shape, dtype or strides in place: the plan's per-step
-    confirmation says no (the plan then checks and builds itself again)."""
+    confirmation says no (the plan then checks and builds itself again). A state field resized or restrided in
+    place keeps its address: the confirmation compares its shape, dtype and contiguity too."""
     changes = {
         "nothing": lambda ps, ss: None,
         "resize_": lambda ps, ss: ps[0].resize_(2, 4),
@@ -151,6 +152,13 @@ def test_confirm_notices_what_can_change_between_steps(twin, direct):
         "set_": lambda ps, ss: ps[1].set_(torch.zeros(1)),
         "storage resized": lambda ps, ss: ps[2].untyped_storage().resize_(4 * 300),
         "state field .data": lambda ps, ss: setattr(ss[2].exp_avg, "data", ss[2].exp_avg.data.clone()),
+        "state field resize_": lambda ps, ss: ss[2].exp_avg.resize_(100),
+        "state scales as_strided_": lambda ps, ss: ss[2].exp_avg_absmax.as_strided_((1,), (1,)),
+        "state field set_": lambda ps, ss: ss[0].exp_avg.set_(ss[0].exp_avg.untyped_storage(), 0, (2, 4), (4, 1)),
+        "square state field t_": lambda ps, ss: ss[5].exp_avg.t_(),
+        "state field .data = dtype view": lambda ps, ss: setattr(
+            ss[2].exp_avg, "data", ss[2].exp_avg.data.view(torch.int8)
+        ),
         "another device": lambda ps, ss: torch.utils.swap_tensors(ps[0], torch.empty(3, 4, device="meta")),
         "a subclass": lambda ps, ss: setattr(ps[0], "__class__", Sub),
     }
@@ -182,6 +190,38 @@ def test_meta_match_with_addresses_checks_both_in_one_pass():
     params[1].data = params[1].data.clone()  # same shape and dtype, other memory
     assert P.NATIVE.meta_match(params, twins) is True
     assert P.NATIVE.meta_match(params, twins, packed) is False
+
+
+def test_fields_match_checks_each_field_of_each_state():
+    """The compiled confirmation of the state fields (``fields_match`` with the record ``fields_packed`` made when
+    the plan was built): yes only where every field is at its planned address with its planned shape and dtype,
+    contiguous; no for a field resized, restrided or given other memory, and for a short or malformed list."""
+    if P.NATIVE is None:
+        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
+    states = bnbf.init_state([torch.randn(300), torch.randn(4, 4)], SPEC)
+    packed = P.NATIVE.fields_packed(states)
+    assert P.fields_planned(states) == packed
+    match = P.NATIVE.fields_match
+    assert match(states, packed) is True
+    assert match(states[:1], packed) is False  # a state short
+    assert match(states, packed[:-8]) is False  # a size short
+    assert match(states, packed + packed[:8]) is False  # a word more
+    assert match(states, None) is False
+    assert match([list(states[0]), states[1]], packed) is False  # a state is a tuple
+    assert P.NATIVE.fields_packed([list(states[0])]) is None
+    assert P.NATIVE.fields_packed([(torch.zeros(1), 1)]) is None
+    edits = {
+        "resize_": lambda s: s[0].exp_avg.resize_(100),
+        "resize_ same numel": lambda s: s[1].exp_avg.resize_(2, 8),
+        "as_strided_": lambda s: s[1].exp_avg.as_strided_((4, 4), (1, 4)),
+        ".data = clone": lambda s: setattr(s[0].exp_avg_sq, "data", s[0].exp_avg_sq.data.clone()),
+        ".data = dtype view": lambda s: setattr(s[0].exp_avg, "data", s[0].exp_avg.data.view(torch.int8)),
+    }
+    for name, edit in edits.items():
+        states = bnbf.init_state([torch.randn(300), torch.randn(4, 4)], SPEC)
+        packed = P.NATIVE.fields_packed(states)
+        edit(states)
+        assert match(states, packed) is False, name
 
 
 def test_own_grads_are_read_and_checked_in_one_call(direct):

@@ -214,6 +214,72 @@ def test_update__confirms_the_objects_it_planned():
             torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
+# a state field's shape or strides changed in place: each keeps the field's address, which is what the plan
+# confirmed of fields before; the kernels stepped the field at its planned size and layout (the interpreter
+# wrote past a resized field's end and through a transposed one), where the reference path refuses it
+FIELD_EDITS = {
+    "resize_ smaller": lambda s: s["b"].exp_avg.resize_(512),
+    "resize_ same numel": lambda s: s["b"].exp_avg.resize_(16, 64),
+    "as_strided_": lambda s: s["b"].exp_avg.as_strided_((16, 32), (64, 1)),
+    "set_ smaller": lambda s: s["b"].exp_avg_sq.set_(s["b"].exp_avg_sq.untyped_storage(), 0, (16, 32), (32, 1)),
+    "t_ square": lambda s: s["b"].exp_avg.t_(),
+    ".data = dtype view": lambda s: setattr(s["b"].exp_avg, "data", s["b"].exp_avg.data.view(torch.int8)),
+    "scales resize_": lambda s: s["b"].exp_avg_absmax.resize_(2),
+    "32-bit field resize_": lambda s: s["c"].exp_avg_sq.resize_(50),
+}
+# per-leaf hyperparameters: bnbf.compose steps "a" in a call of its own before "b" and "c"
+_PER_LEAF = lambda path, leaf: {**HP, "lr": 0.1 if path == "a" else 0.2}  # noqa: E731
+FIELD_ROUTES = {
+    "update_": lambda p, g, s, t: bnbf.update_(p, g, s, HP, t),
+    "update": lambda p, g, s, t: bnbf.update(p, g, s, HP, t),
+    "compose": lambda p, g, s, t: bnbf.update_(p, g, s, _PER_LEAF, t),
+}
+
+
+@pytest.mark.parametrize("route", [*FIELD_ROUTES, "plan"])
+@pytest.mark.parametrize("edit", list(FIELD_EDITS))
+def test_a_state_field_resized_or_restrided_in_place_is_refused_as_on_the_reference_path(edit, route):
+    """The error of the step's every-leaf checks (the pure step's, the reference path's), with nothing written,
+    once a plan (cached or held) stepped these leaves twice."""
+    gen = torch.Generator().manual_seed(2)
+    params = {"a": torch.randn(16, 64, generator=gen), "b": torch.randn(32, 32, generator=gen), "c": torch.randn(100)}
+    grads = {k: torch.randn(v.shape, generator=gen) for k, v in params.items()}
+    state = bnbf.init_state(params, SPEC8)
+    held = bnbf.plan(params, state) if route == "plan" else None
+    step = (lambda p, g, s, t: held.step(g, HP, t)) if held else FIELD_ROUTES[route]
+    for t in (1, 2):
+        step(params, grads, state, t)
+    # the fields as the plan has them (detached aliases keep their shape and strides through the edit)
+    snap = snapshot(params, {k: tuple(f.detach() for f in s) for k, s in state.items()})
+    FIELD_EDITS[edit](state)
+    with pytest.raises((ValueError, TypeError)) as want:  # the pure step checks every leaf every call
+        bnbf.update(params, grads, state, HP, 3)
+    with pytest.raises(type(want.value), match=re.escape(str(want.value))):
+        step(params, grads, state, 3)
+    assert_untouched(snap)
+
+
+@pytest.mark.parametrize("edit", ["resize_", "t_"])
+def test_bnbf_nn_refuses_a_state_field_resized_in_place_before_any_group_steps(edit):
+    """bnbf_nn's repeated step confirms its plans' state fields as update_ does: the second group's ``state1``
+    resized (or transposed) in place is refused before the first group steps."""
+    import bnbf_nn
+
+    gen = torch.Generator().manual_seed(3)
+    ps = [torch.nn.Parameter(torch.randn(32, 32, generator=gen)) for _ in range(2)]
+    opt = bnbf_nn.AdamW8bit([{"params": ps[:1]}, {"params": ps[1:], "lr": 2e-2}], lr=1e-2, min_8bit_size=0)
+    for _ in range(2):
+        for p in ps:
+            p.grad = torch.randn(p.shape, generator=gen)
+        opt.step()
+    snap = snapshot(ps, [tuple(t.detach() for t in opt.state[p]["state"]) for p in ps])
+    field = opt.state[ps[1]]["state1"]
+    field.resize_(512) if edit == "resize_" else field.t_()
+    with pytest.raises(ValueError, match=r"exp_avg (does not fit the param|must be contiguous)"):
+        opt.step()
+    assert_untouched(snap)
+
+
 # ---- 4. threads stepping different params -------------------------------------------------------------
 
 

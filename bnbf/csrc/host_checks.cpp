@@ -132,31 +132,94 @@ bool ptr_is(PyObject* obj, uint64_t want) {
   return reinterpret_cast<uintptr_t>(THPVariable_Unpack(obj).const_data_ptr()) == want;
 }
 
-// ptrs_equal(tensors, ptrs[, nested]) -> bool: tensors[i].data_ptr() == ptrs[i] for all i, ptrs packed as
-// native uint64 (bytes of array("Q", ...)): no Python int to convert per tensor. With nested, tensors is a
-// sequence of tuples of tensors (states), compared field by field in order.
+// ptrs_equal(tensors, ptrs) -> bool: tensors[i].data_ptr() == ptrs[i] for all i, ptrs packed as native uint64
+// (bytes of array("Q", ...)): no Python int to convert per tensor.
 PyObject* ptrs_equal(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
-  if (nargs != 2 && !nargs_is(nargs, 3)) return nullptr;
+  if (!nargs_is(nargs, 2)) return nullptr;
   PyObject *tensors = args[0], *ptrs = args[1];
-  const bool nested = nargs == 3 && PyObject_IsTrue(args[2]) == 1;
   if (!is_seq(tensors) || !PyBytes_Check(ptrs)) Py_RETURN_FALSE;
   const Py_ssize_t n = PySequence_Fast_GET_SIZE(tensors);
-  const Py_ssize_t total = PyBytes_GET_SIZE(ptrs) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  if (PyBytes_GET_SIZE(ptrs) != n * static_cast<Py_ssize_t>(sizeof(uint64_t))) Py_RETURN_FALSE;
   const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(ptrs));
   PyObject** ts = PySequence_Fast_ITEMS(tensors);
   try {
-    Py_ssize_t k = 0;
     for (Py_ssize_t i = 0; i < n; ++i) {
-      if (!nested) {
-        if (k >= total || !ptr_is(ts[i], want[k++])) Py_RETURN_FALSE;
-        continue;
-      }
-      if (!PyTuple_Check(ts[i])) Py_RETURN_FALSE;
-      for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(ts[i]); ++j) {
-        if (k >= total || !ptr_is(PyTuple_GET_ITEM(ts[i], j), want[k++])) Py_RETURN_FALSE;
+      if (!ptr_is(ts[i], want[i])) Py_RETURN_FALSE;
+    }
+  } catch (const std::exception&) {  // e.g. a tensor without storage
+    return no();
+  }
+  Py_RETURN_TRUE;
+}
+
+// A state field's planned record in fields_packed's bytes: its address, its dtype and dimension count
+// (dtype << 8 | dim), then its sizes, each a native uint64.
+void put_field(const at::Tensor& t, std::vector<uint64_t>& out) {
+  out.push_back(reinterpret_cast<uintptr_t>(t.const_data_ptr()));
+  out.push_back(static_cast<uint64_t>(t.scalar_type()) << 8 | static_cast<uint64_t>(t.dim()));
+  for (const int64_t size : t.sizes()) out.push_back(static_cast<uint64_t>(size));
+}
+
+// Whether field t matches its record at want[k] (n words in all), moving k past it.
+bool field_is(const at::Tensor& t, const uint64_t* want, Py_ssize_t n, Py_ssize_t& k) {
+  const auto sizes = t.sizes();
+  const auto dim = static_cast<Py_ssize_t>(sizes.size());
+  if (k + 2 + dim > n || reinterpret_cast<uintptr_t>(t.const_data_ptr()) != want[k] ||
+      want[k + 1] != (static_cast<uint64_t>(t.scalar_type()) << 8 | static_cast<uint64_t>(dim))) {
+    return false;
+  }
+  k += 2;
+  for (const int64_t size : sizes) {
+    if (static_cast<uint64_t>(size) != want[k++]) return false;
+  }
+  return t.is_contiguous();
+}
+
+// fields_packed(states) -> bytes or None: each state's (a tuple of tensors) fields' records, in order (put_field),
+// which fields_match compares them with later; None for anything else.
+PyObject* fields_packed(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 1)) return nullptr;
+  PyObject* states = args[0];
+  if (!is_seq(states)) Py_RETURN_NONE;
+  PyObject** ss = PySequence_Fast_ITEMS(states);
+  std::vector<uint64_t> out;
+  try {
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(states); ++i) {
+      if (!PyTuple_Check(ss[i])) Py_RETURN_NONE;
+      for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(ss[i]); ++j) {
+        PyObject* obj = PyTuple_GET_ITEM(ss[i], j);
+        if (!THPVariable_CheckExact(obj) && !THPVariable_Check(obj)) Py_RETURN_NONE;
+        put_field(THPVariable_Unpack(obj), out);
       }
     }
-    if (k != total) Py_RETURN_FALSE;
+  } catch (const std::exception&) {  // e.g. a tensor without storage
+    PyErr_Clear();
+    Py_RETURN_NONE;
+  }
+  return PyBytes_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(uint64_t));
+}
+
+// fields_match(states, packed) -> bool: each state's fields, in order, at their planned addresses with their planned
+// dtypes and sizes (packed: from fields_packed), contiguous. resize_, as_strided_, set_ and t_ change a field's
+// shape or strides and keep its address, and the kernels would step it at its planned size and layout.
+PyObject* fields_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 2)) return nullptr;
+  PyObject *states = args[0], *packed = args[1];
+  if (!is_seq(states) || !PyBytes_Check(packed)) Py_RETURN_FALSE;
+  const Py_ssize_t n = PyBytes_GET_SIZE(packed) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(packed));
+  PyObject** ss = PySequence_Fast_ITEMS(states);
+  try {
+    Py_ssize_t k = 0;
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(states); ++i) {
+      if (!PyTuple_Check(ss[i])) Py_RETURN_FALSE;
+      for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(ss[i]); ++j) {
+        PyObject* obj = PyTuple_GET_ITEM(ss[i], j);
+        if (!THPVariable_CheckExact(obj) && !THPVariable_Check(obj)) Py_RETURN_FALSE;
+        if (!field_is(THPVariable_Unpack(obj), want, n, k)) Py_RETURN_FALSE;
+      }
+    }
+    if (k != n) Py_RETURN_FALSE;
   } catch (const std::exception&) {  // e.g. a tensor without storage
     return no();
   }
@@ -388,7 +451,11 @@ PyMethodDef methods[] = {
     {"meta_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(meta_match)), METH_FASTCALL,
      "meta_match(tensors, planned[, ptrs]) -> bool"},
     {"ptrs_equal", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(ptrs_equal)), METH_FASTCALL,
-     "ptrs_equal(tensors, ptrs[, nested]) -> bool"},
+     "ptrs_equal(tensors, ptrs) -> bool"},
+    {"fields_packed", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fields_packed)), METH_FASTCALL,
+     "fields_packed(states) -> bytes or None"},
+    {"fields_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fields_match)), METH_FASTCALL,
+     "fields_match(states, packed) -> bool"},
     {"grad_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_table)), METH_FASTCALL,
      "grad_table(seqs, out) -> (packed, aligned) or None"},
     {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL,
