@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +48,7 @@ from bnbf._host_checks import is_state
 from bnbf.compose import path_name
 from bnbf.functional import init_state
 from bnbf.ops import vmap_level
+from bnbf.packed import _plain_spec, _spec_of_plain
 from bnbf.quant import zero_code
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
@@ -73,6 +75,18 @@ class FlatLayout:
     leaves: tuple[_Leaf, ...]
     pieces: dict[str, tuple[int, ...]]
     specs: dict[str, OptimSpec]
+
+    def __reduce__(self) -> tuple:
+        # plain values (specs as dicts, the structure as its JSON, leaves as tuples) through one function registered
+        # with torch's safe globals: a checkpoint holding the layout beside its buffers and their state loads with
+        # torch.load's default (weights_only=True), as they do
+        return _rebuild_layout, (
+            dataclasses.asdict(self.spec),
+            _plain_spec(self.treespec),
+            tuple((leaf.path, leaf.key, leaf.index, tuple(leaf.shape), leaf.dtype) for leaf in self.leaves),
+            dict(self.pieces),
+            {k: dataclasses.asdict(s) for k, s in self.specs.items()},
+        )
 
     def flatten(self, tree: Any) -> dict[str, Tensor]:
         """New buffers holding the leaves of ``tree`` (params, grads, or anything shaped like the params),
@@ -199,6 +213,42 @@ class FlatLayout:
                     f"leaf {leaf.path!r} is {tuple(t.shape)} {t.dtype}; the layout has {tuple(leaf.shape)} {leaf.dtype}"
                 )
         return leaves
+
+
+def _rebuild_layout(spec: Any, treespec: Any, leaves: Any, pieces: Any, specs: Any) -> FlatLayout:
+    """A pickled :class:`FlatLayout` (:meth:`FlatLayout.__reduce__`) from its plain values, their kinds checked (a
+    checkpoint is input: the specs validate themselves, and the buffers' sizes are checked where they are used)."""
+    treespec = _spec_of_plain(treespec)
+    ints = lambda xs: isinstance(xs, tuple) and all(type(x) is int for x in xs)  # noqa: E731
+    if not (
+        isinstance(spec, dict)
+        and isinstance(treespec, pytree.TreeSpec)
+        and isinstance(leaves, tuple)
+        and len(leaves) == treespec.num_leaves
+        and all(
+            isinstance(leaf, tuple)
+            and len(leaf) == 5
+            and all(map(isinstance, leaf, (str, str, int, tuple, torch.dtype)))
+            and ints(leaf[3])
+            for leaf in leaves
+        )
+        and isinstance(pieces, dict)
+        and all(isinstance(k, str) and ints(v) for k, v in pieces.items())
+        and isinstance(specs, dict)
+        and set(specs) == set(pieces) >= {leaf[1] for leaf in leaves}
+        and all(map(isinstance, specs.values(), itertools.repeat(dict)))
+    ):
+        raise ValueError("not a bnbf FlatLayout: its pickled values do not have a layout's kinds")
+    return FlatLayout(
+        OptimSpec(**spec),
+        treespec,
+        tuple(_Leaf(path, key, index, torch.Size(shape), dtype) for path, key, index, shape, dtype in leaves),
+        {k: tuple(v) for k, v in pieces.items()},
+        {k: OptimSpec(**s) for k, s in specs.items()},
+    )
+
+
+torch.serialization.add_safe_globals([_rebuild_layout])
 
 
 def flat_layout(params: Any, spec: OptimSpec, *, group: Callable[[str, Tensor], str] | None = None) -> FlatLayout:

@@ -146,13 +146,18 @@ def _plain_spec(spec: Any) -> Any:
     return spec
 
 
+def _spec_of_plain(spec: Any) -> Any:
+    """The structure key :func:`_plain_spec` wrote."""
+    if type(spec) is tuple and spec[0] in ("list", "tuple"):
+        return ({"list": list, "tuple": tuple}[spec[0]], spec[1])
+    if type(spec) is tuple and spec[0] == "treespec":
+        return pytree.treespec_loads(spec[1])
+    return spec
+
+
 def _rebuild_meta(spec: Any, *args: Any) -> PackedMeta:
     """A pickled :class:`PackedMeta` (:meth:`PackedMeta.__reduce__`), its structure key rebuilt."""
-    if type(spec) is tuple and spec[0] in ("list", "tuple"):
-        spec = ({"list": list, "tuple": tuple}[spec[0]], spec[1])
-    elif type(spec) is tuple and spec[0] == "treespec":
-        spec = pytree.treespec_loads(spec[1])
-    return PackedMeta(spec, *args)
+    return PackedMeta(_spec_of_plain(spec), *args)
 
 
 def _picker(leaves: tuple):

@@ -244,13 +244,15 @@ class Plan:
 
     def __reduce__(self) -> tuple:
         # pickle, copy.deepcopy and copy.copy: a plan of the params and states it holds, built anew (their memo
-        # keeps them the very objects the rest of the copy refers to); its tables are addresses of this process
+        # keeps them the very objects the rest of the copy refers to); its tables are addresses of this process.
+        # Through a function registered with torch's safe globals, so that torch.load's default (weights_only=True)
+        # takes a checkpoint holding the plan beside its params and states, as it takes them
         if not self._hold:
             raise TypeError(
                 "bnbf.update_'s cached plans hold no tensor and cannot be pickled or copied; "
                 "make one that holds its params and states with bnbf.plan(params, state)"
             )
-        return (Plan, (_unflatten(self._params, self._spec), _unflatten(self._states, self._spec)))
+        return (_rebuild_plan, (_unflatten(self._params, self._spec), _unflatten(self._states, self._spec)))
 
     # ---- the public step --------------------------------------------------------------------------------
 
@@ -719,6 +721,15 @@ class Plan:
                 )
         with torch.no_grad():
             return [g if g.is_contiguous() else g.contiguous() for g in grads]
+
+
+def _rebuild_plan(params: Any, state: Any) -> Plan:
+    """A pickled plan (:meth:`Plan.__reduce__`): the plan of the loaded params and states, checked and built as
+    :func:`plan` builds one (nothing of the pickled plan but its params and states is taken)."""
+    return Plan(params, state)
+
+
+torch.serialization.add_safe_globals([_rebuild_plan])
 
 
 def _outside_transforms() -> None:

@@ -11,6 +11,8 @@ on the reference path and the Triton kernels (interpreter on CPU, CUDA in the GP
 from __future__ import annotations
 
 import contextlib
+import copy
+import io
 
 import pytest
 import torch
@@ -231,6 +233,62 @@ def test_layout_groups_and_alignment():
     assert [lf.path for lf in layout.leaves] == ["enc.w", "head.0"]
     out = layout.unflatten(layout.flatten(nested))
     assert torch.equal(out["enc"]["w"], nested["enc"]["w"]) and torch.equal(out["head"][0], nested["head"][0])
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy"])
+def test_a_saved_layout_loads_with_torch_loads_defaults(how):
+    """A checkpoint holding the layout beside its buffers and their state loads with torch.load's default
+    ``weights_only=True``, as the buffers and state alone do (the layout's dataclasses, OptimSpecs and TreeSpec were
+    refused): the loaded layout has the saved one's leaves, buffers and specs, and gives the loaded buffers' and
+    state's leaves as the saved layout gives the saved ones'."""
+    gen = torch.Generator().manual_seed(4)
+    params = {
+        "enc": {"w": torch.randn(30, 20, generator=gen)},
+        "head": [torch.randn(300, generator=gen), torch.randn(7, generator=gen).to(torch.bfloat16)],
+        "t": (torch.randn(5, generator=gen),),
+    }
+    spec = bnbf.OptimSpec(min_8bit_size=256, block_size=128)
+    layout = flat_layout(params, spec, group=lambda path, p: "no" if p.dim() == 1 else "decay")
+    flat = layout.flatten(params)
+    grads = layout.flatten(tree_map(torch.randn_like, params))
+    flat, state = bnbf.update(flat, grads, layout.init_state(flat), {"lr": 0.1}, 1)
+    saved = {"layout": layout, "flat": flat, "state": state}
+    if how == "deepcopy":
+        back = copy.deepcopy(saved)
+    else:
+        buf = io.BytesIO()
+        torch.save(saved, buf)
+        buf.seek(0)
+        back = torch.load(buf)  # torch's default: weights_only=True
+    got = back["layout"]
+    assert type(got) is type(layout) and got is not layout
+    for name in ("spec", "treespec", "leaves", "pieces", "specs"):
+        assert getattr(got, name) == getattr(layout, name), name
+    pairs = [
+        (layout.unflatten(flat), got.unflatten(back["flat"])),
+        (layout.unflatten_state(state), got.unflatten_state(back["state"])),
+    ]
+    for want, have in pairs:
+        assert torch.utils._pytree.tree_structure(want) == torch.utils._pytree.tree_structure(have)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves(want), tree_leaves(have), strict=True))
+
+
+def test_a_pickled_layout_of_other_kinds_is_refused():
+    """The values a pickled layout is rebuilt from are a file's: kinds other than a layout's are refused by name."""
+    from bnbf.flat import _rebuild_layout
+
+    layout = flat_layout({"w": torch.zeros(300)}, bnbf.OptimSpec())
+    args = layout.__reduce__()[1]
+    assert list(layout.pieces) == list(layout.specs) == ["float32/32bit"]
+    assert _rebuild_layout(*args).pieces == layout.pieces
+    for i, bad in (
+        (2, (("w", "float32/8bit", 0, "300", torch.float32),)),  # a shape that is not ints
+        (2, ()),  # fewer leaves than the structure
+        (3, {"other": (300, 212)}),  # a leaf's buffer missing
+        (4, {"float32/32bit": bnbf.OptimSpec()}),  # a spec not in its plain form
+    ):
+        with pytest.raises(ValueError, match="not a bnbf FlatLayout"):
+            _rebuild_layout(*args[:i], bad, *args[i + 1 :])
 
 
 def _mlp_loss(params, x):

@@ -412,6 +412,7 @@ def test_update__keeps_no_hyperparameter_tensor_alive(device):
 def test_a_copied_or_pickled_plan_steps_its_copies(device, how):
     """A plan copied or pickled with its params and states (a training loop's bundle) is a plan of the copies:
     stepping it moves them exactly as the original moves its own (copy.copy: a second plan of the same tensors).
+    torch.load's default (weights_only=True) takes the saved bundle, as it takes the params and states alone.
     update_'s cached plans hold no tensor: copying one raises, naming bnbf.plan."""
     import copy
     import io
@@ -428,7 +429,7 @@ def test_a_copied_or_pickled_plan_steps_its_copies(device, how):
         buf = io.BytesIO()
         torch.save(bundle, buf)
         buf.seek(0)
-        other = torch.load(buf, weights_only=False)
+        other = torch.load(buf)  # torch's default: weights_only=True
     else:
         other = {**bundle, "plan": copy.copy(bundle["plan"])}
     same = how == "copy"
