@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import array
 import itertools
+import math
 import operator
 import weakref
 from typing import Any, NamedTuple
@@ -38,6 +39,7 @@ from torch.utils import _pytree as pytree
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
+    _PARAM_DTYPES,
     NATIVE,
     _check_grad,
     _check_grads_apart,
@@ -60,12 +62,13 @@ from bnbf._host_checks import (
 )
 from bnbf.plan import _one_set, _scalars, scalar_row
 from bnbf.reference import reference_step
-from bnbf.rules import get_rule
-from bnbf.state import Layout, _mark_static, state_class
+from bnbf.rules import RULES, get_rule
+from bnbf.state import Layout, _mark_static, layout_problem, state_class
 
 _IN_PLACE = "in-place step of a packed state"  # what an overlap error names
 _UNBATCHED = ops.UNBATCHED_IN_PLACE.format(what="a param or state buffer")
 _ALIGN = 256  # bytes: each leaf's part of a buffer starts aligned, so the kernels keep their aligned variant
+_BIG = 1 << 63  # a loaded size, offset or shape at or above it is no tensor's
 
 
 class PackedGroup(NamedTuple):
@@ -126,8 +129,13 @@ class PackedMeta:
             if i is not None:
                 b.index_fill_(-1, i, 0)
 
-    def __reduce__(self):  # unpickled: a meta of this process (its own key)
-        return _rebuild_meta, (_plain_spec(self.spec), self.shapes, self.dtypes, self.rule, self.groups, self.sizes)
+    def __reduce__(self):  # unpickled: a meta of this process (its own key), its values checked
+        return _rebuild_meta, self._plain()
+
+    def _plain(self) -> tuple:
+        """The meta as :func:`_checked_meta` takes it: plain tuples, ints, strings and dtypes."""
+        groups = tuple((tuple(g.layout), g.leaves, g.first, g.offsets, g.numels) for g in self.groups)
+        return _plain_spec(self.spec), tuple(map(tuple, self.shapes)), self.dtypes, self.rule, groups, self.sizes
 
     def __repr__(self) -> str:
         return f"PackedMeta({len(self.shapes)} leaves, rule {self.rule!r}, {len(self.sizes)} buffers)"
@@ -155,9 +163,148 @@ def _spec_of_plain(spec: Any) -> Any:
     return spec
 
 
-def _rebuild_meta(spec: Any, *args: Any) -> PackedMeta:
-    """A pickled :class:`PackedMeta` (:meth:`PackedMeta.__reduce__`), its structure key rebuilt."""
-    return PackedMeta(_spec_of_plain(spec), *args)
+def _rebuild_meta(*plain: Any) -> PackedMeta:
+    """A pickled :class:`PackedMeta` (:meth:`PackedMeta.__reduce__`; also the meta of a packed state saved before
+    :func:`_rebuild_packed`, loaded with ``weights_only=False``), its values checked."""
+    return PackedMeta(*_checked_meta(*plain))
+
+
+def _rebuild_packed(buffers: Any, *plain: Any) -> PackedState:
+    """A saved :class:`PackedState` (:meth:`PackedState.__reduce__`): the only function of this module that
+    ``torch.load``'s default may call. Nothing is made before every value fits the others and the buffers: the
+    kernels address each leaf's part by its offset and read it as its layout's dtype, so one that did not fit
+    would have the step read and write outside the buffers."""
+    return PackedState(buffers, PackedMeta(*_checked_meta(*plain, buffers=buffers)))
+
+
+def _checked_meta(spec: Any, shapes: Any, dtypes: Any, rule: Any, groups: Any, sizes: Any, buffers: Any = None):
+    """:class:`PackedMeta`'s arguments from :meth:`PackedMeta._plain`'s values, each checked as :func:`pack_state`
+    makes it (and against ``buffers``, where given); ``ValueError`` naming the first that is not."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"not a bnbf packed state: {what}")
+
+    def ints(xs: Any, n: int | None = None) -> bool:
+        return type(xs) is tuple and (n is None or len(xs) == n) and all(type(x) is int and 0 <= x < _BIG for x in xs)
+
+    if not (type(shapes) is tuple and shapes and all(isinstance(s, tuple) and ints(tuple(s)) for s in shapes)):
+        raise bad("its shapes are not tuples of non-negative ints, one per leaf")
+    n, numel = len(shapes), [math.prod(s) for s in shapes]
+    if max(numel) >= _BIG:
+        raise bad(f"leaf {numel.index(max(numel))} has {max(numel)} elements")
+    spec = _checked_spec(spec, n, bad)
+    if not (type(dtypes) is tuple and len(dtypes) == n and all(map(_is_dtype, dtypes, [_PARAM_DTYPES] * n))):
+        raise bad(f"its param dtypes are not {n} of {[str(d) for d in _PARAM_DTYPES]}")
+    if type(rule) is not str or rule not in RULES:
+        raise bad(f"unknown rule {rule!r}")
+    if not (type(sizes) is tuple and all(type(s) is tuple and len(s) == 2 and _is_dtype(s[0]) for s in sizes)):
+        raise bad("its buffer sizes are not (dtype, size) pairs of a state's dtypes")
+    if not all(ints(s[1:]) for s in sizes):
+        raise bad("a buffer size is not a non-negative int")
+    if not (type(groups) is tuple and groups):
+        raise bad("it has no layout groups")
+    made, seen, used = [], [], 0
+    for gi, g in enumerate(groups):
+        if not (isinstance(g, tuple) and len(g) == 5):
+            raise bad(f"layout group {gi} is not (layout, leaves, first, offsets, numels)")
+        layout, leaves, first, offsets, numels = g
+        problem = layout_problem(layout)
+        if problem is not None:
+            raise bad(f"layout group {gi}: {problem}")
+        layout = Layout(*layout)
+        if layout.rule != rule:
+            raise bad(f"layout group {gi} is of rule {layout.rule!r}, the state of {rule!r}")
+        if not (ints(leaves) and leaves and max(leaves) < n):
+            raise bad(f"layout group {gi}'s leaves are not indices of its {n} leaves")
+        if len({dtypes[i] for i in leaves}) > 1:  # one launch reads every param of a group as one dtype
+            raise bad(f"layout group {gi} holds params of several dtypes")
+        per = len(layout.field_names())
+        if first != used:
+            raise bad(f"layout group {gi}'s fields start at buffer {first!r}, not at {used}")
+        if used + per > len(sizes):
+            raise bad(f"its layout groups have more fields than its {len(sizes)} buffers")
+        if not (type(offsets) is tuple and type(numels) is tuple and len(offsets) == len(numels) == per):
+            raise bad(f"layout group {gi} does not give each of its {per} fields' offsets and sizes")
+        fields = [list(layout.expected(torch.Size(shapes[i])).values()) for i in leaves]
+        for f in range(per):
+            (dtype, size), at, count = sizes[first + f], offsets[f], numels[f]
+            if not (ints(at, len(leaves)) and ints(count, len(leaves))):
+                raise bad(f"layout group {gi} field {f}: not an offset and a size per leaf")
+            if dtype != fields[0][f][1]:
+                raise bad(f"buffer {first + f} is {dtype}, its field of layout group {gi} {fields[0][f][1]}")
+            spans = []
+            for k, i in enumerate(leaves):
+                if count[k] != math.prod(fields[k][f][0]):
+                    want = math.prod(fields[k][f][0])
+                    raise bad(f"leaf {i}'s part of buffer {first + f} has {count[k]} elements, its field {want}")
+                where = f"leaf {i}'s part of buffer {first + f} (elements {at[k]} to {at[k] + count[k]})"
+                if at[k] + count[k] > size:
+                    raise bad(f"{where} ends past the buffer's {size} elements")
+                if at[k] % (_ALIGN // dtype.itemsize):  # the kernels' aligned variant is chosen by the buffers' address
+                    raise bad(f"{where} does not start {_ALIGN}-byte aligned")
+                spans.append((at[k], at[k] + count[k]))
+            spans.sort()
+            if any(a[1] > b[0] for a, b in zip(spans, spans[1:])):
+                raise bad(f"leaves' parts of buffer {first + f} overlap")
+        seen += leaves
+        used += per
+        made.append(PackedGroup(layout, leaves, first, offsets, numels))
+    if used != len(sizes) or sorted(seen) != list(range(n)):
+        raise bad(f"its layout groups hold {used} of its {len(sizes)} buffers and leaves {sorted(seen)} of {n}")
+    if buffers is not None:
+        _check_buffers(buffers, sizes, bad)
+    return spec, tuple(map(torch.Size, shapes)), dtypes, rule, tuple(made), sizes
+
+
+def _is_dtype(x: Any, of: tuple = (torch.uint8, torch.float32)) -> bool:
+    """Whether ``x`` is one of the dtypes ``of`` (by default a state field's: codes, absmax or 32-bit values)."""
+    return isinstance(x, torch.dtype) and x in of
+
+
+def _checked_spec(spec: Any, n: int, bad) -> Any:
+    """The structure key :func:`_plain_spec` wrote, if it is one of ``n`` leaves."""
+    kind = spec[0] if type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str else None
+    if kind in ("list", "tuple") and type(spec[1]) is int:
+        spec, count = _spec_of_plain(spec), spec[1]
+    elif kind == "dict" and type(spec[1]) is tuple:
+        try:
+            count = len(set(spec[1]))
+        except TypeError:
+            raise bad("its dict keys are not hashable") from None
+        if count != len(spec[1]):
+            raise bad("its dict keys repeat")
+    elif kind == "treespec" and type(spec[1]) is str:
+        try:
+            spec = _spec_of_plain(spec)
+        except (TypeError, ValueError, KeyError, NotImplementedError, RuntimeError) as e:  # treespec_loads' own
+            raise bad(f"its structure does not read back ({type(e).__name__}: {e})") from None
+        count = spec.num_leaves
+    elif isinstance(spec, pytree.TreeSpec):  # a node type torch cannot write as JSON (pickled with weights_only=False)
+        count = spec.num_leaves
+    elif type(spec) is str and spec == "leaf":
+        count = 1
+    else:
+        raise bad(f"its structure key is not one bnbf writes: {type(spec).__name__}")
+    if count != n:
+        raise bad(f"its structure has {count} leaves, its shapes {n}")
+    return spec
+
+
+def _check_buffers(buffers: Any, sizes: tuple, bad) -> None:
+    """``ValueError`` unless ``buffers`` are the strided tensors ``sizes`` describes, on one device (each
+    ``[..., size]`` with the same leading dims: a state stacked by ``vmap`` is saved so)."""
+    if type(buffers) not in (tuple, list):
+        raise bad(f"its buffers are a {type(buffers).__name__}")
+    if len(buffers) != len(sizes):
+        raise bad(f"it has {len(buffers)} buffers, its layout {len(sizes)}")
+    for k, (b, (dtype, size)) in enumerate(zip(buffers, sizes)):
+        if not isinstance(b, Tensor) or b.layout != torch.strided or b.is_nested:
+            raise bad(f"buffer {k} is not a strided tensor")
+        if b.dtype != dtype or b.dim() < 1 or b.shape[-1] != size:
+            raise bad(f"buffer {k} is {b.dtype} {list(b.shape)}, its layout gives {dtype} [{size}]")
+        if b.shape[:-1] != buffers[0].shape[:-1] or b.device != buffers[0].device:
+            first = buffers[0]
+            raise bad(f"buffer {k} is {list(b.shape)} on {b.device}, buffer 0 {list(first.shape)} on {first.device}")
 
 
 def _picker(leaves: tuple):
@@ -184,8 +331,11 @@ class PackedState:
         self.meta = meta
         self._views = None  # (buffers, their addresses, unpack(), its leaves): see plan_views
 
-    def __reduce__(self):  # the buffers and the meta; not the views kept for update_'s plan
-        return PackedState, (self.buffers, self.meta)
+    def __reduce__(self):
+        # the buffers and the meta's plain values (not the views kept for update_'s plan) through one function
+        # registered with torch's safe globals, which checks them: a registered class could be filled in field by
+        # field by a crafted file, with offsets or dtypes the kernels would address outside the buffers
+        return _rebuild_packed, (self.buffers, *self.meta._plain())
 
     def plan_views(self) -> tuple[Any, list] | None:
         """``(tree, leaves)``: :meth:`unpack` and its state leaves, kept while the buffers are these very tensors at
@@ -766,6 +916,6 @@ _packed_step_op.register_vmap(_packed_step_vmap)
 _packed_step_op_.register_vmap(ops.in_place_vmap_rule(_packed_step_vmap, "a param or state buffer"))
 
 
-# saved packed states load with torch.load's default weights_only=True, as per-param states do (bnbf.state): their
-# classes rebuild from buffers, dtypes, shapes and names, and the meta checks what it is given
-torch.serialization.add_safe_globals([PackedState, PackedMeta, PackedGroup, _rebuild_meta])
+# saved packed states load with torch.load's default weights_only=True, as per-param states do (bnbf.state), through
+# the one function that checks them (not their classes, which a file could fill in unchecked)
+torch.serialization.add_safe_globals([_rebuild_packed])

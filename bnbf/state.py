@@ -19,7 +19,7 @@ from torch import Tensor
 
 from bnbf import paged
 from bnbf.quant import STATE_FORMATS, quantize_state_reference, zero_code
-from bnbf.rules import get_rule
+from bnbf.rules import RULES, get_rule
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -115,6 +115,27 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format prese
         return out
 
 
+def layout_problem(values: Any) -> str | None:
+    """What makes ``values`` a layout no :class:`OptimSpec` makes (None where one does): the loaders check a
+    checkpoint's layouts, since the kernels take a layout's block size and format as the spec checked them."""
+    if not (isinstance(values, tuple) and len(values) == 5):
+        return f"a layout is (rule, bits, block_size, format, present), got {type(values).__name__}"
+    rule, bits, block_size, fmt, present = values
+    if type(rule) is not str or rule not in RULES:
+        return f"unknown rule {rule!r}"
+    if type(bits) is not int or type(block_size) is not int or type(fmt) is not str:
+        return f"bits, block size and format of kinds int, int, str, got {values!r}"
+    if bits == 8 and (block_size < 64 or block_size > 4096 or block_size & (block_size - 1)):
+        return f"block size {block_size} is not a power of two between 64 and 4096"
+    if bits == 8 and fmt not in STATE_FORMATS:
+        return f"unknown 8-bit format {fmt!r}"
+    if bits != 8 and (bits, block_size, fmt) != (32, 0, "fp32"):
+        return f"bits, block size and format {(bits, block_size, fmt)} are neither 8-bit nor (32, 0, 'fp32')"
+    if type(present) is not int or not 0 <= present < 1 << len(RULES[rule].states):
+        return f"kept slots {present!r} are not a mask of the {rule} rule's {len(RULES[rule].states)} slots"
+    return None
+
+
 _CLASSES: dict[Layout, type] = {}
 _CLASSES_LOCK = threading.Lock()
 _NAME = re.compile(r"^(?P<rule>\w+?)_state_(?:8bit_(?P<fmt>[a-z0-9]+)_b(?P<bs>\d+)|32bit)(?:_s(?P<present>\d+))?$")
@@ -174,7 +195,7 @@ def _rebuild_state(name: str, fields: tuple) -> State:
     return cls(*fields)
 
 
-torch.serialization.add_safe_globals([_rebuild_state, Layout])  # Layout: a packed state's meta holds them
+torch.serialization.add_safe_globals([_rebuild_state])
 
 
 def is_state(x: Any) -> bool:

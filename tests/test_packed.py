@@ -10,7 +10,9 @@ suite compares with torch.optim, torch-optimizer, lion-pytorch and the papers' f
 
 from __future__ import annotations
 
+import io
 import pickle
+import types
 
 import pytest
 import torch
@@ -562,6 +564,210 @@ def test_a_saved_packed_state_loads_with_torch_loads_defaults(tree):
     (p1, s1), (p2, s2) = (bnbf.update(params, grads, s, {"lr": 0.1}, 1) for s in (state, loaded))
     for x, y in zip(tree_leaves((p1, s1.unpack())), tree_leaves((p2, s2.unpack()))):
         assert torch.equal(x, y)
+
+
+# every kind of layout a packed state holds, saved and loaded with torch.load's default
+_SAVED_LAYOUTS = {
+    "8-bit power": ("adamw", {"min_8bit_size": 0}, {}),
+    "8-bit dynamic, blocks of 64": ("adamw", {"min_8bit_size": 0, "state_format": "dynamic", "block_size": 64}, {}),
+    "32-bit": ("adamw", {"state_bits": 32}, {}),
+    "amsgrad, blocks of 4096": ("adamw", {"min_8bit_size": 512, "block_size": 4096}, {"amsgrad": True}),
+    **{rule: (rule, {"min_8bit_size": 512}, HP[rule]) for rule in HP if rule != "adamw"},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_SAVED_LAYOUTS))
+def test_every_layout_round_trips_through_torch_loads_defaults(case):
+    """A packed state of each layout (8-bit power and dynamic, 32-bit, amsgrad's third slot, each rule; params of
+    three dtypes, a 0-d and an empty one) loads with ``weights_only=True`` as it was saved: the same buffers and
+    meta, and an in-place step from it equals one from the saved state bit for bit."""
+    import io
+
+    rule, spec, hp = _SAVED_LAYOUTS[case]
+    if INTERP and rule not in RULES + ["adam"]:
+        pytest.skip("the interpreter steps a few rules (the reference pass: all)")
+    gen = torch.Generator().manual_seed(3)
+    shapes = {"w": ((33, 17), torch.float32), "big": ((1031,), torch.bfloat16), "h": ((300,), torch.float16),
+              "s": ((), torch.float32), "z": ((0,), torch.float32)}  # fmt: skip
+    params = {k: torch.randn(s, generator=gen).to(d) for k, (s, d) in shapes.items()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule=rule, **spec), hp, packed=True)
+    bnbf.update_(params, tree_map(torch.randn_like, params), state, {"lr": 0.1, **hp}, 1)  # states not at zero
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert type(loaded) is bnbf.PackedState and loaded.meta._plain() == state.meta._plain()
+    assert _same(loaded.buffers, state.buffers)
+    again = {k: v.clone() for k, v in params.items()}
+    grads = tree_map(torch.randn_like, params)
+    bnbf.update_(params, grads, state, {"lr": 0.1, **hp}, 2)
+    bnbf.update_(again, grads, loaded, {"lr": 0.1, **hp}, 2)
+    assert _same(again, params) and _same(loaded.buffers, state.buffers)
+
+
+def test_a_state_stacked_by_vmap_round_trips_through_torch_loads_defaults():
+    """An ensemble's packed state (buffers ``[members, n]``) loads with ``weights_only=True`` as it was saved."""
+    import io
+
+    stacked = {"w": torch.randn(3, 4096), "b": torch.randn(3, 7)}
+    state = torch.vmap(lambda p: bnbf.init_state(p, bnbf.OptimSpec(rule="adamw"), packed=True))(stacked)
+    assert state.buffers[0].dim() == 2
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded.meta._plain() == state.meta._plain() and _same(loaded.buffers, state.buffers)
+
+
+def _crafted_file(tamper, pickle_module=pickle) -> io.BytesIO:
+    """A saved packed state (three layout groups: ``big``'s 8-bit state in buffers 0-3, ``w`` and ``v``'s 32-bit
+    state in buffers 4-5 at offsets 0 and 320, ``h``'s (bfloat16) in buffers 6-7) with ``tamper(meta, buffers)``
+    applied to its meta and buffers before it is written, as a file made to mislead the loader could be."""
+    params = {"big": torch.randn(4096), "w": torch.randn(300), "v": torch.randn(300), "h": torch.randn(7).bfloat16()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=True)
+    meta, buffers = state.meta, list(state.buffers)
+    assert [g.leaves for g in meta.groups] == [(0,), (1, 2), (3,)] and meta.groups[1].offsets[0] == (0, 320)
+    assert [n for _, n in meta.sizes] == [4096, 64, 4096, 64, 640, 640, 64, 64]
+    tamper(meta, buffers)
+    state.buffers = tuple(buffers)
+    out = io.BytesIO()
+    torch.save(state, out, pickle_module=pickle_module)
+    out.seek(0)
+    return out
+
+
+def _group(gi, **fields):
+    """A tampering that replaces fields of layout group ``gi`` (``layout`` a dict: fields of its layout)."""
+
+    def tamper(meta, buffers):
+        groups = list(meta.groups)
+        layout = groups[gi].layout._replace(**fields.pop("layout", {}))
+        groups[gi] = groups[gi]._replace(layout=layout, **fields)
+        meta.groups = tuple(groups)
+
+    return tamper
+
+
+def _meta(**fields):
+    def tamper(meta, buffers):
+        for name, value in fields.items():
+            setattr(meta, name, value)
+
+    return tamper
+
+
+def _as_uint8(k):
+    """Buffer ``k`` (float32) recorded and saved as uint8 of as many elements: the kernels would write 4 bytes to
+    each of its 1-byte elements (under TRITON_INTERPRET=1 an in-place step wrote past it, a pure one aborted)."""
+
+    def tamper(meta, buffers):
+        n = meta.sizes[k][1]
+        meta.sizes = (*meta.sizes[:k], (torch.uint8, n), *meta.sizes[k + 1 :])
+        buffers[k] = torch.zeros(n, dtype=torch.uint8)
+
+    return tamper
+
+
+_CRAFTED = {
+    "32-bit field saved as uint8": (_as_uint8(4), "buffer 4 is torch.uint8, its field of layout group 1 torch.float32"),
+    "absmax saved as uint8": (_as_uint8(1), "buffer 1 is torch.uint8"),
+    "part past its buffer": (_group(1, offsets=((0, 384), (0, 320))), r"buffer 4 \(elements 384 to 684\) ends past"),
+    "parts overlapping": (_group(1, offsets=((0, 64), (0, 320))), "parts of buffer 4 overlap"),
+    "part not aligned": (_group(1, offsets=((0, 321), (0, 320))), r"buffer 4 \(elements 321 to 621\) does not start"),
+    "part of another size": (_group(1, numels=((300, 299), (300, 300))), "has 299 elements, its field 300"),
+    "float offset": (_group(1, offsets=((0.0, 320), (0, 320))), "group 1 field 0: not an offset and a size"),
+    "leaf in two groups": (_group(1, leaves=(1, 1)), r"leaves \[0, 1, 1, 3\] of 4"),
+    "group of two param dtypes": (_meta(dtypes=(torch.float32,) * 2 + (torch.bfloat16,) * 2), "several dtypes"),
+    "block size no spec makes": (_group(0, layout={"block_size": 32}), "block size 32 is not a power of two"),
+    "unknown 8-bit format": (_group(0, layout={"format": "bogus"}), "unknown 8-bit format 'bogus'"),
+    "16-bit state": (_group(1, layout={"bits": 16}), "neither 8-bit nor"),
+    "slots beyond the rule's": (_group(1, layout={"present": 8}), "kept slots 8 are not a mask"),
+    "another rule's layout": (_group(1, layout={"rule": "lion", "present": 1}), "group 1 is of rule 'lion'"),
+    "fields from another buffer": (_group(2, first=5), "group 2's fields start at buffer 5, not at 6"),
+    "unknown rule": (_meta(rule="nadam"), "unknown rule 'nadam'"),
+    "int param dtype": (_meta(dtypes=(torch.int32,) + (torch.float32,) * 2 + (torch.bfloat16,)), "param dtypes"),
+    "negative dim": (_meta(shapes=((4096,), (300,), (300,), (-7,))), "shapes are not tuples of non-negative"),
+    "structure of other leaves": (_meta(spec=("dict", ("big", "w", "v"))), "structure has 3 leaves, its shapes 4"),
+    "buffer shorter than its size": (
+        lambda meta, buffers: buffers.__setitem__(5, buffers[5][:576]),
+        r"buffer 5 is torch.float32 \[576\], its layout gives torch.float32 \[640\]",
+    ),
+    "buffer missing": (lambda meta, buffers: buffers.pop(), "it has 7 buffers, its layout 8"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", sorted(_CRAFTED))
+def test_a_crafted_packed_state_is_refused_when_loaded(case):
+    """``torch.load``'s default built a packed state from whatever a file said: offsets, sizes, dtypes and layouts
+    that do not fit the buffers, which the kernels (raw addresses: the buffer's plus the part's offset, read as the
+    layout's dtype) would read and write past. Each is now refused by name when loaded, nothing made."""
+    tamper, match = _CRAFTED[case]
+    with pytest.raises(ValueError, match=f"not a bnbf packed state: .*{match}"):
+        torch.load(_crafted_file(tamper))
+
+
+def _writing(reduce):
+    """A pickle module whose Pickler writes packed states and metas as ``reduce(obj)`` says (an older bnbf's form,
+    or a file's own)."""
+    from bnbf.packed import PackedMeta
+
+    class Pickler(pickle.Pickler):
+        def reducer_override(self, obj):
+            return reduce(obj) if type(obj) in (bnbf.PackedState, PackedMeta) else NotImplemented
+
+    return types.SimpleNamespace(__name__="pickle", Pickler=Pickler, Unpickler=pickle.Unpickler)
+
+
+def test_a_packed_state_or_meta_built_field_by_field_does_not_load():
+    """The classes were registered with torch's safe globals themselves, so a file could make a meta without its
+    constructor and set each field: here the key of another live meta, by which the ops find a meta and the
+    launcher its cached tables (another state's offsets). Only the checking function is registered now."""
+    import copyreg
+
+    from bnbf.packed import PackedMeta
+
+    live = bnbf.init_state({"w": torch.randn(8192)}, bnbf.OptimSpec(rule="adamw"), packed=True)
+
+    def fields(obj):
+        if type(obj) is bnbf.PackedState:
+            return copyreg.__newobj__, (bnbf.PackedState,), (None, {"buffers": obj.buffers, "meta": obj.meta})
+        names = ("spec", "shapes", "dtypes", "rule", "groups", "sizes")
+        return copyreg.__newobj__, (PackedMeta,), (None, {"key": live.meta.key, **{k: getattr(obj, k) for k in names}})
+
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL bnbf.packed.PackedState"):
+        torch.load(_crafted_file(lambda meta, buffers: None, _writing(fields)))
+    meta_only = io.BytesIO()
+    torch.save(live.meta, meta_only, pickle_module=_writing(fields))
+    meta_only.seek(0)
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL bnbf.packed.PackedMeta"):
+        torch.load(meta_only)
+
+
+def test_a_packed_state_saved_in_the_earlier_form_loads_only_from_a_trusted_file():
+    """bnbf pickled a packed state as its class called with the buffers and a meta rebuilt from its fields (written
+    two days before, promised nowhere): that form is the hole (the class constructs unchecked), so ``torch.load``'s
+    default refuses it; ``weights_only=False`` (a file one trusts) still loads it, its meta checked."""
+    from bnbf.packed import PackedMeta, _plain_spec, _rebuild_meta
+
+    def earlier(obj):
+        if type(obj) is bnbf.PackedState:
+            return bnbf.PackedState, (obj.buffers, obj.meta)
+        return _rebuild_meta, (_plain_spec(obj.spec), obj.shapes, obj.dtypes, obj.rule, obj.groups, obj.sizes)
+
+    with pytest.raises(pickle.UnpicklingError, match="GLOBAL bnbf.packed.PackedState"):
+        torch.load(_crafted_file(lambda meta, buffers: None, _writing(earlier)))
+    params = {"big": torch.randn(4096), "w": torch.randn(300), "v": torch.randn(300), "h": torch.randn(7).bfloat16()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw"), packed=True)
+    buf = io.BytesIO()
+    torch.save(state, buf, pickle_module=_writing(earlier))
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert type(loaded.meta) is PackedMeta and loaded.meta._plain() == state.meta._plain()
+    grads = tree_map(torch.randn_like, params)
+    (p1, s1), (p2, s2) = (bnbf.update(params, grads, s, {"lr": 0.1}, 1) for s in (state, loaded))
+    assert _same(p1, p2) and _same(s1.buffers, s2.buffers)
+    with pytest.raises(ValueError, match="not a bnbf packed state: .*buffer 4 is torch.uint8"):
+        torch.load(_crafted_file(_as_uint8(4), _writing(earlier)), weights_only=False)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
