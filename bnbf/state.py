@@ -165,14 +165,25 @@ def _doc(layout: Layout) -> str:
     return f"Optimizer state, layout {tuple(layout)}: {fields}"
 
 
-def __getattr__(name: str) -> Any:  # rebuilds pickled state classes
+def _layout_named(name: str) -> Layout | None:
+    """The layout a state class name spells (:attr:`Layout.class_name`), unchecked; None where it spells none."""
     m = _NAME.match(name)
     if m is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    present = int(m["present"]) if m["present"] else (1 << len(get_rule(m["rule"]).states)) - 1
+        return None
+    rule = RULES.get(m["rule"])  # unknown: no mask (layout_problem names the rule)
+    full = 0 if rule is None else (1 << len(rule.states)) - 1
+    present = int(m["present"]) if m["present"] else full
     if m["fmt"] is None:
-        return state_class(Layout(m["rule"], 32, 0, "fp32", present))
-    return state_class(Layout(m["rule"], 8, int(m["bs"]), m["fmt"], present))
+        return Layout(m["rule"], 32, 0, "fp32", present)
+    return Layout(m["rule"], 8, int(m["bs"]), m["fmt"], present)
+
+
+def __getattr__(name: str) -> Any:  # rebuilds pickled state classes
+    layout = _layout_named(name)
+    if layout is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    get_rule(layout.rule)  # an unknown rule's ValueError
+    return state_class(layout)
 
 
 class State:
@@ -188,11 +199,15 @@ class State:
 
 
 def _rebuild_state(name: str, fields: tuple) -> State:
-    """A pickled state (:meth:`State.__reduce__`): its class rebuilt from its name, which is checked."""
-    cls = __getattr__(name) if isinstance(name, str) else None
-    if cls is None or not isinstance(fields, tuple) or len(fields) != len(cls._fields):
+    """A pickled state (:meth:`State.__reduce__`): its class rebuilt from its name, which is checked (a layout no
+    spec makes is refused before its class is made: the kernels take its block size and format as checked)."""
+    layout = _layout_named(name) if isinstance(name, str) else None
+    problem = "no state class has this name" if layout is None else layout_problem(layout)
+    if problem is not None:
+        raise ValueError(f"not a bnbf state: {name!r}: {problem}")
+    if not isinstance(fields, tuple) or len(fields) != len(layout.field_names()):
         raise ValueError(f"not a bnbf state: {name!r} with {type(fields).__name__}")
-    return cls(*fields)
+    return state_class(layout)(*fields)
 
 
 torch.serialization.add_safe_globals([_rebuild_state])

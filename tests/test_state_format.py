@@ -63,6 +63,42 @@ def test_default_format_is_the_power_format():
     assert bnbf.OptimSpec().state_format == "power"
 
 
+@pytest.mark.parametrize(
+    ("name", "fields", "match"),
+    [
+        ("adamw_state_8bit_power_b32_s3", 4, "block size 32 is not a power of two between 64 and 4096"),
+        ("adamw_state_8bit_power_b8192_s3", 4, "block size 8192"),
+        ("adamw_state_8bit_bogus_b256_s3", 4, "unknown 8-bit format 'bogus'"),
+        ("adamw_state_32bit_s9", 1, "kept slots 9 are not a mask of the adamw rule's 3 slots"),
+        ("nadam_state_32bit_s1", 1, "unknown rule 'nadam'"),
+    ],
+)
+def test_a_saved_state_of_a_layout_no_spec_makes_is_refused_when_loaded(name, fields, match):
+    """A state's class is rebuilt from its pickled name, whose pattern takes any block size, format and kept-slot
+    mask: ``torch.load``'s default made states of layouts no :class:`bnbf.OptimSpec` makes (and their classes),
+    which stepped with block sizes the kernels were never checked at, or failed deep in a step. Refused by name
+    when loaded, no class made."""
+    import io
+    import pickle
+    import types
+
+    from bnbf.state import _CLASSES, _rebuild_state, is_state
+
+    state = bnbf.init_state(torch.zeros(4096), bnbf.OptimSpec(rule="adamw"))
+
+    class Pickler(pickle.Pickler):  # the state's fields under another class name, as a crafted file holds them
+        def reducer_override(self, obj):
+            return (_rebuild_state, (name, tuple(obj)[:fields])) if is_state(obj) else NotImplemented
+
+    buf = io.BytesIO()
+    torch.save(state, buf, pickle_module=types.SimpleNamespace(__name__="pickle", Pickler=Pickler))
+    buf.seek(0)
+    classes = dict(_CLASSES)
+    with pytest.raises(ValueError, match=f"not a bnbf state: '{name}': {match}"):
+        torch.load(buf)
+    assert classes == _CLASSES
+
+
 def test_a_saved_state_loads_with_torch_load_defaults_in_a_new_process(tmp_path):
     """``torch.save`` of functional states (8- and 32-bit, a dict of them) and ``torch.load`` with torch's default
     ``weights_only=True`` in a fresh process that imports bnbf: the same classes and tensors, and a step from them
