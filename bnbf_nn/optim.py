@@ -852,10 +852,14 @@ class Optimizer8bit(torch.optim.Optimizer):
             if read:
                 self._check_group({**group, **read})
         except (TypeError, ValueError) as e:  # the words of a check that names no group
-            if "param group" not in str(e) and not getattr(e, "__notes__", None):
-                e.add_note(f"({where.strip()} of {type(self).__name__})")
+            self._note_where(e, where)
             raise
         return read
+
+    def _note_where(self, e: Exception, where: str) -> None:
+        """A check's error in torch's words, which name no group, noted with ``where`` (" in param group 1")."""
+        if "param group" not in str(e) and not getattr(e, "__notes__", None):
+            e.add_note(f"({where.strip()} of {type(self).__name__})")
 
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
@@ -943,11 +947,18 @@ class Optimizer8bit(torch.optim.Optimizer):
         param's overrides applied, through the functions the step reads them with (an ``lr`` override relative to
         the group's lr). The step never calls it (one fused call per group). A group holding a key set by hand that
         the next step reads (LAMB's ``bias_correction`` as its ``debias``...) is read as that step reads it, and a
-        value the step refuses raises here too."""
-        read = self._watched_settings(group, f" in param group {gindex}")
+        setting or override the step refuses (a key that is not a setting of the class, a value out of range) raises
+        here too, with the step's error."""
+        where = f" in param group {gindex}"
+        read = self._watched_settings(group, where)
         group = {**group, **read} if read else group
         p = self.param_groups[gindex]["params"][pindex]
-        override = self._overrides([p]).get(id(p), {})
+        try:  # the step's own checks of a param's overrides: its plan's (_plan), then each bucket's or first state's
+            override = self._checked_overrides(group, [p]).get(id(p), {})
+            self._check_group(group, override)
+        except (TypeError, ValueError) as e:
+            self._note_where(e, where)
+            raise
         spec = self._spec(group, override)
         used = {**group, **{k: override.get(k, group[k]) for k in _CALL}, **self._hparams(group, override)}
         used.update(optim_bits=spec.state_bits, min_8bit_size=spec.min_8bit_size, state_format=spec.state_format)
@@ -1175,8 +1186,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             try:
                 jobs.append(self._prepare_group(group))
             except (TypeError, ValueError) as e:  # torch's words for a bad setting name no group
-                if "param group" not in str(e) and not getattr(e, "__notes__", None):
-                    e.add_note(f"(in param group {gi} of {type(self).__name__})")
+                self._note_where(e, f" in param group {gi}")
                 raise
         if any(job[1] is not plan for job, plan in zip(jobs, kept)):  # a params list changed since (or new)
             _check_apart(self.param_groups)
@@ -1403,6 +1413,27 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _overrides(self, params: list) -> dict[int, dict]:
         """``{id(p): overrides}`` of the manager for those of ``params`` that have some, in bnbf_nn's names."""
         return {i: self._own_spelling(cfg) for i, cfg in GlobalOptimManager.get_instance().configs_for(params).items()}
+
+    def _checked_overrides(self, group: Mapping, params: list) -> dict[int, dict]:
+        """:meth:`_overrides` of ``params`` (of ``group``), each refused as the step refuses it: a key that is not a
+        setting of this class, storage settings no state could be made with. The step's reading (:meth:`_plan`) and
+        :meth:`get_config`'s, so that the two refuse alike."""
+        configs = self._overrides(params)
+        allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
+        for p in params:
+            cfg = configs.get(id(p), {})
+            unknown = sorted(set(cfg) - allowed)
+            if unknown:
+                # bitsandbytes ignores these per param (they are its optimizer's); say so rather than "not a setting"
+                own = sorted({"is_paged", "args"} & set(unknown))
+                hint = f" ({own}: arguments of the optimizer as a whole, not per-parameter settings)" if own else ""
+                raise ValueError(
+                    f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}{hint}; "
+                    f"known: {sorted(allowed)}"
+                )
+            if not cfg.keys().isdisjoint(_STORAGE):  # buckets leave storage out (a made state's is fixed): each checked
+                self._spec(group, cfg)
+        return configs
 
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
@@ -1708,22 +1739,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         if type(self.state) is not _checkpoint.States:  # replaced by a plain dict: its edits must count too
             self.state = _checkpoint.States(self.state)
         edits = _checkpoint.EDITS[0]
-        configs = self._overrides(params)
-        allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
+        configs = self._checked_overrides(group, params)
         buckets: dict[tuple, list[int]] = {}
         for i, p in enumerate(params):
             cfg = configs.get(id(p), {})
-            unknown = sorted(set(cfg) - allowed)
-            if unknown:
-                # bitsandbytes ignores these per param (they are its optimizer's); say so rather than "not a setting"
-                own = sorted({"is_paged", "args"} & set(unknown))
-                hint = f" ({own}: arguments of the optimizer as a whole, not per-parameter settings)" if own else ""
-                raise ValueError(
-                    f"GlobalOptimManager override {unknown} is not a setting of {type(self).__name__}{hint}; "
-                    f"known: {sorted(allowed)}"
-                )
-            if not cfg.keys().isdisjoint(_STORAGE):  # buckets leave storage out (a made state's is fixed): each checked
-                self._spec(group, cfg)
             if "state" in self.state.get(p, {}):
                 key = tuple(sorted((k, repr(v)) for k, v in cfg.items() if k not in _STORAGE))
                 buckets.setdefault(key, []).append(i)

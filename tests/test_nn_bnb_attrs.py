@@ -6,6 +6,7 @@ deepcopy and pickles, old ones included."""
 from __future__ import annotations
 
 import copy
+import math
 import pickle
 from types import SimpleNamespace
 
@@ -250,6 +251,59 @@ def test_get_config_refuses_a_hand_edit_the_next_step_refuses(cls, key, value, e
     assert "param group 1" in " ".join([str(e.value), *getattr(e.value, "__notes__", ())])  # (on the fast path too)
     assert group == kept
     assert list(opt.get_config(0, 0, opt.param_groups[0])) == BNB_CONFIG_KEYS  # the other group reads as it did
+
+
+# manager overrides the step refuses (keys that are not settings of the class, values out of range), each of which
+# get_config had reported as a setting
+_REFUSED_OVERRIDES = [
+    pytest.param(lambda ps: bnbf_nn.LAMB8bit(ps), {"bias_correction": False}, id="LAMB8bit-bias_correction"),
+    pytest.param(lambda ps: bnbf_nn.LAMB(ps), {"amsgrad": False}, id="LAMB-amsgrad"),
+    pytest.param(lambda ps: bnbf_nn.Adan(ps), {"max_grad_norm": 0.0}, id="Adan-max_grad_norm"),
+    pytest.param(lambda ps: bnbf_nn.Adagrad(ps), {"betas": (0.9, 0.99)}, id="Adagrad-betas"),  # a constant there
+    pytest.param(lambda ps: bnbf_nn.Lion8bit(ps), {"eps": 1e-3}, id="Lion8bit-eps"),
+    pytest.param(lambda ps: bnbf_nn.AdamW8bit(ps), {"is_paged": True}, id="AdamW8bit-is_paged"),
+    pytest.param(lambda ps: bnbf_nn.AdamW(ps), {"capturable": True}, id="AdamW-capturable"),
+    pytest.param(lambda ps: bnbf_nn.Adam(ps), {"decoupled_weight_decay": False}, id="Adam-decoupled"),
+    pytest.param(lambda ps: bnbf_nn.AdamW(ps), {"lr": -1.0}, id="AdamW-lr"),
+    pytest.param(lambda ps: bnbf_nn.AdamW(ps), {"weight_decay": 0.1, "eps": math.nan}, id="AdamW-eps-of-two"),
+    pytest.param(lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 0.9), {"momentum": 1.5}, id="SGD8bit-momentum"),
+    pytest.param(lambda ps: bnbf_nn.SGD(ps, 0.1, 0.9, nesterov=True), {"betas": (0.9, 0.5)}, id="SGD-nesterov"),
+    pytest.param(lambda ps: bnbf_nn.RMSprop(ps), {"betas": (1.0, 0.0)}, id="RMSprop-alpha"),
+    pytest.param(lambda ps: bnbf_nn.LAMB(ps), {"max_unorm": 0.5}, id="LAMB-max_unorm"),
+    pytest.param(lambda ps: bnbf_nn.LARS(ps, 0.1), {"max_unorm": 0.5}, id="LARS-max_unorm"),
+    pytest.param(lambda ps: bnbf_nn.AdamW(ps), {"optim_bits": 7}, id="AdamW-optim_bits"),
+]
+
+
+@pytest.mark.parametrize("stepped", [False, True], ids=["fresh", "stepped"])
+@pytest.mark.parametrize("route", ["override_config", "register_module_override"])
+@pytest.mark.parametrize("make, settings", _REFUSED_OVERRIDES)
+def test_get_config_refuses_the_overrides_the_step_refuses(make, settings, route, stepped):
+    """An override the step refuses (LAMB8bit's bias_correction, a key its groups read as debias but no setting of
+    it; a value out of range), set through either of the manager's ways: get_config answered with the group's
+    settings; it reads the override with the step's own checks, raising the step's error and note."""
+    lin = torch.nn.Linear(8, 8, bias=False)
+    ps = [*_params(8), lin.weight]
+    opt = make([{"params": ps[:1]}, {"params": ps[1:]}])
+    if stepped:
+        _step(opt, ps)
+    if route == "override_config":
+        opt.mng.override_config(lin.weight, key_value_dict=settings)
+    else:
+        opt.mng.register_module_override(lin, "weight", settings)
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with pytest.raises((TypeError, ValueError)) as got:
+        opt.get_config(1, 0, opt.param_groups[1])
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises((TypeError, ValueError)) as want:
+        _step(opt, ps, seed=2)
+    assert type(got.value) is type(want.value)
+    assert str(got.value) == str(want.value)
+    assert getattr(got.value, "__notes__", None) == getattr(want.value, "__notes__", None)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == kept
+    for p, b in zip(ps, before):
+        assert_equal_report(p.detach(), b, "a refused step's param")
+    assert list(opt.get_config(0, 0, opt.param_groups[0])) == BNB_CONFIG_KEYS  # the other group's param reads
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
