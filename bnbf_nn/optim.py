@@ -879,7 +879,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             lr = override.get("lr")
             hp.update((k, v) for k, v in override.items() if k in hp)
             if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
-                base = group.get("initial_lr", self._lr0_of(group))
+                base = group["initial_lr"] if "initial_lr" in group else self._lr0_of(group)
                 hp["lr"] = lr * (group["lr"] / base) if isinstance(base, Tensor) or base else lr
         if not as_given and hp.get("nesterov") is True and type(hp["momentum"]) in _NUMBER and hp["momentum"] == 0:
             # torch checks nesterov only in its constructor: a momentum a schedule (or a hand) sets to 0 later steps
@@ -941,18 +941,23 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def get_config(self, gindex: int, pindex: int, group: Mapping) -> dict:
         """bitsandbytes' config of param ``pindex`` of group ``gindex`` (``group``) as the step uses it: ``betas``,
-        ``eps`` and ``weight_decay`` in bitsandbytes' spelling (SGD's ``betas`` = (momentum, dampening)...),
-        ``lr``, ``alpha``, ``t_alpha``, ``t_beta3``, ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and
-        ``skip_zeros``, then every other setting the param's :class:`GlobalOptimManager` overrides; each with the
-        param's overrides applied, through the functions the step reads them with (an ``lr`` override relative to
-        the group's lr). The step never calls it (one fused call per group). A group holding a key set by hand that
+        ``eps`` and ``weight_decay`` in bitsandbytes' spelling where the rule lacks the key (SGD's ``betas`` =
+        (momentum, dampening)...; LARS's ``eps`` is its own), ``lr``, ``alpha``, ``t_alpha``, ``t_beta3``,
+        ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and ``skip_zeros``, then every other setting the param's
+        :class:`GlobalOptimManager` overrides or the step reads otherwise than given (SGD's ``nesterov`` at momentum
+        0); each with the param's overrides applied, through the functions the step reads them with (an ``lr``
+        override relative to the lr the group started with, also for a copy of the group). The step never calls it
+        (one fused call per group). A group holding a key set by hand that
         the next step reads (LAMB's ``bias_correction`` as its ``debias``...) is read as that step reads it, and a
         setting or override the step refuses (a key that is not a setting of the class, a value out of range) raises
         here too, with the step's error."""
         where = f" in param group {gindex}"
+        live = self.param_groups[gindex]
         read = self._watched_settings(group, where)
         group = {**group, **read} if read else group
-        p = self.param_groups[gindex]["params"][pindex]
+        if group is not live and "initial_lr" not in group:  # a copy: lr overrides are relative to the group's start
+            group = {**group, "initial_lr": self._lr0_of(live)}
+        p = live["params"][pindex]
         try:  # the step's own checks of a param's overrides: its plan's (_plan), then each bucket's or first state's
             override = self._checked_overrides(group, [p]).get(id(p), {})
             self._check_group(group, override)
@@ -960,14 +965,22 @@ class Optimizer8bit(torch.optim.Optimizer):
             self._note_where(e, where)
             raise
         spec = self._spec(group, override)
-        used = {**group, **{k: override.get(k, group[k]) for k in _CALL}, **self._hparams(group, override)}
+        hp = self._hparams(group, override)
+        used = {**group, **{k: override.get(k, group[k]) for k in _CALL}, **hp}
         used.update(optim_bits=spec.state_bits, min_8bit_size=spec.min_8bit_size, state_format=spec.state_format)
+        # bitsandbytes' spelling of the keys the rule lacks (SGD's betas, Lion's eps); a key the rule has is its own
+        # (LARS's eps, which bitsandbytes' LARS holds at 0 and never reads)
         config = {**_to_bnb_group(self.family, used), "lr": used["lr"]}
+        config.update((k, used[k]) for k in _BNB_GROUP_KEYS if k in hp)
         # AdEMAMix's settings, in every bitsandbytes two-state group; its one-state groups lack them (RMSprop's
         # alpha is its betas[0] there)
         two = self.family.nstates == 2
         config.update((k, used.get(k, d) if two else d) for k, d in _BNB_2STATE_DEFAULTS.items())
-        config.update((k, used[k]) for k in (*_ARGS, *override) if k in used)
+        # then the overridden settings, and those the step reads otherwise than the group or override holds them
+        # (SGD's nesterov at momentum 0)
+        given = {**group, **override}
+        adjusted = [k for k in hp if k != "lr" and hp[k] is not given.get(k)]
+        config.update((k, used[k]) for k in (*_ARGS, *override, *adjusted) if k in used)
         return config
 
     # ---- step ------------------------------------------------------------------------------------------

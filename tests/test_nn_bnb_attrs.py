@@ -6,6 +6,7 @@ deepcopy and pickles, old ones included."""
 from __future__ import annotations
 
 import copy
+import inspect
 import math
 import pickle
 from types import SimpleNamespace
@@ -304,6 +305,78 @@ def test_get_config_refuses_the_overrides_the_step_refuses(make, settings, route
     for p, b in zip(ps, before):
         assert_equal_report(p.detach(), b, "a refused step's param")
     assert list(opt.get_config(0, 0, opt.param_groups[0])) == BNB_CONFIG_KEYS  # the other group's param reads
+
+
+def _twin_from_config(opt, ps, c):
+    """An optimizer of ``opt``'s class over ``ps`` whose one group holds, as plain arguments, the settings that
+    ``get_config`` reported (``c``), over the group's others (RMSprop's centered...): bitsandbytes' betas of SGD,
+    LARS and RMSprop as their torch names, its keys the class has no argument for (Lion's eps, Adagrad's betas:
+    constants) left out, LAMB's debias as bias_correction."""
+    fam = opt.family
+    takes = inspect.signature(type(opt)).parameters
+    named = {v: k for k, v in fam.renames}
+    kw = {named.get(k, k): v for k, v in opt.param_groups[0].items() if named.get(k, k) in takes and k != "params"}
+    skip = {"betas", "alpha", "t_alpha", "t_beta3"} if fam.nstates == 1 else set()  # bitsandbytes' constants there
+    kw.update((named.get(k, k), v) for k, v in c.items() if named.get(k, k) in takes and k not in skip)
+    spelled = dict(fam.bnb_group).get("betas")
+    if isinstance(spelled, tuple) and any(isinstance(n, str) for n in spelled):
+        kw.update((n, v) for n, v in zip(spelled, c["betas"]) if isinstance(n, str))
+    elif "betas" in takes:
+        kw["betas"] = c["betas"]
+    return type(opt)(ps, **kw)
+
+
+# overrides the step takes, each class's own and bitsandbytes' spellings, storage ones among them
+_ACCEPTED_OVERRIDES = [
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW8bit(ps, lr=1e-2, min_8bit_size=0),
+        {"betas": (0.5, 0.6), "lr": 4e-3, "weight_decay": 0.0, "eps": 1e-6},
+        id="AdamW8bit",
+    ),
+    pytest.param(lambda ps: bnbf_nn.AdamW(ps), {"amsgrad": True, "maximize": True, "max_unorm": 0.5}, id="AdamW"),
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW(ps), {"optim_bits": 8, "min_8bit_size": 0, "state_format": "dynamic"}, id="storage"
+    ),
+    pytest.param(lambda ps: bnbf_nn.Adam(ps), {"is_sparse": True, "percentile_clipping": 100}, id="Adam-bnb-unread"),
+    pytest.param(lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 0.9, min_8bit_size=0), {"betas": (0.5, 0.1)}, id="SGD8bit-betas"),
+    pytest.param(lambda ps: bnbf_nn.SGD(ps, 0.1, 0.9, nesterov=True), {"momentum": 0.0}, id="SGD-nesterov"),
+    pytest.param(lambda ps: bnbf_nn.RMSprop(ps, centered=True), {"betas": (0.9, 0.5)}, id="RMSprop-betas"),
+    pytest.param(lambda ps: bnbf_nn.LARS(ps, 0.1, 0.9, eps=1.0), {"trust_coefficient": 0.01}, id="LARS"),
+    pytest.param(lambda ps: bnbf_nn.Lion8bit(ps, min_8bit_size=0), {"betas": (0.8, 0.95)}, id="Lion8bit"),
+    pytest.param(lambda ps: bnbf_nn.Adagrad(ps), {"lr_decay": 0.1, "eps": 1e-6}, id="Adagrad"),
+    pytest.param(lambda ps: bnbf_nn.LAMB(ps), {"debias": False, "weight_decay": 0.1}, id="LAMB"),
+    pytest.param(lambda ps: bnbf_nn.AdEMAMix(ps), {"alpha": 3.0, "t_alpha": 10, "t_beta3": 20}, id="AdEMAMix"),
+    pytest.param(lambda ps: bnbf_nn.Adan(ps), {"no_prox": True, "betas": (0.9, 0.9, 0.9)}, id="Adan"),
+]
+
+
+@pytest.mark.parametrize("route", ["override_config", "register_module_override"])
+@pytest.mark.parametrize("make, settings", _ACCEPTED_OVERRIDES)
+def test_get_config_reports_what_the_step_steps_with(make, settings, route):
+    """Every override the step takes, through either of the manager's ways: a twin optimizer given get_config's
+    values as plain arguments steps the param bit for bit as the step does, over steps with the group's lr changed
+    between them (an lr override is relative to it, also where get_config is given a copy of the group). get_config
+    had reported LARS's eps as bitsandbytes' constant 0, and SGD's nesterov as the group holds it at momentum 0."""
+    lin = torch.nn.Linear(64, 80, bias=False)
+    ps = [lin.weight, *_params(8)]
+    opt = make(ps)
+    if route == "override_config":
+        opt.mng.override_config(lin.weight, key_value_dict=settings)
+    else:
+        opt.mng.register_module_override(lin, "weight", settings)
+    twin_p = [torch.nn.Parameter(lin.weight.detach().clone())]
+    twin = None
+    for i in range(3):
+        c = opt.get_config(0, 0, opt.param_groups[0])
+        assert opt.get_config(0, 0, dict(opt.param_groups[0])) == c  # a copy of the group reads as the group
+        twin = twin or _twin_from_config(opt, twin_p, c)
+        twin.param_groups[0]["lr"] = c["lr"]
+        _step(opt, ps, seed=i)
+        _step(twin, twin_p, seed=i)
+        assert_equal_report(lin.weight, twin_p[0], f"step {i}")
+        opt.param_groups[0]["lr"] *= 0.5
+    layout = type(opt.state[lin.weight]["state"]).layout
+    assert layout.bits == c["optim_bits"] == type(twin.state[twin_p[0]]["state"]).layout.bits
 
 
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
