@@ -947,12 +947,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         :class:`GlobalOptimManager` overrides or the step reads otherwise than given (SGD's ``nesterov`` at momentum
         0); each with the param's overrides applied, through the functions the step reads them with (an ``lr``
         override relative to the lr the group started with, also for a copy of the group). The step never calls it
-        (one fused call per group). A group holding a key set by hand that
-        the next step reads (LAMB's ``bias_correction`` as its ``debias``...) is read as that step reads it, and a
-        setting or override the step refuses (a key that is not a setting of the class, a value out of range) raises
-        here too, with the step's error."""
+        (one fused call per group). A group holding a key set by hand that the next step reads (LAMB's
+        ``bias_correction`` as its ``debias``, SGD's ``betas`` that a schedule written for bitsandbytes moved as its
+        momentum...) is read as that step reads it, writing nothing, and a setting or override the step refuses (a
+        key that is not a setting of the class, a value out of range) raises here too, with the step's error."""
         where = f" in param group {gindex}"
         live = self.param_groups[gindex]
+        if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):  # as _settings reads it first
+            moved = self._spelling_read(group, live)[0]
+            group = {**group, **moved} if moved else group
         read = self._watched_settings(group, where)
         group = {**group, **read} if read else group
         if group is not live and "initial_lr" not in group:  # a copy: lr overrides are relative to the group's start
@@ -1361,15 +1364,24 @@ class Optimizer8bit(torch.optim.Optimizer):
         spelling that changed since the two last agreed: a schedule cycling ``betas[0]`` (torch's OneCycleLR
         resumed from a bitsandbytes run) moves the momentum, one cycling ``momentum`` moves ``betas``. Where both
         changed, or they never agreed, and they differ: ValueError naming both (else one would be ignored)."""
+        moved, agreed = self._spelling_read(group, group)
+        group.update(moved)
+        self._spelled[id(group)] = (group, agreed)
+
+    def _spelling_read(self, group: Mapping, live: Mapping) -> tuple[dict, dict]:
+        """What :meth:`_sync_bnb_spelling` writes into ``group`` (the settings or the spelling that follow the one
+        that moved) and the values that then agree, writing nothing; ``live``: the optimizer's group whose last
+        agreed values count (``group`` itself, or the group :meth:`get_config` was given a copy of)."""
         want = _to_bnb_group(self.family, group)
-        entry = self._spelled.get(id(group))
-        agreed = dict(entry[1]) if entry is not None and entry[0] is group else {}
+        entry = self._spelled.get(id(live))
+        agreed = dict(entry[1]) if entry is not None and entry[0] is live else {}
+        moved = {}
         for key in sorted(self._bnb_spelled.keys() & group.keys()):
             names, value, last = self._bnb_spelled[key], _spelled_value(group[key]), agreed.get(key)
             if not _same(value, want[key]):
                 own = [i for i, n in enumerate(names) if isinstance(n, str)]
                 if last is not None and _same(value, last):  # the group's own settings moved: the spelling follows
-                    group[key] = want[key]
+                    moved[key] = want[key]
                 elif (
                     last is not None
                     and value is not None
@@ -1377,15 +1389,15 @@ class Optimizer8bit(torch.optim.Optimizer):
                     and len(value) == len(names)
                     and all(_same(value[i], names[i]) for i in range(len(names)) if i not in own)
                 ):  # only bitsandbytes' spelling moved: the settings it spells follow
-                    group.update((names[i], value[i]) for i in own)
+                    moved.update((names[i], value[i]) for i in own)
                 else:
                     raise ValueError(
                         f"param group holds bitsandbytes' {key}={group[key]!r}, which for {type(self).__name__} "
                         f"spells {names!r}, but the group's own settings are {want[key]!r}: bnbf_nn steps with "
                         f"torch's names, set those ({', '.join(names[i] for i in own)})"
                     )
-            agreed[key] = _spelled_value(group[key])
-        self._spelled[id(group)] = (group, agreed)
+            agreed[key] = _spelled_value(moved.get(key, group[key]))
+        return moved, agreed
 
     def _note_spelling(self) -> None:
         """Where a group's bitsandbytes spelling agrees with its settings (a load, an unpickle), the agreed value

@@ -379,6 +379,46 @@ def test_get_config_reports_what_the_step_steps_with(make, settings, route):
     assert layout.bits == c["optim_bits"] == type(twin.state[twin_p[0]]["state"]).layout.bits
 
 
+@pytest.mark.parametrize(
+    "make, names",
+    [
+        (lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 0.9, min_8bit_size=0), ("momentum", "dampening")),
+        (lambda ps: bnbf_nn.LARS(ps, 0.1, 0.9), ("momentum", "dampening")),
+        (lambda ps: bnbf_nn.RMSprop(ps, momentum=0.5), ("alpha", "momentum")),
+    ],
+    ids=["SGD8bit", "LARS", "RMSprop"],
+)
+def test_get_config_reads_bitsandbytes_spelling_in_a_group_as_the_step(make, names):
+    """A group holding bitsandbytes' betas (a schedule written for its optimizer cycles betas[0]): the step moves
+    the setting it spells; get_config had reported the group's old one. It reads the group as the next step will,
+    writing nothing, so a twin given its values steps bit for bit alike; where both spellings changed, it raises
+    the step's error."""
+    ps, twin_p = _params((64, 80)), _params((64, 80))
+    opt, twin = make(ps), make(twin_p)
+    group = opt.param_groups[0]
+    group["betas"] = tuple(group[n] for n in names)  # as bitsandbytes' groups hold them
+    for i, first in enumerate([None, 0.5, 0.6]):
+        if first is not None:
+            group["betas"] = (first, group["betas"][1])
+        kept = dict(group)
+        c = opt.get_config(0, 0, group)
+        assert group == kept
+        assert opt.get_config(0, 0, dict(group)) == c
+        twin.param_groups[0].update(zip(names, c["betas"]))
+        _step(opt, ps, seed=i)
+        _step(twin, twin_p, seed=i)
+        assert_equal_report(ps[0], twin_p[0], f"step {i}")
+        assert group[names[0]] == c["betas"][0]
+    group.update({"betas": (0.3, group["betas"][1]), names[0]: 0.2})
+    kept = dict(group)
+    with pytest.raises(ValueError, match="holds bitsandbytes' betas") as got:
+        opt.get_config(0, 0, group)
+    with pytest.raises(ValueError) as want:
+        _step(opt, ps)
+    assert str(got.value) == str(want.value)
+    assert group == kept
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
 def test_attributes_survive_deepcopy_and_pickles(how, monkeypatch):
     """``initialized`` and ``name2qmap`` are kept; an optimizer pickled before they existed gets them as its
