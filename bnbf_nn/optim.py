@@ -961,14 +961,25 @@ class Optimizer8bit(torch.optim.Optimizer):
         if group is not live and "initial_lr" not in group:  # a copy: lr overrides are relative to the group's start
             group = {**group, "initial_lr": self._lr0_of(live)}
         p = live["params"][pindex]
-        try:  # the step's own checks of a param's overrides: its plan's (_plan), then each bucket's or first state's
+        state = self.state.get(p, {}).get("state")
+        hp = None
+        try:  # the step's own checks: its plan's of the overrides (_plan), then its first state's or made state's
             override = self._checked_overrides(group, [p]).get(id(p), {})
-            self._check_group(group, override)
+            if state is None:
+                self._check_first_state(group, gindex, p, override)
+            else:  # as _plan checks each bucket, then _settings (or _mode_settings) the states it steps
+                self._check_group(group, override)
+                self._check_differentiable(group, [type(state).layout], gindex)
+                hp = self._hparams(group, override)
+                self._check_not_differentiated(group, hp, {**group, **override}["max_unorm"], [state], gindex)
+                h = self._rule.make_hparams(_detached(hp))
+                self._check_switch(group, h, type(state).layout.present, present_mask(self._rule, h), gindex)
         except (TypeError, ValueError) as e:
             self._note_where(e, where)
             raise
         spec = self._spec(group, override)
-        hp = self._hparams(group, override)
+        if hp is None:
+            hp = self._hparams(group, override)
         used = {**group, **{k: override.get(k, group[k]) for k in _CALL}, **hp}
         used.update(optim_bits=spec.state_bits, min_8bit_size=spec.min_8bit_size, state_format=spec.state_format)
         # bitsandbytes' spelling of the keys the rule lacks (SGD's betas, Lion's eps); a key the rule has is its own
@@ -1290,16 +1301,28 @@ class Optimizer8bit(torch.optim.Optimizer):
                 if g is None or "state" in self.state.get(p, {}):
                     continue
                 self._check_steppable(group, gi, i, p)
-                cfg = plan.configs.get(id(p))
-                if group["differentiable"] is True and self._spec(group, cfg).layout_for(p.numel()).quantized:
-                    raise _not_differentiable(self, gi)
-                if id(cfg) not in checked:
-                    self._check_group(group, cfg)
-                    layout = self._spec(group, cfg).layout_for(p.numel())
-                    max_unorm = (cfg or {}).get("max_unorm", group["max_unorm"])
-                    self._check_not_differentiated(group, self._hparams(group, cfg), max_unorm, [layout])
-                    checked.add(id(cfg))
+                self._check_first_state(group, gi, p, plan.configs.get(id(p)), checked)
         return group, plan, grads, every
+
+    def _check_first_state(self, group: Mapping, gi: Any, p: Tensor, cfg: Mapping | None, checked=None) -> None:
+        """A param's settings (the group's, its overrides ``cfg``) against the state its first step makes, before
+        any group steps: 32-bit state where differentiable, the group's checks with ``cfg`` (once per ``cfg`` in
+        ``checked``), no tensor setting asking for a derivative of a step that gives none. ``gi``: the group's
+        index, for the errors. The step's, and :meth:`get_config`'s for a param without state."""
+        layout = self._spec(group, cfg).layout_for(p.numel())
+        self._check_differentiable(group, [layout], gi)
+        if checked is None or id(cfg) not in checked:
+            self._check_group(group, cfg)
+            max_unorm = (cfg or {}).get("max_unorm", group["max_unorm"])
+            self._check_not_differentiated(group, self._hparams(group, cfg), max_unorm, [layout], gi)
+            if checked is not None:
+                checked.add(id(cfg))
+
+    def _check_differentiable(self, group: Mapping, layouts: Any, gi: Any = None) -> None:
+        """differentiable=True with 8-bit state (``layouts``: of the states stepped or to be made), refused naming
+        the group (``gi``, else found by identity)."""
+        if group["differentiable"] and any(layout.quantized for layout in layouts):
+            raise _not_differentiable(self, _index_of(self.param_groups, group) if gi is None else gi)
 
     def _leaves_checked(self, group: dict, bucket: _Bucket) -> None:
         """A made plan's params and states checked as its next step checks them (a param given another shape or
@@ -1526,16 +1549,20 @@ class Optimizer8bit(torch.optim.Optimizer):
             bucket.memo = (seen, (h, kw), mark)  # a tensor may change in place: such settings are checked every step
         return h, kw
 
-    def _check_not_differentiated(self, group: Mapping, hp: Mapping, max_unorm: Any, states: list) -> None:
+    def _check_not_differentiated(
+        self, group: Mapping, hp: Mapping, max_unorm: Any, states: list, gi: Any = None
+    ) -> None:
         """A tensor setting that asks for a derivative (a tensor lr that requires grad, in grad mode) in a group
         whose step is not differentiable: the core's refusal (:func:`check_not_differentiated`, which the step
         would raise naming ``bnbf.update_``, after the groups before it stepped), raised before any group steps and
-        naming this class's option. Read only where a group's settings are (tensors are never memoized)."""
+        naming this class's option. Read only where a group's settings are (tensors are never memoized). ``gi``: the
+        group's index (else found by identity)."""
         if group["differentiable"]:
             return
         found = [t for _, t in _host_checks.hparam_tensors(hp, None, max_unorm)]
         if found and _host_checks.differentiated(found):
-            where = f"{type(self).__name__} (as its argument, or in param group {_index_of(self.param_groups, group)})"
+            gi = _index_of(self.param_groups, group) if gi is None else gi
+            where = f"{type(self).__name__} (as its argument, or in param group {gi})"
             ask = (where, f"optim_bits=32, or {self.family.name}32bit")
             _host_checks.check_not_differentiated(None, [], [], hp, None, max_unorm, states, in_place=True, ask=ask)
 
@@ -1544,8 +1571,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         steps, its step counts made tensors there): the hyperparameters checked on detached values (reading a
         tensor that requires grad warns), and for a differentiable step the mapping with the caller's tensors, so
         that derivatives reach them."""
-        if group["differentiable"] and any(type(s).layout.quantized for s in bucket.states):
-            raise _not_differentiable(self, _index_of(self.param_groups, group))
+        self._check_differentiable(group, (type(s).layout for s in bucket.states))
         override = bucket.override
         hp = self._hparams(group, override)
         kw = {k: override.get(k, group[k]) for k in _CALL}
@@ -1584,13 +1610,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         if plan is not None:  # its cached subsets of params with grads hold the old states
             plan.has_grad = ()
 
-    def _check_switch(self, group: dict, h: Any, have: int, want: int) -> None:
+    def _check_switch(self, group: Mapping, h: Any, have: int, want: int, gi: Any = None) -> None:
         """Refuse the switches of settings after which bnbf's step would differ from torch.optim's: SGD's and LARS'
         momentum switched on with dampening (torch starts the new buffer as the direction itself, bnbf's kept-slot
         step from a zero buffer gives (1 - dampening) times it), RMSprop's centered switched off (bnbf keeps the
-        centered variance in square_avg, which a plain step would read as the mean square)."""
+        centered variance in square_avg, which a plain step would read as the mean square). ``gi``: the group's
+        index (else found by identity)."""
         rule, name = self._rule.name, type(self).__name__
-        where = f"{name}: param group {_index_of(self.param_groups, group)}"
+        where = f"{name}: param group {_index_of(self.param_groups, group) if gi is None else gi}"
         if rule in ("sgd", "lars") and want & ~have & 1:
             damp = h.dampening.item() if isinstance(h.dampening, Tensor) else h.dampening
             if damp != 0:

@@ -379,6 +379,59 @@ def test_get_config_reports_what_the_step_steps_with(make, settings, route):
     assert layout.bits == c["optim_bits"] == type(twin.state[twin_p[0]]["state"]).layout.bits
 
 
+def _override(key, value):
+    return lambda opt, p: opt.mng.override_config(p, key, value)
+
+
+# settings the step refuses for the state a param has (or its first step would make): a switch the kept state
+# cannot follow as torch.optim would, differentiable with 8-bit state, a tensor asking for a derivative
+_REFUSED_FOR_THE_STATE = [
+    pytest.param(lambda ps: bnbf_nn.SGD(ps, 0.1, 0.0, 0.5), True, _override("momentum", 0.9), id="SGD-momentum-on"),
+    pytest.param(lambda ps: bnbf_nn.RMSprop(ps, centered=True), True, _override("centered", False), id="RMSprop"),
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW(ps, differentiable=True, min_8bit_size=0),
+        False,
+        _override("optim_bits", 8),
+        id="differentiable-8bit-override",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW8bit(ps, min_8bit_size=0),
+        True,
+        lambda opt, p: opt.param_groups[1].update(differentiable=True),
+        id="differentiable-8bit-state",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW(ps), False, _override("lr", torch.tensor(1e-3, requires_grad=True)), id="lr-grad"
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW(ps), True, _override("lr", torch.tensor(1e-3, requires_grad=True)), id="lr-grad-made"
+    ),
+]
+
+
+@pytest.mark.parametrize("make, stepped, edit", _REFUSED_FOR_THE_STATE)
+def test_get_config_refuses_what_the_step_refuses_for_the_state(make, stepped, edit):
+    """Settings the step refuses for the param's state (SGD's momentum switched on with dampening after states were
+    made without it, RMSprop's centered off, differentiable over 8-bit state, a tensor lr that requires grad):
+    get_config had reported them; it checks them as the step does, raising its error, changing nothing."""
+    ps = _params(8, (64, 80))
+    opt = make([{"params": ps[:1]}, {"params": ps[1:]}])
+    if stepped:
+        _step(opt, ps)
+    edit(opt, ps[1])
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    with pytest.raises((TypeError, ValueError, RuntimeError)) as got:
+        opt.get_config(1, 0, opt.param_groups[1])
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises((TypeError, ValueError, RuntimeError)) as want:
+        _step(opt, ps, seed=2)
+    assert (type(got.value), str(got.value)) == (type(want.value), str(want.value))
+    assert getattr(got.value, "__notes__", None) == getattr(want.value, "__notes__", None)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == kept
+    for p, b in zip(ps, before):
+        assert_equal_report(p.detach(), b, "a refused step's param")
+
+
 @pytest.mark.parametrize(
     "make, names",
     [
