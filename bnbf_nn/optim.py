@@ -424,6 +424,12 @@ def _check_adam_betas(betas: Any, tensor_refused: bool) -> None:
             raise ValueError(f"betas[{i}] as a Tensor is not supported for capturable=False and foreach=True")
 
 
+def _check_adam_lr(settings: Mapping) -> None:
+    """torch.optim.Adam's check of a tensor lr, in its words (with foreach, the lr must be a float or capturable)."""
+    if isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
+        raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+
+
 def _check_torch_flags(settings: Mapping) -> None:
     """torch.optim's implementation switches, where the class has them. bnbf always runs one fused step per
     group (on CPU, the reference path), so ``foreach`` and ``fused`` change nothing and are accepted where
@@ -621,8 +627,12 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _set_rule(self, defaults: Mapping) -> None:
         self._rule = bnbf.RULES[self.family.rule]
         self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
-        # what a bucket's settings are made from, the lr last (see _settings)
-        self._seen_keys = (*_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
+        # what the step checks of a group beside its settings (the storage settings, torch's foreach and fused where
+        # the class has them), then what a bucket's settings are made from, the lr last: an edit of any misses the
+        # memo (see _settings)
+        fixed = (*_STORAGE, *(k for k in ("foreach", "fused") if k in defaults))
+        self._seen_keys = (*fixed, *_MODES, *(k for k in self._hkeys if k != "lr"), *_CALL, "lr")
+        self._nfixed = len(fixed)
         self._seen = operator.itemgetter(*self._seen_keys)  # a group's values of them, in one C-level call
         # the group keys besides the rule's own that the step reads, which a group need not hold: torch.optim.Adam's
         # decoupled_weight_decay (refused opposite to the class), and the family's arguments that the rule has under
@@ -794,8 +804,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         settings = {**group, **(override or {})}
         adamish = self.family.rule in ("adam", "adamw")
         adam = adamish and "foreach" in settings
-        if adam and isinstance(settings["lr"], Tensor) and settings["foreach"] and not settings["capturable"]:
-            raise ValueError("lr as a Tensor is not supported for capturable=False and foreach=True")
+        if adam:
+            _check_adam_lr(settings)
         if adamish:
             self._check_decoupled(settings)
         bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
@@ -805,6 +815,15 @@ class Optimizer8bit(torch.optim.Optimizer):
         if self._bnb_ranges:  # a new state's, before any group steps (_settings checks a made state's)
             _check_bnb_betas(self.family, settings, type(self).__name__)
         check_update_options(self._rule, settings["skip_zeros"], settings["max_unorm"], settings["maximize"])
+        _check_torch_flags(settings)
+
+    def _check_torch_settings(self, settings: Mapping) -> None:
+        """The checks of :meth:`_check_group` that torch's classes make of their own switches (tensor lr and betas
+        with foreach, fused with foreach or differentiable, capturable and differentiable bools), for the step of a
+        group whose settings changed since (:meth:`_settings`): the group's other settings are the rule's checks."""
+        if self.family.rule in ("adam", "adamw") and "foreach" in settings:
+            _check_adam_lr(settings)
+            _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         _check_torch_flags(settings)
 
     def _check_decoupled(self, settings: Mapping) -> None:
@@ -1076,7 +1095,11 @@ class Optimizer8bit(torch.optim.Optimizer):
                 return False
             if not _same_params(params, identities):
                 return False
-            call = self._settings(group, bucket)  # the memoized check (a schedule's new lr validated), raising first
+            try:  # the memoized check (a schedule's new lr validated), raising first, named as the general step does
+                call = self._settings(group, bucket)
+            except (TypeError, ValueError) as e:
+                self._note_where(e, f" in param group {_index_of(groups, group)}")
+                raise
             t = records[0]["step"]
             if bucket.memo is None or type(t) is not int:  # settings checked every step, or tensor step counts
                 return False
@@ -1521,7 +1544,13 @@ class Optimizer8bit(torch.optim.Optimizer):
             else:  # (as read above)
                 mark = _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
             seen = self._seen(group)
-        self._spec(group)  # storage settings written into the group later (optim_bits=7): made states keep theirs
+        # the storage settings written into the group later (optim_bits=7; made states keep theirs) and torch's own
+        # refusals of its switches, as a plan's making checks them: again where the group's values changed since they
+        # passed (a bucket's overrides are fixed; a tensor edited in place keeps its type, all these checks read)
+        if bucket.checked is None or not all(map(operator.is_, seen, bucket.checked)):
+            self._spec(group)
+            self._check_torch_settings({**group, **bucket.override} if bucket.override else group)
+            bucket.checked = seen
         if self._bnb_ranges:  # what the constructor refuses, written into the group (or an override) later
             _check_bnb_betas(self.family, {**group, **bucket.override}, type(self).__name__)
         if group["capturable"] or group["differentiable"]:
@@ -1534,7 +1563,8 @@ class Optimizer8bit(torch.optim.Optimizer):
             if isinstance(v, Tensor) or v != off:  # no host sync for a tensor setting
                 kw[key] = v
         # the group's settings and the overrides numbers (or tuples of them): no tensor a derivative is asked of
-        numbers = set(map(type, seen)) <= _CONSTANT and all(map(_immutable, (*seen, *override.values())))
+        settings = seen[self._nfixed :]  # (not the storage settings and torch's switches, which the call never reads)
+        numbers = set(map(type, settings)) <= _CONSTANT and all(map(_immutable, (*settings, *override.values())))
         if not numbers:
             self._check_not_differentiated(group, hp, kw.get("max_unorm"), bucket.states)
         h = self._rule.make_hparams(hp)
@@ -2276,6 +2306,7 @@ class _Bucket:
     # what the plan steps: the records' states, or states of the settings' layout over their tensors (_relayout)
     states: list | None = None
     counted: bool = False  # its records' step counts checked (an edit by hand makes the group's buckets again)
+    checked: tuple | None = None  # the group's values (_seen) whose storage and torch checks passed, see _settings
 
     def __post_init__(self):
         if self.states is None:

@@ -254,6 +254,44 @@ def test_get_config_refuses_a_hand_edit_the_next_step_refuses(cls, key, value, e
     assert list(opt.get_config(0, 0, opt.param_groups[0])) == BNB_CONFIG_KEYS  # the other group reads as it did
 
 
+@pytest.mark.parametrize(
+    "make, edit, error, match",
+    [
+        (lambda ps: bnbf_nn.AdamW8bit(ps), {"optim_bits": 7}, ValueError, "state_bits must be 8 or 32"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps), {"min_8bit_size": -1}, ValueError, "min_8bit_size must be a non-neg"),
+        (lambda ps: bnbf_nn.Lion(ps), {"state_format": "fancy"}, ValueError, "state_format must be one of"),
+        (lambda ps: bnbf_nn.AdamW(ps), {"capturable": "yes"}, TypeError, "capturable must be a bool"),
+        (lambda ps: bnbf_nn.Adam(ps), {"foreach": True, "lr": torch.tensor(1e-3)}, ValueError, "lr as a Tensor"),
+        (lambda ps: bnbf_nn.Adam(ps), {"betas": (torch.tensor(0.9), 0.99)}, ValueError, "betas must be either"),
+        (lambda ps: bnbf_nn.AdamW(ps), {"fused": True, "foreach": True}, RuntimeError, "cannot be `True` together"),
+        (lambda ps: bnbf_nn.SGD(ps, 0.1, 0.9), {"fused": True, "differentiable": True}, RuntimeError, "`fused` does"),
+    ],
+    ids=["optim_bits", "min_8bit_size", "state_format", "capturable", "foreach-lr", "betas", "fused-foreach", "diff"],
+)
+def test_a_hand_edit_the_checks_refuse_is_refused_at_every_step_and_by_get_config(make, edit, error, match):
+    """A group setting the constructor refuses, written by hand after steps (a storage setting, one of torch's
+    switches, in torch's words): the step had taken it where its settings were memoized and refused it only once
+    something made its plans again, while get_config (the plans' checks) refused it. Now each step refuses it, as
+    get_config does, with nothing stepped."""
+    ps = _params(8, (64, 80))
+    opt = make([{"params": ps[:1]}, {"params": ps[1:]}])
+    _step(opt, ps)
+    _step(opt, ps, seed=2)  # the settings memoized, the fast path taken
+    opt.param_groups[1].update(edit)
+    kept = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
+    before = [p.detach().clone() for p in ps]
+    with pytest.raises(error, match=match) as got:
+        opt.get_config(1, 0, opt.param_groups[1])
+    for seed in (3, 4):
+        with pytest.raises(error, match=match) as want:
+            _step(opt, ps, seed=seed)
+        assert str(got.value) == str(want.value)
+        assert getattr(got.value, "__notes__", None) == getattr(want.value, "__notes__", None)
+    assert [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups] == kept
+    for p, b in zip(ps, before):
+        assert_equal_report(p.detach(), b, "a refused step's param")
+
+
 # manager overrides the step refuses (keys that are not settings of the class, values out of range), each of which
 # get_config had reported as a setting
 _REFUSED_OVERRIDES = [
