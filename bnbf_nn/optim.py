@@ -897,7 +897,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         if override:
             lr = override.get("lr")
             hp.update((k, v) for k, v in override.items() if k in hp)
-            if lr is not None:  # relative to the group's lr: see bnbf_nn.manager
+            # relative to the group's lr (see bnbf_nn.manager); a value that is no number is left to the rule's check,
+            # which names it (a str times a float raised Python's words, naming nothing)
+            if lr is not None and (type(lr) in _NUMBER or isinstance(lr, (Tensor, numbers.Number))):
                 base = group["initial_lr"] if "initial_lr" in group else self._lr0_of(group)
                 hp["lr"] = lr * (group["lr"] / base) if isinstance(base, Tensor) or base else lr
         if not as_given and hp.get("nesterov") is True and type(hp["momentum"]) in _NUMBER and hp["momentum"] == 0:

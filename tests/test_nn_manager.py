@@ -159,6 +159,21 @@ def test_unknown_override_key_is_an_error():
         run_adapter(opt, params, make_grads(params, 1))
 
 
+@pytest.mark.parametrize("value", ["1e-3", [1e-3]], ids=["str", "list"])
+def test_a_non_number_lr_override_is_refused_naming_lr(value):
+    """An lr override is scaled by the group's lr changes; one that is no number was multiplied all the same, which
+    raised Python's "can't multiply sequence by non-int" naming no setting. It is refused as a group's lr is, by the
+    step and by get_config alike."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit(params)
+    bnbf_nn.GlobalOptimManager.get_instance().override_config(params[0], "lr", value)
+    match = "lr must be a number or a 1-element tensor, got"
+    with pytest.raises(TypeError, match=match):
+        opt.get_config(0, 0, opt.param_groups[0])
+    with pytest.raises(TypeError, match=match):
+        run_adapter(opt, params, make_grads(params, 1))
+
+
 def test_override_config_needs_a_setting():
     mng = bnbf_nn.GlobalOptimManager.get_instance()
     with pytest.raises(ValueError):
