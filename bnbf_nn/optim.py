@@ -2066,7 +2066,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             groups.append(new)
             id_map.update({k: (p, new, saved) for k, p in zip(saved["params"], group["params"])})
         lr0 = _saved_lr0(origin, groups)
-        configs = self._overrides([p for g in groups for p in g["params"]])
+        configs = self._load_overrides(groups, lr0)
         state: defaultdict = defaultdict(dict)
         checks: list = []  # the verdicts on DTensor states' values, settled once for the load (a collective)
         free = _free_memory([p for g in groups for p in g["params"]]) if self.is_paged else {}
@@ -2084,6 +2084,27 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._note_spelling()
         for hook in getattr(self, "_optimizer_load_state_dict_post_hooks", {}).values():
             hook(self)
+
+    def _load_overrides(self, groups: list, lr0: list) -> dict[int, dict]:
+        """The manager's overrides of the loaded groups' params, refused as the next step would refuse them (with
+        its error), so that a load never leaves an optimizer that cannot step. ``lr0``: each group's starting lr,
+        which an lr override is relative to (read here, not from the live groups' record, which stays as it is)."""
+        configs: dict[int, dict] = {}
+        for gi, (group, base) in enumerate(zip(groups, lr0)):
+            got = self._checked_overrides(group, group["params"])
+            at = group if "initial_lr" in group else {**group, "initial_lr": base}
+            seen = set()
+            for cfg in got.values():  # once per distinct override, as the step checks once per bucket
+                key = tuple(sorted((k, repr(v)) for k, v in cfg.items()))
+                if key not in seen:
+                    seen.add(key)
+                    try:
+                        self._check_group(at, cfg)
+                    except (TypeError, ValueError) as e:
+                        self._note_where(e, f" in param group {gi}")
+                        raise
+            configs.update(got)
+        return configs
 
     def _load_entries(self, state_dict: Mapping, state: dict, id_map: dict, configs: dict, checks: list, origin):
         """:meth:`load_state_dict`'s records of the saved entries, into ``state``."""

@@ -3,6 +3,7 @@ embeddings that keep 32-bit optimizer state."""
 
 from __future__ import annotations
 
+import copy
 import gc
 import math
 
@@ -332,3 +333,33 @@ def test_bitsandbytes_manager_overrides_count(bnb_manager):
     run_adapter(ref, list(twin.parameters()), grads[1:])
     assert torch.equal(model.fc2.bias.detach(), twin.fc2.bias.detach())
     assert not torch.equal(model.fc2.weight.detach(), twin.fc2.weight.detach())  # twin: 8-bit, eps 1e-8
+
+
+@pytest.mark.parametrize(
+    "key, value, exc",
+    [("bias_correction", False, ValueError), ("lr", -1.0, ValueError), ("lr", "1e-3", TypeError)],
+    ids=["unknown-key", "negative-lr", "str-lr"],
+)
+def test_load_state_dict_refuses_an_override_the_step_refuses(key, value, exc):
+    """A load with an override of one of the optimizer's params that the next step refuses succeeded, leaving an
+    optimizer that could not step. It is refused as the step refuses it, before anything is loaded."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    saved = copy.deepcopy(opt.state_dict())  # a checkpoint's own tensors (the live ones would mark the state stale)
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    mng.override_config(params[1], key, value)
+    state, groups = opt.state, opt.param_groups
+    records = {p: rec for p, rec in state.items()}
+    settings = [{k: v for k, v in g.items() if k != "params"} for g in groups]
+    fresh = bnbf_nn.AdamW8bit(params, lr=1e-2, min_8bit_size=MIN8)
+    for target in (opt, fresh):
+        with pytest.raises(exc) as refused:
+            target.load_state_dict(saved)
+    assert opt.state is state and len(state) == len(records) and all(state[p] is r for p, r in records.items())
+    assert opt.param_groups is groups and [{k: v for k, v in g.items() if k != "params"} for g in groups] == settings
+    assert not fresh.state
+    assert mng.configs_for([params[1]]) == {id(params[1]): {key: value}}
+    with pytest.raises(exc) as stepped:
+        run_adapter(opt, params, make_grads(params, 1))
+    assert str(refused.value) == str(stepped.value)
