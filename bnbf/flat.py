@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import itertools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -216,36 +216,79 @@ class FlatLayout:
 
 
 def _rebuild_layout(spec: Any, treespec: Any, leaves: Any, pieces: Any, specs: Any) -> FlatLayout:
-    """A pickled :class:`FlatLayout` (:meth:`FlatLayout.__reduce__`) from its plain values, their kinds checked (a
-    checkpoint is input: the specs validate themselves, and the buffers' sizes are checked where they are used)."""
-    treespec = _spec_of_plain(treespec)
-    ints = lambda xs: isinstance(xs, tuple) and all(type(x) is int for x in xs)  # noqa: E731
-    if not (
-        isinstance(spec, dict)
-        and isinstance(treespec, pytree.TreeSpec)
-        and isinstance(leaves, tuple)
-        and len(leaves) == treespec.num_leaves
-        and all(
-            isinstance(leaf, tuple)
+    """A pickled :class:`FlatLayout` (:meth:`FlatLayout.__reduce__`) from its plain values, each checked as
+    :func:`flat_layout` makes it (a checkpoint is input: a leaf's piece that did not fit it would have
+    :meth:`FlatLayout.unflatten` give views of other leaves' elements); ``ValueError`` naming the first that is not."""
+
+    def bad(what: str) -> ValueError:
+        return ValueError(f"not a bnbf FlatLayout: {what}")
+
+    def ints(xs: Any) -> bool:
+        return type(xs) is tuple and all(type(x) is int and x >= 0 for x in xs)
+
+    def optim_spec(plain: Any, what: str) -> OptimSpec:
+        if type(plain) is not dict:
+            raise bad(f"{what} is a {type(plain).__name__}, not an OptimSpec's dict")
+        try:
+            return OptimSpec(**plain)
+        except (TypeError, ValueError) as e:  # unknown fields, or values the spec refuses
+            raise bad(f"{what} is not an OptimSpec ({type(e).__name__}: {e})") from None
+
+    # the structure's kinds before it is decoded: a TreeSpec (pickled with weights_only=False) or its JSON
+    if type(treespec) is tuple and len(treespec) == 2 and treespec[0] == "treespec" and type(treespec[1]) is str:
+        try:
+            treespec = _spec_of_plain(treespec)
+        except (TypeError, ValueError, KeyError, IndexError, NotImplementedError, RuntimeError) as e:
+            raise bad(f"its structure does not read back ({type(e).__name__}: {e})") from None
+    if not isinstance(treespec, pytree.TreeSpec):
+        raise bad(f"its structure is a {type(treespec).__name__}, not a pytree structure bnbf writes")
+    spec = optim_spec(spec, "its spec")
+    if not (type(pieces) is dict and pieces and all(type(k) is str for k in pieces)):
+        raise bad("its pieces are not a dict keyed by buffer names")
+    for key, sizes in pieces.items():
+        if not (ints(sizes) and sizes and len(sizes) % 2 == 0):
+            raise bad(f"buffer {key!r}'s pieces are not pairs of non-negative ints (a leaf's size, its padding)")
+        if spec.block_size and sum(sizes) % (4 * spec.block_size):
+            raise bad(f"buffer {key!r} is not whole groups of 4 blocks of {spec.block_size}")
+    if not (type(specs) is dict and set(specs) == set(pieces)):
+        raise bad(f"its specs are not one per buffer {sorted(pieces)}")
+    specs = {k: optim_spec(v, f"the spec of buffer {k!r}") for k, v in specs.items()}
+    for key, s in specs.items():
+        if (s.rule, s.block_size) != (spec.rule, spec.block_size):
+            raise bad(f"the spec of buffer {key!r} has another rule or block size than the layout's")
+    if not (type(leaves) is tuple and len(leaves) == treespec.num_leaves):
+        got = f"{len(leaves)} leaves" if type(leaves) is tuple else f"leaves as a {type(leaves).__name__}"
+        raise bad(f"it has {got}, its structure {treespec.num_leaves} leaves as a tuple")
+    made, held, dtypes = [], {k: 0 for k in pieces}, {}
+    for i, leaf in enumerate(leaves):
+        if not (
+            type(leaf) is tuple
             and len(leaf) == 5
             and all(map(isinstance, leaf, (str, str, int, tuple, torch.dtype)))
             and ints(leaf[3])
-            for leaf in leaves
-        )
-        and isinstance(pieces, dict)
-        and all(isinstance(k, str) and ints(v) for k, v in pieces.items())
-        and isinstance(specs, dict)
-        and set(specs) == set(pieces) >= {leaf[1] for leaf in leaves}
-        and all(map(isinstance, specs.values(), itertools.repeat(dict)))
-    ):
-        raise ValueError("not a bnbf FlatLayout: its pickled values do not have a layout's kinds")
-    return FlatLayout(
-        OptimSpec(**spec),
-        treespec,
-        tuple(_Leaf(path, key, index, torch.Size(shape), dtype) for path, key, index, shape, dtype in leaves),
-        {k: tuple(v) for k, v in pieces.items()},
-        {k: OptimSpec(**s) for k, s in specs.items()},
-    )
+        ):
+            raise bad(f"leaf {i} is not (path, buffer, index, shape of ints, dtype)")
+        path, key, index, shape, dtype = leaf
+        if key not in pieces:
+            raise bad(f"leaf {path!r} lies in buffer {key!r}, which has no pieces")
+        sizes = pieces[key]
+        # a buffer's leaves lie in the tree's order, each at the next even piece (flatten concatenates them so)
+        if type(index) is not int or index != held[key]:
+            raise bad(f"leaf {path!r} is piece {index!r} of buffer {key!r}, not the next leaf's piece {held[key]}")
+        if index >= len(sizes):
+            raise bad(f"leaf {path!r} is piece {index} of buffer {key!r}, which has {len(sizes)}")
+        if sizes[index] != math.prod(shape):
+            raise bad(f"leaf {path!r} of shape {shape} has {math.prod(shape)} elements, its piece {sizes[index]}")
+        if spec.block_size and sum(sizes[:index]) % spec.block_size:  # a block never spans two leaves
+            raise bad(f"leaf {path!r} does not start a whole number of blocks into buffer {key!r}")
+        if not dtype.is_floating_point or dtypes.setdefault(key, dtype) != dtype:
+            raise bad(f"leaf {path!r} is {dtype}, not the floating point dtype of buffer {key!r}'s leaves")
+        held[key] = index + 2
+        made.append(_Leaf(path, key, index, torch.Size(shape), dtype))
+    for key, n in held.items():
+        if n != len(pieces[key]):
+            raise bad(f"buffer {key!r} has {len(pieces[key]) // 2} leaves' pieces, its leaves hold {n // 2}")
+    return FlatLayout(spec, treespec, tuple(made), dict(pieces), specs)
 
 
 torch.serialization.add_safe_globals([_rebuild_layout])

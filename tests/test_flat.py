@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import io
 
 import pytest
@@ -271,6 +272,14 @@ def test_a_saved_layout_loads_with_torch_loads_defaults(how):
     for want, have in pairs:
         assert torch.utils._pytree.tree_structure(want) == torch.utils._pytree.tree_structure(have)
         assert all(torch.equal(a, b) for a, b in zip(tree_leaves(want), tree_leaves(have), strict=True))
+    # the next step through the loaded layout, from the loaded buffers and state, is the saved one's bit for bit
+    step_grads = tree_map(torch.randn_like, params)
+    want = bnbf.update(flat, layout.flatten(step_grads), state, {"lr": 0.1}, 2)
+    have = bnbf.update(back["flat"], got.flatten(step_grads), back["state"], {"lr": 0.1}, 2)
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves(want), tree_leaves(have), strict=True))
+    assert all(
+        torch.equal(a, b) for a, b in zip(tree_leaves(layout.unflatten(want[0])), tree_leaves(got.unflatten(have[0])))
+    )
 
 
 def test_a_pickled_layout_of_other_kinds_is_refused():
@@ -289,6 +298,52 @@ def test_a_pickled_layout_of_other_kinds_is_refused():
     ):
         with pytest.raises(ValueError, match="not a bnbf FlatLayout"):
             _rebuild_layout(*args[:i], bad, *args[i + 1 :])
+
+
+def test_a_malformed_pickled_layout_is_refused_as_not_a_layout():
+    """A crafted file's values: its structure was decoded before any kind was checked (bad JSON, a non-string raised
+    json's or torch's errors), and a leaf's piece was never measured against the leaf, so a layout whose pieces
+    did not hold its leaves loaded, to give views of other leaves' elements. Each is refused as not a layout, and
+    nothing short of a layout :func:`flat_layout` could have made gets through."""
+    from bnbf.flat import _rebuild_layout
+
+    layout = flat_layout({"a": torch.zeros(300), "b": torch.zeros(40)}, bnbf.OptimSpec(min_8bit_size=4096))
+    args = layout.__reduce__()[1]
+    assert args[3] == {"float32/32bit": (300, 212, 40, 472)}
+    (a, b), key = args[2], "float32/32bit"
+    spec = dataclasses.asdict(bnbf.OptimSpec())
+    for i, bad in (
+        (1, ("treespec", "{not json")),  # structure JSON that does not parse
+        (1, ("treespec", '{"protocol": 1, "tree": 5}')),  # JSON that is no structure
+        (1, ("treespec", 7)),  # a structure that is no string
+        (1, "leaf"),  # a packed state's structure key, not a layout's
+        (0, {**spec, "colour": "red"}),  # a field no spec has
+        (0, {**spec, "state_bits": 5}),  # a value the spec refuses
+        (0, "adamw"),
+        (3, {key: (200, 312, 40, 472)}),  # a piece smaller than its leaf
+        (3, {key: (300, 212, 40)}),  # the last leaf's padding missing
+        (3, {key: (300, 212, 40, -528)}),
+        (3, {key: [300, 212, 40, 472]}),
+        (3, {key: (300, 213, 40, 471)}),  # the second leaf starting inside a block
+        (3, {key: (300, 212, 40, 473)}),  # not whole groups of 4 blocks
+        (3, {key: (300, 212, 40, 216, 0, 256)}),  # a leaf's piece that no leaf holds
+        (2, (a, (b[0], "float32/8bit", *b[2:]))),  # a leaf whose key names no piece
+        (2, (a, (b[0], b[1], 4, *b[3:]))),  # an index past its buffer's pieces
+        (2, (a, (b[0], b[1], 1, *b[3:]))),  # an index of a padding piece
+        (2, ((b[0], b[1], 0, *b[3:]), (a[0], a[1], 2, *a[3:]))),  # leaves swapped: their pieces no longer fit
+        (2, (a, (*b[:4], torch.int32))),  # a dtype no param has
+        (2, (a, (*b[:4], torch.bfloat16))),  # two dtypes in one buffer
+        (2, (a, (*b[:3], (-40,), b[4]))),
+        (2, (a, b, b)),  # more leaves than the structure
+        (2, [a, b]),
+        (4, {key: spec, "other": spec}),  # a spec of no buffer
+        (4, {key: {**spec, "block_size": 64}}),  # a buffer's spec of another block size
+    ):
+        with pytest.raises(ValueError, match="not a bnbf FlatLayout"):
+            _rebuild_layout(*args[:i], bad, *args[i + 1 :])
+    got = _rebuild_layout(*args)
+    for name in ("spec", "treespec", "leaves", "pieces", "specs"):
+        assert getattr(got, name) == getattr(layout, name), name
 
 
 def _mlp_loss(params, x):
