@@ -116,24 +116,24 @@ class Layout(collections.namedtuple("Layout", "rule bits block_size format prese
 
 
 def layout_problem(values: Any) -> str | None:
-    """What makes ``values`` a layout no :class:`OptimSpec` makes (None where one does): the loaders check a
-    checkpoint's layouts, since the kernels take a layout's block size and format as the spec checked them."""
+    """What makes ``values`` a layout no :class:`OptimSpec` makes (None where one does), in the spec's own words:
+    the loaders check a checkpoint's layouts, since the kernels take a layout's block size and format as the spec
+    checked them."""
     if not (isinstance(values, tuple) and len(values) == 5):
         return f"a layout is (rule, bits, block_size, format, present), got {type(values).__name__}"
     rule, bits, block_size, fmt, present = values
-    if type(rule) is not str or rule not in RULES:
-        return f"unknown rule {rule!r}"
-    if type(bits) is not int or type(block_size) is not int or type(fmt) is not str:
-        return f"bits, block size and format of kinds int, int, str, got {values!r}"
-    if bits == 8 and (block_size < 64 or block_size > 4096 or block_size & (block_size - 1)):
-        return f"block size {block_size} is not a power of two between 64 and 4096"
-    if bits == 8 and fmt not in STATE_FORMATS:
-        return f"unknown 8-bit format {fmt!r}"
-    if bits != 8 and (bits, block_size, fmt) != (32, 0, "fp32"):
-        return f"bits, block size and format {(bits, block_size, fmt)} are neither 8-bit nor (32, 0, 'fp32')"
-    if type(present) is not int or not 0 <= present < 1 << len(RULES[rule].states):
-        return f"kept slots {present!r} are not a mask of the {rule} rule's {len(RULES[rule].states)} slots"
-    return None
+    if tuple(map(type, values[:4])) != (str, int, int, str):
+        return f"rule, bits, block size and format of kinds str, int, int, str, got {values!r}"
+    try:  # the spec that would make it (its rule, bits, and an 8-bit layout's block size and format) checks them
+        eight = {"block_size": block_size, "state_format": fmt} if bits == 8 else {}
+        spec = OptimSpec(rule=rule, state_bits=bits, **eight)
+    except (ValueError, TypeError) as e:
+        return str(e)
+    n = len(RULES[rule].states)
+    if type(present) is not int or not 0 <= present < 1 << n:
+        return f"kept slots {present!r} are not a mask of the {rule} rule's {n} slots"
+    made = spec.layout_for(spec.min_8bit_size, present)
+    return None if Layout(*values) == made else f"{tuple(values)!r} is not the layout its spec makes, {tuple(made)!r}"
 
 
 _CLASSES: dict[Layout, type] = {}

@@ -66,9 +66,9 @@ def test_default_format_is_the_power_format():
 @pytest.mark.parametrize(
     ("name", "fields", "match"),
     [
-        ("adamw_state_8bit_power_b32_s3", 4, "block size 32 is not a power of two between 64 and 4096"),
-        ("adamw_state_8bit_power_b8192_s3", 4, "block size 8192"),
-        ("adamw_state_8bit_bogus_b256_s3", 4, "unknown 8-bit format 'bogus'"),
+        ("adamw_state_8bit_power_b32_s3", 4, "block_size must be a power of two between 64 and 4096, got 32"),
+        ("adamw_state_8bit_power_b8192_s3", 4, "block_size must be a power of two between 64 and 4096, got 8192"),
+        ("adamw_state_8bit_bogus_b256_s3", 4, r"state_format must be one of \('power', 'dynamic'\), got 'bogus'"),
         ("adamw_state_32bit_s9", 1, "kept slots 9 are not a mask of the adamw rule's 3 slots"),
         ("nadam_state_32bit_s1", 1, "unknown rule 'nadam'"),
     ],
