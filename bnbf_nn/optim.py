@@ -1508,6 +1508,17 @@ class Optimizer8bit(torch.optim.Optimizer):
                 self._spec(group, cfg)
         return configs
 
+    def _watched_mark(self, group: Mapping) -> Any:
+        """The group's values of the :attr:`_watched` keys, which memoized settings hold (see :meth:`_settings`):
+        None where the class watches none, ``_ABSENT`` where the group holds none; one key's value by one dict
+        lookup, several keys' as a tuple after one C-level test (which finds none held in the usual case)."""
+        watch = self._watch
+        if watch is None:
+            return None
+        if type(watch) is str:
+            return group.get(watch, _ABSENT)
+        return _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
+
     def _settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """A bucket's hyperparameters, validated into the rule's dataclass (which the bucket's plan then takes
         as it is: the check costs nothing extra), and the step's keywords. The last step's, where the group
@@ -1515,14 +1526,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         where only the lr is another number (a schedule), the last step's with the new lr validated."""
         if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):
             self._sync_bnb_spelling(group)
-        # the watched keys' values, so that a hand edit of one is read at this step (see _read_watched)
-        watch = self._watch
-        if watch is None:
-            mark = None
-        elif type(watch) is str:
-            mark = group.get(watch, _ABSENT)
-        else:
-            mark = _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
+        mark = self._watched_mark(group)  # so that a hand edit of a watched key is read at this step
         seen = self._seen(group)
         memo = bucket.memo
         # several keys' values are a new tuple at each read: the very same objects as the memo's (none edited)
@@ -1541,10 +1545,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         bucket.memo = None
         if mark is not None and mark is not _ABSENT:
             self._read_watched(group)
-            if type(watch) is str:
-                mark = group.get(watch, _ABSENT)
-            else:  # (as read above)
-                mark = _ABSENT if group.keys().isdisjoint(watch) else tuple(map(group.get, watch, _ABSENTS))
+            mark = self._watched_mark(group)
             seen = self._seen(group)
         # the storage settings written into the group later (optim_bits=7; made states keep theirs) and torch's own
         # refusals of its switches, as a plan's making checks them: again where the group's values changed since they
