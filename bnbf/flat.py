@@ -48,7 +48,7 @@ from bnbf._host_checks import is_state
 from bnbf.compose import path_name
 from bnbf.functional import init_state
 from bnbf.ops import vmap_level
-from bnbf.packed import _plain_spec, _spec_of_plain
+from bnbf.packed import _plain_spec, _read_structure
 from bnbf.quant import zero_code
 from bnbf.rules import get_rule
 from bnbf.state import OptimSpec
@@ -236,10 +236,7 @@ def _rebuild_layout(spec: Any, treespec: Any, leaves: Any, pieces: Any, specs: A
 
     # the structure's kinds before it is decoded: a TreeSpec (pickled with weights_only=False) or its JSON
     if type(treespec) is tuple and len(treespec) == 2 and treespec[0] == "treespec" and type(treespec[1]) is str:
-        try:
-            treespec = _spec_of_plain(treespec)
-        except (TypeError, ValueError, KeyError, IndexError, NotImplementedError, RuntimeError) as e:
-            raise bad(f"its structure does not read back ({type(e).__name__}: {e})") from None
+        treespec = _read_structure(treespec, bad)
     if not isinstance(treespec, pytree.TreeSpec):
         raise bad(f"its structure is a {type(treespec).__name__}, not a pytree structure bnbf writes")
     spec = optim_spec(spec, "its spec")

@@ -261,6 +261,15 @@ def _is_dtype(x: Any, of: tuple = (torch.uint8, torch.float32)) -> bool:
     return isinstance(x, torch.dtype) and x in of
 
 
+def _read_structure(plain: Any, bad) -> Any:
+    """The structure ``("treespec", JSON)`` that :func:`_plain_spec` wrote, read back; ``bad(...)`` where it does not
+    read (a checkpoint is input)."""
+    try:
+        return _spec_of_plain(plain)
+    except (TypeError, ValueError, KeyError, IndexError, NotImplementedError, RuntimeError) as e:  # treespec_loads'
+        raise bad(f"its structure does not read back ({type(e).__name__}: {e})") from None
+
+
 def _checked_spec(spec: Any, n: int, bad) -> Any:
     """The structure key :func:`_plain_spec` wrote, if it is one of ``n`` leaves."""
     kind = spec[0] if type(spec) is tuple and len(spec) == 2 and type(spec[0]) is str else None
@@ -274,10 +283,7 @@ def _checked_spec(spec: Any, n: int, bad) -> Any:
         if count != len(spec[1]):
             raise bad("its dict keys repeat")
     elif kind == "treespec" and type(spec[1]) is str:
-        try:
-            spec = _spec_of_plain(spec)
-        except (TypeError, ValueError, KeyError, NotImplementedError, RuntimeError) as e:  # treespec_loads' own
-            raise bad(f"its structure does not read back ({type(e).__name__}: {e})") from None
+        spec = _read_structure(spec, bad)
         count = spec.num_leaves
     elif isinstance(spec, pytree.TreeSpec):  # a node type torch cannot write as JSON (pickled with weights_only=False)
         count = spec.num_leaves
