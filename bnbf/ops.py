@@ -118,7 +118,7 @@ def _group(p_in, p_out, s_in, s_out, layout: Layout):
     :func:`bnbf.kernels.members.plain_group`), cached by the addresses, sizes, layout, dtype and device that decide
     its table (the caller holds BUILD_LOCK)."""
     from bnbf.kernels.launcher import build_group
-    from bnbf.kernels.members import plain_group
+    from bnbf.kernels.members import plain_addresses, plain_group
 
     if FIRST_BLOCKS.get():  # shards of a larger tensor: their first blocks are in the table too (bnbf.distributed)
         return build_group(p_in, p_out, s_in, s_out, layout)
@@ -128,21 +128,17 @@ def _group(p_in, p_out, s_in, s_out, layout: Layout):
             if probe.sig == sig and probe.matches(p_in, p_out, s_in, s_out):
                 _GROUPS.move_to_end(key)  # and out of the loop, whose iterator this invalidates
                 return group
-    ptrs = Tensor.data_ptr
-    key = (
-        sig,
-        tuple(map(Tensor.numel, p_in)),
-        tuple(map(ptrs, p_in)),
-        None if p_out is p_in else tuple(map(ptrs, p_out)),  # in place: the same tensors
-        tuple(map(ptrs, s_in)),
-        None if s_out is s_in else tuple(map(ptrs, s_out)),
-    )
+    # the addresses gathered in one compiled pass (a pure step's fresh outputs miss every call: no Python int a tensor)
+    addresses, packed, aligned = plain_addresses(p_in, p_out, s_in, s_out)
+    key = (sig, tuple(map(Tensor.numel, p_in)), packed)
     entry = _GROUPS.get(key)
     if entry is not None:
         _GROUPS.move_to_end(key)
         return entry[0]
-    group = plain_group(p_in, p_out, s_in, s_out, layout)
-    _GROUPS[key] = (group, _Probe(sig, key[1], *map(_packed, key[2:])))
+    group = plain_group(p_in, p_out, s_in, s_out, layout, (addresses, aligned))
+    n, m = 8 * len(p_in), 8 * len(s_in)
+    cuts = (packed[:n], None if p_out is p_in else packed[n : 2 * n], packed[2 * n : 2 * n + m])
+    _GROUPS[key] = (group, _Probe(sig, key[1], *cuts, None if s_out is s_in else packed[2 * n + m :]))
     if len(_GROUPS) > _GROUP_CACHE_SIZE:
         _GROUPS.popitem(last=False)
     return group
