@@ -47,7 +47,7 @@ def _native() -> Any:
         from bnbf import _host_checks_native as native
     except ImportError:  # not built (an isolated build without torch, no compiler), or another torch's symbols
         return None
-    if getattr(native, "torch_version", None) != torch.__version__ or not hasattr(native, "fields_match"):
+    if getattr(native, "torch_version", None) != torch.__version__ or not hasattr(native, "leaves_fit"):
         return None
     return native
 

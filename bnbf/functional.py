@@ -10,11 +10,12 @@ from __future__ import annotations
 import functools
 import weakref
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
 from torch._C import _functorch
+from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
@@ -22,7 +23,10 @@ from bnbf._dispatch import is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
     MixedRulesError,
+    _Call,
     _check_param,
+    _check_present,
+    _check_step,
     _fast_leaves,
     _flatten,
     _groups,
@@ -30,6 +34,9 @@ from bnbf._host_checks import (
     _prepare_traced,
     _unflatten,
     check_clip_not_differentiated,
+    check_not_differentiated,
+    differentiated,
+    hparam_tensors,
     keystr,
     unaddressable,
 )
@@ -46,10 +53,12 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _scalars,
     _step_generic,
     call_scalars,
+    fields_planned,
+    leaves_fit,
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
-from bnbf.state import Layout, OptimSpec, is_state, new_state
+from bnbf.state import Layout, OptimSpec, is_state, new_state, present_mask
 
 
 def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool = False) -> Any:
@@ -202,17 +211,20 @@ def update(
     if max_grad_norm is not None or not _shared(hparams):
         check_clip_not_differentiated(max_grad_norm, state, in_place=False)
         return _compose().update(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
-    leaves = _flatten(param)[0]
-    if any(map(is_dtensor, leaves)):
+    hit = _pure_hit(param, grad, state)
+    if hit is None and any(map(is_dtensor, _flatten(param)[0])):
         return _distributed().update(param, grad, state, hparams, step, **opts)
     try:
-        return _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, maximize)
+        return _update(param, grad, state, hparams, step, hit, skip_zeros, max_unorm, maximize)
     except MixedRulesError:  # raised by the checks, before anything is computed
         return _compose().update(param, grad, state, hparams, step, **opts)
 
 
-def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, maximize):
-    if unaddressable(leaves, _flatten(grad)[0]):
+def _update(param, grad, state, hparams, step, hit, skip_zeros, max_unorm, maximize):
+    groups = None
+    if hit is not None:  # this call's params and states are a recent pure call's outputs, as they were made
+        call, groups = _checked_hit(hit, param, hparams, step, max_unorm)
+    elif unaddressable(_flatten(param)[0], _flatten(grad)[0]):
         # traced (Dynamo-friendly checks, hyperparameters as graph values), or under vmap (no addresses)
         call = _prepare_traced(param, grad, state, hparams, step, max_unorm)
     else:
@@ -222,10 +234,12 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
     rows, clip = call_scalars(call, vmapped, skip_zeros, max_unorm, maximize)
     new_params: list[Tensor | None] = [None] * len(call.params)
     new_states: list[tuple | None] = [None] * len(call.params)
+    if groups is None:
+        groups = list(_groups(call.params, call.states))
     # vmap's batched tensors go as they are: the batching rule lays out the members itself and writes new tensors,
     # and detach and contiguous would be two batched ops a tensor (0.5 ms of a GPT-2 ensemble's call, CPU)
     with torch.no_grad():
-        for (device, _, layout), idx in _groups(call.params, call.states):
+        for (device, _, layout), idx in groups:
             if vmapped:
                 ps, gs = [_vmap_input(call.params[i]) for i in idx], [_vmap_input(call.grads[i]) for i in idx]
             else:
@@ -238,7 +252,88 @@ def _update(param, grad, state, hparams, step, leaves, skip_zeros, max_unorm, ma
             for k, i in enumerate(idx):
                 new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
                 new_states[i] = make(out_s[k * per : (k + 1) * per])
-    return _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
+    out = _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
+    if not vmapped and not torch.compiler.is_compiling():
+        _remember_pure(out, new_params, new_states, call, groups)
+    return out
+
+
+class _PureMemo(NamedTuple):
+    """What a pure call's checks established of its outputs, which the next call takes as its inputs (a
+    torch.func training loop): the structure, the states' types, every output's address, dtype and sizes (one
+    bytes object), the rule, the kept slots and the launch groups. Holds no tensor."""
+
+    spec: Any
+    types: list
+    planned: Any
+    rule: Any
+    present: int
+    groups: list
+
+
+# The pure step's outputs by the ids of the (param, state) trees it returned. An id is only where to look: a hit
+# confirms the trees' keys, the leaves' types, and every tensor at its recorded address with its dtype and sizes,
+# contiguous (one compiled pass), and checks the grads; then the outputs' checks (each leaf fits its param, no two
+# share memory: fresh allocations at their recorded ranges) hold for the inputs. GPT-2's 148 tensors: the checks
+# 657 -> ~60 us a call (CPU, launch stubbed). A mutated, moved, resized or replaced leaf misses.
+_PURE: dict = {}
+_PURE_SIZE = 64
+
+
+def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: list) -> None:
+    if not (call.spec == "leaf" or type(call.spec) is tuple):  # a nested tree (a pytree spec): the full checks
+        return
+    if len(_PURE) >= _PURE_SIZE:
+        _PURE.clear()  # trees made anew each call that are not fed back (their ids are dead keys): start over
+    planned = fields_planned([tuple(params), *states])
+    memo = _PureMemo(call.spec, list(map(type, states)), planned, call.rule, type(states[0]).layout.present, groups)
+    _PURE[id(out[0]), id(out[1])] = memo
+
+
+def _pure_hit(param: Any, grad: Any, state: Any) -> tuple | None:
+    """``(memo, params, grads, states)`` where ``param`` and ``state`` hold a recent pure call's outputs as that call
+    made them and the grads fit them (:data:`_PURE`), else None (the full checks)."""
+    if torch.compiler.is_compiling() or not _PURE:  # traced: nothing here for Dynamo to guard on
+        return None
+    memo = _PURE.get((id(param), id(state)))
+    if memo is None or _functorch.maybe_current_level() is not None:
+        return None
+    spec = memo.spec
+    if spec == "leaf":
+        params, grads, states = [param], [grad], [state]
+    elif spec[0] == "dict":
+        keys = spec[1]
+        if NATIVE is not None:
+            params, grads, states = (NATIVE.values_if_keys(t, keys) for t in (param, grad, state))
+        else:
+            params, grads, states = (list(t.values()) if type(t) is dict and tuple(t) == keys else None
+                                     for t in (param, grad, state))  # fmt: skip
+        if params is None or grads is None or states is None:
+            return None
+    else:
+        t = spec[0]
+        if not (type(param) is type(grad) is type(state) is t and len(param) == len(grad) == len(state) == spec[1]):
+            return None
+        params, grads, states = list(param), list(grad), list(state)
+    fits = leaves_fit(params, grads, states, memo.planned, torch.is_grad_enabled())
+    if not (fits and list(map(type, states)) == memo.types):
+        return None
+    return memo, params, grads, states
+
+
+def _checked_hit(hit: tuple, param: Any, hparams: Any, step: Any, max_unorm: Any) -> tuple:
+    """The rest of :func:`bnbf._host_checks._prepare`'s checks, in its order, for a :func:`_pure_hit`: those that
+    read the call's hyperparameters and step, and forward-mode duals. Returns the call and its launch groups."""
+    memo, params, grads, states = hit
+    # no param, grad or state field requires grad under grad mode (leaves_fit): a hyperparameter or a dual can ask
+    if forward_ad._current_level >= 0 or differentiated([t for _, t in hparam_tensors(hparams, step, max_unorm)]):
+        check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=False)
+    rule = memo.rule
+    h = rule.make_hparams(hparams)
+    if present_mask(rule, h) != memo.present:
+        _check_present(rule, h, states)
+    _check_step(step)
+    return _Call(params, grads, states, memo.spec, rule, h, step), memo.groups
 
 
 def _vmap_input(t: Tensor) -> Tensor:

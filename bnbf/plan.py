@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
+    _REQUIRES_GRAD,
     _SHAPE_DTYPE,
     NATIVE,
     _any_lazy,
@@ -788,6 +789,31 @@ def fields_as_planned(states: list, planned: Any) -> bool:
             and all(map(Tensor.is_contiguous, fields))
         )
     except RuntimeError:  # e.g. a tensor without storage
+        return False
+
+
+def leaves_fit(params: list, grads: list, states: list, planned: Any, grad_mode: bool) -> bool:
+    """Whether a pure step's inputs are exactly as an earlier pure step made them (``planned``:
+    :func:`fields_planned` of ``[tuple(params), *states]``, its outputs): the params plain tensors, each param and
+    state field contiguous at its planned address with its planned shape and dtype, its memory its values; the
+    grads plain, contiguous, of their params' shapes, dtypes and devices; with ``grad_mode``, none of them requiring
+    grad. One compiled pass where :data:`~bnbf._host_checks.NATIVE` is built (its ``leaves_fit``)."""
+    if type(planned) is bytes:
+        return NATIVE is not None and NATIVE.leaves_fit(params, grads, states, planned, grad_mode)
+    try:
+        fields = list(_CHAIN(states))
+        return (
+            all(isinstance(s, tuple) for s in states)
+            and set(map(type, params)) <= _PLAIN_TYPES
+            and set(map(type, grads)) <= _PLAIN_TYPES
+            and fields_as_planned([tuple(params), *states], planned)
+            and _grads_ok(params, grads)
+            and all(map(Tensor.is_contiguous, grads))
+            and not _any_lazy(params)
+            and not _any_lazy(fields)
+            and not (grad_mode and any(map(_REQUIRES_GRAD, [*params, *grads, *fields])))
+        )
+    except (AttributeError, TypeError, RuntimeError):  # a field that is not a tensor; one without storage
         return False
 
 

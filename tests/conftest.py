@@ -232,3 +232,17 @@ def fresh_dynamo():
     yield
     assert not counters["graph_break"], dict(counters["graph_break"])
     torch._dynamo.reset()
+
+
+@pytest.fixture(params=["python", "native"])
+def twin(request, monkeypatch):
+    """The per-step host checks' twin under test (bnbf.plan's ``NATIVE``): the plain-Python one, or the compiled one
+    (bnbf/csrc/host_checks.cpp) where it was built."""
+    import importlib
+
+    plan = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
+    if request.param == "python":
+        monkeypatch.setattr(plan, "NATIVE", None)
+    elif plan.NATIVE is None:
+        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
+    return request.param

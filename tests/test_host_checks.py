@@ -35,16 +35,6 @@ class Sub(torch.Tensor):
     pass
 
 
-@pytest.fixture(params=["python", "native"])
-def twin(request, monkeypatch):
-    """The per-step checks' twin under test: the plain-Python one, or the compiled one where it was built."""
-    if request.param == "python":
-        monkeypatch.setattr(P, "NATIVE", None)
-    elif P.NATIVE is None:
-        pytest.skip("the C++ host checks were not built (pip install --no-build-isolation builds them)")
-    return request.param
-
-
 @pytest.fixture
 def direct(monkeypatch):
     """Plans take the direct path for CPU tensors; launches are recorded, not run: (group, the addresses in its

@@ -226,6 +226,48 @@ PyObject* fields_match(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// leaves_fit(params, grads, states, packed, grad_mode) -> bool: a pure step's inputs exactly as an earlier pure
+// step made them (its outputs, recorded by fields_packed([tuple(params), *states])): the params plain, each param
+// and state field at its recorded address with its dtype and sizes, contiguous, its memory its values (no negative
+// bit, not an efficient zero tensor); the grads as grads_match wants them; under grad mode (grad_mode true) none of
+// the three requiring grad. What the full checks would establish of such inputs, in one pass.
+PyObject* leaves_fit(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 5)) return nullptr;
+  PyObject *params = args[0], *grads = args[1], *states = args[2], *packed = args[3];
+  const bool grad_mode = args[4] == Py_True;
+  if (!is_seq(states) || !PyBytes_Check(packed)) Py_RETURN_FALSE;
+  const Py_ssize_t n = PyBytes_GET_SIZE(packed) / static_cast<Py_ssize_t>(sizeof(uint64_t));
+  const auto* want = reinterpret_cast<const uint64_t*>(PyBytes_AS_STRING(packed));
+  Py_ssize_t k = 0;
+  const auto fits = [&](const at::Tensor& t) {
+    return field_is(t, want, n, k) && !t.is_neg() && !t._is_zerotensor() && !(grad_mode && t.requires_grad());
+  };
+  try {
+    if (!grads_fit(params, grads, nullptr, 0, nullptr)) Py_RETURN_FALSE;  // also: the params plain tensors
+    PyObject** ps = PySequence_Fast_ITEMS(params);
+    PyObject** gs = PySequence_Fast_ITEMS(grads);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(params); ++i) {
+      if (!fits(THPVariable_Unpack(ps[i])) || (grad_mode && THPVariable_Unpack(gs[i]).requires_grad())) {
+        Py_RETURN_FALSE;
+      }
+    }
+    PyObject** ss = PySequence_Fast_ITEMS(states);
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(states); ++i) {
+      if (!PyTuple_Check(ss[i])) Py_RETURN_FALSE;
+      for (Py_ssize_t j = 0; j < PyTuple_GET_SIZE(ss[i]); ++j) {
+        PyObject* obj = PyTuple_GET_ITEM(ss[i], j);
+        if ((!THPVariable_CheckExact(obj) && !THPVariable_Check(obj)) || !fits(THPVariable_Unpack(obj))) {
+          Py_RETURN_FALSE;
+        }
+      }
+    }
+    if (k != n) Py_RETURN_FALSE;
+  } catch (const std::exception&) {
+    return no();
+  }
+  Py_RETURN_TRUE;
+}
+
 // grad_table(seqs, out) -> (packed, aligned) or None: the data pointers of seqs[k]'s tensors written into `out`
 // (a contiguous int64 CPU tensor, pinned for an upload), seq k from the first even row after seq k - 1's rows
 // (each seq's rows start 16-byte aligned, a view the kernel takes as its own table), zeros between; `packed`
@@ -456,6 +498,8 @@ PyMethodDef methods[] = {
      "fields_packed(states) -> bytes or None"},
     {"fields_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(fields_match)), METH_FASTCALL,
      "fields_match(states, packed) -> bool"},
+    {"leaves_fit", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(leaves_fit)), METH_FASTCALL,
+     "leaves_fit(params, grads, states, packed, grad_mode) -> bool"},
     {"grad_table", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grad_table)), METH_FASTCALL,
      "grad_table(seqs, out) -> (packed, aligned) or None"},
     {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL,
