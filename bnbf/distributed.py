@@ -46,6 +46,7 @@ from torch.utils import _pytree as pytree
 import bnbf
 from bnbf._dispatch import NORM_REDUCE, is_dtensor
 from bnbf._host_checks import LeafName, _flatten, _unflatten, check_not_differentiated, clips, keystr
+from bnbf.plan import fields_as_planned, fields_planned
 from bnbf.quant import quantize_state_reference, state_map
 from bnbf.reference import FIRST_BLOCKS
 from bnbf.rules import get_rule
@@ -219,8 +220,8 @@ def _scale_placements(sh: _Shards) -> list:
 # --- local views of DTensor states -------------------------------------------------------------------
 
 # DTensor state field (codes or first float32 state) -> the local state NamedTuple of plain tensors, so
-# repeated steps hand the core the same objects (its plan cache finds them by id). Weak on the key: an
-# entry goes with its state.
+# repeated steps hand the core the same objects (its plan cache finds them by id), and what its scales' local
+# tensors were (_scales_planned). Weak on the key: an entry goes with its state.
 _LOCAL = _ById()
 
 
@@ -232,8 +233,13 @@ def _local_state(s: Any, sh: _Shards, names: _Names | None = None, i: int = 0) -
     first = s[0]
     hit = _LOCAL.get(first)
     # the same DTensors with the same local tensors (a state rebuilt with _replace, or a field given new
-    # memory, is looked at again)
-    if hit is not None and len(hit[0]) == len(s) and all(map(_is_local_of, hit[0], s)):
+    # memory, is looked at again), whose scales' local tensors are as the entry's views of them were taken
+    if (
+        hit is not None
+        and len(hit[0]) == len(s)
+        and all(map(_is_local_of, hit[0], s))
+        and (hit[2] is None or fields_as_planned(*hit[2]))
+    ):
         return hit[1]
     layout = type(s).layout
     fields = []
@@ -246,8 +252,21 @@ def _local_state(s: Any, sh: _Shards, names: _Names | None = None, i: int = 0) -
             local = local[0, : _blocks(sh.count, layout.block_size)]  # this shard's row, without padding
         fields.append(local)
     made = type(s)(*fields)
-    _LOCAL[first] = (tuple(t._local_tensor for t in s), made)
+    _LOCAL[first] = (tuple(t._local_tensor for t in s), made, _scales_planned([s]))
     return made
+
+
+def _scales_planned(states: list) -> tuple | None:
+    """``(scales, planned)`` for :func:`bnbf.plan.fields_as_planned`: per 8-bit DTensor state of ``states`` the local
+    tensors of its scales, and their addresses, shapes and dtypes now (None where there are none). A local state holds
+    views of them (its shard's row, unpadded): a ``resize_``, ``set_`` or ``as_strided_`` of one leaves the view on
+    its old memory or layout, so the views are taken again where they changed."""
+    scales = [
+        tuple(t._local_tensor for name, t in zip(s._fields, s) if name.endswith("_absmax"))
+        for s in states
+        if s and type(s).layout.quantized
+    ]
+    return (scales, fields_planned(scales)) if scales else None
 
 
 def _is_local_of(local: Tensor, t: Any) -> bool:
@@ -750,8 +769,6 @@ class Plan:
         # the leaves' names, for messages: from the structure, which the plan keeps (not the caller's containers)
         self._names = names = _names_of_spec(self._spec, len(leaves))
         self._shards = [_shards(p, names, i) if isinstance(p, DTensor) else None for i, p in enumerate(leaves)]
-        self._params = leaves
-        self.rule = get_rule(type(states[0]).layout.rule) if states else None
         for i, (p, st, sh) in enumerate(zip(leaves, states, self._shards)):
             if not is_state(st):
                 raise TypeError(f"state{names[i]} must be a bnbf state, got {type(st).__name__}")
@@ -761,14 +778,24 @@ class Plan:
                 raise TypeError(
                     f"state{names[i]}: got mixed torch.Tensor and DTensor (a plain param needs a plain state)"
                 )
-        local_p = [p if sh is None else p._local_tensor for p, sh in zip(leaves, self._shards)]
-        local_s = [s if sh is None else _local_state(s, sh) for s, sh in zip(states, self._shards)]
-        blocks = _first_blocks(local_p, local_s, self._shards) or {}
-        # (leaf, first block) of the shards that have one: found again by the local tensors' addresses each step
-        self._blocks = [(i, blocks[p.data_ptr()]) for i, p in enumerate(local_p) if p.data_ptr() in blocks]
-        with _reducing(None, self._first_blocks()):  # the tables carry the shards' first blocks
+        self.rule = get_rule(type(states[0]).layout.rule) if states else None
+        self._params, self._states = leaves, states
+        self._setup()
+
+    def _setup(self) -> None:
+        """The core's plan of the local shards, and what a step confirms of the scales' local tensors, whose views it
+        steps; nothing is kept where the core refuses them."""
+        shards = self._shards
+        local_p = [p if sh is None else p._local_tensor for p, sh in zip(self._params, shards)]
+        local_s = [s if sh is None else _local_state(s, sh) for s, sh in zip(self._states, shards)]
+        found = _first_blocks(local_p, local_s, shards)
+        with _reducing(None, found):  # the tables carry the shards' first blocks
             # in the structure of ``params``: the core's messages name a leaf by its key path there
-            self._plan = bnbf.plan(_unflatten(local_p, self._spec), _unflatten(local_s, self._spec))
+            made = bnbf.plan(_unflatten(local_p, self._spec), _unflatten(local_s, self._spec))
+        self._plan = made
+        # (leaf, first block) of the shards that have one: found again by the local tensors' addresses each step
+        self._blocks = [(i, found[p.data_ptr()]) for i, p in enumerate(local_p) if found and p.data_ptr() in found]
+        self._scales = _scales_planned([s for s, sh in zip(self._states, shards) if sh is not None])
 
     def _first_blocks(self) -> dict | None:
         return {self._params[i]._local_tensor.data_ptr(): b for i, b in self._blocks} or None
@@ -787,6 +814,8 @@ class Plan:
         flat, g_spec = _flatten(grads) if self._fast else pytree.tree_flatten(grads)
         if g_spec != self._spec:
             raise ValueError("grads must have the structure of the plan's params")
+        if self._scales is not None and not fields_as_planned(*self._scales):
+            self._setup()  # the scales' views taken again and planned, raising as a new plan of them would
         local = []
         names = self._names
         for i, (p, g, sh) in enumerate(zip(self._params, flat, self._shards)):

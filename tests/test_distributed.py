@@ -665,6 +665,75 @@ def scenario_ddp_unchanged():
         assert all(torch.equal(o, ref[k]) for o in others), k  # every rank holds the same params
 
 
+def scenario_scales_changed_in_place():
+    """A step hands the core a view of an 8-bit state's local scales (the shard's row of its ``[1, padded]`` local
+    tensor), kept between steps: update_'s cache of local states, a plan's core plan. A ``set_``, ``resize_`` or
+    ``as_strided_`` of that local tensor left the view on its old memory or layout (set_: the new memory never
+    stepped; resize_: the step wrote past the shrunk tensor's size). Now the step takes the view again: new memory
+    steps as a state no cache has seen steps, and scales that no longer fit raise what such a state raises, with
+    nothing written."""
+    import re
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.utils._pytree import tree_leaves, tree_map
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    gen = torch.Generator().manual_seed(0)
+    full, g_full = (torch.randn(150, 8, generator=gen).to(DEVICE) for _ in range(2))  # rank 1 starts in block 2
+    m = mesh()
+    hp = {"lr": LR}
+
+    def unseen(tree, clone: bool):  # new DTensors over the same local tensors, or over copies of them
+        def wrap(t):
+            local = t._local_tensor.clone() if clone else t._local_tensor
+            return DTensor.from_local(local, m, t.placements, run_check=False, shape=t.shape, stride=t.stride())
+
+        return tree_map(wrap, tree)
+
+    def local(tree) -> list:
+        return [t._local_tensor.clone() for t in tree_leaves(tree)]
+
+    def case(path: str, how: str) -> None:
+        params = {"w": distribute_tensor(full, m, [Shard(0)])}
+        grads = {"w": distribute_tensor(g_full, m, [Shard(0)])}
+        state = bd.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+        held = bd.plan(params, state) if path == "plan" else None
+
+        def step(t):
+            return held.step(grads, hp, t) if held else bd.update_(params, grads, state, hp, t)
+
+        step(1)
+        scales = state["w"].exp_avg_absmax._local_tensor
+        if how == "set_":
+            scales.set_(scales.clone())
+            twin = unseen((params, state), clone=True)
+            bd.update_(twin[0], grads, twin[1], hp, 2)
+            step(2)
+            assert all(map(torch.equal, local((params, state)), local(twin))), "not stepped as a new state"
+            return
+        if how == "resize_":
+            scales.resize_(1, 1)
+        else:  # its shape kept, not contiguous
+            scales.as_strided_(scales.shape, (scales.shape[1], 0))
+        with pytest.raises(ValueError) as fresh:
+            bd.update_(params, grads, {"w": unseen(state["w"], clone=False)}, hp, 2)
+        before = local((params, state))
+        with pytest.raises(ValueError, match=re.escape(str(fresh.value))):
+            step(2)
+        assert all(map(torch.equal, local((params, state)), before)), "written before raising"
+
+    failed = []  # every case's outcome, not the first failure's only
+    for path in ("update_", "plan"):
+        for how in ("set_", "resize_", "as_strided_"):
+            try:
+                case(path, how)
+            except (AssertionError, pytest.fail.Exception) as e:
+                failed.append(f"{path} after {how}: {e}")
+    assert not failed, "\n".join(failed)
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
