@@ -755,7 +755,11 @@ def update(
 
 
 class Plan:
-    """:class:`bnbf.Plan` of the local shards of DTensor params (see :func:`plan`)."""
+    """:class:`bnbf.Plan` of the local shards of DTensor params (see :func:`plan`).
+
+    Pickled (``torch.save``, ``copy.deepcopy``) it is a plan of the copies of its params and states, made anew where
+    it is loaded, as :class:`bnbf.Plan` is: a checkpoint of one rank holding it beside them loads with ``torch.load``'s
+    default (``weights_only=True``), as their DTensors do, on that rank of the same process groups."""
 
     def __init__(self, params: Any, state: Any):
         leaves, self._spec = _flatten(params)
@@ -796,6 +800,12 @@ class Plan:
         # (leaf, first block) of the shards that have one: found again by the local tensors' addresses each step
         self._blocks = [(i, found[p.data_ptr()]) for i, p in enumerate(local_p) if found and p.data_ptr() in found]
         self._scales = _scales_planned([s for s, sh in zip(self._states, shards) if sh is not None])
+
+    def __reduce__(self) -> tuple:
+        # pickle, copy.deepcopy and copy.copy: a plan of the params and states it holds, made anew (their memo keeps
+        # them the very objects the rest of the copy refers to); its views and tables are of this process's memory.
+        # Through a function registered with torch's safe globals, as bnbf.Plan is
+        return (_rebuild_plan, (_unflatten(self._params, self._spec), _unflatten(self._states, self._spec)))
 
     def _first_blocks(self) -> dict | None:
         return {self._params[i]._local_tensor.data_ptr(): b for i, b in self._blocks} or None
@@ -857,6 +867,51 @@ def plan(params: Any, state: Any) -> Plan:
         opt.step({k: p.grad for k, p in params.items()}, {"lr": 1e-3}, step=1)
     """
     return Plan(params, state)
+
+
+def _rebuild_plan(params: Any, state: Any) -> Plan:
+    """A pickled plan (:meth:`Plan.__reduce__`): the plan of the loaded params and states, made as :func:`plan` makes
+    one, after each loaded DTensor is found to be what its metadata says (torch's loader takes a DTensor as written):
+    on a mesh where this process has the coordinate it was saved with, its local tensor of the shape its global
+    shape and placements give there. ``ValueError`` naming the first problem."""
+    try:
+        meshes: dict = {}
+        for t in pytree.tree_leaves((params, state)):
+            if isinstance(t, DTensor):
+                _check_loaded(t, meshes)
+        return Plan(params, state)
+    # plan()'s refusals, and what a mesh or placements a file made up raise when read
+    except (TypeError, ValueError, NotImplementedError, AttributeError, IndexError, KeyError, RuntimeError) as e:
+        raise ValueError(f"a pickled bnbf.distributed Plan does not load: {e}") from e
+
+
+torch.serialization.add_safe_globals([_rebuild_plan])
+
+
+def _check_loaded(t: DTensor, meshes: dict) -> None:
+    """A loaded DTensor's mesh holds this process where it was saved (a rank's file loaded by that rank; ``meshes``:
+    the meshes found so, by id), and its local tensor is the shard its global shape and placements describe."""
+    mesh = t.device_mesh
+    if id(mesh) not in meshes:
+        if not dist.is_initialized():  # the split of a shard reads its process group
+            raise ValueError(
+                "its DTensors' process groups are not made in this process: call "
+                "torch.distributed.init_process_group before torch.load, as before saving"
+            )
+        found = (mesh.mesh == dist.get_rank()).nonzero()
+        here = tuple(found[0].tolist()) if found.numel() else None
+        if here != mesh.get_coordinate():
+            raise ValueError(
+                f"its DTensors were saved at mesh coordinate {mesh.get_coordinate()}, rank {dist.get_rank()} is "
+                f"at {here} (a rank loads the file it saved)"
+            )
+        meshes[id(mesh)] = mesh  # held: an id is not reused while the loop runs
+    want = torch.Size(compute_local_shape_and_global_offset(t.shape, mesh, t.placements)[0])
+    if t._local_tensor.shape != want:
+        raise ValueError(
+            f"a DTensor of global shape {tuple(t.shape)} with placements {t.placements} holds a local tensor of "
+            f"shape {tuple(t._local_tensor.shape)}, not {tuple(want)}"
+        )
 
 
 def _param_like(s: Any) -> Any:

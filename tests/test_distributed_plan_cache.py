@@ -1,6 +1,6 @@
 """bnbf.distributed's per-object caches (the split of a DTensor param, the local views of its state), the
-grad's local tensor and the names its errors give leaves, in this process: a fake process group of two ranks,
-nothing spawned."""
+grad's local tensor, the names its errors give leaves and its pickled plans, in this process: a fake process group
+of two ranks, nothing spawned."""
 
 from __future__ import annotations
 
@@ -341,3 +341,109 @@ def test_state_functions_name_states_by_key_path_and_load_writes_nothing_on_refu
         with pytest.raises(TypeError, match=match):
             bd.load_state_dict_(bad, saved)
         assert all(torch.equal(a, b) for a, b in zip(_snapshot(bad), before)), bits
+
+
+def _bundle(mesh):
+    """A rank's params (an 8-bit and a 32-bit DTensor, a plain tensor; nested), their state, a plan of them, and
+    grads for two steps."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    torch.manual_seed(0)
+    shapes = {"w": (1024, 2), "b": (8, 4)}
+    tree = lambda make: {"enc": {"w": make(shapes["w"])}, "head": [make(shapes["b"]), torch.randn(5)]}  # noqa: E731
+    params = tree(lambda s: _rank0_shard(torch.randn(s), mesh))
+    grads = [tree(lambda s: _rank0_shard(torch.randn(s), mesh)) for _ in range(2)]
+    state = bd.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=1024))
+    assert type(state["enc"]["w"]).layout.quantized and not type(state["head"][0]).layout.quantized
+    return {"params": params, "state": state, "plan": bd.plan(params, state)}, grads
+
+
+@pytest.mark.parametrize("how", ["torch.save", "deepcopy", "copy"])
+def test_a_pickled_plan_steps_its_copies(mesh, how):
+    """bnbf.distributed.Plan could not be pickled (torch.save raised AttributeError on a lambda it held), unlike
+    bnbf.Plan and the DTensors it holds. Now a rank's bundle of params, state and plan saved with torch.save loads
+    with torch.load's default (weights_only=True), its plan a plan of the loaded tensors: stepping it moves them
+    exactly as the original plan moves its own (copy.deepcopy alike; copy.copy: a second plan of the same tensors)."""
+    import copy
+    import io
+
+    hp = {"lr": 1e-2}
+    bundle, grads = _bundle(mesh)
+    bundle["plan"].step(grads[0], hp, 1)
+    if how == "torch.save":
+        buf = io.BytesIO()
+        torch.save(bundle, buf)
+        buf.seek(0)
+        other = torch.load(buf)  # torch's default: weights_only=True
+    elif how == "deepcopy":
+        other = copy.deepcopy(bundle)
+    else:
+        other = {**bundle, "plan": copy.copy(bundle["plan"])}
+    before = _snapshot(bundle["params"], bundle["state"])
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(other["params"], other["state"]), before, strict=True))
+    bundle["plan"].step(grads[1], hp, 2)
+    moved = _snapshot(bundle["params"], bundle["state"])
+    if how == "copy":  # the same tensors: its step moves them again
+        other["plan"].step(grads[1], hp, 3)
+        assert not torch.equal(_snapshot(bundle["params"])[0], moved[0])
+        return
+    assert not torch.equal(moved[0], before[0])
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(other["params"], other["state"]), before, strict=True))
+    other["plan"].step(grads[1], hp, 2)
+    assert all(torch.equal(a, b) for a, b in zip(_snapshot(other["params"], other["state"]), moved, strict=True))
+
+
+def test_a_pickled_plan_of_other_values_is_refused(mesh, monkeypatch):
+    """The values a pickled plan is made from are a file's, DTensors as torch's loader took them: values plan()
+    refuses, a DTensor whose local tensor is not the shard its metadata describes, a file saved at another rank's
+    mesh coordinate and a mesh that does not read are refused with a ValueError naming the problem, through
+    torch.load's default too; so is a plan loaded where no process group was made."""
+    import copy
+    import io
+
+    from torch.distributed.tensor import DTensor
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    params = {"w": _rank0_shard(torch.randn(16, 4), mesh)}
+    state = bd.init_state(params, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    args = bd.plan(params, state).__reduce__()[1]
+    assert type(bd._rebuild_plan(*args)) is bd.Plan
+    w = params["w"]
+    short = DTensor.from_local(torch.randn(3, 4), mesh, w.placements, run_check=False, shape=w.shape, stride=w.stride())
+    rank1 = copy.copy(mesh)
+    rank1._coordinate_on_dim = (1,)  # what the mesh of a file rank 1 saved says (a private field: no API sets it)
+    theirs = DTensor.from_local(torch.randn(8, 4), rank1, w.placements, run_check=False, shape=w.shape,
+                                   stride=w.stride())  # fmt: skip
+    other = _rank0_shard(torch.randn(18, 4), mesh)
+    unread = copy.copy(mesh)
+    broken = DTensor.from_local(torch.randn(8, 4), unread, w.placements, run_check=False, shape=w.shape,
+                                stride=w.stride())  # fmt: skip
+    del unread._layout  # a mesh whose fields a file left out
+    cases = [
+        (({"w": short}, state), r"shape \(16, 4\) .* holds a local tensor of shape \(3, 4\), not \(8, 4\)"),
+        (({"w": theirs}, state), r"saved at mesh coordinate \(1,\), rank 0 is at \(0,\)"),
+        ((params, {"w": w}), r"state\['w'\] must be a bnbf state, got DTensor"),
+        ((params, {"v": state["w"]}), "state must have the structure of params"),
+        (({"w": other}, state), r"state\['w'\]\.exp_avg does not fit the param"),
+        (({"w": broken}, state), "_layout"),
+    ]
+    for bad, match in cases:
+        with pytest.raises(ValueError, match=f"^a pickled bnbf.distributed Plan does not load: .*{match}"):
+            bd._rebuild_plan(*bad)
+
+        class Crafted:  # pickles as the call a file could hold
+            def __reduce__(self, bad=bad):
+                return bd._rebuild_plan, bad
+
+        buf = io.BytesIO()
+        torch.save(Crafted(), buf)
+        buf.seek(0)
+        with pytest.raises(ValueError, match=match):
+            torch.load(buf)
+    with monkeypatch.context() as m:  # a process that made no process group: the shards' split reads theirs
+        m.setattr(dist, "is_initialized", lambda: False)
+        with pytest.raises(ValueError, match="process groups are not made in this process"):
+            bd._rebuild_plan(*args)
