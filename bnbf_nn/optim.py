@@ -761,14 +761,19 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         """torch.optim's, then bnbf's checks of the group's settings; a tensor listed twice in the group is
-        refused (torch only warns: a group is one fused step, which would write it twice)."""
+        refused (torch only warns: a group is one fused step, which would write it twice). A group given in
+        bitsandbytes' spelling only (SGD's ``betas``, no ``momentum``) takes the settings it spells, as a loaded
+        bitsandbytes group does, not the optimizer's defaults (which it would then never have agreed with)."""
+        spelled = {}
         if isinstance(param_group, dict):  # (torch's TypeError for anything else)
             self._read_args_in_group(param_group)
+            spelled = _from_bnb_group(self.family, param_group, set(self._hkeys))
         with warnings.catch_warnings():  # torch's warning for it precedes the error below
             warnings.filterwarnings("ignore", message=".*duplicate parameters", category=UserWarning)
             super().add_param_group(param_group)  # torch refuses a tensor already in another group
         group = self.param_groups[-1]
         try:
+            group.update(spelled)
             _check_unique(group["params"])
             self._check_group(group)
             for i, p in enumerate(group["params"]):
@@ -778,6 +783,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             raise
         group[_ORIGIN] = self._origin()
         self._lr0[id(group)] = (group, _lr_value(group["lr"]))
+        self._note_group_spelling(group)  # as given: a schedule moving one spelling before its first step is followed
 
     def _read_args_in_group(self, group: dict) -> None:
         """A group given with one of the class's arguments that groups hold under the rule's name (LAMB's
@@ -1451,10 +1457,14 @@ class Optimizer8bit(torch.optim.Optimizer):
         """Where a group's bitsandbytes spelling agrees with its settings (a load, an unpickle), the agreed value
         :meth:`_sync_bnb_spelling` tells later changes from."""
         for group in self.param_groups:
-            if not self._bnb_spelled.keys().isdisjoint(group):
-                want = _to_bnb_group(self.family, group)
-                agreed = {k: _spelled_value(group[k]) for k in self._bnb_spelled.keys() & group.keys()}
-                self._spelled[id(group)] = (group, {k: v for k, v in agreed.items() if _same(v, want[k])})
+            self._note_group_spelling(group)
+
+    def _note_group_spelling(self, group: Mapping) -> None:
+        """:meth:`_note_spelling` of one group."""
+        if not self._bnb_spelled.keys().isdisjoint(group):
+            want = _to_bnb_group(self.family, group)
+            agreed = {k: _spelled_value(group[k]) for k in self._bnb_spelled.keys() & group.keys()}
+            self._spelled[id(group)] = (group, {k: v for k, v in agreed.items() if _same(v, want[k])})
 
     def _own_spelling(self, cfg: dict) -> dict:
         """A manager override in bnbf_nn's names: bitsandbytes' spelling of this family's settings (SGD's

@@ -1293,6 +1293,41 @@ def test_a_group_in_bitsandbytes_spelling_is_read_or_refused(cls, kw, spelled):
     assert all(opt.state[p]["step"] == 4 for p in params)
 
 
+@pytest.mark.parametrize(
+    "cls, spelled, names",
+    [
+        ("SGD8bit", (0.5, 0.1), ("momentum", "dampening")),
+        ("LARS8bit", (0.5, 0.1), ("momentum", "dampening")),
+        ("RMSprop8bit", (0.95, 0.5), ("alpha", "momentum")),
+    ],
+)
+def test_a_group_given_in_bitsandbytes_spelling_only_takes_its_settings(cls, spelled, names):
+    """A param group given as bitsandbytes' code gives it, with ``betas`` (SGD's momentum and dampening...) and not
+    the settings it spells: torch filled those from the optimizer's defaults, which the group's betas then never
+    agreed with, so the step refused it. The group takes the settings its betas spell, as a loaded bitsandbytes
+    group does, and steps as a twin given them by name; a schedule moving torch's name before the first step is
+    followed (the spelling as given counts as agreed)."""
+    params, twin = make_params(), make_params()
+    given = {"params": params, "lr": 0.01, "betas": spelled, "weight_decay": 0.0}
+    opt = getattr(bnbf_nn, cls)([given], lr=0.1, min_8bit_size=MIN8)
+    ref = getattr(bnbf_nn, cls)(twin, lr=0.01, min_8bit_size=MIN8, **dict(zip(names, spelled)))
+    assert tuple(opt.param_groups[0][n] for n in names) == spelled
+    grads = make_grads(params, 2)
+    run_adapter(opt, params, grads[:1])
+    run_adapter(ref, twin, grads[:1])
+    late, late_twin = make_params(seed=1), make_params(seed=1)
+    opt.add_param_group({"params": late, "lr": 0.01, "betas": (0.6, 0.0)})
+    ref.add_param_group({"params": late_twin, names[0]: 0.6, names[1]: 0.0})
+    assert opt.param_groups[1][names[0]] == 0.6
+    for g, r in zip(opt.param_groups, ref.param_groups):
+        g[names[0]] = r[names[0]] = 0.7  # a schedule's move before the new group's first step
+    run_adapter(opt, params + late, [grads[1] + make_grads(late, 1)[0]])
+    run_adapter(ref, twin + late_twin, [grads[1] + make_grads(late, 1)[0]])
+    assert [g["betas"] for g in opt.param_groups] == [(0.7, spelled[1]), (0.7, 0.0)]
+    for p, q in zip(params + late, twin + late_twin):
+        assert_equal_report(p.detach(), q.detach(), f"{cls}: a group in bitsandbytes' spelling")
+
+
 def test_a_bitsandbytes_run_with_a_momentum_schedule_resumes():
     """bitsandbytes' SGD, LARS and RMSprop groups hold ``betas``, so torch's OneCycleLR made for them cycles
     ``betas[0]`` (its saved state says ``use_beta1``). Resumed here from bitsandbytes' layout (what
