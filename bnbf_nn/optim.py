@@ -977,9 +977,11 @@ class Optimizer8bit(torch.optim.Optimizer):
         (one fused call per group). A group holding a key set by hand that the next step reads (LAMB's
         ``bias_correction`` as its ``debias``, SGD's ``betas`` that a schedule written for bitsandbytes moved as its
         momentum...) is read as that step reads it, writing nothing, and a setting or override the step refuses (a
-        key that is not a setting of the class, a value out of range) raises here too, with the step's error."""
+        key that is not a setting of the class, a value out of range) raises here too, with the step's error.
+        ``group`` may lack settings, as bitsandbytes' ``get_config`` takes it (:meth:`_config_group`)."""
         where = f" in param group {gindex}"
         live = self.param_groups[gindex]
+        group = self._config_group(group, gindex)
         if self._bnb_spelled and not self._bnb_spelled.keys().isdisjoint(group):  # as _settings reads it first
             moved = self._spelling_read(group, live)[0]
             group = {**group, **moved} if moved else group
@@ -1023,6 +1025,33 @@ class Optimizer8bit(torch.optim.Optimizer):
         adjusted = [k for k in hp if k != "lr" and hp[k] is not given.get(k)]
         config.update((k, used[k]) for k in (*_ARGS, *override, *adjusted) if k in used)
         return config
+
+    def _config_group(self, group: Mapping, gindex: int) -> Mapping:
+        """``group`` as :meth:`get_config` reads it where it lacks settings. bitsandbytes' ``get_config`` reads
+        ``lr``, ``betas``, ``eps`` and ``weight_decay`` from the group (``KeyError`` where it lacks one; here one
+        naming them) and the others from the optimizer (``args``), or at constants (AdEMAMix's ``alpha``...). Here
+        the others are the optimizer's ``defaults``, and the settings the group holds in bitsandbytes' spelling only
+        are read from it, as a group given so steps (:meth:`add_param_group`); a key that bitsandbytes' groups hold
+        at a constant (SGD's ``eps``) is not needed."""
+        missing = [k for k in self.defaults if k not in group]
+        if not missing:
+            return group
+        lacks = []
+        for key in ("lr", *_BNB_GROUP_KEYS):
+            names = self._bnb_spelled.get(key)
+            if key in group or (names is not None and all(n in group for n in names if isinstance(n, str))):
+                continue
+            if key in self._hkeys:
+                lacks.append(repr(key))
+            elif names is not None:
+                lacks.append(f"{key!r} (or {' and '.join(repr(n) for n in names if isinstance(n, str))})")
+        if lacks:
+            raise KeyError(
+                f"{type(self).__name__}.get_config: the group given for param group {gindex} lacks "
+                f"{', '.join(lacks)}, which get_config reads from the group (as bitsandbytes' does); the others "
+                "come from the optimizer's settings"
+            )
+        return {**{k: self.defaults[k] for k in missing}, **group, **_from_bnb_group(self.family, group, set(missing))}
 
     # ---- step ------------------------------------------------------------------------------------------
 

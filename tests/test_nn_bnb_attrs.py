@@ -510,6 +510,108 @@ def test_get_config_reads_bitsandbytes_spelling_in_a_group_as_the_step(make, nam
     assert group == kept
 
 
+# classes with the four settings bitsandbytes' get_config reads from the group it is given, in its spelling (SGD's,
+# LARS's and RMSprop's betas spell their momentum...; Adagrad's and Lion's constants there), as its code passes them
+_BNB_KEYS_ONLY = [
+    pytest.param(
+        lambda ps: bnbf_nn.AdamW8bit(ps, min_8bit_size=0, max_unorm=0.5),
+        {"lr": 4e-3, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.1},
+        id="AdamW8bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.SGD8bit(ps, 0.1, 0.9, min_8bit_size=0),
+        {"lr": 0.05, "betas": (0.5, 0.1), "eps": 1e-8, "weight_decay": 0.01},
+        id="SGD8bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.RMSprop(ps, centered=True, optim_bits=8, min_8bit_size=0),
+        {"lr": 1e-3, "betas": (0.95, 0.5), "eps": 1e-6, "weight_decay": 0.0},
+        id="RMSprop",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.Adagrad32bit(ps, lr_decay=0.1),
+        {"lr": 0.1, "betas": (0.0, 0.0), "eps": 1e-6, "weight_decay": 0.0},
+        id="Adagrad32bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.Lion8bit(ps, min_8bit_size=0),
+        {"lr": 1e-4, "betas": (0.8, 0.95), "eps": 0.0, "weight_decay": 0.1},
+        id="Lion8bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.LAMB8bit(ps, min_8bit_size=0, bias_correction=False),
+        {"lr": 1e-3, "betas": (0.8, 0.9), "eps": 1e-6, "weight_decay": 0.01},
+        id="LAMB8bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.LARS(ps, 0.1, 0.9),
+        {"lr": 0.05, "betas": (0.5, 0.0), "eps": 1e-8, "weight_decay": 0.01},
+        id="LARS",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.AdEMAMix8bit(ps, alpha=4.0, t_alpha=10, t_beta3=20, min_8bit_size=0),
+        {"lr": 1e-3, "betas": (0.8, 0.9, 0.99), "eps": 1e-8, "weight_decay": 0.0},
+        id="AdEMAMix8bit",
+    ),
+    pytest.param(
+        lambda ps: bnbf_nn.Adan(ps, no_prox=True),
+        {"lr": 1e-3, "betas": (0.9, 0.9, 0.9), "eps": 1e-6, "weight_decay": 0.01},
+        id="Adan",
+    ),
+]
+
+
+@pytest.mark.parametrize("make, given", _BNB_KEYS_ONLY)
+def test_get_config_of_a_group_of_bitsandbytes_keys_only(make, given):
+    """bitsandbytes' get_config reads ``lr``, ``betas``, ``eps`` and ``weight_decay`` from the group it is given and
+    ``optim_bits``, ``min_8bit_size``, ``max_unorm`` and ``skip_zeros`` from its ``args``, so code written for it may
+    pass a dict of the four: here that raised a bare ``KeyError: 'optim_bits'``. The others are now the optimizer's
+    settings (the live group's edits count for nothing, as in bitsandbytes): the config is that of a param group
+    made from the dict (AdEMAMix's ``alpha``... its defaults, which bitsandbytes' get_config would read as 0 from such
+    a dict, though its step never sees one), which steps as a twin given the config's values does; the dict is left
+    as it was."""
+    lin = torch.nn.Linear(16, 8, bias=False)
+    opt = make([lin.weight])
+    opt.param_groups[0]["skip_zeros"] = True  # the live group's own: not the optimizer's settings
+    kept = dict(given)
+    c = opt.get_config(0, 0, given)
+    assert given == kept
+    ps, twin_p = _params((8, 16)), _params((8, 16))
+    made = make([{"params": ps, **given}])
+    assert c == made.get_config(0, 0, made.param_groups[0])
+    assert c["skip_zeros"] is False and c["optim_bits"] == made.defaults["optim_bits"]
+    twin = _twin_from_config(made, twin_p, c)
+    for i in range(2):
+        _step(made, ps, seed=i)
+        _step(twin, twin_p, seed=i)
+        assert_equal_report(ps[0], twin_p[0], f"step {i}")
+
+
+@pytest.mark.parametrize(
+    "make, given, lacks",
+    [
+        (lambda ps: bnbf_nn.AdamW8bit(ps), {"lr": 1e-3, "eps": 1e-8, "weight_decay": 0.0}, "'betas'"),
+        (
+            lambda ps: bnbf_nn.SGD(ps, 0.1, 0.9),
+            {"lr": 0.1, "momentum": 0.9, "weight_decay": 0.0},
+            "'betas' (or 'momentum' and 'dampening')",
+        ),
+        (lambda ps: bnbf_nn.LARS(ps, 0.1), {"betas": (0.9, 0.0), "weight_decay": 0.0}, "'lr', 'eps'"),  # its own eps
+        (lambda ps: bnbf_nn.Lion(ps), {"betas": (0.9, 0.99)}, "'lr', 'weight_decay'"),  # its eps a constant there
+    ],
+    ids=["AdamW8bit", "SGD", "LARS", "Lion"],
+)
+def test_get_config_names_what_a_partial_group_lacks(make, given, lacks):
+    """A dict without one of the settings bitsandbytes' get_config reads from the group: ``KeyError`` naming each,
+    not a bare key (nor the first of the optimizer's own settings the dict lacks), the dict left as it was."""
+    opt = make(_params(8))
+    kept = dict(given)
+    with pytest.raises(KeyError) as e:
+        opt.get_config(0, 0, given)
+    assert f"param group 0 lacks {lacks}, which get_config reads from the group" in str(e.value)
+    assert given == kept
+
+
 @pytest.mark.parametrize("how", ["deepcopy", "pickle", "old pickle"])
 def test_attributes_survive_deepcopy_and_pickles(how, monkeypatch):
     """``initialized`` and ``name2qmap`` are kept; an optimizer pickled before they existed gets them as its
