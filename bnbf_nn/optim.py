@@ -600,9 +600,14 @@ class Optimizer8bit(torch.optim.Optimizer):
                 "GlobalOptimManager.override_config or param groups instead"
             )
         super().__init_subclass__(**kwargs)
-        step = vars(cls).get("step")
-        if isinstance(step, types.FunctionType) and not getattr(step, "hooked", False):
-            cls.step = _outermost(step)
+        _hook_outermost(cls, vars(cls).get("step"))
+
+    def _patch_step_function(self) -> None:
+        # torch wraps the class's step in its hook wrapper here (construction, unpickling) where it is unmarked: a
+        # step assigned to the class after it was made (Sub.step = f), which __init_subclass__ never saw, then ran the
+        # hooks twice (f calls ours, which runs them too); it gets _outermost, as a step defined in the class body
+        _hook_outermost(type(self), type(self).step)
+        super()._patch_step_function()
 
     def __init__(self, params, defaults: dict, optim_bits: int = 32, is_paged: bool = False, *, family=None):
         self.is_paged = _flag(is_paged, "is_paged", type(self).__name__)
@@ -2325,6 +2330,12 @@ def _saved_lr0(origin: Mapping, groups: list) -> list:
 
 # the step with torch's wrapper (profiler range, step hooks), where _plain_step says it is needed
 Optimizer8bit._hooked_step = torch.optim.Optimizer.profile_hook_step(Optimizer8bit._step)
+
+
+def _hook_outermost(cls: type, step: Any) -> None:
+    """``cls.step`` set to :func:`_outermost` of ``step`` where it is a plain function torch would wrap (unmarked)."""
+    if isinstance(step, types.FunctionType) and not getattr(step, "hooked", False):
+        cls.step = _outermost(step)
 
 
 def _outermost(step: Any) -> Any:

@@ -1086,9 +1086,9 @@ print(json.dumps([calls(base), calls(base, make_base=True)]))
 """
 
 
-def _subclass_step_calls(which: str) -> list:
+def _subclass_step_calls(which: str, script: str = _SUBCLASS_STEP) -> list:
     run = subprocess.run(
-        [sys.executable, "-c", _SUBCLASS_STEP, which],
+        [sys.executable, "-c", script, which],
         capture_output=True,
         text=True,
         timeout=300,
@@ -1106,6 +1106,102 @@ def test_a_subclass_overriding_step_runs_torchs_step_hooks_once():
     once = ["pre", "post"]
     assert _subclass_step_calls("torch") == [once, ["pre", "pre", "post", "post"]]
     assert _subclass_step_calls("bnbf_nn") == [once, once]
+
+
+# a subclass whose step is assigned after the class is made, before or after an instance of it is made, calling the
+# base class's step through super() or by name: the hooks' and the step's calls for that instance and for one made
+# after the assignment, in a process that made no optimizer of the base class, then in one that made one first
+_LATE_STEP = """
+import json, sys, torch, bnbf_nn
+
+
+def calls(base, when, how, make_base=False):
+    class Sub(base):
+        pass
+
+    def step(self, closure=None):
+        seen.append("step")
+        return super(Sub, self).step(closure) if how == "super" else base.step(self, closure)
+
+    def stepped(opt):
+        seen.clear()
+        opt.register_step_pre_hook(lambda *a: seen.append("pre"))
+        opt.register_step_post_hook(lambda *a: seen.append("post"))
+        opt.param_groups[0]["params"][0].grad = torch.ones(3)
+        opt.step()
+        return list(seen)
+
+    if make_base:
+        base([torch.nn.Parameter(torch.ones(1))])
+    seen = []
+    if when == "before":
+        Sub.step = step
+    made = Sub([torch.nn.Parameter(torch.ones(3))])
+    if when == "after":
+        Sub.step = step
+    return [stepped(made), stepped(Sub([torch.nn.Parameter(torch.ones(3))]))]
+
+
+cases = [(w, h) for w in ("before", "after") for h in ("super", "base")]
+bases = {"torch": torch.optim.AdamW, "bnbf_nn": bnbf_nn.AdamW8bit}  # neither's instances patch the other's class
+print(json.dumps({
+    name: [calls(base, w, h) for w, h in cases] + [calls(base, w, h, make_base=True) for w, h in cases]
+    for name, base in bases.items()
+}))
+"""
+
+
+def test_a_step_assigned_to_a_subclass_later_runs_torchs_step_hooks_once():
+    """``Sub.step = f`` after ``class Sub(AdamW8bit): pass``, f calling the base class's step: torch wraps f where it
+    makes an instance, and the base class's step ran the hooks again within it (a step defined in the class body ran
+    them once). Now once, around f, for every instance made after the assignment; an instance made before it, whose
+    class's step torch had found marked, runs them around the base class's step f calls. torch.optim.AdamW's
+    subclass, for comparison: once around f in a process that made no AdamW, twice where one was made, and for the
+    instance made before the assignment none at all (its class's wrapper replaced), or once where an AdamW was made."""
+    whole, inner, twice = ["pre", "step", "post"], ["step", "pre", "post"], ["pre", "step", "pre", "post", "post"]
+    seen = _subclass_step_calls("both", _LATE_STEP)
+    made_none, made_one = 2 * [[whole, whole]] + 2 * [[["step"], whole]], 2 * [[twice, twice]] + 2 * [[inner, twice]]
+    assert seen["torch"] == made_none + made_one
+    assert seen["bnbf_nn"] == 2 * (2 * [[whole, whole]] + 2 * [[inner, whole]])
+
+
+def test_a_step_from_a_mixin_or_a_parent_assigned_later_runs_the_hooks_once():
+    """A step that torch wraps where it makes an instance, which the class body of the instance's class never
+    defined: a mixin's (a class outside bnbf_nn, left as it is), or one assigned to a parent class after it was
+    made. Each ran torch's step hooks twice; once now, around that step."""
+    order = []
+
+    class Mixin:
+        def step(self, closure=None):
+            order.append("step")
+            return super().step(closure)
+
+    class Mixed(Mixin, bnbf_nn.AdamW8bit):
+        pass
+
+    class Parent(bnbf_nn.AdamW8bit):
+        pass
+
+    def step(self, closure=None):
+        order.append("step")
+        return super(Parent, self).step(closure)
+
+    Parent.step = step
+
+    class Child(Parent):
+        pass
+
+    mixin_step = Mixin.__dict__["step"]
+    for cls in (Mixed, Child):
+        params = make_params()
+        opt = cls(params, min_8bit_size=MIN8)
+        opt.register_step_pre_hook(lambda *a: order.append("pre"))
+        opt.register_step_post_hook(lambda *a: order.append("post"))
+        order.clear()
+        run_adapter(opt, params, make_grads(params, 1))
+        assert order == ["pre", "step", "post"], cls.__name__
+        assert all(opt.state[p]["step"] == 1 for p in params) and not opt._in_step
+    assert Mixin.__dict__["step"] is mixin_step
 
 
 def test_a_subclass_of_a_subclass_overriding_step_runs_the_hooks_once_around_the_outermost():
