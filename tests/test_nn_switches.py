@@ -319,6 +319,57 @@ def test_one_cycle_lr_with_base_momentum_zero(family):
 # ---- params bnbf cannot step ------------------------------------------------------------------------------
 
 
+def _override_bits(bits):
+    return lambda opt, p: opt.mng.override_config(p, key_value_dict={"optim_bits": bits, "min_8bit_size": 0})
+
+
+@pytest.mark.parametrize(
+    "make, edit, made, wanted",
+    [
+        (lambda ps: bnbf_nn.AdamW8bit(ps, min_8bit_size=0), _override_bits(32), torch.uint8, torch.float32),
+        (lambda ps: bnbf_nn.AdamW(ps), _override_bits(8), torch.float32, torch.uint8),
+        (
+            lambda ps: bnbf_nn.AdamW8bit(ps, min_8bit_size=0),
+            lambda opt, p: opt.param_groups[0].update(optim_bits=32),
+            torch.uint8,
+            torch.float32,
+        ),
+        (
+            lambda ps: bnbf_nn.AdamW8bit(ps, min_8bit_size=0),
+            lambda opt, p: opt.param_groups[0].update(min_8bit_size=10**9),
+            torch.uint8,
+            torch.float32,
+        ),
+    ],
+    ids=["override-32", "override-8", "group-optim_bits", "group-min_8bit_size"],
+)
+def test_a_made_state_keeps_its_bits_until_it_is_deleted(make, edit, made, wanted):
+    """``optim_bits`` or ``min_8bit_size`` changed after a param's state was made (a manager override, the group's
+    settings): get_config reports the new settings, but the state keeps the bits it was made with (as a loaded state
+    does), stepping bit for bit as an optimizer that never had the change. ``del opt.state[p]`` restarts it at the new
+    bits: its next step makes that state at step 1, as an optimizer made with get_config's settings does."""
+    ps, twin = _params(), _params()
+    opt, ref = make(ps), make(twin)
+    _step_each([(ps, opt), (twin, ref)], range(2))
+    edit(opt, ps[0])
+    c = opt.get_config(0, 0, opt.param_groups[0])
+    assert (c["optim_bits"] == 8 and ps[0].numel() >= c["min_8bit_size"]) == (wanted == torch.uint8)
+    _step_each([(ps, opt), (twin, ref)], range(2, 4))
+    assert opt.state[ps[0]]["state1"].dtype == made
+    for p, q in zip(ps, twin):
+        assert_equal_report(p.detach(), q.detach(), "a state kept at its bits")
+    restarted = [torch.nn.Parameter(ps[0].detach().clone())]
+    kw = {k: c[k] for k in ("lr", "betas", "eps", "weight_decay", "optim_bits", "min_8bit_size")}
+    fresh = bnbf_nn.AdamW(restarted, **kw)
+    del opt.state[ps[0]]
+    _set_grads(ps, 4)
+    restarted[0].grad = ps[0].grad.clone()
+    opt.step()
+    fresh.step()
+    assert opt.state[ps[0]]["state1"].dtype == wanted and opt.state[ps[0]]["step"] == 1
+    assert_equal_report(ps[0].detach(), restarted[0].detach(), "a state restarted at the new bits")
+
+
 @pytest.mark.parametrize("dtype", [torch.float64, torch.complex64, torch.int64], ids=str)
 def test_params_bnbf_cannot_step_are_refused_when_added(dtype):
     w = torch.nn.Parameter(torch.randn(8, 8))
