@@ -631,7 +631,8 @@ class Optimizer8bit(torch.optim.Optimizer):
 
     def _set_rule(self, defaults: Mapping) -> None:
         self._rule = bnbf.RULES[self.family.rule]
-        self._hkeys = ("lr",) + tuple(f.name for f in dataclasses.fields(self._rule.hparams) if f.name in defaults)
+        names = (f.name for f in dataclasses.fields(self._rule.hparams))
+        self._hkeys = ("lr", *(k for k in names if k in defaults and k != "lr"))
         # what the step checks of a group beside its settings (the storage settings, torch's foreach and fused where
         # the class has them), then what a bucket's settings are made from, the lr last: an edit of any misses the
         # memo (see _settings)
