@@ -7,6 +7,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
+import collections
 import functools
 import weakref
 from collections.abc import Mapping
@@ -276,7 +277,7 @@ class _PureMemo(NamedTuple):
 # contiguous (one compiled pass), and checks the grads; then the outputs' checks (each leaf fits its param, no two
 # share memory: fresh allocations at their recorded ranges) hold for the inputs. GPT-2's 148 tensors: the checks
 # 657 -> ~60 us a call (CPU, launch stubbed). A mutated, moved, resized or replaced leaf misses.
-_PURE: dict = {}
+_PURE: collections.OrderedDict = collections.OrderedDict()
 _PURE_SIZE = 64
 
 
@@ -284,7 +285,7 @@ def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: li
     if not (call.spec == "leaf" or type(call.spec) is tuple):  # a nested tree (a pytree spec): the full checks
         return
     if len(_PURE) >= _PURE_SIZE:
-        _PURE.clear()  # trees made anew each call that are not fed back (their ids are dead keys): start over
+        _PURE.popitem(last=False)  # the oldest: another loop's latest stays (a clear dropped it, a miss next call)
     planned = fields_planned([tuple(params), *states])
     memo = _PureMemo(call.spec, list(map(type, states)), planned, call.rule, type(states[0]).layout.present, groups)
     _PURE[id(out[0]), id(out[1])] = memo

@@ -209,6 +209,18 @@ def test_a_dual_grad_is_refused_on_a_fed_back_call():
     assert fresh[0] is RuntimeError and got == fresh
 
 
+def test_other_calls_between_two_of_a_loop_keep_its_record(prepared):
+    """A pure call on fresh trees between every two of a fed-back loop (another model) adds a record each time; past
+    the record's capacity the oldest go, never the loop's latest: every fed-back call after the first hits."""
+    params = _tree("dict")
+    state = bnbf.init_state(params, SPEC)
+    other = _tree("list")
+    for k in range(1, F._PURE_SIZE):
+        params, state = bnbf.update(params, _grads(params, k), state, HP, k)
+        bnbf.update(_copy(other), _grads(other, k), bnbf.init_state(other, SPEC), HP, 1)
+    assert len(prepared) == 1 + (F._PURE_SIZE - 1)
+
+
 def test_the_record_keeps_no_tensor_alive():
     params = _tree("dict")
     state = bnbf.init_state(params, SPEC)
