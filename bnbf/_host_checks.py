@@ -205,6 +205,18 @@ def _fast_leaves(tree: Any) -> tuple[list | None, Any]:
     return None, None
 
 
+def _values_of(tree: Any, keys: tuple) -> list | None:
+    """The values of ``tree`` in order where it is a dict whose keys are ``keys`` in that order, else None; one
+    compiled call where the keys are the very objects of ``keys``."""
+    if type(tree) is not dict:
+        return None
+    if NATIVE is not None:
+        values = NATIVE.values_if_keys(tree, keys)  # None also where a key is an equal string, not the same object
+        if values is not None:
+            return values
+    return list(tree.values()) if tuple(tree) == keys else None
+
+
 def _unflatten(leaves: list, spec: Any) -> Any:
     if spec == "leaf":
         return leaves[0]

@@ -61,6 +61,7 @@ from bnbf._host_checks import (
     _prepare,
     _states_ok,
     _traced_derivative,
+    _values_of,
     check_clip_not_differentiated,
     check_hparam_values,
     check_not_differentiated,
@@ -1116,15 +1117,6 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     if checked:
         entry.grads_at = tuple(map(_GRAD_AT, plans))
     return True
-
-
-def _values_of(tree: dict, keys: tuple) -> list | None:
-    """The values of ``tree``, a dict, in order where its keys are ``keys`` in that order, else None."""
-    if NATIVE is not None:
-        values = NATIVE.values_if_keys(tree, keys)  # None also where a key is an equal string, not the same object
-        if values is not None:
-            return values
-    return list(tree.values()) if tuple(tree) == keys else None
 
 
 # sets of plans whose leaves were found not to share memory between plans: weak references to the plans (a plan

@@ -34,6 +34,7 @@ from bnbf._host_checks import (
     _prepare,
     _prepare_traced,
     _unflatten,
+    _values_of,
     check_clip_not_differentiated,
     check_not_differentiated,
     differentiated,
@@ -304,12 +305,7 @@ def _pure_hit(param: Any, grad: Any, state: Any) -> tuple | None:
     if spec == "leaf":
         params, grads, states = [param], [grad], [state]
     elif spec[0] == "dict":
-        keys = spec[1]
-        if NATIVE is not None:
-            params, grads, states = (NATIVE.values_if_keys(t, keys) for t in (param, grad, state))
-        else:
-            params, grads, states = (list(t.values()) if type(t) is dict and tuple(t) == keys else None
-                                     for t in (param, grad, state))  # fmt: skip
+        params, grads, states = (_values_of(t, spec[1]) for t in (param, grad, state))
         if params is None or grads is None or states is None:
             return None
     else:

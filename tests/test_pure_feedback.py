@@ -209,6 +209,7 @@ def test_a_dual_grad_is_refused_on_a_fed_back_call():
     assert fresh[0] is RuntimeError and got == fresh
 
 
+@pytest.mark.surface  # the record's bookkeeping, the same on both paths: 126 interpreted launches would take 9 s
 def test_other_calls_between_two_of_a_loop_keep_its_record(prepared):
     """A pure call on fresh trees between every two of a fed-back loop (another model) adds a record each time; past
     the record's capacity the oldest go, never the loop's latest: every fed-back call after the first hits."""
