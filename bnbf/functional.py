@@ -263,14 +263,12 @@ def _update(param, grad, state, hparams, step, hit, leaves, skip_zeros, max_unor
 
 class _PureMemo(NamedTuple):
     """What a pure call's checks established of its outputs, which the next call takes as its inputs (a
-    torch.func training loop): the structure, the states' types, every output's address, dtype and sizes (one
-    bytes object), the rule, the kept slots and the launch groups. Holds no tensor."""
+    torch.func training loop): the structure, the states' types (their layouts: the rule, the kept slots), every
+    output's address, dtype and sizes (one bytes object) and the launch groups. Holds no tensor."""
 
     spec: Any
     types: list
     planned: Any
-    rule: Any
-    present: int
     groups: list
 
 
@@ -289,7 +287,7 @@ def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: li
     if len(_PURE) >= _PURE_SIZE:
         _PURE.popitem(last=False)  # the oldest: another loop's latest stays (a clear dropped it, a miss next call)
     planned = fields_planned([tuple(params), *states])
-    memo = _PureMemo(call.spec, list(map(type, states)), planned, call.rule, type(states[0]).layout.present, groups)
+    memo = _PureMemo(call.spec, list(map(type, states)), planned, groups)
     _PURE[id(out[0]), id(out[1])] = memo
 
 
@@ -326,9 +324,10 @@ def _checked_hit(hit: tuple, param: Any, hparams: Any, step: Any, max_unorm: Any
     # no param, grad or state field requires grad under grad mode (leaves_fit): a hyperparameter or a dual can ask
     if forward_ad._current_level >= 0 or differentiated([t for _, t in hparam_tensors(hparams, step, max_unorm)]):
         check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=False)
-    rule = memo.rule
+    layout = memo.types[0].layout  # every state's rule and kept slots (one rule: the recorded call's checks)
+    rule = get_rule(layout.rule)
     h = rule.make_hparams(hparams)
-    if present_mask(rule, h) != memo.present:
+    if present_mask(rule, h) != layout.present:
         _check_present(rule, h, states)
     _check_step(step)
     return _Call(params, grads, states, memo.spec, rule, h, step), memo.groups
