@@ -120,14 +120,20 @@ class _ById:
         return hit[1] if hit is not None and hit[0]() is key else None
 
     def __setitem__(self, key: Any, value: Any) -> None:
+        self.put(key, value)
+
+    def put(self, key: Any, value: Any, also: Any = ()) -> None:
+        """``self[key] = value``, the entry also going when any object of ``also`` is freed (what ``value`` was
+        made from: it must not keep their tensors alive after the caller has dropped them)."""
         k = id(key)
         d = self._d
+        token = object()  # this entry's (ids are reused)
 
-        def gone(ref, k=k, d=d):  # drop the entry only if it is still this object's (ids are reused)
-            if (e := d.get(k)) is not None and e[0] is ref:
+        def gone(_, k=k, d=d, token=token):  # drop the entry only if it is still this one
+            if (e := d.get(k)) is not None and e[2] is token:
                 d.pop(k, None)
 
-        d[k] = (weakref.ref(key, gone), value)
+        d[k] = (weakref.ref(key, gone), value, token, [weakref.ref(o, gone) for o in also])
 
 
 class _Names:
@@ -221,7 +227,7 @@ def _scale_placements(sh: _Shards) -> list:
 
 # DTensor state field (codes or first float32 state) -> the local state NamedTuple of plain tensors, so
 # repeated steps hand the core the same objects (its plan cache finds them by id), and what its scales' local
-# tensors were (_scales_planned). Weak on the key: an entry goes with its state.
+# tensors were (_scales_planned). Weak on the key: an entry goes with its state (and with any of its fields).
 _LOCAL = _ById()
 
 
@@ -252,7 +258,8 @@ def _local_state(s: Any, sh: _Shards, names: _Names | None = None, i: int = 0) -
             local = local[0, : _blocks(sh.count, layout.block_size)]  # this shard's row, without padding
         fields.append(local)
     made = type(s)(*fields)
-    _LOCAL[first] = (tuple(t._local_tensor for t in s), made, _scales_planned([s]))
+    # the entry goes with any of the state's fields: a field replaced and dropped takes its local tensors along
+    _LOCAL.put(first, (tuple(t._local_tensor for t in s), made, _scales_planned([s])), also=s[1:])
     return made
 
 

@@ -734,6 +734,47 @@ def scenario_scales_changed_in_place():
     assert not failed, "\n".join(failed)
 
 
+def scenario_replaced_field_freed():
+    """update_'s cache of local states held every field's local tensor in an entry that went only with the state's
+    first field: a field replaced (``_replace``) and dropped stayed alive until that state's next step. Now the entry
+    goes with any field, and the next step steps the new field as a state no cache has seen."""
+    import gc
+    import weakref
+
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.utils._pytree import tree_leaves
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    gen = torch.Generator().manual_seed(0)
+    full, g_full = (torch.randn(150, 8, generator=gen).to(DEVICE) for _ in range(2))
+    m = mesh()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0)
+
+    def tree():
+        params = {"w": distribute_tensor(full, m, [Shard(0)])}
+        return params, bd.init_state(params, spec)
+
+    grads = {"w": distribute_tensor(g_full, m, [Shard(0)])}
+    (params, state), (params2, state2) = tree(), tree()
+    bd.update_(params, grads, state, {"lr": LR}, 1)
+    bd.update_(params2, grads, state2, {"lr": LR}, 1)
+    old = state["w"].exp_avg_sq
+    local = weakref.ref(old._local_tensor)
+    fresh = DTensor.from_local(
+        old._local_tensor.clone(), m, old.placements, run_check=False, shape=old.shape, stride=old.stride()
+    )
+    state["w"] = state["w"]._replace(exp_avg_sq=fresh)
+    del old
+    gc.collect()
+    assert local() is None, "the replaced field's local tensor is kept alive"
+    bd.update_(params, grads, state, {"lr": LR}, 2)
+    bd.update_(params2, grads, state2, {"lr": LR}, 2)
+    mine, twin = (tree_leaves(t) for t in ((params, state), (params2, state2)))
+    assert all(torch.equal(a._local_tensor, b._local_tensor) for a, b in zip(mine, twin))
+
+
 SCENARIOS = {name[9:]: fn for name, fn in globals().items() if name.startswith("scenario_")}
 
 
