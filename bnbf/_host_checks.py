@@ -21,6 +21,7 @@ import functools
 import itertools
 import operator
 import os
+import struct
 from collections.abc import Mapping
 from typing import Any
 
@@ -47,7 +48,7 @@ def _native() -> Any:
         from bnbf import _host_checks_native as native
     except ImportError:  # not built (an isolated build without torch, no compiler), or another torch's symbols
         return None
-    if getattr(native, "torch_version", None) != torch.__version__ or not hasattr(native, "leaves_fit"):
+    if getattr(native, "torch_version", None) != torch.__version__ or not hasattr(native, "same_plain_dicts"):
         return None
     return native
 
@@ -203,6 +204,39 @@ def _fast_leaves(tree: Any) -> tuple[list | None, Any]:
     if t is list or t is tuple:
         return tree, (t, len(tree))
     return None, None
+
+
+def same_plain_dicts(dicts: list, wants: list) -> bool:
+    """Whether each of ``dicts`` is a dict with the keys of its ``wants`` in that order and its numbers exactly (the
+    same type: bool, int and float apart; a float's bits, a zero's sign included; tuples of them item by item):
+    hyperparameters given again as new dicts with the same values. One compiled call where it was built."""
+    return NATIVE.same_plain_dicts(dicts, wants) if NATIVE is not None else _same_plain_dicts(dicts, wants)
+
+
+def _same_plain_dicts(dicts: list, wants: list) -> bool:
+    """:func:`same_plain_dicts`' Python twin."""
+    if len(dicts) != len(wants):
+        return False
+    for d, w in zip(dicts, wants):
+        if type(d) is not dict or len(d) != len(w):
+            return False
+        for (kd, vd), (kw, vw) in zip(d.items(), w.items()):
+            if (kd is not kw and not (type(kd) is str and type(kw) is str and kd == kw)) or not _same_number(vd, vw):
+                return False
+    return True
+
+
+def _same_number(v: Any, want: Any, in_tuple: bool = False) -> bool:
+    t = type(v)
+    if t is not type(want):
+        return False
+    if t is float:
+        return struct.pack("d", v) == struct.pack("d", want)
+    if t is bool or t is int:
+        return v == want
+    if t is tuple and not in_tuple:
+        return len(v) == len(want) and all(_same_number(a, b, True) for a, b in zip(v, want))
+    return False
 
 
 def _values_of(tree: Any, keys: tuple) -> list | None:

@@ -69,6 +69,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     keystr,
     packed_identities,
+    same_plain_dicts,
     unaddressable,
 )
 from bnbf.plan import (
@@ -959,6 +960,9 @@ class _Partition:
     refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
     units: list[_Unit]
     grads_at: tuple = ()  # the plans' grad tables (Plan._grad_at) when their grads were last found apart
+    # callable and tree, each leaf's object a dict of plain numbers: a copy of it per leaf (one per distinct
+    # content), so that new dicts of the same numbers each call (a callable's usual answer) find the partition
+    plain: list | None = None
 
 
 _PARTITIONS: collections.OrderedDict = collections.OrderedDict()
@@ -1031,6 +1035,8 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
     if parts.form != "by_rule":
         packed = packed_identities(parts.raw)
     entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
+    if parts.form != "by_rule":
+        entry.plain = _plain_copies(parts.raw)
     entry.grads_at = tuple(map(_GRAD_AT, plans))  # the grads just stepped: apart (checked, or as last checked)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
     with _CHECKED_LOCK:
@@ -1038,6 +1044,22 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
         _PARTITIONS.move_to_end(key)
         while len(_PARTITIONS) > _CHECKED_SIZE:
             _PARTITIONS.popitem(last=False)
+
+
+def _plain_copies(raw: list) -> list | None:
+    """A copy of each dict of ``raw`` (one per distinct content), None unless every one is a dict of plain numbers
+    (a schedule or a tensor in it is not copied: the partition would hold it)."""
+    copies: dict = {}
+    out = []
+    for h in raw:
+        key = _plain_items(h) if type(h) is dict else None
+        if key is None:
+            return None
+        c = copies.get(key)
+        if c is None:
+            c = copies[key] = dict(h)
+        out.append(c)
+    return out
 
 
 def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> bool:
@@ -1073,10 +1095,13 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
         else:
             raw = list(map(hparams, keys, ps))
         if NATIVE is not None:  # the same objects (their ids and types) in one C-level pass
-            if not NATIVE.same_objects(raw, entry.raw_packed):
+            same = NATIVE.same_objects(raw, entry.raw_packed)
+        else:
+            same = tuple(map(id, raw)) == entry.raw_ids
+        if not same:  # new dicts holding each leaf's numbers as then, exactly: the partition and its values stand
+            if entry.plain is None or not same_plain_dicts(raw, entry.plain):
                 return False
-        elif tuple(map(id, raw)) != entry.raw_ids:
-            return False
+            return _run_known(entry, ps, gs, ss, step, opts)
         distinct = [raw[i] for i in entry.firsts]
     else:
         if not _by_rule(hparams):
@@ -1089,6 +1114,13 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
     content = tuple(_plain_items(h) or _plain_items(r.mapping(h)) for h in distinct)
     if content != entry.content:
         return False
+    return _run_known(entry, ps, gs, ss, step, opts)
+
+
+def _run_known(entry: _Partition, ps: list, gs: list, ss: list, step: Any, opts: dict) -> bool:
+    """The kept partition's plans stepped on the call's leaves (its hyperparameters found as then), after every
+    check of :func:`_planned_update_` that depends on this call; False, with nothing written, where a plan no
+    longer serves."""
     max_unorm = opts["max_unorm"]
     if entry.refuses_max_unorm is not None and max_unorm > 0:
         raise ValueError(

@@ -398,3 +398,38 @@ def test_dict_grads_are_taken_by_their_keys(twin, direct, keys):
         with pytest.raises(ValueError, match="grad structure"):
             opt.step(bad, HP, 3)
     assert_untouched(snap)
+
+
+def test_plain_dict_twins_tell_apart_every_number_that_differs():
+    """``same_plain_dicts`` (a kept partition's hyperparameters given again as new dicts): equal dicts of the same
+    numbers match; a value of another type (``0`` against ``0.0``, ``1`` against ``True``), a zero of the other
+    sign, another tuple item, another key order or key, or anything not a plain number does not; the compiled
+    function and its Python twin agree on each."""
+    from bnbf import _host_checks as H
+
+    base = {"lr": 1e-3, "weight_decay": 0.0, "betas": (0.9, 0.99), "maximize": False, "k": 3}
+    nan = {"lr": float("nan")}
+    drop_k = {k: v for k, v in base.items() if k != "k"}
+    cases = {
+        "equal": ([dict(base), dict(nan)], True),
+        "int for float": ([{**base, "weight_decay": 0}, nan], False),
+        "-0.0 for 0.0": ([{**base, "weight_decay": -0.0}, nan], False),
+        "1 for False": ([{**base, "maximize": 0}, nan], False),
+        "float for int": ([{**base, "k": 3.0}, nan], False),
+        "tuple item": ([{**base, "betas": (0.9, 0.98)}, nan], False),
+        "int in a tuple": ([{**base, "betas": (0.9, 1)}, nan], False),
+        "list for tuple": ([{**base, "betas": [0.9, 0.99]}, nan], False),
+        "nested tuple": ([{**base, "betas": ((0.9,), 0.99)}, nan], False),
+        "key order": ([dict(reversed(base.items())), nan], False),
+        "other key": ([{**drop_k, "j": 3}, nan], False),
+        "tensor": ([{**base, "lr": torch.tensor(1e-3)}, nan], False),
+        "schedule": ([{**base, "lr": lambda s: 1e-3}, nan], False),
+        "not a dict": ([list(base.items()), nan], False),
+        "fewer": ([dict(base)], False),
+        "the nan's other bits": ([dict(base), {"lr": -float("nan")}], False),
+    }
+    for name, (dicts, same) in cases.items():
+        got = [H._same_plain_dicts(dicts, [base, nan])]
+        if H.NATIVE is not None:
+            got.append(H.NATIVE.same_plain_dicts(dicts, [base, nan]))
+        assert got == [same] * len(got), f"{name}: {got}, expected {same}"

@@ -9,6 +9,7 @@
 
 #include <torch/csrc/autograd/python_variable.h>
 
+#include <cstring>
 #include <vector>
 
 namespace {
@@ -356,6 +357,52 @@ PyObject* same_objects(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_TRUE;
 }
 
+// Whether number `v` is `want` exactly: the same type (bool, int and float apart), a float's bits (a zero's sign
+// included), a tuple's items alike (one level: betas).
+bool same_number(PyObject* v, PyObject* want, bool in_tuple = false) {
+  if (Py_TYPE(v) != Py_TYPE(want)) return false;
+  if (PyFloat_CheckExact(v)) {
+    double a = PyFloat_AS_DOUBLE(v), b = PyFloat_AS_DOUBLE(want);
+    return std::memcmp(&a, &b, sizeof a) == 0;
+  }
+  if (PyBool_Check(v)) return v == want;
+  if (PyLong_CheckExact(v)) return PyObject_RichCompareBool(v, want, Py_EQ) == 1;  // an exact int runs no Python
+  if (PyTuple_CheckExact(v) && !in_tuple) {
+    Py_ssize_t n = PyTuple_GET_SIZE(v);
+    if (n != PyTuple_GET_SIZE(want)) return false;
+    for (Py_ssize_t i = 0; i < n; ++i) {
+      if (!same_number(PyTuple_GET_ITEM(v, i), PyTuple_GET_ITEM(want, i), true)) return false;
+    }
+    return true;
+  }
+  return false;
+}
+
+// same_plain_dicts(dicts, wants) -> bool: dicts[i] is a dict (exactly) with wants[i]'s keys in its order (the same
+// objects or equal strings) and its values exactly (same_number): a kept partition's hyperparameters given again
+// as new dicts with the same numbers.
+PyObject* same_plain_dicts(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 2)) return nullptr;
+  if (!is_seq(args[0]) || !is_seq(args[1])) Py_RETURN_FALSE;
+  Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+  if (n != PySequence_Fast_GET_SIZE(args[1])) Py_RETURN_FALSE;
+  PyObject** dicts = PySequence_Fast_ITEMS(args[0]);
+  PyObject** wants = PySequence_Fast_ITEMS(args[1]);
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject *d = dicts[i], *w = wants[i];
+    if (!PyDict_CheckExact(d) || !PyDict_CheckExact(w) || PyDict_GET_SIZE(d) != PyDict_GET_SIZE(w)) Py_RETURN_FALSE;
+    Py_ssize_t pd = 0, pw = 0;
+    PyObject *kd, *vd, *kw, *vw;
+    while (PyDict_Next(d, &pd, &kd, &vd) && PyDict_Next(w, &pw, &kw, &vw)) {
+      if (kd != kw && !(PyUnicode_CheckExact(kd) && PyUnicode_CheckExact(kw) && PyUnicode_Compare(kd, kw) == 0)) {
+        Py_RETURN_FALSE;
+      }
+      if (!same_number(vd, vw)) Py_RETURN_FALSE;
+    }
+  }
+  Py_RETURN_TRUE;
+}
+
 // values_if_keys(tree, keys) -> list or None: a new list of tree's values where tree is a dict (exactly) whose
 // keys are `keys` (a tuple) in order, else None (not such a dict, or keys other than strings that are not the
 // very objects of `keys`): a plan's dict of grads taken without building its key tuple.
@@ -504,6 +551,8 @@ PyMethodDef methods[] = {
      "grad_table(seqs, out) -> (packed, aligned) or None"},
     {"same_objects", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_objects)), METH_FASTCALL,
      "same_objects(objs[, more], packed) -> bool"},
+    {"same_plain_dicts", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(same_plain_dicts)),
+     METH_FASTCALL, "same_plain_dicts(dicts, wants) -> bool"},
     {"values_if_keys", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(values_if_keys)), METH_FASTCALL,
      "values_if_keys(tree, keys) -> list or None"},
     {"grads_of", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_of)), METH_FASTCALL,
