@@ -36,10 +36,11 @@ import threading
 import types
 import weakref
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 import bnbf
@@ -58,6 +59,7 @@ from bnbf._host_checks import (
     _grads_ok,
     _groups,
     _no_value,
+    _plain,
     _prepare,
     _states_ok,
     _traced_derivative,
@@ -80,6 +82,7 @@ from bnbf.plan import (
     fields_as_planned,
     fields_planned,
     group_rows,
+    leaves_fit,
     packed_rows,
     rows_layout,
 )
@@ -701,16 +704,19 @@ def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if is_shared_hparams(hparams) and _one_rule_tree(state):
         return bnbf.update(params, grads, state, hparams, step, **opts)
+    kept = _kept_pure_update(params, grads, state, hparams, step, opts)
+    if kept is not None:
+        return kept
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
     if len(parts.groups) > 1:
         _check_leaves_apart(parts)
     new_p: list = [None] * len(parts.params)
     new_s: list = [None] * len(parts.params)
-    separate = []
+    separate, merged = [], []
     for sets, idx in _rule_units(parts):
-        if len(sets) > 1 and _mergeable(parts, sets, idx, max_unorm):
-            _merged_update(parts, sets, idx, step, opts, new_p, new_s)
+        if _mergeable(parts, sets, idx, max_unorm):
+            merged.append(_merged_update(parts, sets, idx, step, opts, new_p, new_s))
         else:
             separate.extend(sets)
     for h, idx in separate:
@@ -725,7 +731,92 @@ def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize
         for i in idx:
             new_p[i] = out_p[parts.names[i]]
             new_s[i] = out_s[parts.names[i]]
-    return parts.rebuild(new_p), parts.rebuild(new_s)
+    out = parts.rebuild(new_p), parts.rebuild(new_s)
+    if not separate:
+        _keep_pure(out, parts, merged, new_p, new_s, max_unorm)
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class _PureKept:
+    """A pure call's partition (:class:`_Partition`'s hyperparameter part) and what its checks established of its
+    outputs, which a torch.func loop hands the next call as its inputs. Holds no tensor."""
+
+    partition: _Partition
+    units: list[_PureUnit]
+    types: list  # each leaf's state class
+    planned: Any  # the outputs' addresses, dtypes and sizes (bnbf.plan.fields_planned of [params, *states])
+    cuda: bool  # a unit steps CUDA tensors (capture is refused here: the full path's route)
+
+
+# A pure call's kept partition by the ids of the (params, state) dicts it returned, as bnbf.functional._PURE keeps a
+# one-rule call's checks: a hit confirms every leaf as that call made it (one compiled pass) and the hyperparameters
+# as :func:`_kept_hparams` does, then steps each rule's leaves as :func:`_merged_update` did.
+_PURE_KEPT: collections.OrderedDict = collections.OrderedDict()
+_PURE_KEPT_SIZE = 64
+
+
+def _keep_pure(out: tuple, parts: _Parts, units: list, new_p: list, new_s: list, max_unorm: Any) -> None:
+    entry = _partition_of(parts, max_unorm)
+    if entry is None or type(out[0]) is not dict or type(out[1]) is not dict:
+        return
+    cuda = any(device.type == "cuda" for u in units for (device, _), _ in u.groups)
+    _put_pure(out, _PureKept(entry, units, list(map(type, new_s)), [], cuda), new_p, new_s)
+
+
+def _put_pure(out: tuple, kept: _PureKept, new_p: list, new_s: list) -> None:
+    """Keep ``kept`` for the call's outputs ``out`` (their leaves ``new_p`` and ``new_s``)."""
+    kept.planned = fields_planned([tuple(new_p), *new_s])
+    with _CHECKED_LOCK:
+        if len(_PURE_KEPT) >= _PURE_KEPT_SIZE:
+            _PURE_KEPT.popitem(last=False)  # the oldest: another loop's latest stays
+        _PURE_KEPT[id(out[0]), id(out[1])] = kept
+
+
+def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> tuple | None:
+    """The pure step of a call whose params and state are a recent pure call's outputs as it made them, with the
+    hyperparameters of that call (:func:`_kept_hparams`): each rule's leaves stepped as then, after the checks that
+    read this call's step and options in the full path's order. None where anything differs (the full path)."""
+    if torch.compiler.is_compiling():  # traced: nothing here for Dynamo to guard on
+        return None
+    if not _PURE_KEPT or type(params) is not dict or type(state) is not dict or type(grads) is not dict:
+        return None
+    kept = _PURE_KEPT.get((id(params), id(state)))
+    if kept is None or torch._C._functorch.maybe_current_level() is not None:
+        return None
+    max_unorm = opts["max_unorm"]
+    # a tensor step or max_unorm, or forward-mode duals: their derivative checks are the full path's
+    if isinstance(step, Tensor) or isinstance(max_unorm, Tensor) or forward_ad._current_level >= 0:
+        return None
+    entry = kept.partition
+    keys = entry.keys
+    ps, gs, ss = _values_of(params, keys), _values_of(grads, keys), _values_of(state, keys)
+    if ps is None or gs is None or ss is None:
+        return None
+    if not (leaves_fit(ps, gs, ss, kept.planned, torch.is_grad_enabled()) and list(map(type, ss)) == kept.types):
+        return None
+    if kept.cuda and torch.cuda.is_current_stream_capturing():
+        return None
+    if not all(use_triton(ps[u.idx[members[0]]]) for u in kept.units for _, members in u.groups):
+        return None
+    if not _kept_hparams(entry, hparams, ps, step):
+        return None
+    if entry.refuses_max_unorm is not None and max_unorm > 0:  # as _check_options
+        raise ValueError(
+            f"max_unorm does not combine with {entry.refuses_max_unorm}, which scales its update by its own norms"
+        )
+    _check_step(step)
+    new_p: list = [None] * len(ps)
+    new_s: list = [None] * len(ps)
+    for u in kept.units:
+        values, clip = [], False
+        for h in u.hparams:
+            v, clip = _scalars(u.rule, h, step, opts["skip_zeros"], max_unorm, opts["maximize"])
+            values.append(v)
+        _run_unit(u, values, clip, ps, gs, ss, opts["skip_zeros"], new_p, new_s)
+    out = dict(zip(keys, new_p)), dict(zip(keys, new_s))
+    _put_pure(out, dataclasses.replace(kept, planned=None), new_p, new_s)
+    return out
 
 
 def _check_leaves_apart(parts: _Parts) -> None:
@@ -960,8 +1051,8 @@ class _Partition:
     refuses_max_unorm: str | None  # the first rule with its own norms (max_unorm > 0 raises), None if none
     units: list[_Unit]
     grads_at: tuple = ()  # the plans' grad tables (Plan._grad_at) when their grads were last found apart
-    # callable and tree, each leaf's object a dict of plain numbers: a copy of it per leaf (one per distinct
-    # content), so that new dicts of the same numbers each call (a callable's usual answer) find the partition
+    # each leaf's object (by-rule: each rule's) a dict of plain numbers: a copy of each (one per distinct content),
+    # so that new dicts of the same numbers each call (a callable's usual answer) find the partition
     plain: list | None = None
 
 
@@ -1002,11 +1093,11 @@ def _pick(idx: list[int]) -> Callable[[list], list]:
     return (lambda leaves: list(get(leaves))) if len(idx) > 1 else (lambda leaves: [get(leaves)])
 
 
-def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
-    """Keep the partition of a call that :func:`_planned_update_` stepped (flat dicts, the callable, by-rule or
-    flat tree form with plain numbers, a Python number max_unorm)."""
-    if not parts.flat or parts.raw is None or isinstance(opts["max_unorm"], Tensor):
-        return
+def _partition_of(parts: _Parts, max_unorm: Any) -> _Partition | None:
+    """The partition of a split call (no units yet), where it can be kept: flat dicts, the callable, by-rule or flat
+    tree form with plain numbers (schedules evaluated), a Python number max_unorm; else None."""
+    if not parts.flat or parts.raw is None or isinstance(max_unorm, Tensor):
+        return None
     first: dict[int, int] = {}
     if parts.form == "by_rule":
         for i, st in enumerate(parts.states):
@@ -1020,23 +1111,29 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
         rules, firsts = (), tuple(first.values())
     content = tuple(_plain_items(parts.hps[i]) for i in first.values())
     if any(c is None for c in content):
-        return
+        return None
     refuses = next(
         (r.name for h, idx in parts.groups if (r := get_rule(type(parts.states[idx[0]]).layout.rule)).norms), None
     )
-    kept = []
-    for plan, (sets, idx) in zip(plans, units):
-        names = tuple(parts.names[i] for i in idx)
-        kept.append(
-            _Unit(_pick(idx), names, ("dict", names), [h for h, _ in sets], _set_of(sets, idx), weakref.ref(plan))
-        )
-    ps, ss = parts.params, parts.states
     packed = b""
     if parts.form != "by_rule":
         packed = packed_identities(parts.raw)
-    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, kept)
-    if parts.form != "by_rule":
-        entry.plain = _plain_copies(parts.raw)
+    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, [])
+    entry.plain = _plain_copies(parts.raw if parts.form != "by_rule" else [parts.raw[i] for i in first.values()])
+    return entry
+
+
+def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
+    """Keep the partition of a call that :func:`_planned_update_` stepped (see :func:`_partition_of`)."""
+    entry = _partition_of(parts, opts["max_unorm"])
+    if entry is None:
+        return
+    for plan, (sets, idx) in zip(plans, units):
+        names = tuple(parts.names[i] for i in idx)
+        entry.units.append(
+            _Unit(_pick(idx), names, ("dict", names), [h for h, _ in sets], _set_of(sets, idx), weakref.ref(plan))
+        )
+    ps, ss = parts.params, parts.states
     entry.grads_at = tuple(map(_GRAD_AT, plans))  # the grads just stepped: apart (checked, or as last checked)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
     with _CHECKED_LOCK:
@@ -1062,6 +1159,37 @@ def _plain_copies(raw: list) -> list | None:
     return out
 
 
+def _kept_hparams(entry: _Partition, hparams: Any, ps: list, step: Any) -> bool:
+    """Whether a call's hyperparameters are those of the kept partition ``entry`` (``ps``: the call's params in its
+    leaf order): the same form, each leaf with the same object as then holding the same values (schedules
+    evaluated: the partition depends on the values only), or with a new dict of exactly the numbers then."""
+    if entry.form != "by_rule":
+        if entry.form == "tree":  # the leaves' mappings in the params' order
+            raw = _values_of(hparams, entry.keys) if type(hparams) is dict else None
+            if raw is None:
+                return False
+        elif not callable(hparams) or isinstance(hparams, Mapping) or _dataclass_instance(hparams):
+            return False
+        else:
+            raw = list(map(hparams, entry.keys, ps))
+        if NATIVE is not None:  # the same objects (their ids and types) in one C-level pass
+            same = NATIVE.same_objects(raw, entry.raw_packed)
+        else:
+            same = tuple(map(id, raw)) == entry.raw_ids
+        if not same:  # new dicts holding each leaf's numbers as then, exactly: the partition and its values stand
+            return entry.plain is not None and same_plain_dicts(raw, entry.plain)
+        distinct = [raw[i] for i in entry.firsts]
+    else:
+        if not _by_rule(hparams):
+            return False
+        distinct = [hparams.get(rule) for rule in entry.rules]
+        if tuple(map(id, distinct)) != entry.raw_ids:
+            return entry.plain is not None and same_plain_dicts(distinct, entry.plain)
+    r = _Resolver(step)
+    # a dict of plain numbers is its own resolved form: the schedules' scan only for the others
+    return tuple(_plain_items(h) or _plain_items(r.mapping(h)) for h in distinct) == entry.content
+
+
 def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> bool:
     """The in-place step of a call whose partition is kept (:class:`_Partition`): the same leaves (by id,
     then confirmed by each rule's plan, as :func:`bnbf.plan._cached` confirms them) in flat dicts of the same
@@ -1083,44 +1211,8 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
         return False
     keys = entry.keys
     ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
-    if ps is None or ss is None or gs is None:
+    if ps is None or ss is None or gs is None or not _kept_hparams(entry, hparams, ps, step):
         return False
-    if entry.form != "by_rule":
-        if entry.form == "tree":  # the leaves' mappings in the params' order
-            raw = _values_of(hparams, keys) if type(hparams) is dict else None
-            if raw is None:
-                return False
-        elif not callable(hparams) or isinstance(hparams, Mapping) or _dataclass_instance(hparams):
-            return False
-        else:
-            raw = list(map(hparams, keys, ps))
-        if NATIVE is not None:  # the same objects (their ids and types) in one C-level pass
-            same = NATIVE.same_objects(raw, entry.raw_packed)
-        else:
-            same = tuple(map(id, raw)) == entry.raw_ids
-        if not same:  # new dicts holding each leaf's numbers as then, exactly: the partition and its values stand
-            if entry.plain is None or not same_plain_dicts(raw, entry.plain):
-                return False
-            return _run_known(entry, ps, gs, ss, step, opts)
-        distinct = [raw[i] for i in entry.firsts]
-    else:
-        if not _by_rule(hparams):
-            return False
-        distinct = [hparams.get(rule) for rule in entry.rules]
-        if tuple(map(id, distinct)) != entry.raw_ids:
-            return False
-    r = _Resolver(step)
-    # a dict of plain numbers is its own resolved form: the schedules' scan only for the others
-    content = tuple(_plain_items(h) or _plain_items(r.mapping(h)) for h in distinct)
-    if content != entry.content:
-        return False
-    return _run_known(entry, ps, gs, ss, step, opts)
-
-
-def _run_known(entry: _Partition, ps: list, gs: list, ss: list, step: Any, opts: dict) -> bool:
-    """The kept partition's plans stepped on the call's leaves (its hyperparameters found as then), after every
-    check of :func:`_planned_update_` that depends on this call; False, with nothing written, where a plan no
-    longer serves."""
     max_unorm = opts["max_unorm"]
     if entry.refuses_max_unorm is not None and max_unorm > 0:
         raise ValueError(
@@ -1234,23 +1326,42 @@ def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: d
     set_of = _set_of(sets, idx)
     ps = [parts.params[i] for i in idx]
     ss = [parts.states[i] for i in idx]
-    groups = _groups(ps, ss)
+    groups = [((device, layout), members) for (device, _, layout), members in _groups(ps, ss)]
     # the in-place path's rows (Plan._set_rows), laid out afresh: the pure step keeps no plan; a group of one set
     # takes the scalars of a pure call of that set
-    at = rows_layout(
-        [(device, tuple(set_of[j] for j in members)) for (device, _, _), members in groups], len(values[0])
-    )
+    at = rows_layout([(device, tuple(set_of[j] for j in members)) for (device, _), members in groups], len(values[0]))
+    unit = _PureUnit(idx, rule, [c.hparams for c in calls], at, groups)
+    _run_unit(unit, values, clip, parts.params, parts.grads, parts.states, opts["skip_zeros"], new_p, new_s)
+    return unit
+
+
+class _PureUnit(NamedTuple):
+    """One rule's leaves of a pure call stepped together (:func:`_merged_update`): what a later call with the same
+    partition needs to step them again. Holds no tensor."""
+
+    idx: list[int]  # the leaves, in the call's leaf order
+    rule: Any  # the rule (bnbf.rules)
+    hparams: list  # each hyperparameter set's validated dataclass
+    at: Any  # the rows' layout (bnbf.plan.rows_layout)
+    groups: list  # ((device, layout), members): indices into idx
+
+
+def _run_unit(unit: _PureUnit, values: list, clip: Any, ps: list, gs: list, ss: list, skip_zeros: bool, new_p: list,
+              new_s: list) -> None:  # fmt: skip
+    """One launch per group of ``unit`` (``values``: each set's scalars), its outputs written into ``new_p`` and
+    ``new_s`` at the leaves' indices."""
+    idx = unit.idx
     with torch.no_grad():
-        by_group = group_rows(at, values, packed_rows(values), _one_set)
-        for ((_, _, layout), members), rows in zip(groups, by_group):
-            gp = [ps[j].detach().contiguous() for j in members]
-            gg = [parts.grads[idx[j]].detach().contiguous() for j in members]
-            gs = [t for j in members for t in ss[j]]
-            out_p, out_s = ops.step(gp, gg, gs, rows, layout, opts["skip_zeros"], clip)
+        by_group = group_rows(unit.at, values, packed_rows(values), _one_set)
+        for ((_, layout), members), rows in zip(unit.groups, by_group):
+            gp = [_plain(ps[idx[j]]) for j in members]
+            gg = [_plain(gs[idx[j]]) for j in members]
+            states = [ss[idx[j]] for j in members]
+            out_p, out_s = ops.step(gp, gg, [t for st in states for t in st], rows, layout, skip_zeros, clip)
             per = len(layout.field_names())
-            for k, j in enumerate(members):
+            for k, (j, st) in enumerate(zip(members, states)):
                 new_p[idx[j]] = out_p[k]
-                new_s[idx[j]] = type(ss[j])._make(out_s[k * per : (k + 1) * per])
+                new_s[idx[j]] = type(st)._make(out_s[k * per : (k + 1) * per])
 
 
 def _check_options(parts: _Parts, max_unorm: Any) -> None:

@@ -31,6 +31,7 @@ from bnbf._host_checks import (
     _fast_leaves,
     _flatten,
     _groups,
+    _plain,
     _prepare,
     _prepare_traced,
     _unflatten,
@@ -336,12 +337,6 @@ def _checked_hit(hit: tuple, param: Any, hparams: Any, step: Any, max_unorm: Any
 def _vmap_input(t: Tensor) -> Tensor:
     """A tensor for the op under vmap: batched as it is (the batching rule lays it out), others as outside."""
     return t if _functorch.is_batchedtensor(t) else _plain(t)
-
-
-def _plain(t: Tensor) -> Tensor:
-    """``t`` contiguous, detached where it requires grad: one that does not has nothing to detach, and a detach a
-    tensor took 0.5 ms of a pure GPT-2 step's host time on an H100 (scripts/pure_host.py)."""
-    return (t.detach() if t.requires_grad else t).contiguous()
 
 
 def update_(

@@ -157,14 +157,19 @@ def test_an_edited_output_gets_a_fresh_calls_answer(name, edit):
     state = bnbf.init_state(params, SPEC)
     params, state = bnbf.update(params, _grads(params, 1), state, HP, 1)  # recorded: the next call could skip checks
     p, g, s, h, k = edit(params, _grads(params, 2), state, dict(HP), 2)
-    assert (id(p), id(s)) in F._PURE or name in (
-        "param listed twice (a view)",
-        "state of another layout",
-        "states swapped",
-    )
+    assert (id(p), id(s)) in F._PURE or name in NEW_TREES
+    answers_as_fresh(name, p, g, s, h, k)
+
+
+NEW_TREES = ("param listed twice (a view)", "state of another layout", "states swapped")  # edits making new dicts
+
+
+def answers_as_fresh(name: str, p, g, s, h, k) -> None:
+    """``bnbf.update(p, g, s, h, k)`` answers what a fresh call on the same tensors answers (the error, or the bits),
+    and neither modifies anything."""
     # a negative view's memory, read without the bit (the snapshot compares raw bits)
     snap = snapshot(*(torch.utils._pytree.tree_map(lambda t: t._neg_view() if t.is_neg() else t, x) for x in (p, s)))
-    # a fresh call: new containers (the record is keyed by the returned trees), the same tensors
+    # a fresh call: new containers (the records are keyed by the returned trees), the same tensors
     fresh = _outcome(lambda: bnbf.update(dict(p), dict(g), dict(s), h, k))
     assert_untouched(snap)
     got = _outcome(lambda: bnbf.update(p, g, s, h, k))
