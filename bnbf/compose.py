@@ -700,10 +700,25 @@ def _with_clipping(fn, max_grad_norm, params, grads, state, *rest):
     return fn(params, grads, state, *rest)
 
 
+def _scheduled_one_rule(state: Any, hparams: Any, step: Any) -> Any:
+    """One mapping with schedules for a tree of one rule's states (a warmup on lr): the mapping of this step's values,
+    which the core takes as it is (its own records of a loop serve, no split), else None. Eager only: a traced
+    call's schedules are evaluated where they appear (:class:`_Resolver`)."""
+    if torch.compiler.is_compiling() or not isinstance(hparams, Mapping) or _by_rule(hparams):
+        return None
+    if not _is_hparams_leaf(hparams) or not _one_rule_tree(state):
+        return None
+    resolved = _Resolver(step).mapping(hparams)
+    return resolved if is_shared_hparams(resolved) else None
+
+
 def _update(params, grads, state, hparams, step, skip_zeros, max_unorm, maximize):
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if is_shared_hparams(hparams) and _one_rule_tree(state):
         return bnbf.update(params, grads, state, hparams, step, **opts)
+    resolved = _scheduled_one_rule(state, hparams, step)
+    if resolved is not None:
+        return bnbf.update(params, grads, state, resolved, step, **opts)
     kept = _kept_pure_update(params, grads, state, hparams, step, opts)
     if kept is not None:
         return kept
@@ -869,6 +884,9 @@ def _update_(params, grads, state, hparams, step, skip_zeros, max_unorm, maximiz
         return params, state
     if is_shared_hparams(hparams) and _one_rule_tree(state):
         return bnbf.update_(params, grads, state, hparams, step, **opts)
+    resolved = _scheduled_one_rule(state, hparams, step)
+    if resolved is not None:
+        return bnbf.update_(params, grads, state, resolved, step, **opts)
     parts = _split(params, grads, state, hparams, step)
     _check_options(parts, max_unorm)
     if _planned_update_(parts, step, opts):

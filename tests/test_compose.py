@@ -15,6 +15,7 @@ Under ``TRITON_INTERPRET=1`` the same tests run the Triton kernels (fewer launch
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import torch
@@ -235,6 +236,35 @@ def test_schedules_evaluated_once_per_call(device):
     want, _ = bnbf.update(params, grads, state, {"lr": 4e-4, "betas": (0.9, 0.999)}, 4)
     assert calls == [4]
     _eq_tree(got, want, "schedule in a shared mapping")
+
+
+def test_a_scheduled_mapping_of_one_rule_is_the_cores_call(device, monkeypatch):
+    """One mapping with a schedule for one rule's leaves (a warmup on lr), pure and in place: the core's call on this
+    step's values, with no split (its records of a loop serve: the split took 1.96 ms a pure call for GPT-2's 148
+    leaves on a 2-core CPU, 1.00 ms this way), bit for bit the core's call with the values given; a schedule's bad
+    value gets the core's error, nothing written."""
+    params = _tree(device)
+    state = compose.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=1))
+    splits = _count_splits(monkeypatch)
+    warmup = lambda step: 1e-2 * min(1.0, step / 3)
+    p, s = params, state
+    in_p, in_s = tree_map(torch.clone, (params, state))
+    want_p, want_s = tree_map(torch.clone, (params, state))
+    for t in range(1, 5):
+        grads = _grads(params)
+        hp = {"lr": warmup, "betas": (0.9, lambda step: 0.99), "weight_decay": 0.1}
+        p, s = compose.update(p, grads, s, hp, t)
+        compose.update_(in_p, grads, in_s, hp, t)
+        values = {"lr": 1e-2 * min(1.0, t / 3), "betas": (0.9, 0.99), "weight_decay": 0.1}
+        want_p, want_s = bnbf.update(want_p, grads, want_s, values, t)
+        for got in ((p, s), (in_p, in_s)):
+            _eq_tree(got[0], want_p, f"step {t}: params")
+            _eq_tree(got[1], want_s, f"step {t}: states")
+    assert not splits
+    snap = snapshot(in_p, in_s)
+    with pytest.raises(ValueError, match=re.escape("Invalid learning rate: -0.001")):
+        compose.update_(in_p, grads, in_s, {"lr": lambda step: -1e-3}, 5)
+    assert_untouched(snap)
 
 
 def test_schedule_of_a_tensor_step():
