@@ -54,10 +54,13 @@ def _triton(device) -> None:
         pytest.skip("the kept partition serves the Triton path's merged launches")
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", [*FORMS, "callable, clipped"])
 def test_a_fed_back_composed_loop_equals_fresh_calls(device, splits, form):
     """Each form, the hyperparameters made anew every call (new dicts, equal numbers): one split, then every call
-    fed its outputs back skips it; a new lr splits once more. Bit for bit the same calls on fresh copies."""
+    fed its outputs back skips it; a new lr splits once more. Bit for bit the same calls on fresh copies (with
+    ``max_grad_norm``: the kernels clip on the kept path as on the split's)."""
+    clip = 1.0 if form.endswith("clipped") else None
+    form = form.split(",")[0]
     _triton(device)
     params = _on(_tree("dict"), device)
     state = bnbf.init_state(params, SPEC)
@@ -65,8 +68,11 @@ def test_a_fed_back_composed_loop_equals_fresh_calls(device, splits, form):
     lrs = [1e-2, 1e-2, 1e-2, 5e-3, 5e-3]
     for k, lr in enumerate(lrs, 1):
         grads = _on(_grads(params, k), device)
-        params, state = bnbf.update(params, grads, state, FORMS[form](lr), k)
-        fresh_p, fresh_s = bnbf.update(_copy(fresh_p), _copy(grads), _copy(fresh_s), FORMS[form](lr), k)
+        grads = {n: g * 100 for n, g in grads.items()} if clip else grads  # a norm the clip scales down
+        params, state = bnbf.update(params, grads, state, FORMS[form](lr), k, max_grad_norm=clip)
+        fresh_p, fresh_s = bnbf.update(
+            _copy(fresh_p), _copy(grads), _copy(fresh_s), FORMS[form](lr), k, max_grad_norm=clip
+        )
     assert len(splits) == 2 * len(lrs) - 3, "the loop split on its first call and where lr changed only"
     assert sorted({type(s).layout.rule for s in state.values()}) == ["adamw", "lion"]
     for a, b in zip(*(torch.utils._pytree.tree_leaves(t) for t in ([params, state], [fresh_p, fresh_s]))):
