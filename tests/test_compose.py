@@ -240,9 +240,9 @@ def test_schedules_evaluated_once_per_call(device):
 
 def test_a_scheduled_mapping_of_one_rule_is_the_cores_call(device, monkeypatch):
     """One mapping with a schedule for one rule's leaves (a warmup on lr), pure and in place: the core's call on this
-    step's values, with no split (its records of a loop serve: the split took 1.96 ms a pure call for GPT-2's 148
-    leaves on a 2-core CPU, 1.00 ms this way), bit for bit the core's call with the values given; a schedule's bad
-    value gets the core's error, nothing written."""
+    step's values, with no split (its records of a loop serve; host times in
+    benchmarks/results/2026-12-06_cpu_session49.md), bit for bit the core's call with the values given; a schedule's
+    bad value gets the core's error, nothing written."""
     params = _tree(device)
     state = compose.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=1))
     splits = _count_splits(monkeypatch)
@@ -835,9 +835,9 @@ def test_partition_is_kept_and_redone_on_any_difference(device, monkeypatch):
 def test_partition_is_kept_for_new_dicts_of_the_same_numbers(device, monkeypatch):
     """A callable (or a tree by param name) that builds new dicts every call, the usual ``lambda path, p:
     {"weight_decay": ...}``, finds the kept partition while each leaf's numbers are those of the call that made it
-    (each new dict was a miss: the whole split, ~0.9 ms a call for GPT-2's 148 leaves on a 2-core CPU, against
-    0.02 ms kept); a number of another type or sign, another betas, a key order, or a schedule in the dicts splits
-    again. Each call bit for bit the separate calls."""
+    (each new dict was a miss: the whole split every call; host times in
+    benchmarks/results/2026-12-06_cpu_session49.md); a number of another type or sign, another betas, a key order, or
+    a schedule in the dicts splits again. Each call bit for bit the separate calls."""
     if not bnbf._dispatch.use_triton(torch.zeros(1, device=device)):
         pytest.skip("the kept partition serves the plans' route (Triton path)")
     params = {"w": torch.randn(20, 15).to(device), "b": torch.randn(257).to(device), "e": torch.randn(9, 7).to(device)}
