@@ -75,14 +75,15 @@ from bnbf._host_checks import (
     unaddressable,
 )
 from bnbf.plan import (
+    OutputRecords,
     _cached,
     _confirmed,
     _one_set,
     _scalars,
+    fed_back,
     fields_as_planned,
     fields_planned,
     group_rows,
-    leaves_fit,
     packed_rows,
     rows_layout,
 )
@@ -767,8 +768,7 @@ class _PureKept:
 # A pure call's kept partition by the ids of the (params, state) dicts it returned, as bnbf.functional._PURE keeps a
 # one-rule call's checks: a hit confirms every leaf as that call made it (one compiled pass) and the hyperparameters
 # as :func:`_kept_hparams` does, then steps each rule's leaves as :func:`_merged_update` did.
-_PURE_KEPT: collections.OrderedDict = collections.OrderedDict()
-_PURE_KEPT_SIZE = 64
+_PURE_KEPT = OutputRecords()
 
 
 def _keep_pure(out: tuple, parts: _Parts, units: list, new_p: list, new_s: list, max_unorm: Any) -> None:
@@ -776,16 +776,7 @@ def _keep_pure(out: tuple, parts: _Parts, units: list, new_p: list, new_s: list,
     if entry is None or type(out[0]) is not dict or type(out[1]) is not dict:
         return
     cuda = any(device.type == "cuda" for u in units for (device, _), _ in u.groups)
-    _put_pure(out, _PureKept(entry, units, list(map(type, new_s)), [], cuda), new_p, new_s)
-
-
-def _put_pure(out: tuple, kept: _PureKept, new_p: list, new_s: list) -> None:
-    """Keep ``kept`` for the call's outputs ``out`` (their leaves ``new_p`` and ``new_s``)."""
-    kept.planned = fields_planned([tuple(new_p), *new_s])
-    with _CHECKED_LOCK:
-        if len(_PURE_KEPT) >= _PURE_KEPT_SIZE:
-            _PURE_KEPT.popitem(last=False)  # the oldest: another loop's latest stays
-        _PURE_KEPT[id(out[0]), id(out[1])] = kept
+    _PURE_KEPT.put(out, _PureKept(entry, units, list(map(type, new_s)), fields_planned([tuple(new_p), *new_s]), cuda))
 
 
 def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> tuple | None:
@@ -794,7 +785,7 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
     read this call's step and options in the full path's order. None where anything differs (the full path)."""
     if torch.compiler.is_compiling():  # traced: nothing here for Dynamo to guard on
         return None
-    if not _PURE_KEPT or type(params) is not dict or type(state) is not dict or type(grads) is not dict:
+    if not _PURE_KEPT:
         return None
     kept = _PURE_KEPT.get((id(params), id(state)))
     if kept is None or torch._C._functorch.maybe_current_level() is not None:
@@ -804,12 +795,10 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
     if isinstance(step, Tensor) or isinstance(max_unorm, Tensor) or forward_ad._current_level >= 0:
         return None
     entry = kept.partition
-    keys = entry.keys
-    ps, gs, ss = _values_of(params, keys), _values_of(grads, keys), _values_of(state, keys)
-    if ps is None or gs is None or ss is None:
+    found = fed_back(("dict", entry.keys), kept.planned, kept.types, params, grads, state)
+    if found is None:
         return None
-    if not (leaves_fit(ps, gs, ss, kept.planned, torch.is_grad_enabled()) and list(map(type, ss)) == kept.types):
-        return None
+    ps, gs, ss = found
     if kept.cuda and torch.cuda.is_current_stream_capturing():
         return None
     if not all(use_triton(ps[u.idx[members[0]]]) for u in kept.units for _, members in u.groups):
@@ -829,8 +818,8 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
             v, clip = _scalars(u.rule, h, step, opts["skip_zeros"], max_unorm, opts["maximize"])
             values.append(v)
         _run_unit(u, values, clip, ps, gs, ss, opts["skip_zeros"], new_p, new_s)
-    out = dict(zip(keys, new_p)), dict(zip(keys, new_s))
-    _put_pure(out, dataclasses.replace(kept, planned=None), new_p, new_s)
+    out = dict(zip(entry.keys, new_p)), dict(zip(entry.keys, new_s))
+    _PURE_KEPT.put(out, dataclasses.replace(kept, planned=fields_planned([tuple(new_p), *new_s])))
     return out
 
 

@@ -7,7 +7,6 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
-import collections
 import functools
 import weakref
 from collections.abc import Mapping
@@ -35,7 +34,6 @@ from bnbf._host_checks import (
     _prepare,
     _prepare_traced,
     _unflatten,
-    _values_of,
     check_clip_not_differentiated,
     check_not_differentiated,
     differentiated,
@@ -50,14 +48,15 @@ from bnbf.packed import update as packed_update
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _DEAD,
     _PLANS,
+    OutputRecords,
     _cached,
     _drop_dead,
     _one_set,
     _scalars,
     _step_generic,
     call_scalars,
+    fed_back,
     fields_planned,
-    leaves_fit,
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
@@ -278,18 +277,13 @@ class _PureMemo(NamedTuple):
 # contiguous (one compiled pass), and checks the grads; then the outputs' checks (each leaf fits its param, no two
 # share memory: fresh allocations at their recorded ranges) hold for the inputs. GPT-2's 148 tensors: the checks
 # 657 -> 18 us a call (CPU, launch stubbed). A mutated, moved, resized or replaced leaf misses.
-_PURE: collections.OrderedDict = collections.OrderedDict()
-_PURE_SIZE = 64
+_PURE = OutputRecords()
 
 
 def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: list) -> None:
     if not (call.spec == "leaf" or type(call.spec) is tuple):  # a nested tree (a pytree spec): the full checks
         return
-    if len(_PURE) >= _PURE_SIZE:
-        _PURE.popitem(last=False)  # the oldest: another loop's latest stays (a clear dropped it, a miss next call)
-    planned = fields_planned([tuple(params), *states])
-    memo = _PureMemo(call.spec, list(map(type, states)), planned, groups)
-    _PURE[id(out[0]), id(out[1])] = memo
+    _PURE.put(out, _PureMemo(call.spec, list(map(type, states)), fields_planned([tuple(params), *states]), groups))
 
 
 def _pure_hit(param: Any, grad: Any, state: Any) -> tuple | None:
@@ -300,22 +294,8 @@ def _pure_hit(param: Any, grad: Any, state: Any) -> tuple | None:
     memo = _PURE.get((id(param), id(state)))
     if memo is None or _functorch.maybe_current_level() is not None:
         return None
-    spec = memo.spec
-    if spec == "leaf":
-        params, grads, states = [param], [grad], [state]
-    elif spec[0] == "dict":
-        params, grads, states = (_values_of(t, spec[1]) for t in (param, grad, state))
-        if params is None or grads is None or states is None:
-            return None
-    else:
-        t = spec[0]
-        if not (type(param) is type(grad) is type(state) is t and len(param) == len(grad) == len(state) == spec[1]):
-            return None
-        params, grads, states = list(param), list(grad), list(state)
-    fits = leaves_fit(params, grads, states, memo.planned, torch.is_grad_enabled())
-    if not (fits and list(map(type, states)) == memo.types):
-        return None
-    return memo, params, grads, states
+    found = fed_back(memo.spec, memo.planned, memo.types, param, grad, state)
+    return None if found is None else (memo, *found)
 
 
 def _checked_hit(hit: tuple, param: Any, hparams: Any, step: Any, max_unorm: Any) -> tuple:

@@ -55,6 +55,7 @@ from bnbf._host_checks import (
     _rule_of,
     _states_ok,
     _unflatten,
+    _values_of,
     check_hparam_values,
     check_not_differentiated,
     check_update_options,
@@ -815,6 +816,43 @@ def leaves_fit(params: list, grads: list, states: list, planned: Any, grad_mode:
         )
     except (AttributeError, TypeError, RuntimeError):  # a field that is not a tensor; one without storage
         return False
+
+
+class OutputRecords(collections.OrderedDict):
+    """What pure calls established of their outputs, by the ids of the (params, state) trees they returned, which a
+    torch.func loop hands the next call as its inputs. An id is only where to look: :func:`fed_back` confirms the
+    leaves. Past ``size`` entries the oldest goes (another loop's latest stays). The entries hold no tensor."""
+
+    def __init__(self, size: int = 64):
+        super().__init__()
+        self.size = size
+        self._lock = threading.Lock()
+
+    def put(self, out: tuple, memo: Any) -> None:
+        with self._lock:
+            if len(self) >= self.size:
+                self.popitem(last=False)
+            self[id(out[0]), id(out[1])] = memo
+
+
+def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state: Any) -> tuple | None:
+    """``(params, grads, states)`` where trees ``param`` and ``state`` of structure ``spec`` (``"leaf"``, ``("dict",
+    keys)`` or ``(list or tuple, length)``) hold a pure call's outputs as it made them (``planned``: its
+    :func:`fields_planned`; ``types``: its states' classes) and the grads fit them (:func:`leaves_fit`); else None."""
+    if spec == "leaf":
+        params, grads, states = [param], [grad], [state]
+    elif spec[0] == "dict":
+        params, grads, states = (_values_of(t, spec[1]) for t in (param, grad, state))
+        if params is None or grads is None or states is None:
+            return None
+    else:
+        t = spec[0]
+        if not (type(param) is type(grad) is type(state) is t and len(param) == len(grad) == len(state) == spec[1]):
+            return None
+        params, grads, states = list(param), list(grad), list(state)
+    if not (leaves_fit(params, grads, states, planned, torch.is_grad_enabled()) and list(map(type, states)) == types):
+        return None
+    return params, grads, states
 
 
 def _leaf_meta(params: list, states: list) -> tuple | None:

@@ -221,10 +221,10 @@ def test_other_calls_between_two_of_a_loop_keep_its_record(prepared):
     params = _tree("dict")
     state = bnbf.init_state(params, SPEC)
     other = _tree("list")
-    for k in range(1, F._PURE_SIZE):
+    for k in range(1, F._PURE.size):
         params, state = bnbf.update(params, _grads(params, k), state, HP, k)
         bnbf.update(_copy(other), _grads(other, k), bnbf.init_state(other, SPEC), HP, 1)
-    assert len(prepared) == 1 + (F._PURE_SIZE - 1)
+    assert len(prepared) == 1 + (F._PURE.size - 1)
 
 
 def test_the_record_keeps_no_tensor_alive():
