@@ -22,6 +22,7 @@ import itertools
 import operator
 import os
 import struct
+import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -187,7 +188,52 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
         return list(tree), (type(tree), len(tree))
     elif isinstance(tree, leaf_type):
         return [tree], "leaf"
+    leaves: list = []
+    shape: list = []
+    if (is_leaf is None or is_leaf is is_state) and type(tree) in _NESTS and _walk(tree, leaf_type, leaves, shape):
+        key = tuple(shape)  # a param tree's and its state tree's: one spec object, compared by identity
+        spec = _SPECS.get(key)
+        if spec is None:
+            spec = pytree.tree_flatten(tree, is_leaf=is_leaf)[1]
+            with _SPECS_LOCK:
+                if len(_SPECS) >= _SPECS_SIZE:
+                    _SPECS.clear()
+                    _SHAPES.clear()
+                _SPECS[key] = spec
+                _SHAPES[id(spec)] = (spec, key)
+        return leaves, spec
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
+
+
+# nested dicts, lists and tuples of leaves (a module's params by submodule): their structure read by _walk, each
+# structure's pytree spec made once (and rebuilt from its shape by _unwalk). Keys: types, lengths and str keys
+# only (no caller's object is held)
+_NESTS = (dict, list, tuple)
+_STR = {str}
+_SPECS: dict = {}  # shape -> its pytree spec
+_SHAPES: dict = {}  # id(spec) -> (spec, shape)
+_SPECS_SIZE = 64
+_SPECS_LOCK = threading.Lock()
+
+
+def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:
+    """Append ``tree``'s leaves (instances of ``leaf_type``) in pytree's order and its structure (each container's
+    type, length and a dict's keys; None for a leaf); False for anything else in it (another container or leaf type, a
+    key that is not a str, None): :func:`_flatten` then takes pytree's own walk."""
+    t = type(tree)
+    if t is dict:
+        if tree and set(map(type, tree)) != _STR:
+            return False
+        shape += (dict, len(tree), *tree)
+    else:
+        shape += (t, len(tree))
+    for v in tree.values() if t is dict else tree:
+        if isinstance(v, leaf_type):
+            leaves.append(v)
+            shape.append(None)
+        elif type(v) not in _NESTS or not _walk(v, leaf_type, leaves, shape):
+            return False
+    return True
 
 
 def _all_leaves(values: Any, is_leaf: Any) -> bool:
@@ -264,7 +310,40 @@ def _unflatten(leaves: list, spec: Any) -> Any:
         return dict(zip(spec[1], leaves))
     if isinstance(spec, tuple) and spec[0] in (list, tuple):
         return spec[0](leaves)
+    walked = _SHAPES.get(id(spec))
+    if walked is not None and walked[0] is spec:
+        return _unwalk(walked[1], iter(leaves))
     return pytree.tree_unflatten(leaves, spec)
+
+
+def walked(spec: Any) -> bool:
+    """Whether ``spec`` is a nested structure :func:`_flatten` read by its own walk (str keys: no caller's object
+    in it)."""
+    entry = _SHAPES.get(id(spec))
+    return entry is not None and entry[0] is spec
+
+
+def _unwalk(shape: tuple, leaves: Any) -> Any:
+    """The tree of :func:`_walk`'s ``shape`` with ``leaves`` (an iterator) in it: pytree's unflatten of nested
+    dicts, lists and tuples without its per-node calls."""
+    pos = 0
+
+    def build() -> Any:
+        nonlocal pos
+        t = shape[pos]
+        if t is None:
+            pos += 1
+            return next(leaves)
+        n = shape[pos + 1]
+        pos += 2
+        if t is dict:
+            keys = shape[pos : pos + n]
+            pos += n
+            return {k: build() for k in keys}
+        items = [build() for _ in range(n)]
+        return items if t is list else tuple(items)
+
+    return build()
 
 
 def _names(param: Any) -> list[str]:
@@ -360,14 +439,19 @@ def _none_leaf(what: str, tree: Any) -> None:
     leaves = pytree.tree_flatten_with_path(tree, is_leaf=lambda x: x is None or is_state(x))[0]
     for path, leaf in leaves:
         if leaf is None:
-            raise ValueError(
-                f"{what}{keystr(path)} is None: every param of the call needs a {what} (pass only the params "
-                f"that have one)"
-            )
+            raise _is_none(what, keystr(path))
+
+
+def _is_none(what: str, name: str) -> ValueError:
+    return ValueError(
+        f"{what}{name} is None: every param of the call needs a {what} (pass only the params that have one)"
+    )
 
 
 def _check_grad(name: str, p: Tensor, g: Any) -> None:
     """Raise the precise error for a grad that does not fit its (valid) param; return if it does."""
+    if g is None:  # a None leaf of a nested tree (pytree's leaf: the structures agree)
+        raise _is_none("grad", name)
     if not isinstance(g, Tensor):
         raise TypeError(f"grad{name} must be a Tensor, got {type(g).__name__}")
     if g.is_nested:
@@ -403,12 +487,17 @@ def _check_state(name: str, p: Tensor, s: Any) -> None:
             raise ValueError(f"state{name}.{field} must be contiguous")
 
 
+_NO_GRAD = object()  # _check_leaf's grad where a call's grads are not checked (a None grad is a leaf to refuse)
+
+
 def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
-    """Raise the precise error for a leaf that failed :func:`_states_ok` or :func:`_grads_ok` (``g`` None:
-    the param and state only)."""
+    """Raise the precise error for a leaf that failed :func:`_states_ok` or :func:`_grads_ok` (``g``
+    :data:`_NO_GRAD`: the param and state only)."""
     _check_param(p, name)
-    if g is not None:
+    if g is not _NO_GRAD:
         _check_grad(name, p, g)
+    if s is None:
+        raise _is_none("state", name)
     _check_state(name, p, s)
     raise AssertionError(f"unexpected input at {name}")  # the checks and _check_leaf disagree
 
@@ -420,8 +509,8 @@ def _check_leaves(param: Any, params: list, states: list, grads: list | None = N
         return
     names = _names(param)
     for i, (p, s) in enumerate(zip(params, states)):
-        g = None if grads is None else grads[i]
-        if not (_states_ok([p], [s]) and (g is None or _grads_ok([p], [g]))):
+        g = _NO_GRAD if grads is None else grads[i]
+        if not (_states_ok([p], [s]) and (g is _NO_GRAD or _grads_ok([p], [g]))):
             _check_leaf(names[i], p, g, s)
     raise AssertionError("the checks of all leaves and of each leaf disagree")
 

@@ -8,6 +8,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -40,6 +41,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     keystr,
     unaddressable,
+    walked,
 )
 from bnbf.differentiable import update as differentiable_update
 from bnbf.differentiable import update_ as differentiable_update_
@@ -281,7 +283,7 @@ _PURE = OutputRecords()
 
 
 def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: list) -> None:
-    if not (call.spec == "leaf" or type(call.spec) is tuple):  # a nested tree (a pytree spec): the full checks
+    if type(call.spec) is pytree.TreeSpec and not walked(call.spec):  # a tree of other nodes: the full checks
         return
     _PURE.put(out, _PureMemo(call.spec, list(map(type, states)), fields_planned([tuple(params), *states]), groups))
 
@@ -375,7 +377,8 @@ def update_(
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         check_clip_not_differentiated(max_grad_norm, state, in_place=True)
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
-    if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
+    compiling = torch.compiler.is_compiling()
+    if not compiling:  # traced: no ids (the generic path's Dynamo-friendly checks)
         hit = _last_plan(param, state)
         if hit is not None:
             hit[0]._step(hit[1], hit[2], param, grad, hparams, step, skip_zeros, max_unorm, maximize)
@@ -384,7 +387,8 @@ def update_(
     # (the same objects, at their planned addresses), a new plan checks them, the step checks the grads
     params, spec = _fast_leaves(param)
     states, s_spec = _fast_leaves(state)
-    if params is None or states is None:
+    # nested containers (a module's params by submodule) walked to their leaves, whose plan is then cached as well
+    if params is None or states is None or (not compiling and not all(map(isinstance, params, _TENSOR))):
         params, spec = _flatten(param)
         states, s_spec = _flatten(state, is_leaf=is_state)
     found = _cached(param, params, states, spec, s_spec)
@@ -400,6 +404,9 @@ def update_(
         found._step(params, states, param, grad, hparams, step, skip_zeros, max_unorm, maximize)
         _remember(param, state, found)
     return param, state
+
+
+_TENSOR = itertools.repeat(Tensor)  # (Dynamo cannot iterate a module's repeat object: eager calls only)
 
 
 def _remember(param: Any, state: Any, plan: Any) -> None:

@@ -28,6 +28,7 @@ from torch import Tensor
 from torch._C import _functorch
 from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
+from torch.utils._pytree import TreeSpec
 
 from bnbf import ops
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
@@ -497,13 +498,17 @@ class Plan:
         t = type(grad)
         if listed:
             grads, g_spec = grad, self._spec
-        elif t is dict:
+        elif t is dict and self._keys is not None:
             # a dict with the planned keys: its values without building the key tuple (one compiled call)
-            grads = NATIVE.values_if_keys(grad, self._keys) if NATIVE is not None and self._keys else None
+            grads = NATIVE.values_if_keys(grad, self._keys) if NATIVE is not None else None
             if grads is not None:
                 g_spec = self._spec
             else:
                 grads, g_spec = list(grad.values()), ("dict", tuple(grad))
+        elif type(self._spec) is TreeSpec:  # nested containers: walked to their leaves
+            grads, g_spec = _flatten(grad)
+        elif t is dict:
+            grads, g_spec = list(grad.values()), ("dict", tuple(grad))
         elif t is list or t is tuple:
             grads, g_spec = grad, (t, len(grad))
         elif t in _PLAIN_TYPES:
@@ -837,10 +842,15 @@ class OutputRecords(collections.OrderedDict):
 
 def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state: Any) -> tuple | None:
     """``(params, grads, states)`` where trees ``param`` and ``state`` of structure ``spec`` (``"leaf"``, ``("dict",
-    keys)`` or ``(list or tuple, length)``) hold a pure call's outputs as it made them (``planned``: its
+    keys)``, ``(list or tuple, length)`` or a pytree spec) hold a pure call's outputs as it made them (``planned``: its
     :func:`fields_planned`; ``types``: its states' classes) and the grads fit them (:func:`leaves_fit`); else None."""
     if spec == "leaf":
         params, grads, states = [param], [grad], [state]
+    elif type(spec) is TreeSpec:  # nested containers: walked to their leaves (one spec object per structure)
+        (params, p_spec), (grads, g_spec) = _flatten(param), _flatten(grad)
+        states, s_spec = _flatten(state, is_leaf=is_state)
+        if not (p_spec == g_spec == s_spec == spec):
+            return None
     elif spec[0] == "dict":
         params, grads, states = (_values_of(t, spec[1]) for t in (param, grad, state))
         if params is None or grads is None or states is None:

@@ -5,6 +5,8 @@ dicts every call), a schedule on lr, two rules (Lion for the embeddings) by rule
     python scripts/compose_host.py          # on a CUDA machine (no synchronize inside the timed calls)
     python scripts/compose_host.py --cpu    # anywhere: CPU tensors (148 small ones of the same structure) on the
                                             # Triton path's host code, every kernel launch stubbed out
+    python scripts/compose_host.py --nested # the params nested by module ({"h.0.attn.c_attn": {"weight": ...}}),
+                                            # the grads and states alike
 
 Prints the median (CUDA) or minimum (``--cpu``: on a shared CPU the median mostly measures other processes)
 microseconds of a call over ``--calls`` calls.
@@ -34,6 +36,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--nested", action="store_true")
     args = ap.parse_args()
     if args.cpu:  # the Triton path's host code on CPU tensors, every kernel launch a no-op
         os.environ["TRITON_INTERPRET"] = "1"
@@ -41,7 +44,13 @@ def main() -> None:
     device = torch.device("cpu" if args.cpu else "cuda")
     shapes = (bs.SMOKE_SETS if args.cpu else bs.SETS)["gpt2_124M"]()
     params = {n: torch.randn(s, device=device).to(torch.bfloat16) for n, s in shapes}
-    grads = {n: torch.randn_like(v) for n, v in params.items()}
+    if args.nested:  # a dict by module of dicts by param name
+        nested: dict = {}
+        for n, v in params.items():
+            module, _, leaf = n.rpartition(".")
+            nested.setdefault(module, {})[leaf] = v
+        params = nested
+    grads = torch.utils._pytree.tree_map(torch.randn_like, params)
     adamw = bnbf.OptimSpec(rule="adamw")
     no_decay = lambda path, p: {"lr": 1e-3, "weight_decay": 0.0 if p.ndim == 1 else 0.1}  # noqa: E731
     forms = {
@@ -69,7 +78,9 @@ def main() -> None:
         return (min(times) if args.cpu else statistics.median(times)) * 1e6
 
     name = "CPU (launch stubbed out)" if args.cpu else torch.cuda.get_device_name()
-    print(f"{name}, torch {torch.__version__}, host checks {'native' if NATIVE else 'python'}, {len(params)} params")
+    n = len(torch.utils._pytree.tree_leaves(params))
+    tree = "nested by module" if args.nested else "a flat dict"
+    print(f"{name}, torch {torch.__version__}, host checks {'native' if NATIVE else 'python'}, {n} params ({tree})")
     print("| hyperparameters | update (pure, fed back) | update_ (in place) |\n|---|---|---|")
     for form, (spec, hp) in forms.items():
         held = [params, bnbf.init_state(params, spec)]
@@ -77,7 +88,7 @@ def main() -> None:
         def pure(i: int, held=held, hp=hp) -> None:
             held[:] = bnbf.update(held[0], grads, held[1], hp, i + 1)
 
-        own_p, own_s = {k: v.clone() for k, v in params.items()}, bnbf.init_state(params, spec)
+        own_p, own_s = torch.utils._pytree.tree_map(torch.clone, params), bnbf.init_state(params, spec)
         in_place = lambda i, p=own_p, s=own_s, hp=hp: bnbf.update_(p, grads, s, hp, i + 1)  # noqa: E731
         print(f"| {form} | {timed(pure):.0f} us | {timed(in_place):.0f} us |")
 

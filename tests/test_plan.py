@@ -5,6 +5,7 @@ between steps. Runs on both paths (on the reference path a plan takes ``update_`
 from __future__ import annotations
 
 import doctest
+import functools
 import gc
 import importlib
 import re
@@ -344,6 +345,19 @@ def test_a_missing_grad_and_a_float64_param_are_named():
             step(params, {"a": torch.randn(3), "b": None}, state, {}, 1)
     with pytest.raises(TypeError, match="dtype torch.float64: float64 params take 32-bit state only"):
         bnbf.init_state(torch.randn(4096, dtype=torch.float64), bnbf.OptimSpec(rule="adamw"))
+    # in a nested tree a None is a leaf to pytree, so the structures agree: the leaf checks name it (they had
+    # raised AssertionError, taking the None for "no grads to check")
+    nested = {"a": torch.randn(3), "m": [torch.randn(3), {"c": torch.randn(3)}]}
+    n_state = bnbf.init_state(nested, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    n_grad = {"a": torch.randn(3), "m": [torch.randn(3), {"c": None}]}
+    no_state = {"a": n_state["a"], "m": [n_state["m"][0], {"c": None}]}
+    snap = snapshot(nested, n_state)
+    for step in (bnbf.update, bnbf.update_, functools.partial(bnbf.update, differentiable=True)):
+        with pytest.raises(ValueError, match=r"grad\['m'\]\[1\]\['c'\] is None: every param of the call needs a grad"):
+            step(nested, n_grad, n_state, {}, 1)
+        with pytest.raises(ValueError, match=r"state\['m'\]\[1\]\['c'\] is None: every param of the call needs a st"):
+            step(nested, nested, no_state, {}, 1)
+    assert_untouched(snap)
     p64 = torch.randn(3, dtype=torch.float64)
     s64 = bnbf.init_state(p64, bnbf.OptimSpec(rule="adagrad", state_bits=32), {"initial_accumulator_value": 0.3})
     assert s64.sum.dtype == torch.float64 and torch.equal(s64.sum, torch.full((3,), 0.3, dtype=torch.float64))

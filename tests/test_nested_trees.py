@@ -1,0 +1,182 @@
+"""Nested trees of params (a module's params by submodule: dicts of dicts, lists, tuples): the core reads their
+structure by its own walk (``bnbf._host_checks._flatten``: pytree's leaves and an equal spec, one spec object per
+structure), so ``update_`` steps them through a cached plan and the pure ``update`` records its outputs, as for flat
+dicts. A nested loop equals the same loop on a flat dict bit for bit; an edit of an inner container or leaf between
+two calls gets the answer of a call that takes every check (its error, or its bits), nothing modified on an error;
+the spec cache holds no caller's object.
+"""
+
+from __future__ import annotations
+
+import collections
+import gc
+import importlib
+import weakref
+from typing import NamedTuple
+
+import pytest
+import torch
+from conftest import DEVICES, assert_untouched, kernel_runs, snapshot
+from torch.utils import _pytree as pytree
+
+import bnbf
+from bnbf import _host_checks as H
+from bnbf import functional as F
+from bnbf.state import is_state
+
+P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
+SPEC = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)  # the 300-element leaves 8-bit, the small ones 32-bit
+HP = {"lr": 1e-2, "weight_decay": 0.01}
+
+
+class Pair(NamedTuple):
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def _leaves(n: int, seed: int = 0, device: str = "cpu") -> list:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(300 if i % 2 == 0 else 5, generator=g).to(device) for i in range(n)]
+
+
+def _nested(leaves: list) -> dict:
+    return {"a": leaves[0], "m": [leaves[1], {"c": leaves[2], "d": (leaves[3],)}], "e": {"f": {"g": leaves[4]}}}
+
+
+TREES = {
+    "nested": lambda ls: _nested(ls),
+    "empty inner dict": lambda ls: {"a": ls[0], "z": {}, "b": [ls[1]]},
+    # pytree's own walk (the core's does not read them): the same leaves and spec
+    "namedtuple node": lambda ls: {"a": ls[0], "p": Pair(ls[1], ls[2])},
+    "OrderedDict node": lambda ls: {"a": ls[0], "o": collections.OrderedDict(x=ls[1])},
+    "int keys": lambda ls: {"a": ls[0], "m": {0: ls[1], 1: ls[2]}},
+    "None leaf": lambda ls: {"a": ls[0], "m": [ls[1], None]},
+    "top-level list": lambda ls: [ls[0], [ls[1], (ls[2],)]],
+}
+
+
+@pytest.mark.parametrize("make", TREES.values(), ids=TREES.keys())
+def test_the_walk_gives_pytrees_leaves_and_spec(make):
+    tree = make(_leaves(5))
+    leaves, spec = H._flatten(tree)
+    want, want_spec = pytree.tree_flatten(tree)
+    assert len(leaves) == len(want) and all(a is b for a, b in zip(leaves, want))
+    assert spec == want_spec
+    again = H._unflatten(list(leaves), spec)
+    assert pytree.tree_flatten(again)[1] == want_spec and all(a is b for a, b in zip(pytree.tree_leaves(again), want))
+    assert type(again) is type(tree)
+
+
+def test_one_spec_object_per_structure_and_the_state_trees_share_it():
+    params = _nested(_leaves(5))
+    state = bnbf.init_state(params, SPEC)
+    p_spec = H._flatten(params)[1]
+    assert H._flatten(_nested(_leaves(5, seed=1)))[1] is p_spec  # another tree of the same structure
+    assert H._flatten(state, is_leaf=is_state)[1] is p_spec
+    assert H.walked(p_spec)
+
+
+def test_the_spec_cache_keeps_no_callers_object():
+    params = _nested(_leaves(5))
+    refs = [weakref.ref(t) for t in pytree.tree_leaves(params)]
+    H._flatten(params)
+    del params
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
+def _copy(tree):
+    leaves, spec = pytree.tree_flatten(tree, is_leaf=is_state)
+    return pytree.tree_unflatten(
+        [type(x)._make(t.clone() for t in x) if is_state(x) else x.clone() for x in leaves], spec
+    )
+
+
+def _grads(params, k: int):
+    g = torch.Generator().manual_seed(100 + k)
+    return pytree.tree_map(lambda p: (torch.randn(p.shape, generator=g) * 10 ** (k % 3)).to(p.device), params)
+
+
+@pytest.fixture
+def generic_steps(monkeypatch):
+    """Counts the in-place steps that take every check (``_step_generic``), which a cached plan skips."""
+    calls = []
+    full = F._step_generic
+    monkeypatch.setattr(F, "_step_generic", lambda *a, **k: calls.append(1) or full(*a, **k))
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, device):
+    leaves = _leaves(5, device=device)
+    params, flat = _nested(leaves), {str(i): t.clone() for i, t in enumerate(leaves)}
+    state, flat_state = bnbf.init_state(params, SPEC), bnbf.init_state(flat, SPEC)
+    for k in range(1, 5):
+        grads = _grads(params, k)
+        hp = {"lr": 1e-2 / k, "weight_decay": 0.01}
+        bnbf.update_(params, grads, state, hp, k)
+        bnbf.update_(flat, dict(zip(flat, pytree.tree_leaves(grads))), flat_state, hp, k)
+    if kernel_runs(device):  # plans take the direct launch on the Triton path (the reference path's steps are generic)
+        assert len(generic_steps) == 0, "a nested tree's plan is cached from its first call"
+    got = pytree.tree_leaves([params, state], is_leaf=is_state)
+    want = [flat[k] for k in flat] + [flat_state[k] for k in flat_state]
+    for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
+        assert torch.equal(a, b)
+
+
+def _edits():
+    """Edits between two in-place calls of inner containers and leaves: (name, edit of (params, grads, state))."""
+    return [
+        ("nothing edited", lambda p, g, s: None),
+        ("inner param replaced", lambda p, g, s: p["m"][1].__setitem__("c", p["m"][1]["c"].clone() + 1)),
+        ("inner param another dtype", lambda p, g, s: p["m"][1].__setitem__("c", p["m"][1]["c"].double())),
+        ("inner param a view of another", lambda p, g, s: p["e"]["f"].__setitem__("g", p["a"][:5])),
+        ("inner param resized", lambda p, g, s: p["m"][0].resize_(4)),
+        ("inner param transposed memory", lambda p, g, s: setattr(p["a"], "data", p["a"].data.clone())),
+        ("inner key added", lambda p, g, s: p["e"]["f"].__setitem__("h", p["a"].new_zeros(5))),
+        ("inner tuple made a list", lambda p, g, s: p["m"][1].__setitem__("d", list(p["m"][1]["d"]))),
+        ("inner states swapped", lambda p, g, s: s["m"].reverse()),
+        ("inner state replaced", lambda p, g, s: s["e"]["f"].__setitem__("g", bnbf.init_state(p["e"]["f"]["g"], SPEC))),
+        ("inner state field resized", lambda p, g, s: s["m"][1]["c"].exp_avg.resize_(2)),
+        ("inner grad another shape", lambda p, g, s: g["m"][1].__setitem__("c", g["a"].new_zeros(6))),
+        ("inner grad non-contiguous", lambda p, g, s: g.__setitem__("a", torch.stack([g["a"], g["a"]], 1)[:, 0])),
+        ("inner grad a None", lambda p, g, s: g["e"]["f"].__setitem__("g", None)),
+        ("inner grad missing", lambda p, g, s: g["m"].__setitem__(1, {"c": g["m"][1]["c"]})),
+    ]
+
+
+def _outcome(fn, tree):
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the outcome compared is the exception itself
+        return type(e), str(e)
+    return "ok", [t.clone() for t in pytree.tree_leaves(tree)]
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, edit", _edits(), ids=[n for n, _ in _edits()])
+def test_an_edited_nested_tree_steps_in_place_as_a_fully_checked_call(monkeypatch, name, edit, device):
+    """The same two steps on two copies, one through update_'s cached plan, the other with every check each call
+    (no plan found); the edit made to both between them: the same error (nothing modified) or the same bits."""
+    params = _nested(_leaves(5, device=device))
+    state = bnbf.init_state(params, SPEC)
+    trees = [(params, state), (_copy(params), _copy(state))]
+    for p, s in trees:
+        bnbf.update_(p, _grads(p, 1), s, HP, 1)
+    outcomes = []
+    for i, (p, s) in enumerate(trees):
+        g = _grads(p, 2)
+        edit(p, g, s)
+        snap = snapshot(p, s)
+        with monkeypatch.context() as m:
+            if i == 1:  # every check: no cached plan, the generic step
+                m.setattr(F, "_cached", lambda *a: None)
+            outcomes.append(_outcome(lambda p=p, g=g, s=s: bnbf.update_(p, g, s, HP, 2), [p, s]))
+        if outcomes[-1][0] != "ok":
+            assert_untouched(snap)
+    (kind, got), (fresh_kind, fresh) = outcomes
+    assert kind == fresh_kind, (name, got, fresh)
+    if kind == "ok":
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
+    else:
+        assert got == fresh, name
