@@ -55,6 +55,7 @@ from bnbf._host_checks import (
     _check_present,
     _check_step,
     _check_writable,
+    _flatten,
     _grad_overlap,
     _grads_ok,
     _groups,
@@ -1901,8 +1902,8 @@ def _grad_clip(grads: Any, max_grad_norm: Any, detach: bool = True, fold: bool =
     step float32 copies, so they cannot round a 16-bit grad's norm to its dtype as torch does).
     """
     _check_max_grad_norm(max_grad_norm)
-    gs = list(grads.values()) if type(grads) is dict else pytree.tree_leaves(grads)
     eager = not torch.compiler.is_compiling() and torch._C._functorch.maybe_current_level() is None
+    gs = _flatten(grads)[0] if eager else []  # nested trees too (the clip had taken their first level for leaves)
     plain = eager and gs and set(map(type, gs)) <= _PLAIN_TENSORS
     sharded = eager and gs and not plain and any(map(is_dtensor, gs))
     if not plain and not sharded:

@@ -180,3 +180,23 @@ def test_an_edited_nested_tree_steps_in_place_as_a_fully_checked_call(monkeypatc
         assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
     else:
         assert got == fresh, name
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+def test_a_nested_tree_is_clipped_as_the_flat_dict_of_its_leaves(device, in_place):
+    """``max_grad_norm`` on a nested tree takes the folded clip of its leaves, as a flat dict of them does (the clip
+    had read a nested tree's first level as its leaves, found dicts and clipped copies of the grads by torch's
+    norm instead: other bits)."""
+    out = []
+    for make in (_nested, lambda ls: {str(i): t for i, t in enumerate(ls)}):
+        params = make(_leaves(5, device=device))
+        state = bnbf.init_state(params, SPEC)
+        for k in (1, 2, 3):
+            grads = make(pytree.tree_leaves(_grads(params, k)))
+            if in_place:
+                bnbf.update_(params, grads, state, HP, k, max_grad_norm=1.0)
+            else:
+                params, state = bnbf.update(params, grads, state, HP, k, max_grad_norm=1.0)
+        out.append(pytree.tree_leaves([params, state]))
+    assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
