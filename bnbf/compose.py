@@ -64,6 +64,7 @@ from bnbf._host_checks import (
     _prepare,
     _states_ok,
     _traced_derivative,
+    _unflatten,
     _values_of,
     check_clip_not_differentiated,
     check_hparam_values,
@@ -74,6 +75,7 @@ from bnbf._host_checks import (
     packed_identities,
     same_plain_dicts,
     unaddressable,
+    walked,
 )
 from bnbf.plan import (
     OutputRecords,
@@ -523,6 +525,14 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
         ss = [state[k] for k in keys]
         keypaths = lambda: [(pytree.MappingKey(k),) for k in keys]
         return (lambda leaves: dict(zip(keys, leaves))), keys, keys, keypaths, list(params.values()), gs, ss
+    if not torch.compiler.is_compiling():  # nested containers: the core's walk, the leaves' names made once
+        ps, treespec = _flatten(params)
+        if walked(treespec) and ps:
+            gs, g_spec = _flatten(grads)
+            ss, s_spec = _flatten(state, is_leaf=is_state)
+            if g_spec is treespec and s_spec is treespec:
+                names, paths, kps = _names_of(treespec, params)
+                return (lambda leaves: _unflatten(leaves, treespec)), names, paths, lambda: kps, ps, gs, ss
     flat, treespec = pytree.tree_flatten_with_path(params)
     g_leaves, g_spec = pytree.tree_flatten(grads)
     s_leaves, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
@@ -541,6 +551,23 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
     rebuild = lambda leaves: pytree.tree_unflatten(leaves, treespec)
     paths = [path_name(k) for k in kps]
     return rebuild, _leaf_names(kps), paths, lambda: kps, [p for _, p in flat], g_leaves, s_leaves
+
+
+# a walked structure's (spec, leaf names, paths, key paths), by id(spec): made once per structure (names, str keys
+# and key paths only: no caller's object)
+_NAMES: dict = {}
+
+
+def _names_of(treespec: Any, params: Any) -> tuple:
+    """The leaf names, paths and key paths of ``params``, a tree of the walked structure ``treespec``."""
+    entry = _NAMES.get(id(treespec))
+    if entry is None or entry[0] is not treespec:
+        kps = [k for k, _ in pytree.tree_flatten_with_path(params)[0]]
+        entry = (treespec, _leaf_names(kps), [path_name(k) for k in kps], kps)
+        if len(_NAMES) >= 64:
+            _NAMES.clear()
+        _NAMES[id(treespec)] = entry
+    return entry[1:]
 
 
 def _named_hparams(rule: str, h: Any, path: str) -> Any:

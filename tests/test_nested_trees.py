@@ -200,3 +200,38 @@ def test_a_nested_tree_is_clipped_as_the_flat_dict_of_its_leaves(device, in_plac
                 params, state = bnbf.update(params, grads, state, HP, k, max_grad_norm=1.0)
         out.append(pytree.tree_leaves([params, state]))
     assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
+
+
+TWO_RULES = lambda path, p: bnbf.OptimSpec(rule="lion" if path.startswith("m") else "adamw", min_8bit_size=256)  # noqa: E731
+FORMS = {
+    "per-leaf callable": (SPEC, lambda path, p: {"lr": 1e-2, "weight_decay": 0.1 if path.endswith("c") else 0.0}),
+    "by rule": (TWO_RULES, {"adamw": {"lr": 1e-2}, "lion": {"lr": 1e-3}}),
+    "schedule": (SPEC, {"lr": lambda t: 1e-2 / t}),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+@pytest.mark.parametrize("form", FORMS, ids=FORMS.keys())
+def test_the_composing_forms_step_a_nested_tree_as_the_flat_dict_of_its_leaves(monkeypatch, device, in_place, form):
+    """The composing forms read a nested tree by the core's walk, its leaves' names (those the callable and the
+    spec see: ``m.1.c``) made once per structure: pytree's keyed walk runs on the first call only."""
+    spec, hp = FORMS[form]
+    walks = []
+    keyed = pytree.tree_flatten_with_path
+    monkeypatch.setattr(pytree, "tree_flatten_with_path", lambda *a, **k: walks.append(1) or keyed(*a, **k))
+    out = []
+    for make in (_nested, lambda ls: {"a": ls[0], "m.0": ls[1], "m.1.c": ls[2], "m.1.d.0": ls[3], "e.f.g": ls[4]}):
+        params = make(_leaves(5, device=device))
+        state = bnbf.init_state(params, spec)
+        walks.clear()
+        for k in (1, 2, 3):
+            grads = make(pytree.tree_leaves(_grads(params, k)))
+            if in_place:
+                bnbf.update_(params, grads, state, hp, k)
+            else:
+                params, state = bnbf.update(params, grads, state, hp, k)
+        if make is _nested:
+            assert len(walks) <= 1, "a nested tree's names are made once per structure"
+        out.append(pytree.tree_leaves([params, state]))
+    assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
