@@ -505,11 +505,14 @@ class _Parts:
     raw: list | None = None  # each leaf's hyperparameter object as given (callable, by-rule and flat tree forms)
     hps: list | None = None  # each leaf's hyperparameters, schedules evaluated
     form: str = ""  # "callable", "by_rule" or "tree" where ``raw`` is known
+    spec: Any = None  # a nested tree's walked spec (bnbf._host_checks._flatten), else None
+    paths: list | None = None  # the leaves' paths (``"m.1.c"``: what a per-leaf callable is given)
 
 
 def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
-    """(rebuild, names, paths, keypaths(), params, grads, states) of a call; a flat dict of tensors (the usual
-    ``dict(model.named_parameters())``) without pytree's walk."""
+    """(rebuild, names, paths, keypaths(), params, grads, states, walked spec) of a call; a flat dict of tensors (the
+    usual ``dict(model.named_parameters())``) without pytree's walk, nested dicts, lists and tuples by the core's
+    (their spec the last item, else None)."""
     if (
         type(params) is dict
         and type(grads) is dict
@@ -524,7 +527,7 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
         gs = [grads[k] for k in keys]
         ss = [state[k] for k in keys]
         keypaths = lambda: [(pytree.MappingKey(k),) for k in keys]
-        return (lambda leaves: dict(zip(keys, leaves))), keys, keys, keypaths, list(params.values()), gs, ss
+        return (lambda leaves: dict(zip(keys, leaves))), keys, keys, keypaths, list(params.values()), gs, ss, None
     if not torch.compiler.is_compiling():  # nested containers: the core's walk, the leaves' names made once
         ps, treespec = _flatten(params)
         if walked(treespec) and ps:
@@ -532,7 +535,8 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
             ss, s_spec = _flatten(state, is_leaf=is_state)
             if g_spec is treespec and s_spec is treespec:
                 names, paths, kps = _names_of(treespec, params)
-                return (lambda leaves: _unflatten(leaves, treespec)), names, paths, lambda: kps, ps, gs, ss
+                rebuild = lambda leaves: _unflatten(leaves, treespec)  # noqa: E731
+                return rebuild, names, paths, lambda: kps, ps, gs, ss, treespec
     flat, treespec = pytree.tree_flatten_with_path(params)
     g_leaves, g_spec = pytree.tree_flatten(grads)
     s_leaves, s_spec = pytree.tree_flatten(state, is_leaf=is_state)
@@ -550,7 +554,7 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
             )
     rebuild = lambda leaves: pytree.tree_unflatten(leaves, treespec)
     paths = [path_name(k) for k in kps]
-    return rebuild, _leaf_names(kps), paths, lambda: kps, [p for _, p in flat], g_leaves, s_leaves
+    return rebuild, _leaf_names(kps), paths, lambda: kps, [p for _, p in flat], g_leaves, s_leaves, None
 
 
 # a walked structure's (spec, leaf names, paths, key paths), by id(spec): made once per structure (names, str keys
@@ -580,7 +584,7 @@ def _named_hparams(rule: str, h: Any, path: str) -> Any:
 
 
 def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Parts:
-    rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
+    rebuild, names, paths, keypaths, ps, gs, ss, walked_spec = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
     raw: list = []
     hps, form = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), raw, names is paths)
@@ -603,7 +607,7 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
     else:
         validated = [(_named_hparams(rule, hps[idx[0]], paths[idx[0]]), idx) for (rule, _), idx in groups.items()]
     flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
-    return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form)
+    return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form, walked_spec, paths)
 
 
 def _sub(parts: _Parts, leaves: list, idx: list[int]) -> dict:
@@ -634,7 +638,7 @@ def differentiable_update(
     """
     from bnbf import differentiable  # bnbf.differentiable sends these forms here
 
-    rebuild, names, paths, keypaths, ps, gs, ss = _flatten_call(params, grads, state)
+    rebuild, names, paths, keypaths, ps, gs, ss, _ = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
     hps, _ = _per_leaf_hparams(hparams, paths, keypaths, ps, rules, _Resolver(step), None, names is paths)
     groups: dict[tuple, list[int]] = {}
@@ -801,7 +805,7 @@ _PURE_KEPT = OutputRecords()
 
 def _keep_pure(out: tuple, parts: _Parts, units: list, new_p: list, new_s: list, max_unorm: Any) -> None:
     entry = _partition_of(parts, max_unorm)
-    if entry is None or type(out[0]) is not dict or type(out[1]) is not dict:
+    if entry is None or (entry.spec is None and (type(out[0]) is not dict or type(out[1]) is not dict)):
         return
     cuda = any(device.type == "cuda" for u in units for (device, _), _ in u.groups)
     _PURE_KEPT.put(out, _PureKept(entry, units, list(map(type, new_s)), fields_planned([tuple(new_p), *new_s]), cuda))
@@ -823,7 +827,7 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
     if isinstance(step, Tensor) or isinstance(max_unorm, Tensor) or forward_ad._current_level >= 0:
         return None
     entry = kept.partition
-    found = fed_back(("dict", entry.keys), kept.planned, kept.types, params, grads, state)
+    found = fed_back(entry.spec or ("dict", entry.keys), kept.planned, kept.types, params, grads, state)
     if found is None:
         return None
     ps, gs, ss = found
@@ -846,7 +850,10 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
             v, clip = _scalars(u.rule, h, step, opts["skip_zeros"], max_unorm, opts["maximize"])
             values.append(v)
         _run_unit(u, values, clip, ps, gs, ss, opts["skip_zeros"], new_p, new_s)
-    out = dict(zip(entry.keys, new_p)), dict(zip(entry.keys, new_s))
+    if entry.spec is None:
+        out = dict(zip(entry.keys, new_p)), dict(zip(entry.keys, new_s))
+    else:
+        out = _unflatten(new_p, entry.spec), _unflatten(new_s, entry.spec)
     _PURE_KEPT.put(out, dataclasses.replace(kept, planned=fields_planned([tuple(new_p), *new_s])))
     return out
 
@@ -1076,7 +1083,7 @@ class _Partition:
     a walk of every leaf) and goes straight to the plans. Holds no tensor: names, ids, plain numbers and weak
     references to the plans (which hold only weak references to the leaves)."""
 
-    keys: tuple[str, ...]
+    keys: tuple[str, ...]  # a flat dict's keys; a nested tree's leaf paths (what a per-leaf callable is given)
     form: str  # "callable", "by_rule" or "tree" (a flat dict of mappings by param name)
     rules: tuple[str, ...]  # the by-rule form: the leaves' rules, each once
     raw_ids: tuple[int, ...]  # id of each leaf's hyperparameter object as given (by-rule: of each rule's)
@@ -1089,6 +1096,7 @@ class _Partition:
     # each leaf's object (by-rule: each rule's) a dict of plain numbers: a copy of each (one per distinct content),
     # so that new dicts of the same numbers each call (a callable's usual answer) find the partition
     plain: list | None = None
+    spec: Any = None  # a nested tree's walked spec (bnbf._host_checks._flatten; one object per structure), else None
 
 
 _PARTITIONS: collections.OrderedDict = collections.OrderedDict()
@@ -1129,9 +1137,10 @@ def _pick(idx: list[int]) -> Callable[[list], list]:
 
 
 def _partition_of(parts: _Parts, max_unorm: Any) -> _Partition | None:
-    """The partition of a split call (no units yet), where it can be kept: flat dicts, the callable, by-rule or flat
-    tree form with plain numbers (schedules evaluated), a Python number max_unorm; else None."""
-    if not parts.flat or parts.raw is None or isinstance(max_unorm, Tensor):
+    """The partition of a split call (no units yet), where it can be kept: flat dicts or nested ones the core walks,
+    the callable, by-rule or flat tree form with plain numbers (schedules evaluated), a Python number max_unorm;
+    else None."""
+    if not (parts.flat or parts.spec is not None) or parts.raw is None or isinstance(max_unorm, Tensor):
         return None
     first: dict[int, int] = {}
     if parts.form == "by_rule":
@@ -1153,7 +1162,8 @@ def _partition_of(parts: _Parts, max_unorm: Any) -> _Partition | None:
     packed = b""
     if parts.form != "by_rule":
         packed = packed_identities(parts.raw)
-    entry = _Partition(tuple(parts.names), parts.form, rules, raw_ids, packed, firsts, content, refuses, [])
+    keys = tuple(parts.names if parts.spec is None else parts.paths)
+    entry = _Partition(keys, parts.form, rules, raw_ids, packed, firsts, content, refuses, [], spec=parts.spec)
     entry.plain = _plain_copies(parts.raw if parts.form != "by_rule" else [parts.raw[i] for i in first.values()])
     return entry
 
@@ -1225,28 +1235,49 @@ def _kept_hparams(entry: _Partition, hparams: Any, ps: list, step: Any) -> bool:
     return tuple(_plain_items(h) or _plain_items(r.mapping(h)) for h in distinct) == entry.content
 
 
+def _kept_leaves(params: Any, grads: Any, state: Any) -> tuple | None:
+    """``(partition, params, grads, states)`` where a kept partition's first and last leaves are this call's (by
+    id: :func:`_known_update_` confirms them through the plans) in trees of its structure: flat dicts of its keys,
+    or nested ones of its walked spec; else None."""
+    if type(params) is dict and type(state) is dict and type(grads) is dict and params and len(state) == len(params):
+        pv, sv = params.values(), state.values()
+        entry = _PARTITIONS.get(
+            (id(next(iter(pv))), id(next(reversed(pv))), id(next(iter(sv))), id(next(reversed(sv))), len(pv))
+        )
+        if entry is not None and entry.spec is None:  # a flat dict: its keys, no walk
+            keys = entry.keys
+            ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
+            return None if ps is None or ss is None or gs is None else (entry, ps, gs, ss)
+    elif type(params) not in (list, tuple):
+        return None
+    ps, spec = _flatten(params)
+    if not ps or not walked(spec):
+        return None
+    ss, s_spec = _flatten(state, is_leaf=is_state)
+    entry = _PARTITIONS.get((id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps)) if ss else None)
+    if entry is None or entry.spec is not spec or s_spec is not spec:
+        return None
+    gs, g_spec = _flatten(grads)
+    return (entry, ps, gs, ss) if g_spec is spec else None
+
+
 def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> bool:
     """The in-place step of a call whose partition is kept (:class:`_Partition`): the same leaves (by id,
     then confirmed by each rule's plan, as :func:`bnbf.plan._cached` confirms them) in flat dicts of the same
-    keys, each leaf with the same hyperparameter object as then, holding the same values (schedules evaluated:
-    the partition depends on the values only). Every check of :func:`_planned_update_` that depends on this
-    call is made again (grads, step, states' slots by each plan's ``_prepare_sets``; max_unorm; capture).
-    False, with nothing written, on any difference: the caller then splits the call afresh."""
-    if type(params) is not dict or type(grads) is not dict or type(state) is not dict or not params:
+    keys or nested trees of the same structure, each leaf with the same hyperparameter object as then, holding
+    the same values (schedules evaluated: the partition depends on the values only). Every check of
+    :func:`_planned_update_` that depends on this call is made again (grads, step, states' slots by each plan's
+    ``_prepare_sets``; max_unorm; capture). False, with nothing written, on any difference: the caller then
+    splits the call afresh."""
+    if not _PARTITIONS or torch.compiler.is_compiling():  # traced: no ids (the split's traced route)
         return False
-    if len(state) != len(params) or torch.compiler.is_compiling():  # traced: no ids (the split's traced route)
-        return False
-    pv, sv = params.values(), state.values()
-    entry = _PARTITIONS.get(
-        (id(next(iter(pv))), id(next(reversed(pv))), id(next(iter(sv))), id(next(reversed(sv))), len(pv))
-    )
-    if entry is None or isinstance(opts["max_unorm"], Tensor):
+    found = _kept_leaves(params, grads, state)
+    if found is None or isinstance(opts["max_unorm"], Tensor):
         return False
     if torch._C._functorch.maybe_current_level() is not None:  # traced calls returned above
         return False
-    keys = entry.keys
-    ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
-    if ps is None or ss is None or gs is None or not _kept_hparams(entry, hparams, ps, step):
+    entry, ps, gs, ss = found
+    if not _kept_hparams(entry, hparams, ps, step):
         return False
     max_unorm = opts["max_unorm"]
     if entry.refuses_max_unorm is not None and max_unorm > 0:

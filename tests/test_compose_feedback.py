@@ -15,7 +15,7 @@ import weakref
 import pytest
 import torch
 from conftest import assert_untouched, snapshot
-from test_pure_feedback import NEW_TREES, _copy, _edits, _grads, _tree, answers_as_fresh
+from test_pure_feedback import NEW_TREES, _copy, _edits, _grads, _nested_edits, _tree, answers_as_fresh
 
 import bnbf
 from bnbf import compose
@@ -92,6 +92,19 @@ def test_an_edited_output_gets_a_fresh_calls_answer(device, name, edit):
     p, g, s, h, k = edit(params, _on(_grads(params, 2), device), state, dict(hp), 2)
     assert (id(p), id(s)) in compose._PURE_KEPT or name in NEW_TREES  # the kept path is asked
     answers_as_fresh(name, p, g, s, h, k)
+
+
+@pytest.mark.parametrize("name, edit", _nested_edits(), ids=[n for n, _ in _nested_edits()])
+def test_an_edited_nested_output_gets_a_fresh_calls_answer(device, name, edit):
+    """test_pure_feedback's edits of a nested tree's inner containers and leaves, between two calls of a by-rule loop
+    (the nested tree's record: its walked structure), answered as a fresh call answers them."""
+    _triton(device)
+    spec = lambda path, p: bnbf.OptimSpec(rule="lion" if path.endswith("c") else "adamw", min_8bit_size=256)
+    params = _on(_tree("nested"), device)
+    hp = FORMS["by_rule"]()
+    params, state = bnbf.update(params, _on(_grads(params, 1), device), bnbf.init_state(params, spec), hp, 1)
+    assert (id(params), id(state)) in compose._PURE_KEPT
+    answers_as_fresh(name, *edit(params, _on(_grads(params, 2), device), state, dict(hp), 2))
 
 
 def test_a_fed_back_call_refuses_what_a_fresh_call_refuses(device, splits):

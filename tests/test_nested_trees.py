@@ -235,3 +235,79 @@ def test_the_composing_forms_step_a_nested_tree_as_the_flat_dict_of_its_leaves(m
             assert len(walks) <= 1, "a nested tree's names are made once per structure"
         out.append(pytree.tree_leaves([params, state]))
     assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
+
+
+def _triton(device) -> None:
+    if not bnbf.use_triton(torch.zeros(1, device=device)):
+        pytest.skip("the kept partition serves the Triton path's merged launches")
+
+
+def _per_leaf(path, p):  # a new dict for each leaf every call
+    return {"lr": 1e-2, "weight_decay": 0.0 if p.ndim == 1 or path.endswith("g") else 0.1}
+
+
+KEPT_FORMS = {"per-leaf callable": _per_leaf, "by rule": lambda: {"adamw": {"lr": 1e-2}, "lion": {"lr": 1e-3}}}
+
+
+@pytest.fixture
+def splits(monkeypatch) -> list:
+    """Counts the composing forms' full splits (``compose._split``), which a kept partition skips."""
+    calls = []
+    full = bnbf.compose._split
+    monkeypatch.setattr(bnbf.compose, "_split", lambda *a: calls.append(1) or full(*a))
+    return calls
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+@pytest.mark.parametrize("form", KEPT_FORMS, ids=KEPT_FORMS.keys())
+def test_a_nested_composed_loop_keeps_its_partition(splits, device, in_place, form):
+    """A composed loop on a nested tree (two rules), in place or fed its outputs back, splits on its first call only,
+    as a flat dict's does; bit for bit the same loop on a flat dict of its leaves."""
+    _triton(device)
+    hp = _per_leaf if form == "per-leaf callable" else KEPT_FORMS[form]()
+    out = []
+    for make in (_nested, lambda ls: {"a": ls[0], "m.0": ls[1], "m.1.c": ls[2], "m.1.d.0": ls[3], "e.f.g": ls[4]}):
+        params = make(_leaves(5, device=device))
+        state = bnbf.init_state(params, TWO_RULES)
+        splits.clear()
+        for k in (1, 2, 3, 4):
+            grads = make(pytree.tree_leaves(_grads(params, k)))
+            if in_place:
+                bnbf.update_(params, grads, state, hp, k)
+            else:
+                params, state = bnbf.update(params, grads, state, hp, k)
+        assert len(splits) == 1, f"{make}: split on the first call only"
+        out.append(pytree.tree_leaves([params, state]))
+    assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("name, edit", _edits(), ids=[n for n, _ in _edits()])
+def test_an_edited_nested_tree_composed_in_place_steps_as_a_split_call(monkeypatch, device, name, edit):
+    """test_an_edited_nested_tree_steps_in_place_as_a_fully_checked_call's edits, by rule (two rules): the kept
+    partition's step against a split of every call (no partition found)."""
+    _triton(device)
+    hp = KEPT_FORMS["by rule"]()
+    params = _nested(_leaves(5, device=device))
+    state = bnbf.init_state(params, TWO_RULES)
+    trees = [(params, state), (_copy(params), _copy(state))]
+    for p, s in trees:
+        bnbf.update_(p, _grads(p, 1), s, hp, 1)
+    outcomes = []
+    for i, (p, s) in enumerate(trees):
+        g = _grads(p, 2)
+        edit(p, g, s)
+        snap = snapshot(p, s)
+        with monkeypatch.context() as m:
+            if i == 1:  # every call split
+                m.setattr(bnbf.compose, "_known_update_", lambda *a: False)
+            outcomes.append(_outcome(lambda p=p, g=g, s=s: bnbf.update_(p, g, s, hp, 2), [p, s]))
+        if outcomes[-1][0] != "ok":
+            assert_untouched(snap)
+    (kind, got), (fresh_kind, fresh) = outcomes
+    assert kind == fresh_kind, (name, got, fresh)
+    if kind == "ok":
+        assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
+    else:
+        assert got == fresh, name
