@@ -158,20 +158,27 @@ def _outcome(fn, tree):
 def test_an_edited_nested_tree_steps_in_place_as_a_fully_checked_call(monkeypatch, name, edit, device):
     """The same two steps on two copies, one through update_'s cached plan, the other with every check each call
     (no plan found); the edit made to both between them: the same error (nothing modified) or the same bits."""
+    _steps_as_fully_checked(monkeypatch, name, edit, SPEC, HP, F, "_cached", None, device)
+
+
+def _steps_as_fully_checked(monkeypatch, name, edit, spec, hp, module, attr, miss, device) -> None:
+    """Two in-place steps on two copies of a nested tree, ``edit`` made to both between them; the second copy's
+    second step with ``module.attr`` answering ``miss`` (nothing kept found: every check); the same error (nothing
+    modified) or the same bits."""
     params = _nested(_leaves(5, device=device))
-    state = bnbf.init_state(params, SPEC)
+    state = bnbf.init_state(params, spec)
     trees = [(params, state), (_copy(params), _copy(state))]
     for p, s in trees:
-        bnbf.update_(p, _grads(p, 1), s, HP, 1)
+        bnbf.update_(p, _grads(p, 1), s, hp, 1)
     outcomes = []
     for i, (p, s) in enumerate(trees):
         g = _grads(p, 2)
         edit(p, g, s)
         snap = snapshot(p, s)
         with monkeypatch.context() as m:
-            if i == 1:  # every check: no cached plan, the generic step
-                m.setattr(F, "_cached", lambda *a: None)
-            outcomes.append(_outcome(lambda p=p, g=g, s=s: bnbf.update_(p, g, s, HP, 2), [p, s]))
+            if i == 1:
+                m.setattr(module, attr, lambda *a: miss)
+            outcomes.append(_outcome(lambda p=p, g=g, s=s: bnbf.update_(p, g, s, hp, 2), [p, s]))
         if outcomes[-1][0] != "ok":
             assert_untouched(snap)
     (kind, got), (fresh_kind, fresh) = outcomes
@@ -289,25 +296,4 @@ def test_an_edited_nested_tree_composed_in_place_steps_as_a_split_call(monkeypat
     partition's step against a split of every call (no partition found)."""
     _triton(device)
     hp = KEPT_FORMS["by rule"]()
-    params = _nested(_leaves(5, device=device))
-    state = bnbf.init_state(params, TWO_RULES)
-    trees = [(params, state), (_copy(params), _copy(state))]
-    for p, s in trees:
-        bnbf.update_(p, _grads(p, 1), s, hp, 1)
-    outcomes = []
-    for i, (p, s) in enumerate(trees):
-        g = _grads(p, 2)
-        edit(p, g, s)
-        snap = snapshot(p, s)
-        with monkeypatch.context() as m:
-            if i == 1:  # every call split
-                m.setattr(bnbf.compose, "_known_update_", lambda *a: False)
-            outcomes.append(_outcome(lambda p=p, g=g, s=s: bnbf.update_(p, g, s, hp, 2), [p, s]))
-        if outcomes[-1][0] != "ok":
-            assert_untouched(snap)
-    (kind, got), (fresh_kind, fresh) = outcomes
-    assert kind == fresh_kind, (name, got, fresh)
-    if kind == "ok":
-        assert all(torch.equal(a, b) for a, b in zip(got, fresh)), name
-    else:
-        assert got == fresh, name
+    _steps_as_fully_checked(monkeypatch, name, edit, TWO_RULES, hp, bnbf.compose, "_known_update_", False, device)
