@@ -310,9 +310,9 @@ def _unflatten(leaves: list, spec: Any) -> Any:
         return dict(zip(spec[1], leaves))
     if isinstance(spec, tuple) and spec[0] in (list, tuple):
         return spec[0](leaves)
-    walked = _SHAPES.get(id(spec))
-    if walked is not None and walked[0] is spec:
-        return _unwalk(walked[1], iter(leaves))
+    entry = _SHAPES.get(id(spec))
+    if entry is not None and entry[0] is spec:  # a structure of :func:`_walk`'s: rebuilt from its shape
+        return _unwalk(entry[1], iter(leaves))
     return pytree.tree_unflatten(leaves, spec)
 
 

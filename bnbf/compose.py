@@ -827,7 +827,8 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
     if isinstance(step, Tensor) or isinstance(max_unorm, Tensor) or forward_ad._current_level >= 0:
         return None
     entry = kept.partition
-    found = fed_back(entry.spec or ("dict", entry.keys), kept.planned, kept.types, params, grads, state)
+    spec = ("dict", entry.keys) if entry.spec is None else entry.spec
+    found = fed_back(spec, kept.planned, kept.types, params, grads, state)
     if found is None:
         return None
     ps, gs, ss = found
