@@ -17,6 +17,8 @@ from typing import NamedTuple
 import pytest
 import torch
 from conftest import DEVICES, assert_untouched, kernel_runs, snapshot
+from hypothesis import given
+from hypothesis import strategies as st
 from torch.utils import _pytree as pytree
 
 import bnbf
@@ -297,3 +299,34 @@ def test_an_edited_nested_tree_composed_in_place_steps_as_a_split_call(monkeypat
     _triton(device)
     hp = KEPT_FORMS["by rule"]()
     _steps_as_fully_checked(monkeypatch, name, edit, TWO_RULES, hp, bnbf.compose, "_known_update_", False, device)
+
+
+_LEAF = st.builds(lambda n: torch.zeros(n), st.integers(1, 3))
+_KEYS = st.one_of(st.text(max_size=3), st.integers(0, 3))  # int keys: pytree's own walk
+_TREES = st.recursive(
+    _LEAF | st.none(),
+    lambda inner: st.one_of(
+        st.lists(inner, max_size=3),
+        st.lists(inner, max_size=3).map(tuple),
+        st.dictionaries(_KEYS, inner, max_size=3),
+        st.builds(Pair, inner, inner),
+        st.dictionaries(st.text(max_size=3), inner, max_size=3).map(collections.OrderedDict),
+    ),
+    max_leaves=12,
+)
+
+
+@given(_TREES)
+def test_any_tree_walks_as_pytree_walks_it(tree):
+    """Random trees of dicts (str or int keys), lists, tuples, namedtuples, OrderedDicts, tensors and None: the core's
+    walk gives pytree's leaves and an equal spec, and its unflatten pytree's tree."""
+    leaves, spec = H._flatten(tree)
+    want, want_spec = pytree.tree_flatten(tree)
+    assert len(leaves) == len(want) and all(a is b for a, b in zip(leaves, want))
+    if type(spec) is pytree.TreeSpec:
+        assert spec == want_spec
+    else:  # one leaf, or a flat dict, list or tuple of leaves: the core's own structure key
+        assert spec == "leaf" or type(spec) is tuple
+    again = H._unflatten(list(leaves), spec)
+    assert pytree.tree_flatten(again)[1] == want_spec
+    assert all(a is b for a, b in zip(pytree.tree_leaves(again), want))
