@@ -323,7 +323,7 @@ def test_any_tree_walks_as_pytree_walks_it(tree):
     leaves, spec = H._flatten(tree)
     want, want_spec = pytree.tree_flatten(tree)
     assert len(leaves) == len(want) and all(a is b for a, b in zip(leaves, want))
-    if type(spec) is pytree.TreeSpec:
+    if isinstance(spec, pytree.TreeSpec):
         assert spec == want_spec
     else:  # one leaf, or a flat dict, list or tuple of leaves: the core's own structure key
         assert spec == "leaf" or type(spec) is tuple
