@@ -190,7 +190,12 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
         return [tree], "leaf"
     leaves: list = []
     shape: list = []
-    if (is_leaf is None or is_leaf is is_state) and type(tree) in _NESTS and _walk(tree, leaf_type, leaves, shape):
+    if (
+        (is_leaf is None or is_leaf is is_state)
+        and type(tree) in _NESTS
+        and not torch.compiler.is_compiling()  # traced: pytree's walk (Dynamo traces no lock, no id())
+        and _walk(tree, leaf_type, leaves, shape)
+    ):
         key = tuple(shape)  # a param tree's and its state tree's: one spec object, compared by identity
         spec = _SPECS.get(key)
         if spec is None:
@@ -310,7 +315,7 @@ def _unflatten(leaves: list, spec: Any) -> Any:
         return dict(zip(spec[1], leaves))
     if isinstance(spec, tuple) and spec[0] in (list, tuple):
         return spec[0](leaves)
-    entry = _SHAPES.get(id(spec))
+    entry = None if torch.compiler.is_compiling() else _SHAPES.get(id(spec))
     if entry is not None and entry[0] is spec:  # a structure of :func:`_walk`'s: rebuilt from its shape
         return _unwalk(entry[1], iter(leaves))
     return pytree.tree_unflatten(leaves, spec)

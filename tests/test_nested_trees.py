@@ -364,3 +364,34 @@ def test_any_nested_tree_steps_as_the_flat_dict_of_its_leaves(shape, in_place):
                 params, state = bnbf.update(params, grads, state, HP, k)
         out.append(pytree.tree_leaves([params, state]))
     assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
+
+
+COMPILED = {
+    "update": lambda p, g, s, k: bnbf.update(p, g, s, HP, k),
+    "update_": lambda p, g, s, k: bnbf.update_(p, g, s, HP, k),
+    "per-leaf callable": lambda p, g, s, k: bnbf.update(p, g, s, _per_leaf, k),
+}
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("step", COMPILED, ids=COMPILED.keys())
+def test_a_nested_tree_compiles_whole_as_on_its_first_call(fresh_dynamo, monkeypatch, device, step):
+    """``torch.compile(fullgraph=True)`` of a step on a nested tree whose structure the core has not walked yet: no
+    graph break (the walk's lock and ids are not traced: pytree's walk instead), Dynamo's one recompile at most, and
+    the eager steps' bits."""
+    from torch._dynamo.testing import CompileCounter
+
+    monkeypatch.setattr(H, "_SPECS", {})
+    monkeypatch.setattr(H, "_SHAPES", {})
+    cnt = CompileCounter()
+    compiled = torch.compile(COMPILED[step], fullgraph=True, backend=cnt)
+    out = []
+    for fn in (compiled, COMPILED[step]):
+        params = _nested(_leaves(5, device=device))
+        state = bnbf.init_state(params, SPEC)
+        for k in (1, 2, 3):
+            got = fn(params, _grads(params, k), state, k)
+            params, state = got if step != "update_" else (params, state)
+        out.append(pytree.tree_leaves([params, state]))
+    assert cnt.frame_count <= 2
+    assert all(torch.equal(a, b) for a, b in zip(*out))
