@@ -1,16 +1,16 @@
 """Nested trees of params (a module's params by submodule: dicts of dicts, lists, tuples): the core reads their
 structure by its own walk (``bnbf._host_checks._flatten``: pytree's leaves and an equal spec, one spec object per
 structure), so ``update_`` steps them through a cached plan and the pure ``update`` records its outputs, as for flat
-dicts. A nested loop equals the same loop on a flat dict bit for bit; an edit of an inner container or leaf between
-two calls gets the answer of a call that takes every check (its error, or its bits), nothing modified on an error;
-the spec cache holds no caller's object.
+dicts, and the composing forms keep its partition. A nested loop equals the same loop on a flat dict bit for bit
+(fixed and random trees, clipped, compiled); an edit of an inner container or leaf between two calls gets the answer
+of a call that takes every check (its error, or its bits), nothing modified on an error; the spec cache holds no
+caller's object.
 """
 
 from __future__ import annotations
 
 import collections
 import gc
-import importlib
 import weakref
 from typing import NamedTuple
 
@@ -26,7 +26,6 @@ from bnbf import _host_checks as H
 from bnbf import functional as F
 from bnbf.state import is_state
 
-P = importlib.import_module("bnbf.plan")  # the module (``bnbf.plan`` is the function that makes a plan)
 SPEC = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)  # the 300-element leaves 8-bit, the small ones 32-bit
 HP = {"lr": 1e-2, "weight_decay": 0.01}
 
