@@ -248,12 +248,13 @@ def _all_leaves(values: Any, is_leaf: Any) -> bool:
 
 def _fast_leaves(tree: Any) -> tuple[list | None, Any]:
     """:func:`_flatten`'s leaves and key for a flat dict, list or tuple, without checking the leaves' types
-    (``(None, None)`` for any other tree)."""
+    (``(None, None)`` for any other tree, a nested one included: :func:`_flatten` walks it)."""
     t = type(tree)
     if t is dict:
-        return list(tree.values()), ("dict", tuple(tree))
+        values = list(tree.values())
+        return (None, None) if any(type(v) in _NESTS for v in values) else (values, ("dict", tuple(tree)))
     if t is list or t is tuple:
-        return tree, (t, len(tree))
+        return (None, None) if any(type(v) in _NESTS for v in tree) else (tree, (t, len(tree)))
     return None, None
 
 
@@ -315,17 +316,22 @@ def _unflatten(leaves: list, spec: Any) -> Any:
         return dict(zip(spec[1], leaves))
     if isinstance(spec, tuple) and spec[0] in (list, tuple):
         return spec[0](leaves)
-    entry = None if torch.compiler.is_compiling() else _SHAPES.get(id(spec))
-    if entry is not None and entry[0] is spec:  # a structure of :func:`_walk`'s: rebuilt from its shape
-        return _unwalk(entry[1], iter(leaves))
+    shape = None if torch.compiler.is_compiling() else _shape_of(spec)
+    if shape is not None:  # a structure of :func:`_walk`'s: rebuilt from its shape
+        return _unwalk(shape, iter(leaves))
     return pytree.tree_unflatten(leaves, spec)
+
+
+def _shape_of(spec: Any) -> tuple | None:
+    """The :func:`_walk` shape of a spec :func:`_flatten` made from its own walk, else None."""
+    entry = _SHAPES.get(id(spec))
+    return entry[1] if entry is not None and entry[0] is spec else None
 
 
 def walked(spec: Any) -> bool:
     """Whether ``spec`` is a nested structure :func:`_flatten` read by its own walk (str keys: no caller's object
     in it)."""
-    entry = _SHAPES.get(id(spec))
-    return entry is not None and entry[0] is spec
+    return _shape_of(spec) is not None
 
 
 def _unwalk(shape: tuple, leaves: Any) -> Any:
@@ -475,6 +481,8 @@ def _check_grad(name: str, p: Tensor, g: Any) -> None:
 
 def _check_state(name: str, p: Tensor, s: Any) -> None:
     """Raise the precise error for a state that does not fit its (valid) param; return if it does."""
+    if s is None:  # a None leaf of a nested tree (pytree's leaf: the structures agree)
+        raise _is_none("state", name)
     if not is_state(s):
         raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
     layout: Layout = type(s).layout
@@ -501,8 +509,6 @@ def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
     _check_param(p, name)
     if g is not _NO_GRAD:
         _check_grad(name, p, g)
-    if s is None:
-        raise _is_none("state", name)
     _check_state(name, p, s)
     raise AssertionError(f"unexpected input at {name}")  # the checks and _check_leaf disagree
 

@@ -8,7 +8,6 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 from __future__ import annotations
 
 import functools
-import itertools
 import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -377,8 +376,7 @@ def update_(
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         check_clip_not_differentiated(max_grad_norm, state, in_place=True)
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
-    compiling = torch.compiler.is_compiling()
-    if not compiling:  # traced: no ids (the generic path's Dynamo-friendly checks)
+    if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
         hit = _last_plan(param, state)
         if hit is not None:
             hit[0]._step(hit[1], hit[2], param, grad, hparams, step, skip_zeros, max_unorm, maximize)
@@ -387,8 +385,7 @@ def update_(
     # (the same objects, at their planned addresses), a new plan checks them, the step checks the grads
     params, spec = _fast_leaves(param)
     states, s_spec = _fast_leaves(state)
-    # nested containers (a module's params by submodule) walked to their leaves, whose plan is then cached as well
-    if params is None or states is None or (not compiling and not all(map(isinstance, params, _TENSOR))):
+    if params is None or states is None:  # nested containers too: walked to their leaves, their plan cached
         params, spec = _flatten(param)
         states, s_spec = _flatten(state, is_leaf=is_state)
     found = _cached(param, params, states, spec, s_spec)
@@ -404,9 +401,6 @@ def update_(
         found._step(params, states, param, grad, hparams, step, skip_zeros, max_unorm, maximize)
         _remember(param, state, found)
     return param, state
-
-
-_TENSOR = itertools.repeat(Tensor)  # (Dynamo cannot iterate a module's repeat object: eager calls only)
 
 
 def _remember(param: Any, state: Any, plan: Any) -> None:

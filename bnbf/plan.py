@@ -498,13 +498,14 @@ class Plan:
         t = type(grad)
         if listed:
             grads, g_spec = grad, self._spec
-        elif t is dict and self._keys is not None:
+        elif (
+            t is dict
+            and self._keys is not None
+            and NATIVE is not None
             # a dict with the planned keys: its values without building the key tuple (one compiled call)
-            grads = NATIVE.values_if_keys(grad, self._keys) if NATIVE is not None else None
-            if grads is not None:
-                g_spec = self._spec
-            else:
-                grads, g_spec = list(grad.values()), ("dict", tuple(grad))
+            and (grads := NATIVE.values_if_keys(grad, self._keys)) is not None
+        ):
+            g_spec = self._spec
         elif type(self._spec) is TreeSpec:  # nested containers: walked to their leaves
             grads, g_spec = _flatten(grad)
         elif t is dict:
