@@ -87,6 +87,7 @@ from bnbf.plan import (
     fields_as_planned,
     fields_planned,
     group_rows,
+    leaves_by,
     packed_rows,
     rows_layout,
 )
@@ -1246,9 +1247,8 @@ def _kept_leaves(params: Any, grads: Any, state: Any) -> tuple | None:
             (id(next(iter(pv))), id(next(reversed(pv))), id(next(iter(sv))), id(next(reversed(sv))), len(pv))
         )
         if entry is not None and entry.spec is None:  # a flat dict: its keys, no walk
-            keys = entry.keys
-            ps, ss, gs = _values_of(params, keys), _values_of(state, keys), _values_of(grads, keys)
-            return None if ps is None or ss is None or gs is None else (entry, ps, gs, ss)
+            found = leaves_by(("dict", entry.keys), params, grads, state)
+            return None if found is None else (entry, *found)
     elif type(params) not in (list, tuple):
         return None
     ps, spec = _flatten(params)

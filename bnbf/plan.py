@@ -845,6 +845,18 @@ def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state:
     """``(params, grads, states)`` where trees ``param`` and ``state`` of structure ``spec`` (``"leaf"``, ``("dict",
     keys)``, ``(list or tuple, length)`` or a pytree spec) hold a pure call's outputs as it made them (``planned``: its
     :func:`fields_planned`; ``types``: its states' classes) and the grads fit them (:func:`leaves_fit`); else None."""
+    found = leaves_by(spec, param, grad, state)
+    if found is None:
+        return None
+    params, grads, states = found
+    if not (leaves_fit(params, grads, states, planned, torch.is_grad_enabled()) and list(map(type, states)) == types):
+        return None
+    return params, grads, states
+
+
+def leaves_by(spec: Any, param: Any, grad: Any, state: Any) -> tuple | None:
+    """``(params, grads, states)``: the leaves of three trees of the known structure ``spec`` (``"leaf"``, ``("dict",
+    keys)``, ``(list or tuple, length)`` or a pytree spec), else None (a tree of another structure)."""
     if spec == "leaf":
         params, grads, states = [param], [grad], [state]
     elif type(spec) is TreeSpec:  # nested containers: walked to their leaves (one spec object per structure)
@@ -861,8 +873,6 @@ def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state:
         if not (type(param) is type(grad) is type(state) is t and len(param) == len(grad) == len(state) == spec[1]):
             return None
         params, grads, states = list(param), list(grad), list(state)
-    if not (leaves_fit(params, grads, states, planned, torch.is_grad_enabled()) and list(map(type, states)) == types):
-        return None
     return params, grads, states
 
 
