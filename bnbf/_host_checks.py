@@ -194,7 +194,7 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
         (is_leaf is None or is_leaf is is_state)
         and type(tree) in _NESTS
         and not torch.compiler.is_compiling()  # traced: pytree's walk (Dynamo traces no lock, no id())
-        and _walk(tree, leaf_type, leaves, shape)
+        and (_walk if NATIVE is None else NATIVE.walk)(tree, leaf_type, leaves, shape)
     ):
         key = tuple(shape)  # a param tree's and its state tree's: one spec object, compared by identity
         spec = _SPECS.get(key)
@@ -224,7 +224,8 @@ _SPECS_LOCK = threading.Lock()
 def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:
     """Append ``tree``'s leaves (instances of ``leaf_type``) in pytree's order and its structure (each container's
     type, length and a dict's keys; None for a leaf); False for anything else in it (another container or leaf type, a
-    key that is not a str, None): :func:`_flatten` then takes pytree's own walk."""
+    key that is not a str, None): :func:`_flatten` then takes pytree's own walk. The compiled ``walk`` is its twin
+    (one call for a whole tree: GPT-2's 148 leaves nested by module took 65 us a walk here, most of update_'s time)."""
     t = type(tree)
     if t is dict:
         if tree and set(map(type, tree)) != _STR:
@@ -317,7 +318,9 @@ def _unflatten(leaves: list, spec: Any) -> Any:
     if isinstance(spec, tuple) and spec[0] in (list, tuple):
         return spec[0](leaves)
     shape = None if torch.compiler.is_compiling() else _shape_of(spec)
-    if shape is not None:  # a structure of :func:`_walk`'s: rebuilt from its shape
+    if shape is not None:  # a structure of :func:`_walk`'s: rebuilt from its shape (in one call where compiled)
+        if NATIVE is not None:
+            return NATIVE.unwalk(shape, leaves if type(leaves) is list else list(leaves))
         return _unwalk(shape, iter(leaves))
     return pytree.tree_unflatten(leaves, spec)
 

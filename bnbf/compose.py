@@ -668,7 +668,7 @@ def _one_rule_tree(state: Any) -> bool:
     # by class, not by leaf: a tree's states are of a few classes (GPT-2's 148: 140 -> 10 us a call, 2-core CPU)
     kinds = set(map(type, state.values())) if type(state) is dict else None
     if kinds is None or not all(issubclass(kind, State) for kind in kinds):  # not a flat dict of states
-        kinds = set(map(type, pytree.tree_leaves(state, is_leaf=is_state)))
+        kinds = set(map(type, _flatten(state, is_leaf=is_state)[0]))  # a nested tree: the core's walk
     # compared, not put in a set: torch 2.11's Dynamo (compiled vmap) cannot hash a class attribute's string
     rules = [kind.layout.rule for kind in kinds if issubclass(kind, State)]
     return all(r == rules[0] for r in rules)

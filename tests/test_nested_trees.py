@@ -24,7 +24,7 @@ from torch.utils import _pytree as pytree
 import bnbf
 from bnbf import _host_checks as H
 from bnbf import functional as F
-from bnbf.state import is_state
+from bnbf.state import State, is_state
 
 SPEC = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)  # the 300-element leaves 8-bit, the small ones 32-bit
 HP = {"lr": 1e-2, "weight_decay": 0.01}
@@ -329,6 +329,117 @@ def test_any_tree_walks_as_pytree_walks_it(tree):
     again = H._unflatten(list(leaves), spec)
     assert pytree.tree_flatten(again)[1] == want_spec
     assert all(a is b for a, b in zip(pytree.tree_leaves(again), want))
+
+
+_STATE = bnbf.init_state(torch.zeros(2), bnbf.OptimSpec(rule="adamw", state_bits=32))
+_OF_KIND = {  # leaves of the walk's type (a Parameter: an isinstance past the exact type), then others
+    torch.Tensor: [torch.zeros(1), torch.nn.Parameter(torch.zeros(2))],
+    State: [_STATE, bnbf.init_state(torch.zeros(300), bnbf.OptimSpec(rule="lion"))],
+}
+
+
+def _mixed(leaf_type: type):
+    """Trees mostly of ``leaf_type``'s leaves in dicts (str keys, int keys now and then), lists and tuples, with now
+    and then a namedtuple node, None, a number or a leaf of the other kind."""
+    other = next(v for k, v in _OF_KIND.items() if k is not leaf_type)[0]
+    return st.recursive(
+        st.sampled_from(_OF_KIND[leaf_type] * 8 + [None, 3.0, other]),
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=3),
+            st.lists(inner, max_size=3).map(tuple),
+            st.dictionaries(st.text(max_size=2), inner, max_size=3),
+            st.dictionaries(st.text(max_size=2), inner, max_size=3),
+            st.dictionaries(st.one_of(st.text(max_size=2), st.integers(0, 1)), inner, min_size=1, max_size=2),
+            st.builds(Pair, inner, inner),
+        ),
+        max_leaves=10,
+    ).filter(lambda t: type(t) in (dict, list, tuple))
+
+
+@pytest.mark.surface  # host code only: the same in both passes
+@pytest.mark.skipif(H.NATIVE is None, reason="the C++ host checks were not built")
+@settings(max_examples=150)  # about 10 ms an example
+@given(st.sampled_from(list(_OF_KIND)).flatmap(lambda t: st.tuples(st.just(t), _mixed(t))))
+def test_the_compiled_walk_answers_as_its_python_twin(drawn):
+    """The compiled walk (bnbf/csrc/host_checks.cpp) gives its Python twin's answer, leaves and structure for trees
+    of tensors or of states, with other leaves, None, int keys and namedtuple nodes among them."""
+    leaf_type, tree = drawn
+    got, want = ([], []), ([], [])
+    answer = H.NATIVE.walk(tree, leaf_type, *got)
+    assert answer is H._walk(tree, leaf_type, *want)
+    if answer:  # a "no" leaves a part in the lists, which the caller drops
+        assert len(got[0]) == len(want[0]) and all(a is b for a, b in zip(got[0], want[0]))
+        assert got[1] == want[1]
+
+
+@pytest.mark.surface
+@pytest.mark.skipif(H.NATIVE is None, reason="the C++ host checks were not built")
+@settings(max_examples=60)
+@given(_mixed(torch.Tensor))
+def test_the_compiled_unwalk_rebuilds_as_its_python_twin(tree):
+    """The compiled unwalk rebuilds a walked tree as its Python twin does: the same containers (new objects), keys
+    and leaves (the very objects) as the tree walked."""
+    leaves, shape = [], []
+    if not H._walk(tree, torch.Tensor, leaves, shape):
+        return
+    got, want = H.NATIVE.unwalk(tuple(shape), leaves), H._unwalk(tuple(shape), iter(leaves))
+    assert pytree.tree_flatten(got)[1] == pytree.tree_flatten(want)[1] == pytree.tree_flatten(tree)[1]
+    assert all(a is b for a, b in zip(pytree.tree_leaves(got), leaves, strict=True))
+    assert type(tree) is tuple or got is not tree  # a new container (the empty tuple is one object)
+
+
+@pytest.mark.surface
+@pytest.mark.skipif(H.NATIVE is None, reason="the C++ host checks were not built")
+def test_the_compiled_unwalk_refuses_a_shape_not_walks():
+    """A shape that is not walk's, or leaves that do not fill it, raise ValueError (no read past either's end)."""
+    t = torch.zeros(1)
+    assert H.NATIVE.unwalk((dict, 2, "a", "b", None, list, 1, None), [t, t]) == {"a": t, "b": [t]}
+    bad = {
+        "shape cut short": ((dict, 2, "a", "b", None), [t, t]),
+        "a length past the end": ((list, 5, None), [t]),
+        "a negative length": ((tuple, -1), []),
+        "no length": ((list,), []),
+        "a type walk never writes": ((set, 1, None), [t]),
+        "too few leaves": ((list, 2, None, None), [t]),
+        "leaves left over": ((list, 1, None), [t, t]),
+        "entries left over": ((list, 1, None, None), [t, t]),
+    }
+    for shape, leaves in bad.values():
+        with pytest.raises(ValueError, match="unwalk"):
+            H.NATIVE.unwalk(shape, leaves)
+
+
+class _Editor:
+    """An object whose ``__class__`` (which isinstance reads for a type that is not its own) empties a container
+    of the tree being walked and claims to be a tensor."""
+
+    def __init__(self, victim):
+        self.victim = victim
+
+    @property
+    def __class__(self):
+        self.victim.clear()
+        return torch.Tensor
+
+
+@pytest.mark.surface
+@pytest.mark.skipif(H.NATIVE is None, reason="the C++ host checks were not built")
+@pytest.mark.parametrize("victim", ["parent list", "parent dict", "root"])
+def test_the_compiled_walk_survives_a_tree_edited_under_it(victim):
+    """Python code run by an isinstance during the walk (a ``__class__`` property) empties a container being walked,
+    the one holding the object or the root: the walk holds what it reads (no freed object read, no crash) and
+    answers; a tree deeper than the recursion limit is a "no" with no error left set (pytree's walk answers it)."""
+    inner = [torch.zeros(1), None, torch.zeros(2), torch.zeros(3)]
+    tree = {"a": {"b": inner, "c": torch.zeros(1)}, "d": [torch.zeros(1)] * 3}
+    inner[1] = _Editor({"parent list": inner, "parent dict": tree["a"], "root": tree}[victim])
+    leaves, shape = [], []
+    assert H.NATIVE.walk(tree, torch.Tensor, leaves, shape) in (True, False)
+    deep: list = [torch.zeros(1)]
+    for _ in range(10_000):
+        deep = [deep]
+    assert H.NATIVE.walk(deep, torch.Tensor, [], []) is False
+    with pytest.raises(RecursionError):
+        H._flatten(deep)
 
 
 _SIZES = st.sampled_from([1, 5, 255, 257, 300])

@@ -532,6 +532,153 @@ PyObject* set_each(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   Py_RETURN_NONE;
 }
 
+// visit: one value of a node for walk_node (1 yes, 0 no, -1 a Python error set), held while it is read: an
+// isinstance of a non-exact type may run Python code (a __class__ property) that edits the tree under the walk.
+int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* shape);
+
+int visit(PyObject* v, PyObject* leaf_type, PyObject* leaves, PyObject* shape) {
+  Py_INCREF(v);
+  int result = 1;
+  if (PyDict_CheckExact(v) || PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+    result = walk_node(v, leaf_type, leaves, shape);
+  } else if (!Py_IS_TYPE(v, reinterpret_cast<PyTypeObject*>(leaf_type)) && PyObject_IsInstance(v, leaf_type) != 1) {
+    PyErr_Clear();  // another type, or an isinstance that raised: a "no"
+    result = 0;
+  } else if (PyList_Append(leaves, v) < 0 || PyList_Append(shape, Py_None) < 0) {
+    result = -1;
+  }
+  Py_DECREF(v);
+  return result;
+}
+
+// walk_node: _host_checks._walk's answer for one dict, list or tuple (exact types; a dict, list or tuple is never
+// a leaf: leaf_type is Tensor or State): 1 yes, 0 no, -1 a Python error set (an append out of memory). A tree too
+// deep for the interpreter's recursion limit is a "no" (pytree's walk then answers for it, as for the twin).
+int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* shape) {
+  if (Py_EnterRecursiveCall(" while walking a tree")) {
+    PyErr_Clear();
+    return 0;
+  }
+  int result = 1;
+  PyObject* size = nullptr;
+  if (PyDict_CheckExact(tree)) {
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (result == 1 && PyDict_Next(tree, &pos, &key, &value)) result = PyUnicode_CheckExact(key);
+    size = PyLong_FromSsize_t(PyDict_GET_SIZE(tree));
+    if (result == 1 && (size == nullptr || PyList_Append(shape, reinterpret_cast<PyObject*>(&PyDict_Type)) < 0 ||
+                        PyList_Append(shape, size) < 0)) {
+      result = -1;
+    }
+    for (pos = 0; result == 1 && PyDict_Next(tree, &pos, &key, &value);) {
+      if (PyList_Append(shape, key) < 0) result = -1;
+    }
+    for (pos = 0; result == 1 && PyDict_Next(tree, &pos, &key, &value);) {
+      result = visit(value, leaf_type, leaves, shape);
+    }
+  } else {
+    const Py_ssize_t n = PyList_CheckExact(tree) ? PyList_GET_SIZE(tree) : PyTuple_GET_SIZE(tree);
+    size = PyLong_FromSsize_t(n);
+    if (size == nullptr || PyList_Append(shape, reinterpret_cast<PyObject*>(Py_TYPE(tree))) < 0 ||
+        PyList_Append(shape, size) < 0) {
+      result = -1;
+    }
+    // by index: a list edited by Python code under the walk is read at its current length
+    for (Py_ssize_t i = 0; result == 1 && i < Py_SIZE(tree); ++i) {
+      result = visit(PyList_CheckExact(tree) ? PyList_GET_ITEM(tree, i) : PyTuple_GET_ITEM(tree, i), leaf_type,
+                     leaves, shape);
+    }
+  }
+  Py_XDECREF(size);
+  Py_LeaveRecursiveCall();
+  return result;
+}
+
+// walk(tree, leaf_type, leaves, shape) -> bool: _host_checks._walk (its Python twin) in one call: appends tree's
+// leaves and structure to the two lists, True where tree is dicts (str keys), lists and tuples of leaf_type's
+// instances only, else False (the lists then hold a part: the caller drops them).
+PyObject* walk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 4)) return nullptr;
+  PyObject *tree = args[0], *leaf_type = args[1], *leaves = args[2], *shape = args[3];
+  if (!PyList_CheckExact(leaves) || !PyList_CheckExact(shape)) {
+    PyErr_SetString(PyExc_TypeError, "walk expects two lists to append to");
+    return nullptr;
+  }
+  if (!(PyDict_CheckExact(tree) || PyList_CheckExact(tree) || PyTuple_CheckExact(tree))) Py_RETURN_FALSE;
+  const int result = walk_node(tree, leaf_type, leaves, shape);
+  if (result < 0) return nullptr;
+  return PyBool_FromLong(result);
+}
+
+// unwalk_node: the tree at shape[*pos] (a new reference), leaves taken from leaves[*leaf] on; nullptr with an
+// error set where the shape or the leaves run short or an entry is not walk's (a shape is walk's own, but a
+// malformed one must not read past the end).
+PyObject* unwalk_node(PyObject* shape, Py_ssize_t* pos, PyObject* leaves, Py_ssize_t* leaf) {
+  const Py_ssize_t n_shape = PyTuple_GET_SIZE(shape);
+  if (*pos >= n_shape) return PyErr_Format(PyExc_ValueError, "unwalk: the shape ends at entry %zd", *pos);
+  PyObject* t = PyTuple_GET_ITEM(shape, (*pos)++);
+  if (t == Py_None) {
+    if (*leaf >= PyList_GET_SIZE(leaves)) return PyErr_Format(PyExc_ValueError, "unwalk: %zd leaves", *leaf);
+    PyObject* v = PyList_GET_ITEM(leaves, (*leaf)++);
+    Py_INCREF(v);
+    return v;
+  }
+  const bool is_dict = t == reinterpret_cast<PyObject*>(&PyDict_Type);
+  if (!(is_dict || t == reinterpret_cast<PyObject*>(&PyList_Type) || t == reinterpret_cast<PyObject*>(&PyTuple_Type)) ||
+      *pos >= n_shape || !PyLong_CheckExact(PyTuple_GET_ITEM(shape, *pos))) {
+    return PyErr_Format(PyExc_ValueError, "unwalk: entry %zd of the shape is not walk's", *pos - 1);
+  }
+  const Py_ssize_t n = PyLong_AsSsize_t(PyTuple_GET_ITEM(shape, (*pos)++));
+  if (n < 0 || n > n_shape - *pos) {  // every item takes an entry at least
+    if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "unwalk: entry %zd of the shape is not walk's", *pos - 1);
+    return nullptr;
+  }
+  if (Py_EnterRecursiveCall(" while rebuilding a tree")) return nullptr;
+  PyObject* out = nullptr;
+  if (is_dict) {
+    const Py_ssize_t keys = *pos;
+    *pos += n;
+    out = PyDict_New();
+    for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+      PyObject* v = unwalk_node(shape, pos, leaves, leaf);
+      if (v == nullptr || PyDict_SetItem(out, PyTuple_GET_ITEM(shape, keys + i), v) < 0) Py_CLEAR(out);
+      Py_XDECREF(v);
+    }
+  } else {
+    out = t == reinterpret_cast<PyObject*>(&PyList_Type) ? PyList_New(n) : PyTuple_New(n);
+    for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
+      PyObject* v = unwalk_node(shape, pos, leaves, leaf);
+      if (v == nullptr) {
+        Py_CLEAR(out);
+      } else if (PyList_CheckExact(out)) {
+        PyList_SET_ITEM(out, i, v);  // steals v
+      } else {
+        PyTuple_SET_ITEM(out, i, v);
+      }
+    }
+  }
+  Py_LeaveRecursiveCall();
+  return out;
+}
+
+// unwalk(shape, leaves) -> tree: _host_checks._unwalk (its Python twin) in one call: the tree of walk's `shape`
+// (a tuple) with `leaves` (a list) in it, each used once in order.
+PyObject* unwalk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
+  if (!nargs_is(nargs, 2)) return nullptr;
+  if (!PyTuple_CheckExact(args[0]) || !PyList_CheckExact(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "unwalk expects a shape tuple and a list of leaves");
+    return nullptr;
+  }
+  Py_ssize_t pos = 0, leaf = 0;
+  PyObject* out = unwalk_node(args[0], &pos, args[1], &leaf);
+  if (out != nullptr && (pos != PyTuple_GET_SIZE(args[0]) || leaf != PyList_GET_SIZE(args[1]))) {
+    Py_DECREF(out);
+    return PyErr_Format(PyExc_ValueError, "unwalk: %zd of %zd shape entries and %zd of %zd leaves used", pos,
+                        PyTuple_GET_SIZE(args[0]), leaf, PyList_GET_SIZE(args[1]));
+  }
+  return out;
+}
+
 PyMethodDef methods[] = {
     {"grads_match", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(grads_match)), METH_FASTCALL,
      "grads_match(params, grads) -> bool"},
@@ -561,6 +708,10 @@ PyMethodDef methods[] = {
      "own_grads_at(params, packed) -> None, True or (grads, bytes)"},
     {"set_each", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(set_each)), METH_FASTCALL,
      "set_each(dicts, key, value) -> None"},
+    {"walk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(walk)), METH_FASTCALL,
+     "walk(tree, leaf_type, leaves, shape) -> bool"},
+    {"unwalk", reinterpret_cast<PyCFunction>(reinterpret_cast<void (*)()>(unwalk)), METH_FASTCALL,
+     "unwalk(shape, leaves) -> tree"},
     {nullptr, nullptr, 0, nullptr},
 };
 
