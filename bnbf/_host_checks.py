@@ -226,20 +226,20 @@ def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:
     type, length and a dict's keys; None for a leaf); False for anything else in it (another container or leaf type, a
     key that is not a str, None): :func:`_flatten` then takes pytree's own walk. The compiled ``walk`` is its twin
     (one call for a whole tree: GPT-2's 148 leaves nested by module took 65 us a walk here, most of update_'s time)."""
-    t = type(tree)
+    t, n = type(tree), len(tree)
     if t is dict:
         if tree and set(map(type, tree)) != _STR:
             return False
-        shape += (dict, len(tree), *tree)
+        shape += (dict, n, *tree)
     else:
-        shape += (t, len(tree))
-    for v in tree.values() if t is dict else tree:
+        shape += (t, n)
+    for v in list(tree.values()) if t is dict else tree:
         if isinstance(v, leaf_type):
             leaves.append(v)
             shape.append(None)
         elif type(v) not in _NESTS or not _walk(v, leaf_type, leaves, shape):
             return False
-    return True
+    return len(tree) == n  # a node resized under the walk (by an isinstance's Python code): its shape is stale
 
 
 def _all_leaves(values: Any, is_leaf: Any) -> bool:

@@ -427,13 +427,14 @@ class _Editor:
 @pytest.mark.parametrize("victim", ["parent list", "parent dict", "root"])
 def test_the_compiled_walk_survives_a_tree_edited_under_it(victim):
     """Python code run by an isinstance during the walk (a ``__class__`` property) empties a container being walked,
-    the one holding the object or the root: the walk holds what it reads (no freed object read, no crash) and
-    answers; a tree deeper than the recursion limit is a "no" with no error left set (pytree's walk answers it)."""
-    inner = [torch.zeros(1), None, torch.zeros(2), torch.zeros(3)]
-    tree = {"a": {"b": inner, "c": torch.zeros(1)}, "d": [torch.zeros(1)] * 3}
-    inner[1] = _Editor({"parent list": inner, "parent dict": tree["a"], "root": tree}[victim])
-    leaves, shape = [], []
-    assert H.NATIVE.walk(tree, torch.Tensor, leaves, shape) in (True, False)
+    the one holding the object or the root: the walk holds what it reads (no freed object read, no crash) and says
+    no (its shape would not be the tree's), as its Python twin does; a tree deeper than the recursion limit is a
+    "no" with no error left set (pytree's walk answers it)."""
+    for walk in (H.NATIVE.walk, H._walk):
+        inner = [torch.zeros(1), None, torch.zeros(2), torch.zeros(3)]
+        tree = {"a": {"b": inner, "c": torch.zeros(1)}, "d": [torch.zeros(1)] * 3}
+        inner[1] = _Editor({"parent list": inner, "parent dict": tree["a"], "root": tree}[victim])
+        assert walk(tree, torch.Tensor, [], []) is False
     deep: list = [torch.zeros(1)]
     for _ in range(10_000):
         deep = [deep]

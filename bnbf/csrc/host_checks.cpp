@@ -576,6 +576,8 @@ int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* s
     for (pos = 0; result == 1 && PyDict_Next(tree, &pos, &key, &value);) {
       result = visit(value, leaf_type, leaves, shape);
     }
+    // a node resized by Python code under the walk (its shape no longer its leaves' count): a "no"
+    if (result == 1 && PyDict_GET_SIZE(tree) != PyLong_AsSsize_t(size)) result = 0;
   } else {
     const Py_ssize_t n = PyList_CheckExact(tree) ? PyList_GET_SIZE(tree) : PyTuple_GET_SIZE(tree);
     size = PyLong_FromSsize_t(n);
@@ -588,6 +590,7 @@ int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* s
       result = visit(PyList_CheckExact(tree) ? PyList_GET_ITEM(tree, i) : PyTuple_GET_ITEM(tree, i), leaf_type,
                      leaves, shape);
     }
+    if (result == 1 && Py_SIZE(tree) != n) result = 0;
   }
   Py_XDECREF(size);
   Py_LeaveRecursiveCall();
