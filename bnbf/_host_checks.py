@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import array
 import bisect
+import collections
 import dataclasses
 import functools
 import itertools
@@ -210,10 +211,11 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
 
 
-# nested dicts, lists and tuples of leaves (a module's params by submodule): their structure read by _walk, each
-# structure's pytree spec made once (and rebuilt from its shape by _unwalk). Keys: types, lengths and str keys
-# only (no caller's object is held)
-_NESTS = (dict, list, tuple)
+# nested dicts, lists and tuples of leaves (a module's params by submodule; OrderedDicts too, as state_dict() gives
+# them): their structure read by _walk, each structure's pytree spec made once (and rebuilt from its shape by
+# _unwalk). Keys: types, lengths and str keys only (no caller's object is held)
+_NESTS = (dict, list, tuple, collections.OrderedDict)
+_MAPS = (dict, collections.OrderedDict)
 _STR = {str}
 _SPECS: dict = {}  # shape -> its pytree spec
 _SHAPES: dict = {}  # id(spec) -> (spec, shape)
@@ -227,13 +229,13 @@ def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:
     key that is not a str, None): :func:`_flatten` then takes pytree's own walk. The compiled ``walk`` is its twin
     (one call for a whole tree: GPT-2's 148 leaves nested by module took 65 us a walk here, most of update_'s time)."""
     t, n = type(tree), len(tree)
-    if t is dict:
+    if t in _MAPS:
         if tree and set(map(type, tree)) != _STR:
             return False
-        shape += (dict, n, *tree)
+        shape += (t, n, *tree)
     else:
         shape += (t, n)
-    for v in list(tree.values()) if t is dict else tree:
+    for v in list(tree.values()) if t in _MAPS else tree:
         if isinstance(v, leaf_type):
             leaves.append(v)
             shape.append(None)
@@ -350,10 +352,10 @@ def _unwalk(shape: tuple, leaves: Any) -> Any:
             return next(leaves)
         n = shape[pos + 1]
         pos += 2
-        if t is dict:
+        if t in _MAPS:
             keys = shape[pos : pos + n]
             pos += n
-            return {k: build() for k in keys}
+            return t((k, build()) for k in keys)
         items = [build() for _ in range(n)]
         return items if t is list else tuple(items)
 

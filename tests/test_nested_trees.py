@@ -1,4 +1,5 @@
-"""Nested trees of params (a module's params by submodule: dicts of dicts, lists, tuples): the core reads their
+"""Nested trees of params (a module's params by submodule: dicts of dicts, lists, tuples, OrderedDicts as
+``state_dict()`` gives them, in their own order): the core reads their
 structure by its own walk (``bnbf._host_checks._flatten``: pytree's leaves and an equal spec, one spec object per
 structure), so ``update_`` steps them through a cached plan and the pure ``update`` records its outputs, as for flat
 dicts, and the composing forms keep its partition. A nested loop equals the same loop on a flat dict bit for bit
@@ -44,22 +45,33 @@ def _nested(leaves: list) -> dict:
     return {"a": leaves[0], "m": [leaves[1], {"c": leaves[2], "d": (leaves[3],)}], "e": {"f": {"g": leaves[4]}}}
 
 
+def _moved(tree: collections.OrderedDict, key: str) -> collections.OrderedDict:
+    """``tree`` with ``key`` moved to its end: an OrderedDict's order that its dict's insertion order is not."""
+    tree.move_to_end(key)
+    return tree
+
+
 TREES = {
     "nested": lambda ls: _nested(ls),
     "empty inner dict": lambda ls: {"a": ls[0], "z": {}, "b": [ls[1]]},
+    "OrderedDict node": lambda ls: {"a": ls[0], "o": collections.OrderedDict(x=ls[1])},
+    "OrderedDict reordered": lambda ls: _moved(collections.OrderedDict(x=ls[0], y=[ls[1]], z=ls[2]), "x"),
     # pytree's own walk (the core's does not read them): the same leaves and spec
     "namedtuple node": lambda ls: {"a": ls[0], "p": Pair(ls[1], ls[2])},
-    "OrderedDict node": lambda ls: {"a": ls[0], "o": collections.OrderedDict(x=ls[1])},
     "int keys": lambda ls: {"a": ls[0], "m": {0: ls[1], 1: ls[2]}},
     "None leaf": lambda ls: {"a": ls[0], "m": [ls[1], None]},
     "top-level list": lambda ls: [ls[0], [ls[1], (ls[2],)]],
 }
 
 
-@pytest.mark.parametrize("make", TREES.values(), ids=TREES.keys())
-def test_the_walk_gives_pytrees_leaves_and_spec(make):
+OWN_WALK = ["nested", "empty inner dict", "OrderedDict node", "OrderedDict reordered", "top-level list"]
+
+
+@pytest.mark.parametrize("name, make", TREES.items(), ids=TREES.keys())
+def test_the_walk_gives_pytrees_leaves_and_spec(name, make):
     tree = make(_leaves(5))
     leaves, spec = H._flatten(tree)
+    assert H.walked(spec) is (name in OWN_WALK)
     want, want_spec = pytree.tree_flatten(tree)
     assert len(leaves) == len(want) and all(a is b for a, b in zip(leaves, want))
     assert spec == want_spec
@@ -107,10 +119,19 @@ def generic_steps(monkeypatch):
     return calls
 
 
+IN_PLACE_TREES = {
+    "nested": _nested,
+    # model.state_dict()'s type, reordered: its leaves in its own order
+    "flat OrderedDict": lambda ls: _moved(collections.OrderedDict((str(i), t) for i, t in enumerate(ls)), "0"),
+}
+
+
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, device):
+@pytest.mark.parametrize("make", IN_PLACE_TREES.values(), ids=IN_PLACE_TREES.keys())
+def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, device, make):
     leaves = _leaves(5, device=device)
-    params, flat = _nested(leaves), {str(i): t.clone() for i, t in enumerate(leaves)}
+    params = make(leaves)
+    flat = {str(i): t.clone() for i, t in enumerate(pytree.tree_leaves(params))}
     state, flat_state = bnbf.init_state(params, SPEC), bnbf.init_state(flat, SPEC)
     for k in range(1, 5):
         grads = _grads(params, k)
@@ -350,6 +371,7 @@ def _mixed(leaf_type: type):
             st.dictionaries(st.text(max_size=2), inner, max_size=3),
             st.dictionaries(st.text(max_size=2), inner, max_size=3),
             st.dictionaries(st.one_of(st.text(max_size=2), st.integers(0, 1)), inner, min_size=1, max_size=2),
+            st.dictionaries(st.text(max_size=2), inner, max_size=3).map(collections.OrderedDict),
             st.builds(Pair, inner, inner),
         ),
         max_leaves=10,
@@ -362,7 +384,7 @@ def _mixed(leaf_type: type):
 @given(st.sampled_from(list(_OF_KIND)).flatmap(lambda t: st.tuples(st.just(t), _mixed(t))))
 def test_the_compiled_walk_answers_as_its_python_twin(drawn):
     """The compiled walk (bnbf/csrc/host_checks.cpp) gives its Python twin's answer, leaves and structure for trees
-    of tensors or of states, with other leaves, None, int keys and namedtuple nodes among them."""
+    of tensors or of states, with other leaves, None, int keys, OrderedDicts and namedtuple nodes among them."""
     leaf_type, tree = drawn
     got, want = ([], []), ([], [])
     answer = H.NATIVE.walk(tree, leaf_type, *got)
@@ -450,6 +472,9 @@ _PARAM_TREES = st.recursive(
         st.lists(inner, min_size=1, max_size=3),
         st.lists(inner, min_size=1, max_size=3).map(tuple),
         st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, min_size=1, max_size=3),
+        st.dictionaries(st.text("abc", min_size=1, max_size=2), inner, min_size=1, max_size=3).map(
+            lambda d: _moved(collections.OrderedDict(d), next(iter(d)))
+        ),
     ),
     max_leaves=6,
 )

@@ -539,7 +539,7 @@ int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* s
 int visit(PyObject* v, PyObject* leaf_type, PyObject* leaves, PyObject* shape) {
   Py_INCREF(v);
   int result = 1;
-  if (PyDict_CheckExact(v) || PyList_CheckExact(v) || PyTuple_CheckExact(v)) {
+  if (PyDict_CheckExact(v) || PyList_CheckExact(v) || PyTuple_CheckExact(v) || PyODict_CheckExact(v)) {
     result = walk_node(v, leaf_type, leaves, shape);
   } else if (!Py_IS_TYPE(v, reinterpret_cast<PyTypeObject*>(leaf_type)) && PyObject_IsInstance(v, leaf_type) != 1) {
     PyErr_Clear();  // another type, or an isinstance that raised: a "no"
@@ -551,8 +551,8 @@ int visit(PyObject* v, PyObject* leaf_type, PyObject* leaves, PyObject* shape) {
   return result;
 }
 
-// walk_node: _host_checks._walk's answer for one dict, list or tuple (exact types; a dict, list or tuple is never
-// a leaf: leaf_type is Tensor or State): 1 yes, 0 no, -1 a Python error set (an append out of memory). A tree too
+// walk_node: _host_checks._walk's answer for one dict, OrderedDict, list or tuple (exact types, never a leaf:
+// leaf_type is Tensor or State): 1 yes, 0 no, -1 a Python error set (an append out of memory). A tree too
 // deep for the interpreter's recursion limit is a "no" (pytree's walk then answers for it, as for the twin).
 int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* shape) {
   if (Py_EnterRecursiveCall(" while walking a tree")) {
@@ -578,6 +578,29 @@ int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* s
     }
     // a node resized by Python code under the walk (its shape no longer its leaves' count): a "no"
     if (result == 1 && PyDict_GET_SIZE(tree) != PyLong_AsSsize_t(size)) result = 0;
+  } else if (PyODict_CheckExact(tree)) {  // its own order (move_to_end), not its dict's: by its keys
+    const Py_ssize_t n = PyODict_SIZE(tree);
+    PyObject* keys = PyMapping_Keys(tree);  // a new list in the OrderedDict's order (its C keys view)
+    size = PyLong_FromSsize_t(n);
+    if (keys == nullptr || size == nullptr) {
+      result = -1;
+    } else if (PyList_GET_SIZE(keys) != n) {
+      result = 0;
+    }
+    for (Py_ssize_t i = 0; result == 1 && i < n; ++i) result = PyUnicode_CheckExact(PyList_GET_ITEM(keys, i));
+    if (result == 1 && (PyList_Append(shape, reinterpret_cast<PyObject*>(&PyODict_Type)) < 0 ||
+                        PyList_Append(shape, size) < 0)) {
+      result = -1;
+    }
+    for (Py_ssize_t i = 0; result == 1 && i < n; ++i) {
+      if (PyList_Append(shape, PyList_GET_ITEM(keys, i)) < 0) result = -1;
+    }
+    for (Py_ssize_t i = 0; result == 1 && i < n; ++i) {
+      PyObject* value = PyDict_GetItemWithError(tree, PyList_GET_ITEM(keys, i));  // its items are its dict's
+      result = value != nullptr ? visit(value, leaf_type, leaves, shape) : PyErr_Occurred() ? -1 : 0;
+    }
+    Py_XDECREF(keys);
+    if (result == 1 && PyODict_SIZE(tree) != n) result = 0;
   } else {
     const Py_ssize_t n = PyList_CheckExact(tree) ? PyList_GET_SIZE(tree) : PyTuple_GET_SIZE(tree);
     size = PyLong_FromSsize_t(n);
@@ -598,8 +621,8 @@ int walk_node(PyObject* tree, PyObject* leaf_type, PyObject* leaves, PyObject* s
 }
 
 // walk(tree, leaf_type, leaves, shape) -> bool: _host_checks._walk (its Python twin) in one call: appends tree's
-// leaves and structure to the two lists, True where tree is dicts (str keys), lists and tuples of leaf_type's
-// instances only, else False (the lists then hold a part: the caller drops them).
+// leaves and structure to the two lists, True where tree is dicts and OrderedDicts (str keys), lists and tuples of
+// leaf_type's instances only, else False (the lists then hold a part: the caller drops them).
 PyObject* walk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
   if (!nargs_is(nargs, 4)) return nullptr;
   PyObject *tree = args[0], *leaf_type = args[1], *leaves = args[2], *shape = args[3];
@@ -607,7 +630,9 @@ PyObject* walk(PyObject*, PyObject* const* args, Py_ssize_t nargs) {
     PyErr_SetString(PyExc_TypeError, "walk expects two lists to append to");
     return nullptr;
   }
-  if (!(PyDict_CheckExact(tree) || PyList_CheckExact(tree) || PyTuple_CheckExact(tree))) Py_RETURN_FALSE;
+  if (!(PyDict_CheckExact(tree) || PyList_CheckExact(tree) || PyTuple_CheckExact(tree) || PyODict_CheckExact(tree))) {
+    Py_RETURN_FALSE;
+  }
   const int result = walk_node(tree, leaf_type, leaves, shape);
   if (result < 0) return nullptr;
   return PyBool_FromLong(result);
@@ -626,7 +651,8 @@ PyObject* unwalk_node(PyObject* shape, Py_ssize_t* pos, PyObject* leaves, Py_ssi
     Py_INCREF(v);
     return v;
   }
-  const bool is_dict = t == reinterpret_cast<PyObject*>(&PyDict_Type);
+  const bool is_odict = t == reinterpret_cast<PyObject*>(&PyODict_Type);
+  const bool is_dict = is_odict || t == reinterpret_cast<PyObject*>(&PyDict_Type);
   if (!(is_dict || t == reinterpret_cast<PyObject*>(&PyList_Type) || t == reinterpret_cast<PyObject*>(&PyTuple_Type)) ||
       *pos >= n_shape || !PyLong_CheckExact(PyTuple_GET_ITEM(shape, *pos))) {
     return PyErr_Format(PyExc_ValueError, "unwalk: entry %zd of the shape is not walk's", *pos - 1);
@@ -641,10 +667,11 @@ PyObject* unwalk_node(PyObject* shape, Py_ssize_t* pos, PyObject* leaves, Py_ssi
   if (is_dict) {
     const Py_ssize_t keys = *pos;
     *pos += n;
-    out = PyDict_New();
+    out = is_odict ? PyODict_New() : PyDict_New();
     for (Py_ssize_t i = 0; out != nullptr && i < n; ++i) {
       PyObject* v = unwalk_node(shape, pos, leaves, leaf);
-      if (v == nullptr || PyDict_SetItem(out, PyTuple_GET_ITEM(shape, keys + i), v) < 0) Py_CLEAR(out);
+      PyObject* key = PyTuple_GET_ITEM(shape, keys + i);
+      if (v == nullptr || (is_odict ? PyODict_SetItem(out, key, v) : PyDict_SetItem(out, key, v)) < 0) Py_CLEAR(out);
       Py_XDECREF(v);
     }
   } else {
