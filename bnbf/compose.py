@@ -47,6 +47,7 @@ import bnbf
 from bnbf import ops
 from bnbf._dispatch import NORM_REDUCE, is_dtensor, use_triton
 from bnbf._host_checks import (
+    _NESTS,
     NATIVE,
     LeafName,
     _check_grad,
@@ -1249,7 +1250,7 @@ def _kept_leaves(params: Any, grads: Any, state: Any) -> tuple | None:
         if entry is not None and entry.spec is None:  # a flat dict: its keys, no walk
             found = leaves_by(("dict", entry.keys), params, grads, state)
             return None if found is None else (entry, *found)
-    elif type(params) not in (list, tuple):
+    elif type(params) not in _NESTS:  # lists, tuples, OrderedDicts: walked below
         return None
     ps, spec = _flatten(params)
     if not ps or not walked(spec):

@@ -7,6 +7,7 @@ dicts every call), a schedule on lr, two rules (Lion for the embeddings) by rule
                                             # Triton path's host code, every kernel launch stubbed out
     python scripts/compose_host.py --nested # the params nested by module ({"h.0.attn.c_attn": {"weight": ...}}),
                                             # the grads and states alike
+    python scripts/compose_host.py --ordered # the params as a flat OrderedDict (model.state_dict()'s type)
 
 Prints the median (CUDA) or minimum (``--cpu``: on a shared CPU the median mostly measures other processes)
 microseconds of a call over ``--calls`` calls.
@@ -15,6 +16,7 @@ microseconds of a call over ``--calls`` calls.
 from __future__ import annotations
 
 import argparse
+import collections
 import importlib
 import os
 import statistics
@@ -37,6 +39,7 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=100)
     ap.add_argument("--cpu", action="store_true")
     ap.add_argument("--nested", action="store_true")
+    ap.add_argument("--ordered", action="store_true")
     args = ap.parse_args()
     if args.cpu:  # the Triton path's host code on CPU tensors, every kernel launch a no-op
         os.environ["TRITON_INTERPRET"] = "1"
@@ -50,6 +53,8 @@ def main() -> None:
             module, _, leaf = n.rpartition(".")
             nested.setdefault(module, {})[leaf] = v
         params = nested
+    if args.ordered:
+        params = collections.OrderedDict(params)
     grads = torch.utils._pytree.tree_map(torch.randn_like, params)
     adamw = bnbf.OptimSpec(rule="adamw")
     no_decay = lambda path, p: {"lr": 1e-3, "weight_decay": 0.0 if p.ndim == 1 else 0.1}  # noqa: E731
@@ -79,7 +84,7 @@ def main() -> None:
 
     name = "CPU (launch stubbed out)" if args.cpu else torch.cuda.get_device_name()
     n = len(torch.utils._pytree.tree_leaves(params))
-    tree = "nested by module" if args.nested else "a flat dict"
+    tree = ("nested by module" if args.nested else "a flat dict") + (", OrderedDicts" if args.ordered else "")
     print(f"{name}, torch {torch.__version__}, host checks {'native' if NATIVE else 'python'}, {n} params ({tree})")
     print("| hyperparameters | update (pure, fed back) | update_ (in place) |\n|---|---|---|")
     for form, (spec, hp) in forms.items():

@@ -291,12 +291,13 @@ def splits(monkeypatch) -> list:
 @pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
 @pytest.mark.parametrize("form", KEPT_FORMS, ids=KEPT_FORMS.keys())
 def test_a_nested_composed_loop_keeps_its_partition(splits, device, in_place, form):
-    """A composed loop on a nested tree (two rules), in place or fed its outputs back, splits on its first call only,
-    as a flat dict's does; bit for bit the same loop on a flat dict of its leaves."""
+    """A composed loop on a nested tree (two rules) or a flat OrderedDict, in place or fed its outputs back, splits on
+    its first call only, as a flat dict's does; bit for bit the same loop on a flat dict of its leaves."""
     _triton(device)
     hp = _per_leaf if form == "per-leaf callable" else KEPT_FORMS[form]()
     out = []
-    for make in (_nested, lambda ls: {"a": ls[0], "m.0": ls[1], "m.1.c": ls[2], "m.1.d.0": ls[3], "e.f.g": ls[4]}):
+    flat = lambda ls: {"a": ls[0], "m.0": ls[1], "m.1.c": ls[2], "m.1.d.0": ls[3], "e.f.g": ls[4]}  # noqa: E731
+    for make in (_nested, lambda ls: collections.OrderedDict(flat(ls)), flat):
         params = make(_leaves(5, device=device))
         state = bnbf.init_state(params, TWO_RULES)
         splits.clear()
@@ -308,7 +309,8 @@ def test_a_nested_composed_loop_keeps_its_partition(splits, device, in_place, fo
                 params, state = bnbf.update(params, grads, state, hp, k)
         assert len(splits) == 1, f"{make}: split on the first call only"
         out.append(pytree.tree_leaves([params, state]))
-    assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
+    for got in out[:2]:
+        assert len(got) == len(out[2]) and all(torch.equal(a, b) for a, b in zip(got, out[2]))
 
 
 @pytest.mark.parametrize("device", DEVICES)
