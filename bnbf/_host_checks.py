@@ -227,7 +227,7 @@ def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:
     """Append ``tree``'s leaves (instances of ``leaf_type``) in pytree's order and its structure (each container's
     type, length and a dict's keys; None for a leaf); False for anything else in it (another container or leaf type, a
     key that is not a str, None): :func:`_flatten` then takes pytree's own walk. The compiled ``walk`` is its twin
-    (one call for a whole tree: GPT-2's 148 leaves nested by module took 65 us a walk here, most of update_'s time)."""
+    (one call for a whole tree: this walk of GPT-2's 148 leaves nested by module took 55 us, most of update_'s time)."""
     t, n = type(tree), len(tree)
     if t in _MAPS:
         if tree and set(map(type, tree)) != _STR:
