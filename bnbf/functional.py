@@ -33,6 +33,7 @@ from bnbf._host_checks import (
     _plain,
     _prepare,
     _prepare_traced,
+    _shape_of,
     _unflatten,
     check_clip_not_differentiated,
     check_not_differentiated,
@@ -61,7 +62,7 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
-from bnbf.state import Layout, OptimSpec, is_state, new_state, present_mask
+from bnbf.state import Layout, OptimSpec, State, is_state, new_state, present_mask
 
 
 def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool = False) -> Any:
@@ -419,8 +420,9 @@ _LAST_SIZE = 64
 
 def _last_plan(param: Any, state: Any) -> tuple | None:
     """``(plan, params, states)`` where the plan of update_'s last call with these containers is theirs now: the
-    same keys in order (a flat dict) or length (a list or tuple), the very param and state objects (their ids
-    and types, in C), at their planned addresses, shapes and dtypes; else None (``update_``'s full lookup).
+    same keys in order (a flat dict), length (a list or tuple) or structure (a nested tree: one compiled walk of
+    the params and one of the states, their shapes compared with the plan's), the very param and state objects
+    (their ids and types, in C), at their planned addresses, shapes and dtypes; else None (``update_``'s full lookup).
     This skips building two leaf lists and key tuples and the cache's id key, the lookup's own cost."""
     ref = _LAST.get((id(param), id(state)))
     if ref is None:
@@ -429,19 +431,24 @@ def _last_plan(param: Any, state: Any) -> tuple | None:
     if found is None or not found.alive:
         return None
     t = type(param)
-    if t is dict:
-        keys = found._keys
-        if NATIVE is None or keys is None:
+    if t is dict and found._keys is not None:
+        if NATIVE is None:
             return None
-        params, states = NATIVE.values_if_keys(param, keys), NATIVE.values_if_keys(state, keys)
+        params, states = NATIVE.values_if_keys(param, found._keys), NATIVE.values_if_keys(state, found._keys)
         if params is None or states is None:
             return None
-    elif t is list or t is tuple:
-        if type(state) is not t or found._spec != (t, len(param)) or len(state) != len(param):
+    elif (t is list or t is tuple) and found._spec == (t, len(param)):
+        if type(state) is not t or len(state) != len(param):
             return None
         params, states = param, state
     elif found._spec == "leaf":
         params, states = [param], [state]
+    elif NATIVE is not None and (shape := _shape_of(found._spec)) is not None:  # nested: a compiled walk a tree
+        params, states, p_shape, s_shape = [], [], [], []
+        if not (NATIVE.walk(param, Tensor, params, p_shape) and NATIVE.walk(state, State, states, s_shape)):
+            return None
+        if tuple(p_shape) != shape or tuple(s_shape) != shape:
+            return None
     else:
         return None
     if _DEAD:

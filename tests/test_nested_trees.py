@@ -128,7 +128,10 @@ IN_PLACE_TREES = {
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", IN_PLACE_TREES.values(), ids=IN_PLACE_TREES.keys())
-def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, device, make):
+def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, monkeypatch, device, make):
+    lookups = []  # update_'s full plan lookups: its containers' own route (_last_plan) serves the calls after the first
+    full = F._cached
+    monkeypatch.setattr(F, "_cached", lambda *a: lookups.append(a[0]) or full(*a))
     leaves = _leaves(5, device=device)
     params = make(leaves)
     flat = {str(i): t.clone() for i, t in enumerate(pytree.tree_leaves(params))}
@@ -140,6 +143,8 @@ def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(gen
         bnbf.update_(flat, dict(zip(flat, pytree.tree_leaves(grads))), flat_state, hp, k)
     if kernel_runs(device):  # plans take the direct launch on the Triton path (the reference path's steps are generic)
         assert len(generic_steps) == 0, "a nested tree's plan is cached from its first call"
+        # each tree's first call only (the nested one, then the flat dict): the others by their containers
+        assert [x is params for x in lookups] == [True, False]
     got = pytree.tree_leaves([params, state], is_leaf=is_state)
     want = [flat[k] for k in flat] + [flat_state[k] for k in flat_state]
     for a, b in zip(pytree.tree_leaves(got), pytree.tree_leaves(want)):
