@@ -443,7 +443,7 @@ def _last_plan(param: Any, state: Any) -> tuple | None:
         params, states = param, state
     elif found._spec == "leaf":
         params, states = [param], [state]
-    elif NATIVE is not None and (shape := _shape_of(found._spec)) is not None:  # nested: a compiled walk a tree
+    elif NATIVE is not None and (shape := _shape_of(found._spec)) is not None:  # nested: one compiled walk a tree
         params, states, p_shape, s_shape = [], [], [], []
         if not (NATIVE.walk(param, Tensor, params, p_shape) and NATIVE.walk(state, State, states, s_shape)):
             return None
