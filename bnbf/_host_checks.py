@@ -339,6 +339,20 @@ def walked(spec: Any) -> bool:
     return _shape_of(spec) is not None
 
 
+def leaves_of(tree: Any, spec: Any, states: bool = False) -> list | None:
+    """The leaves (tensors, or states where ``states``) of ``tree`` where it has the walked structure ``spec``, else
+    None: :func:`_flatten`'s walk with its shape compared to the spec's, without the spec's lookup by shape (a hash
+    of the whole shape: about a tenth of a nested in-place step's host time)."""
+    shape = _shape_of(spec)
+    if shape is None or type(tree) not in _NESTS or torch.compiler.is_compiling():
+        return None
+    leaves: list = []
+    got: list = []
+    if not (_walk if NATIVE is None else NATIVE.walk)(tree, State if states else Tensor, leaves, got):
+        return None
+    return leaves if tuple(got) == shape else None
+
+
 def _unwalk(shape: tuple, leaves: Any) -> Any:
     """The tree of :func:`_walk`'s ``shape`` with ``leaves`` (an iterator) in it: pytree's unflatten of nested
     dicts, lists and tuples without its per-node calls."""

@@ -73,6 +73,7 @@ from bnbf._host_checks import (
     differentiated,
     hparam_tensors,
     keystr,
+    leaves_of,
     packed_identities,
     same_plain_dicts,
     unaddressable,
@@ -1259,8 +1260,8 @@ def _kept_leaves(params: Any, grads: Any, state: Any) -> tuple | None:
     entry = _PARTITIONS.get((id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps)) if ss else None)
     if entry is None or entry.spec is not spec or s_spec is not spec:
         return None
-    gs, g_spec = _flatten(grads)
-    return (entry, ps, gs, ss) if g_spec is spec else None
+    gs = leaves_of(grads, spec)
+    return None if gs is None else (entry, ps, gs, ss)
 
 
 def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> bool:

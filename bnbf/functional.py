@@ -33,13 +33,13 @@ from bnbf._host_checks import (
     _plain,
     _prepare,
     _prepare_traced,
-    _shape_of,
     _unflatten,
     check_clip_not_differentiated,
     check_not_differentiated,
     differentiated,
     hparam_tensors,
     keystr,
+    leaves_of,
     unaddressable,
     walked,
 )
@@ -62,7 +62,7 @@ from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
 )
 from bnbf.quant import dequantize_state_reference
 from bnbf.rules import get_rule
-from bnbf.state import Layout, OptimSpec, State, is_state, new_state, present_mask
+from bnbf.state import Layout, OptimSpec, is_state, new_state, present_mask
 
 
 def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool = False) -> Any:
@@ -420,8 +420,8 @@ _LAST_SIZE = 64
 
 def _last_plan(param: Any, state: Any) -> tuple | None:
     """``(plan, params, states)`` where the plan of update_'s last call with these containers is theirs now: the
-    same keys in order (a flat dict), length (a list or tuple) or structure (a nested tree: one compiled walk of
-    the params and one of the states, their shapes compared with the plan's), the very param and state objects
+    same keys in order (a flat dict), length (a list or tuple) or structure (a nested tree: :func:`leaves_of`
+    the params and the states), the very param and state objects
     (their ids and types, in C), at their planned addresses, shapes and dtypes; else None (``update_``'s full lookup).
     This skips building two leaf lists and key tuples and the cache's id key, the lookup's own cost."""
     ref = _LAST.get((id(param), id(state)))
@@ -443,11 +443,9 @@ def _last_plan(param: Any, state: Any) -> tuple | None:
         params, states = param, state
     elif found._spec == "leaf":
         params, states = [param], [state]
-    elif NATIVE is not None and (shape := _shape_of(found._spec)) is not None:  # nested: one compiled walk a tree
-        params, states, p_shape, s_shape = [], [], [], []
-        if not (NATIVE.walk(param, Tensor, params, p_shape) and NATIVE.walk(state, State, states, s_shape)):
-            return None
-        if tuple(p_shape) != shape or tuple(s_shape) != shape:
+    elif walked(found._spec):  # nested: the params and states walked, their structure the plan's
+        params, states = leaves_of(param, found._spec), leaves_of(state, found._spec, states=True)
+        if params is None or states is None:
             return None
     else:
         return None

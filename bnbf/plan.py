@@ -62,6 +62,7 @@ from bnbf._host_checks import (
     check_update_options,
     differentiated,
     hparam_tensors,
+    leaves_of,
     own_dispatch,
     packed_identities,
     unaddressable,
@@ -507,7 +508,8 @@ class Plan:
         ):
             g_spec = self._spec
         elif type(self._spec) is TreeSpec:  # nested containers: walked to their leaves
-            grads, g_spec = _flatten(grad)
+            grads = leaves_of(grad, self._spec)  # a walked structure: no spec lookup
+            grads, g_spec = (grads, self._spec) if grads is not None else _flatten(grad)
         elif t is dict:
             grads, g_spec = list(grad.values()), ("dict", tuple(grad))
         elif t is list or t is tuple:
@@ -856,13 +858,12 @@ def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state:
 
 def leaves_by(spec: Any, param: Any, grad: Any, state: Any) -> tuple | None:
     """``(params, grads, states)``: the leaves of three trees of the known structure ``spec`` (``"leaf"``, ``("dict",
-    keys)``, ``(list or tuple, length)`` or a pytree spec), else None (a tree of another structure)."""
+    keys)``, ``(list or tuple, length)`` or a spec of the core's walk), else None (a tree of another structure)."""
     if spec == "leaf":
         params, grads, states = [param], [grad], [state]
-    elif type(spec) is TreeSpec:  # nested containers: walked to their leaves (one spec object per structure)
-        (params, p_spec), (grads, g_spec) = _flatten(param), _flatten(grad)
-        states, s_spec = _flatten(state, is_leaf=is_state)
-        if not (p_spec == g_spec == s_spec == spec):
+    elif type(spec) is TreeSpec:  # nested containers: walked to their leaves
+        params, grads, states = leaves_of(param, spec), leaves_of(grad, spec), leaves_of(state, spec, states=True)
+        if params is None or grads is None or states is None:
             return None
     elif spec[0] == "dict":
         params, grads, states = (_values_of(t, spec[1]) for t in (param, grad, state))

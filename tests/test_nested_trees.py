@@ -89,6 +89,22 @@ def test_one_spec_object_per_structure_and_the_state_trees_share_it():
     assert H.walked(p_spec)
 
 
+
+def test_leaves_of_a_known_structure_are_the_walks_or_none():
+    """``leaves_of`` (the plans' and records' read of a tree of a known walked structure) gives the walk's leaves
+    where the tree has that structure, and None for another structure, another container type, a state tree read
+    as tensors, or a spec the core did not walk."""
+    params = _nested(_leaves(5))
+    state = bnbf.init_state(params, SPEC)
+    leaves, spec = H._flatten(params)
+    assert all(a is b for a, b in zip(H.leaves_of(params, spec), leaves, strict=True))
+    assert H.leaves_of(state, spec, states=True) == H._flatten(state, is_leaf=is_state)[0]
+    assert H.leaves_of(state, spec) is None
+    other = {**params, "e": {"f": {"h": params["e"]["f"]["g"]}}}  # another key
+    assert H.leaves_of(other, spec) is None
+    assert H.leaves_of(collections.OrderedDict(params), spec) is None
+    assert H.leaves_of(params, H._flatten({"a": params["a"], "p": Pair(params["a"], params["a"])})[1]) is None
+
 def test_the_spec_cache_keeps_no_callers_object():
     params = _nested(_leaves(5))
     refs = [weakref.ref(t) for t in pytree.tree_leaves(params)]
