@@ -89,7 +89,6 @@ def test_one_spec_object_per_structure_and_the_state_trees_share_it():
     assert H.walked(p_spec)
 
 
-
 def test_leaves_of_a_known_structure_are_the_walks_or_none():
     """``leaves_of`` (the plans' and records' read of a tree of a known walked structure) gives the walk's leaves
     where the tree has that structure, and None for another structure, another container type, a state tree read
@@ -104,6 +103,7 @@ def test_leaves_of_a_known_structure_are_the_walks_or_none():
     assert H.leaves_of(other, spec) is None
     assert H.leaves_of(collections.OrderedDict(params), spec) is None
     assert H.leaves_of(params, H._flatten({"a": params["a"], "p": Pair(params["a"], params["a"])})[1]) is None
+
 
 def test_the_spec_cache_keeps_no_callers_object():
     params = _nested(_leaves(5))
