@@ -498,12 +498,18 @@ def _check_grad(name: str, p: Tensor, g: Any) -> None:
     _check_lazy(g, f"grad{name}")
 
 
-def _check_state(name: str, p: Tensor, s: Any) -> None:
-    """Raise the precise error for a state that does not fit its (valid) param; return if it does."""
-    if s is None:  # a None leaf of a nested tree (pytree's leaf: the structures agree)
+def _check_is_state(name: str, s: Any) -> None:
+    """Raise the precise error for a state leaf that is no bnbf state (None: a None leaf of a nested tree, which
+    pytree takes for a leaf, so the structures agree)."""
+    if s is None:
         raise _is_none("state", name)
     if not is_state(s):
         raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+
+
+def _check_state(name: str, p: Tensor, s: Any) -> None:
+    """Raise the precise error for a state that does not fit its (valid) param; return if it does."""
+    _check_is_state(name, s)
     layout: Layout = type(s).layout
     for field, (shape, dtype) in layout.expected(p.shape).items():
         t = getattr(s, field)

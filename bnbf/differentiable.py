@@ -24,13 +24,13 @@ from torch._C import _functorch
 
 from bnbf._host_checks import (
     _check_grad,
+    _check_is_state,
     _check_members,
     _check_no_overlap,
     _check_present,
     _check_writable,
     _flatten,
     _hparams_traced,
-    _is_none,
     _names,
     _structures,
     _unflatten,
@@ -162,10 +162,7 @@ def _check_leaf(name: str, p: Any, g: Any, s: Any) -> None:
         got = f"{p.dtype} {p.layout}" if isinstance(p, Tensor) else type(p).__name__
         raise TypeError(f"param{name} must be a dense float16, bfloat16, float32 or float64 tensor, got {got}")
     _check_grad(name, p, g)
-    if s is None:
-        raise _is_none("state", name)
-    if not is_state(s):
-        raise TypeError(f"state{name} is not a bnbf state (make it with bnbf.init_state), got {type(s)}")
+    _check_is_state(name, s)
     layout = type(s).layout
     if layout.quantized:
         raise ValueError(
