@@ -40,7 +40,10 @@ Rows (8-bit AdamW, the GPT-2 small set unless said otherwise):
   of a function returning its inputs, the same trees) and the device kernels it runs (one step launch per
   state layout expected), against a Python loop of 8 ``bnbf.update`` calls;
 - ``vmap_packed``: ``vmap`` with the members' state packed; the note also gives the time a step takes when steps
-  run back to back (one synchronize after all of them: what a training loop that never waits sees);
+  run back to back (one synchronize after all of them: what a training loop that never waits sees), torch.func's
+  processing of a call's inputs before the vmapped function runs, ``bnbf.update``'s time inside it, and the sum of
+  the back-to-back step and that input processing (a synchronized call's time were nothing of bnbf's to come
+  before its first launch);
 - ``vmap_flat``: ``vmap_packed`` with each member's params, grads and state flat (the buffers stacked over the
   members: 2 param, 2 grad and 6 state tensors);
 - ``vmap_graph``: ``vmap_flat``'s in-place step (``vmap(update_)``) captured in a CUDA graph, lr and step 0-d
@@ -510,17 +513,30 @@ def _ensemble(ctx, mode: str) -> tuple:
 def row_vmap(ctx, mode: str = "per_param") -> dict:
     params, grads, state = _ensemble(ctx, mode)
     spec = bnbf.OptimSpec(rule="adamw")
-    step = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, HP, i), in_dims=(0, 0, 0, None))
+    marks: list = []  # per call: its start, the vmapped function's entry and return (host clock)
+
+    def body(p, g, s, i):
+        marks.append(time.perf_counter())
+        out = bnbf.update(p, g, s, HP, i)
+        marks.append(time.perf_counter())
+        return out
+
+    step = torch.func.vmap(body, in_dims=(0, 0, 0, None))
     holder = {"p": params, "s": state}
 
     def vmapped(i: int) -> None:
+        marks.append(time.perf_counter())
         holder["p"], holder["s"] = step(holder["p"], grads, holder["s"], i)
 
     for i in range(1, 1 + ctx.warmup):
         vmapped(i)
     builds = _member_builds()
+    marks.clear()
     ms, host = timed(ctx.device, vmapped, 0, ctx.steps, first=1 + ctx.warmup)
     builds = _member_builds() - builds
+    # torch.func's processing of the inputs before the function runs, and bnbf.update's whole time inside it
+    wrap_in = statistics.median(marks[k + 1] - marks[k] for k in range(0, len(marks), 3)) * 1e3
+    inside = statistics.median(marks[k + 2] - marks[k + 1] for k in range(0, len(marks), 3)) * 1e3
     ran = kernels(ctx.device, lambda: vmapped(1 + ctx.warmup + ctx.steps))
     # torch.func's own share of the host time: the same vmap of a function that returns its inputs
     ident = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))
@@ -533,9 +549,14 @@ def row_vmap(ctx, mode: str = "per_param") -> dict:
         n = 4 * ctx.steps
         back_to_back = _back_to_back(ctx, vmapped, n, 2 + ctx.warmup + ctx.steps)
         in_place_b2b = _back_to_back(ctx, lambda i: step_(params, grads, state, i), n, 1)
+        # a synchronized call's floor where nothing of bnbf's came before its first launch: torch.func's input
+        # processing, then the kernels (their time back to back)
+        floor = back_to_back + wrap_in
         more = (
             f"back to back (mean of {n} steps, one synchronize) {back_to_back:.3f} ms a step "
-            f"({_pct(ctx, back_to_back)} of copy); {in_place}; back to back {in_place_b2b:.3f} ms a step, "
+            f"({_pct(ctx, back_to_back)} of copy); torch.func's input processing {wrap_in:.3f} ms a call, "
+            f"bnbf.update inside {inside:.3f} ms; back to back + input processing {floor:.3f} ms "
+            f"({_pct(ctx, floor)} of copy); {in_place}; back to back {in_place_b2b:.3f} ms a step, "
             f"{_pct(ctx, in_place_b2b)} of copy)"
         )
     else:  # and the loop it replaces: one pure call per member
