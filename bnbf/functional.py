@@ -8,6 +8,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -18,7 +19,7 @@ from torch._C import _functorch
 from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
-from bnbf import ops
+from bnbf import _vmap_memo, ops
 from bnbf._dispatch import is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
@@ -49,6 +50,7 @@ from bnbf.packed import PackedState, pack_state
 from bnbf.packed import update as packed_update
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _DEAD,
+    _NUMBERS,
     _PLANS,
     OutputRecords,
     _cached,
@@ -215,6 +217,10 @@ def update(
     if max_grad_norm is not None or not _shared(hparams):
         check_clip_not_differentiated(max_grad_norm, state, in_place=False)
         return _compose().update(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
+    if not torch.compiler.is_compiling() and _vmap_memo.MEMOS and _functorch.maybe_current_level() is not None:
+        out = _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize)
+        if out is not None:
+            return out
     hit = _pure_hit(param, grad, state)
     leaves = None if hit is not None else _flatten(param)[0]
     if leaves is not None and any(map(is_dtensor, leaves)):
@@ -260,7 +266,61 @@ def _update(param, grad, state, hparams, step, hit, leaves, skip_zeros, max_unor
     out = _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
     if not vmapped and not torch.compiler.is_compiling():
         _remember_pure(out, new_params, new_states, call, groups)
+    elif vmapped:
+        _vmap_memo.remember(call, groups, step, rows)
     return out
+
+
+def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=False) -> Any:
+    """The step under ``vmap`` of trees a recent vmapped call's full checks passed (:mod:`bnbf._vmap_memo`), with
+    Python-number hyperparameters and an int step checked as every call checks them; then the stacked step of each
+    launch group, as the full path's batching rules run it: pure, the new ``(params, states)``; in place (the
+    memory checks of the full path first: params, states and grads apart), written into the stacked tensors, True.
+    None where anything differs or a check fails: the full path then runs (and raises its own error)."""
+    found = _vmap_memo.confirm(param, grad, state, step)
+    if found is None:
+        return None
+    memo, level, size, (ps, gs, fs), (params, grads, states) = found
+    rule = memo.rule
+    try:  # every call's checks of its options: an error is the full path's to raise, with its words
+        h = rule.make_hparams(hparams)
+        if present_mask(rule, h) != memo.present:
+            return None
+        _check_step(step)
+        values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+    except Exception:  # noqa: BLE001 - the full path raises it again, as an uncached call would
+        return None
+    if not set(map(type, values)) <= _NUMBERS:
+        return None
+    scalars = tuple(map(float, values))
+    if in_place:  # as the full path after its checks: memory apart (its own memo of the addresses), then the steps
+        fields = list(itertools.chain.from_iterable(states))
+        ops.check_vmapped_leaves_apart(param, params, grads, states, fields)
+        for layout, idx, field_idx, _ in memo.groups:
+            p_in, g_in, f_in = _vmap_memo.pick(memo, ps, gs, fs, idx, field_idx)
+            with torch._C._DisableFuncTorch():
+                ops._stacked_step_(p_in, g_in, [0] * len(g_in), f_in, scalars, None, layout, skip_zeros, clip, size,
+                                   checked=True)  # fmt: skip
+        return True
+    new_params: list = [None] * len(ps)
+    new_states: list = [None] * len(ps)
+    add, levels = _functorch._add_batch_dim, itertools.repeat(level)
+    for layout, idx, field_idx, per in memo.groups:
+        p_in, g_in, f_in = _vmap_memo.pick(memo, ps, gs, fs, idx, field_idx)
+        zeros_p, zeros_f = [0] * len(p_in), [0] * len(f_in)
+        out_p, out_s = ops._step_stacked(
+            p_in, zeros_p, g_in, zeros_p, f_in, zeros_f, scalars, None, layout, skip_zeros, clip, size
+        )
+        out_p = list(map(add, out_p, _ZERO, levels))
+        out_s = list(map(add, out_s, _ZERO, levels))
+        make = memo.types[idx[0]]._make
+        for k, i in enumerate(idx):
+            new_params[i] = out_p[k]
+            new_states[i] = make(out_s[k * per : (k + 1) * per])
+    return _unflatten(new_params, memo.spec), _unflatten(new_states, memo.spec)
+
+
+_ZERO = itertools.repeat(0)
 
 
 class _PureMemo(NamedTuple):
@@ -377,6 +437,9 @@ def update_(
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         check_clip_not_differentiated(max_grad_norm, state, in_place=True)
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
+    vmapped = not torch.compiler.is_compiling() and _vmap_memo.MEMOS and _functorch.maybe_current_level() is not None
+    if vmapped and _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=True):
+        return param, state
     if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
         hit = _last_plan(param, state)
         if hit is not None:

@@ -30,7 +30,7 @@ from torch.autograd import forward_ad
 from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch_mode
 from torch.utils._pytree import TreeSpec
 
-from bnbf import ops
+from bnbf import _vmap_memo, ops
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     _REQUIRES_GRAD,
@@ -1206,9 +1206,10 @@ def _step_generic(
         for device in devices:
             check_capture_scalars(call.hparams, call.step, device)
     rows, clip = call_scalars(call, vmapped, skip_zeros, max_unorm, maximize)
+    groups = list(_groups(call.params, call.states))
     with torch.no_grad():
         steps = []
-        for (device, _, layout), idx in _groups(call.params, call.states):
+        for (device, _, layout), idx in groups:
             if vmapped:
                 if len(idx) == len(call.params):  # one group: the call's lists as they are
                     ps, gs, ss, mine = call.params, call.grads, fields, unwrapped
@@ -1233,6 +1234,8 @@ def _step_generic(
             for p, w in zip(ps, work):
                 if w is not p:
                     p.copy_(w)
+    if vmapped:  # the next call of these trees may skip the checks on batched tensors
+        _vmap_memo.remember(call, groups, step, rows)
 
 
 def _field_positions(states: list, idx: list) -> list:

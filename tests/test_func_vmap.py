@@ -9,6 +9,8 @@ members trained one by one (to the rounding of the batched forward pass).
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from conftest import DEVICES, triton_mode
@@ -18,6 +20,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves, tree_map
 
 import bnbf
+import bnbf._vmap_memo
 import bnbf.kernels.launcher as launcher
 import bnbf.kernels.members as members
 import bnbf.ops
@@ -758,3 +761,164 @@ def test_compiled_vmap_with_max_grad_norm():
     counter = CompileCounter()
     got = torch.compile(fn, backend=counter, fullgraph=True)(p, g, s)
     assert counter.frame_count == 1 and _same(got, fn(p, g, s))
+
+
+# ---- a repeated vmapped pure call: the memo of its checks (bnbf.functional._vmapped_hit) --------------------------
+
+_memo_needs_native = pytest.mark.skipif(
+    bnbf._vmap_memo.NATIVE is None, reason="the memo confirms the stacked tensors in the compiled host checks"
+)
+
+
+def _vmapped_update(hp, in_dims=(0, 0, 0, None)):
+    return torch.vmap(lambda q, r, u, t: bnbf.update(q, r, u, hp, t), in_dims=in_dims)
+
+
+def _outcome(fn):
+    """``("ok", result)`` or ``("raised", type, message)``."""
+    try:
+        return ("ok", fn())
+    except Exception as e:  # noqa: BLE001 - compared as outcomes
+        return ("raised", type(e), str(e))
+
+
+def _without_memo(fn):
+    """``fn()`` with the memo off: every check on vmap's batched tensors (the path the memo must equal)."""
+    saved = bnbf.functional._vmapped_hit
+    bnbf.functional._vmapped_hit = lambda *a, **k: None
+    try:
+        return _outcome(fn)
+    finally:
+        bnbf.functional._vmapped_hit = saved
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize(("rule", "bits", "dtype"), CASES)
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_a_repeated_vmapped_step_takes_the_memo_and_equals_the_full_checks(monkeypatch, fn, rule, bits, dtype, device):
+    """The second vmapped call of a loop skips the checks on batched tensors (a memo of the first call's, its stacked
+    tensors confirmed) and gives the full path's result bit for bit, and each member's own call's; in place, the
+    stacked tensors written as the full path writes them."""
+    p, g = _stack(dtype=dtype, device=device)
+    hp = {"lr": 0.01, "momentum": 0.9} if rule == "sgd" else {"lr": 0.01, "weight_decay": 0.1}
+    spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=256)  # two groups: 8-bit and 32-bit states
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, hp))(p)
+    call = getattr(bnbf, fn)
+    step = torch.vmap(lambda q, r, u, t: call(q, r, u, hp, t), in_dims=(0, 0, 0, None))
+    bnbf._vmap_memo.MEMOS.clear()
+    p1, s1 = tree_map(torch.clone, step(p, g, s, 1))  # the full checks, remembered
+    assert bnbf._vmap_memo.MEMOS
+    copy = lambda: tree_map(torch.clone, (p1, s1))  # noqa: E731
+    a, b_ = copy(), copy()
+    want = _without_memo(lambda: step(*a[:1], g, a[1], 2))
+    traced = []
+    for module in (bnbf.functional, sys.modules["bnbf.plan"]):
+        real = module._prepare_traced
+        monkeypatch.setattr(module, "_prepare_traced", lambda *x, real=real, **k: traced.append(1) or real(*x, **k))
+    got = step(b_[0], g, b_[1], 2)
+    assert not traced, "the repeated call ran the full checks"
+    assert want[0] == "ok", want
+    assert _same(got, want[1])
+    if fn == "update_":
+        assert _same(b_, a)  # both wrote the stacked tensors alike
+    for b in range(B):
+        one = bnbf.update(_member(p1, b), _member(g, b), _member(s1, b), hp, 2)
+        assert _same(_member(got, b), one)
+    held = [t for m in bnbf._vmap_memo.MEMOS.values() for ts in m.twins for t in ts]
+    assert held and all(t.device.type == "meta" for t in held)  # no caller tensor kept
+
+
+@_memo_needs_native
+def test_a_vmapped_call_the_memo_cannot_confirm_takes_the_full_checks():
+    """After a call has left its memo, calls that differ from it in any way the memo records or the call's own
+    options get the full path's outcome: its result, or its error in its words. Nothing is modified."""
+    p, g = _stack()
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    hp = {"lr": 0.01}
+    other = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    k = next(iter(p))
+    cases = {
+        "bad lr": lambda: _vmapped_update({"lr": -1.0})(p, g, s, 1),
+        "unknown hyperparameter": lambda: _vmapped_update({"lr": 0.01, "alpha": 3.0})(p, g, s, 1),
+        "step 0": lambda: _vmapped_update(hp)(p, g, s, 0),
+        "step -1": lambda: _vmapped_update(hp)(p, g, s, -1),
+        "bool step": lambda: _vmapped_update(hp)(p, g, s, True),
+        "bad max_unorm": lambda: torch.vmap(lambda q, r, u: bnbf.update(q, r, u, hp, 1, max_unorm=-1.0))(p, g, s),
+        "grads of another dtype": lambda: _vmapped_update(hp)(p, tree_map(lambda t: t.double(), g), s, 1),
+        "a grad of another shape": lambda: _vmapped_update(hp)(p, {**g, k: g[k][:, :1]}, s, 1),
+        "state of another layout": lambda: _vmapped_update(hp)(
+            p, g, torch.vmap(lambda q: bnbf.init_state(q, other))(p), 1
+        ),
+        "state of another rule, the same fields": lambda: _vmapped_update(hp)(
+            p, g, torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adam", min_8bit_size=256)))(p), 1
+        ),
+        "another structure": lambda: _vmapped_update(hp)(
+            {**p, "extra": p[k]}, {**g, "extra": g[k]}, {**s, "extra": s[k]}, 1
+        ),  # fmt: skip
+        "members along dim 1": lambda: _vmapped_update(hp, in_dims=(1, 1, 0, None))(
+            tree_map(lambda t: t.movedim(0, -1), p), tree_map(lambda t: t.movedim(0, -1), g), s, 1
+        ),
+        "a param requiring grad": lambda: _vmapped_update(hp)({**p, k: p[k].clone().requires_grad_()}, g, s, 1),
+        "a grad requiring grad": lambda: _vmapped_update(hp)(p, {**g, k: g[k].clone().requires_grad_()}, s, 1),
+        "a member's lr": lambda: torch.vmap(lambda q, r, u, lr: bnbf.update(q, r, u, {"lr": lr}, 1))(
+            p, g, s, torch.tensor([0.1, 0.01, 0.001])
+        ),
+        "a 0-d tensor lr": lambda: _vmapped_update({"lr": torch.tensor(0.01)})(p, g, s, 1),
+        "grad of a vmapped step": lambda: torch.func.grad(
+            lambda q: sum(t.sum() for t in tree_leaves(_vmapped_update(hp)(q, g, s, 1)[0]))
+        )(p),
+    }
+
+    def in_place(shared: bool):  # on copies: what the step writes; with a grad at a param's memory, or a leaf
+        q, u = tree_map(torch.clone, (p, s))
+        r = {**g, k: q[k]} if shared else g
+        if not shared:
+            q[k].requires_grad_()
+        return torch.vmap(lambda a, b, c: bnbf.update_(a, b, c, hp, 1))(q, r, u)
+
+    cases["in place, a grad sharing a param's memory"] = lambda: in_place(True)
+    cases["in place, a param requiring grad"] = lambda: in_place(False)
+    before = [t.clone() for t in tree_leaves((p, g, s))]
+    for name, call in cases.items():
+        bnbf._vmap_memo.MEMOS.clear()
+        _vmapped_update(hp)(p, g, s, 1)  # the memo this call is compared with
+        assert bnbf._vmap_memo.MEMOS, name
+        got = _outcome(call)
+        want = _without_memo(call)
+        assert got[0] == want[0] and got[1:] == want[1:] if got[0] == "raised" else _same(got[1], want[1]), name
+    assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, g, s)), before))
+
+
+_LOOK_THE_SAME = ["members along dim 1", "slots the hyperparameters drop", "step -1", "grads keyed in another order"]
+if torch.cuda.is_available():
+    _LOOK_THE_SAME.append("grads on another device")
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("case", _LOOK_THE_SAME)
+def test_the_memo_is_not_taken_where_the_tensors_alone_look_the_same(case):
+    """What the stacked tensors' shapes and dtypes cannot tell: square params whose members lie along dim 1 (the
+    same shape, contiguous), SGD's momentum slot that momentum 0 drops (the same state tensors), a step SGD's
+    scalars do not read, grads of equal shapes under each other's keys, grads on another device. The full path's
+    outcome each time."""
+    gen = torch.Generator().manual_seed(0)
+    p = {"a": torch.randn(B, B, generator=gen), "b": torch.randn(B, B, generator=gen)}
+    g = {"a": torch.randn(B, B, generator=gen), "b": torch.randn(B, B, generator=gen)}
+    hp = {"lr": 0.01, "momentum": 0.9}
+    s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="sgd", min_8bit_size=0), hp))(p)
+    calls = {
+        "members along dim 1": lambda: _vmapped_update(hp, in_dims=(1, 1, 0, None))(p, g, s, 1),
+        "slots the hyperparameters drop": lambda: _vmapped_update({"lr": 0.01, "momentum": 0.0})(p, g, s, 1),
+        "step -1": lambda: _vmapped_update(hp)(p, g, s, -1),
+        "grads keyed in another order": lambda: _vmapped_update(hp)(p, {"b": g["b"], "a": g["a"]}, s, 1),
+        "grads on another device": lambda: _vmapped_update(hp)(p, tree_map(lambda t: t.cuda(), g), s, 1),
+    }
+    call = calls[case]
+    bnbf._vmap_memo.MEMOS.clear()
+    _vmapped_update(hp)(p, g, s, 1)
+    assert bnbf._vmap_memo.MEMOS
+    got, want = _outcome(call), _without_memo(call)
+    assert got[0] == want[0]
+    assert got[1:] == want[1:] if got[0] == "raised" else _same(got[1], want[1])
