@@ -1,0 +1,97 @@
+"""Host time of the vmapped ensemble step with the memo of its checks (bnbf/_vmap_memo.py) and without it, the two
+alternating in one process: bench_func's ``vmap_flat`` set-up (8 GPT-2-small-shaped members, flat params,
+stacked; bf16, 8-bit AdamW, Python-number lr and step), the kernel launch stubbed out (CPU) or real (CUDA).
+
+    python scripts/vmap_memo_host.py [--in-place] [--cpu] [--rounds 6] [--calls 150]
+
+Prints, per mode, the median microseconds of a call: torch.func's processing of the inputs before the vmapped
+function runs, bnbf's time from there to its first launch (``--cpu``: to the stubbed launch), bnbf's whole time
+inside the call, and the call's. ``--cpu`` takes GPT-2's structure at small sizes (host time depends on the tensor
+count, not their sizes); the launch is stubbed there, so CPU tables miss their cache each pure call (the CPU
+allocator hands out new addresses; CUDA's caching allocator hands back the same blocks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_step as bs  # noqa: E402
+import bnbf  # noqa: E402
+import bnbf.functional as F  # noqa: E402
+import bnbf.kernels.launcher as launcher  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--in-place", action="store_true")
+    ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--calls", type=int, default=150)
+    args = ap.parse_args()
+    device = torch.device("cpu" if args.cpu else "cuda")
+    launches: list = []
+    if args.cpu:
+        launcher.launch_group = lambda *a, **k: launches.append(time.perf_counter())
+    else:
+        real = launcher.launch_group
+
+        def timed_launch(*a, **k):
+            launches.append(time.perf_counter())
+            return real(*a, **k)
+
+        launcher.launch_group = timed_launch
+    shapes = bs.SMOKE_SETS["gpt2_124M"]() if args.cpu else bs.SETS["gpt2_124M"]()
+    members = 8
+    params = {n: torch.randn(members, *s, device=device).to(torch.bfloat16) for n, s in shapes}
+    grads = {n: torch.randn(members, *s, device=device).to(torch.bfloat16) for n, s in shapes}
+    layout = bnbf.flat_layout({k: v[0] for k, v in params.items()}, bnbf.OptimSpec(rule="adamw"))
+    params, grads = torch.func.vmap(layout.flatten)(params), torch.func.vmap(layout.flatten)(grads)
+    state = torch.func.vmap(layout.init_state)(params)
+    hp = {"lr": 1e-3, "weight_decay": 0.01}
+    fn = bnbf.update_ if args.in_place else bnbf.update
+    marks: list = []
+
+    def body(p, g, s, i):
+        marks.append(time.perf_counter())
+        out = fn(p, g, s, hp, i)
+        marks.append(time.perf_counter())
+        return out
+
+    step = torch.func.vmap(body, in_dims=(0, 0, 0, None))
+    held = [params, state]
+    memo = F._vmapped_hit
+    results: dict = {True: [], False: []}
+    for _ in range(args.rounds):
+        for on in (False, True):
+            F._vmapped_hit = memo if on else (lambda *a, **k: None)
+            for i in range(args.calls):
+                launches.clear()
+                marks.clear()
+                t0 = time.perf_counter()
+                if args.in_place:
+                    step(params, grads, state, i + 1)
+                else:
+                    held[:] = step(held[0], grads, held[1], i + 1)
+                t1 = time.perf_counter()
+                if i >= 20:
+                    results[on].append((marks[0] - t0, launches[0] - marks[0], marks[1] - marks[0], t1 - t0))
+                if device.type == "cuda" and i % 20 == 19:
+                    torch.cuda.synchronize()  # a short queue: the host's work is timed, not a full queue's wait
+    F._vmapped_hit = memo
+    print(f"{device}, torch {torch.__version__}, vmap({fn.__name__}), {members} members, flat params")
+    print("| | torch.func's input processing | bnbf to its first launch | bnbf in all | the call |")
+    print("|---|---|---|---|---|")
+    for on in (False, True):
+        us = [statistics.median(r[k] for r in results[on]) * 1e6 for k in range(4)]
+        print(f"| {'memo' if on else 'full checks'} | " + " | ".join(f"{u:.0f} us" for u in us) + " |")
+
+
+if __name__ == "__main__":
+    main()
