@@ -6,9 +6,10 @@ stacked; bf16, 8-bit AdamW, Python-number lr and step), the kernel launch stubbe
 
 Prints, per mode, the median microseconds of a call: torch.func's processing of the inputs before the vmapped
 function runs, bnbf's time from there to its first launch (``--cpu``: to the stubbed launch), bnbf's whole time
-inside the call, and the call's. ``--cpu`` takes GPT-2's structure at small sizes (host time depends on the tensor
-count, not their sizes); the launch is stubbed there, so CPU tables miss their cache each pure call (the CPU
-allocator hands out new addresses; CUDA's caching allocator hands back the same blocks).
+inside the call, and the call's; on CUDA also the median synchronized step (CUDA events after a synchronize, as
+benchmarks/bench_step.py times a step). ``--cpu`` takes GPT-2's structure at small sizes (host time depends on the
+tensor count, not their sizes); the launch is stubbed there, so CPU tables miss their cache each pure call (the
+CPU allocator hands out new addresses; CUDA's caching allocator hands back the same blocks).
 """
 
 from __future__ import annotations
@@ -84,13 +85,32 @@ def main() -> None:
                     results[on].append((marks[0] - t0, launches[0] - marks[0], marks[1] - marks[0], t1 - t0))
                 if device.type == "cuda" and i % 20 == 19:
                     torch.cuda.synchronize()  # a short queue: the host's work is timed, not a full queue's wait
+    synced: dict = {True: [], False: []}  # CUDA: each call between two events after a synchronize (bench_step's)
+    if device.type == "cuda":
+        for _ in range(args.rounds):
+            for on in (False, True):
+                F._vmapped_hit = memo if on else (lambda *a, **k: None)
+                for i in range(20):
+                    torch.cuda.synchronize()
+                    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                    start.record()
+                    if args.in_place:
+                        step(params, grads, state, i + 1)
+                    else:
+                        held[:] = step(held[0], grads, held[1], i + 1)
+                    end.record()
+                    torch.cuda.synchronize()
+                    if i >= 3:
+                        synced[on].append(start.elapsed_time(end))
     F._vmapped_hit = memo
-    print(f"{device}, torch {torch.__version__}, vmap({fn.__name__}), {members} members, flat params")
-    print("| | torch.func's input processing | bnbf to its first launch | bnbf in all | the call |")
-    print("|---|---|---|---|---|")
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    print(f"{name}, torch {torch.__version__}, vmap({fn.__name__}), {members} members, flat params")
+    print("| | torch.func's input processing | bnbf to its first launch | bnbf in all | the call | synchronized step |")
+    print("|---|---|---|---|---|---|")
     for on in (False, True):
         us = [statistics.median(r[k] for r in results[on]) * 1e6 for k in range(4)]
-        print(f"| {'memo' if on else 'full checks'} | " + " | ".join(f"{u:.0f} us" for u in us) + " |")
+        step_ms = f"{statistics.median(synced[on]):.3f} ms" if synced[on] else "n/a"
+        print(f"| {'memo' if on else 'full checks'} | " + " | ".join(f"{u:.0f} us" for u in us) + f" | {step_ms} |")
 
 
 if __name__ == "__main__":
