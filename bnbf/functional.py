@@ -296,7 +296,7 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     if in_place:  # as the full path after its checks: memory apart (its own memo of the addresses), then the steps
         fields = list(itertools.chain.from_iterable(states))
         ops.check_vmapped_leaves_apart(param, params, grads, states, fields)
-        for layout, idx, field_idx, _ in memo.groups:
+        for layout, idx, field_idx, _ in memo.groups if size else ():  # an ensemble of no members: nothing to step
             p_in, g_in, f_in = _vmap_memo.pick(memo, ps, gs, fs, idx, field_idx)
             with torch._C._DisableFuncTorch():
                 ops._stacked_step_(p_in, g_in, [0] * len(g_in), f_in, scalars, None, layout, skip_zeros, clip, size,

@@ -830,6 +830,7 @@ def test_a_repeated_vmapped_step_takes_the_memo_and_equals_the_full_checks(monke
 
 
 @_memo_needs_native
+@_slow_in_interpreter  # the memo's decisions do not depend on the path; the Triton route's steps: the test above
 def test_a_vmapped_call_the_memo_cannot_confirm_takes_the_full_checks():
     """After a call has left its memo, calls that differ from it in any way the memo records or the call's own
     options get the full path's outcome: its result, or its error in its words. Nothing is modified."""
@@ -922,3 +923,40 @@ def test_the_memo_is_not_taken_where_the_tensors_alone_look_the_same(case):
     got, want = _outcome(call), _without_memo(call)
     assert got[0] == want[0]
     assert got[1:] == want[1:] if got[0] == "raised" else _same(got[1], want[1])
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_a_repeated_vmapped_step_over_no_members(fn):
+    """An ensemble of no members, stepped again (its memo taken): nothing to step, no error (the in-place step
+    reached the launcher's table with no rows)."""
+    p, g = {"a": torch.randn(0, 300)}, {"a": torch.randn(0, 300)}
+    s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=256)))(p)
+    step = torch.vmap(lambda q, r, u, t: getattr(bnbf, fn)(q, r, u, {"lr": 0.01}, t), in_dims=(0, 0, 0, None))
+    bnbf._vmap_memo.MEMOS.clear()
+    for t in (1, 2, 3):
+        new_p, new_s = step(p, g, s, t)
+        assert new_p["a"].shape == (0, 300) and all(x.shape[0] == 0 for x in new_s["a"])
+    assert bnbf._vmap_memo.MEMOS
+
+
+@_memo_needs_native
+@pytest.mark.skipif(INTERP, reason="every rule on the reference path; the interpreter runs CASES above")
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("rule", list(bnbf.RULES))
+def test_every_rule_steps_alike_with_the_memo_and_without(rule, bits):
+    """Each rule's repeated vmapped step, pure and in place, with the memo taken and with the full checks: the same
+    outputs and the same stacked tensors written, bit for bit."""
+    p, g = _stack(numels=(7, 300))
+    hp = {"lr": 0.01}
+    spec = bnbf.OptimSpec(rule=rule, state_bits=bits, min_8bit_size=256)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, hp))(p)
+    for fn in (bnbf.update, bnbf.update_):
+        step = torch.vmap(lambda q, r, u, t, fn=fn: fn(q, r, u, hp, t), in_dims=(0, 0, 0, None))
+        bnbf._vmap_memo.MEMOS.clear()
+        first = tree_map(torch.clone, (p, s))
+        step(first[0], g, first[1], 1)  # remembered
+        a, b = tree_map(torch.clone, first), tree_map(torch.clone, first)
+        got = step(a[0], g, a[1], 2)
+        want = _without_memo(lambda step=step, b=b: step(b[0], g, b[1], 2))
+        assert want[0] == "ok" and _same(got, want[1]) and _same(a, b), fn.__name__
