@@ -985,6 +985,12 @@ def _groups(params: list, states: list):
     return groups.items()
 
 
+def _field_positions(states: list, idx: list) -> list:
+    """Positions in ``[field for state in states for field in state]`` of the fields of the states at ``idx``."""
+    starts = list(itertools.accumulate(map(len, states), initial=0))
+    return [k for i in idx for k in range(starts[i], starts[i + 1])]
+
+
 def clips(max_unorm: Any) -> bool:
     """Whether ``max_unorm`` turns update clipping on (> 0); ValueError for a value below 0 or NaN. A CPU tensor's
     value is checked as a number's; a device tensor's is not read (a host sync): the step then clips only where it

@@ -21,15 +21,14 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
-from bnbf._host_checks import NATIVE, _flatten, _unflatten, walked
+from bnbf._host_checks import NATIVE, _field_positions, _flatten, walked
 from bnbf.state import is_state, present_mask
 
 _CHAIN = itertools.chain.from_iterable
 
 
 class Memo(NamedTuple):
-    spec: Any  # the params' structure key (the grads' too)
-    s_spec: Any  # the states'
+    spec: Any  # the params' structure key (the grads' and the states' too: a walked state tree has its params' spec)
     types: tuple  # each state's type (its layout)
     twins: tuple  # meta twins of the stacked params, grads and state fields
     device: torch.device
@@ -72,14 +71,12 @@ def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
     device = tensors[0][0].device
     if any(t.device != device for t in _CHAIN(tensors)):
         return
-    starts = list(itertools.accumulate((len(s) for s in call.states), initial=0))
     plan = tuple(
-        (layout, tuple(idx), tuple(f for i in idx for f in range(starts[i], starts[i + 1])), len(call.states[idx[0]]))
+        (layout, tuple(idx), tuple(_field_positions(call.states, idx)), len(call.states[idx[0]]))
         for (_, _, layout), idx in groups
     )
     twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ts] for ts in tensors)
-    states_spec = _flatten(_unflatten(call.states, call.spec), is_leaf=is_state)[1]
-    memo = Memo(call.spec, states_spec, tuple(map(type, call.states)), twins, device, call.rule,
+    memo = Memo(call.spec, tuple(map(type, call.states)), twins, device, call.rule,
                 present_mask(call.rule, call.hparams), plan)  # fmt: skip
     if len(MEMOS) >= _SIZE:
         MEMOS.clear()
@@ -87,7 +84,8 @@ def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
 
 
 def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
-    """``(memo, level, size, (params, grads, fields) unwrapped, (params, grads, states) as given)`` where a memo's
+    """``(memo, level, size, (params, grads, fields) unwrapped, (params, grads, states, fields) as given)`` where a
+    memo's
     trees and stacked tensors are this call's: the same structures and state types; the stacked tensors plain,
     batched along dim 0 at the innermost vmap's level, contiguous, each with its recorded shape and dtype, on the
     recorded device, none requiring grad under grad mode; an int step, no forward-mode dual, no tracing, no CUDA
@@ -104,13 +102,16 @@ def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
         return None
     grads, g_spec = _flatten(grad)
     states, s_spec = _flatten(state, is_leaf=is_state)
-    if not (g_spec is spec or g_spec == spec) or not (s_spec is memo.s_spec or s_spec == memo.s_spec):
+    if not (g_spec is spec or g_spec == spec) or not (s_spec is spec or s_spec == spec):
         return None
     if tuple(map(type, states)) != memo.types:
         return None
+    fields = list(_CHAIN(states))
     (ps, p_dims), (gs, g_dims), (fs, f_dims) = (
-        ops._unwrap(params, level), ops._unwrap(grads, level), ops._unwrap(list(_CHAIN(states)), level)
-    )  # fmt: skip
+        ops._unwrap(params, level),
+        ops._unwrap(grads, level),
+        ops._unwrap(fields, level),
+    )
     if p_dims.count(0) != len(p_dims) or g_dims.count(0) != len(g_dims) or f_dims.count(0) != len(f_dims):
         return None
     p_twins, g_twins, f_twins = memo.twins
@@ -124,10 +125,10 @@ def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
         return None
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # the full path's capture checks
         return None
-    return memo, level, size, (ps, gs, fs), (params, grads, states)
+    return memo, level, size, (ps, gs, fs), (params, grads, states, fields)
 
 
-def pick(memo: Memo, ps: list, gs: list, fs: list, idx: tuple, field_idx: tuple) -> tuple:
+def pick(ps: list, gs: list, fs: list, idx: tuple, field_idx: tuple) -> tuple:
     """The unwrapped params, grads and fields of one launch group (the lists as they are for one group)."""
     if len(idx) == len(ps):
         return ps, gs, fs

@@ -271,6 +271,9 @@ def _update(param, grad, state, hparams, step, hit, leaves, skip_zeros, max_unor
     return out
 
 
+_ZERO = itertools.repeat(0)  # the batch dim of every output a vmapped step wraps
+
+
 def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=False) -> Any:
     """The step under ``vmap`` of trees a recent vmapped call's full checks passed (:mod:`bnbf._vmap_memo`), with
     Python-number hyperparameters and an int step checked as every call checks them; then the stacked step of each
@@ -280,7 +283,7 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     found = _vmap_memo.confirm(param, grad, state, step)
     if found is None:
         return None
-    memo, level, size, (ps, gs, fs), (params, grads, states) = found
+    memo, level, size, (ps, gs, fs), (params, grads, states, fields) = found
     rule = memo.rule
     try:  # every call's checks of its options: an error is the full path's to raise, with its words
         h = rule.make_hparams(hparams)
@@ -294,10 +297,9 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
         return None
     scalars = tuple(map(float, values))
     if in_place:  # as the full path after its checks: memory apart (its own memo of the addresses), then the steps
-        fields = list(itertools.chain.from_iterable(states))
         ops.check_vmapped_leaves_apart(param, params, grads, states, fields)
         for layout, idx, field_idx, _ in memo.groups if size else ():  # an ensemble of no members: nothing to step
-            p_in, g_in, f_in = _vmap_memo.pick(memo, ps, gs, fs, idx, field_idx)
+            p_in, g_in, f_in = _vmap_memo.pick(ps, gs, fs, idx, field_idx)
             with torch._C._DisableFuncTorch():
                 ops._stacked_step_(p_in, g_in, [0] * len(g_in), f_in, scalars, None, layout, skip_zeros, clip, size,
                                    checked=True)  # fmt: skip
@@ -306,7 +308,7 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     new_states: list = [None] * len(ps)
     add, levels = _functorch._add_batch_dim, itertools.repeat(level)
     for layout, idx, field_idx, per in memo.groups:
-        p_in, g_in, f_in = _vmap_memo.pick(memo, ps, gs, fs, idx, field_idx)
+        p_in, g_in, f_in = _vmap_memo.pick(ps, gs, fs, idx, field_idx)
         zeros_p, zeros_f = [0] * len(p_in), [0] * len(f_in)
         out_p, out_s = ops._step_stacked(
             p_in, zeros_p, g_in, zeros_p, f_in, zeros_f, scalars, None, layout, skip_zeros, clip, size
@@ -318,9 +320,6 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
             new_params[i] = out_p[k]
             new_states[i] = make(out_s[k * per : (k + 1) * per])
     return _unflatten(new_params, memo.spec), _unflatten(new_states, memo.spec)
-
-
-_ZERO = itertools.repeat(0)
 
 
 class _PureMemo(NamedTuple):
@@ -437,10 +436,10 @@ def update_(
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         check_clip_not_differentiated(max_grad_norm, state, in_place=True)
         return _compose().update_(param, grad, state, hparams, step, max_grad_norm=max_grad_norm, **opts)
-    vmapped = not torch.compiler.is_compiling() and _vmap_memo.MEMOS and _functorch.maybe_current_level() is not None
-    if vmapped and _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=True):
-        return param, state
     if not torch.compiler.is_compiling():  # traced: no ids (the generic path's Dynamo-friendly checks)
+        vmapped = _vmap_memo.MEMOS and _functorch.maybe_current_level() is not None
+        if vmapped and _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, True):
+            return param, state
         hit = _last_plan(param, state)
         if hit is not None:
             hit[0]._step(hit[1], hit[2], param, grad, hparams, step, skip_zeros, max_unorm, maximize)

@@ -44,6 +44,7 @@ from bnbf._host_checks import (
     _check_present,
     _check_step,
     _check_writable,
+    _field_positions,
     _flatten,
     _grads_ok,
     _groups,
@@ -1236,12 +1237,6 @@ def _step_generic(
                     p.copy_(w)
     if vmapped:  # the next call of these trees may skip the checks on batched tensors
         _vmap_memo.remember(call, groups, step, rows)
-
-
-def _field_positions(states: list, idx: list) -> list:
-    """Positions in ``[field for state in states for field in state]`` of the fields of the states at ``idx``."""
-    starts = list(itertools.accumulate(map(len, states), initial=0))
-    return [k for i in idx for k in range(starts[i], starts[i + 1])]
 
 
 # ---- bnbf.update_'s plans -----------------------------------------------------------------------------------

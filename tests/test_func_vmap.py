@@ -960,3 +960,28 @@ def test_every_rule_steps_alike_with_the_memo_and_without(rule, bits):
         got = step(a[0], g, a[1], 2)
         want = _without_memo(lambda step=step, b=b: step(b[0], g, b[1], 2))
         assert want[0] == "ok" and _same(got, want[1]) and _same(a, b), fn.__name__
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_a_nested_tree_takes_the_memo(monkeypatch, fn):
+    """A tree nested by module (the core's walk: its spec one object per structure, the state tree's the params'):
+    the repeated vmapped step takes the memo and equals the full checks."""
+    p, g = _stack(numels=(7, 300))
+    nest = lambda t: {"blk": {"w": t["t300"]}, "bias": [t["t7"]]}  # noqa: E731
+    p, g = nest(p), nest(g)
+    s = torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw", min_8bit_size=256)))(p)
+    call = getattr(bnbf, fn)
+    step = torch.vmap(lambda q, r, u, t: call(q, r, u, {"lr": 0.01}, t), in_dims=(0, 0, 0, None))
+    bnbf._vmap_memo.MEMOS.clear()
+    first = tree_map(torch.clone, (p, s))
+    step(first[0], g, first[1], 1)
+    a, b = tree_map(torch.clone, first), tree_map(torch.clone, first)
+    want = _without_memo(lambda: step(b[0], g, b[1], 2))
+    traced = []
+    for module in (bnbf.functional, sys.modules["bnbf.plan"]):
+        real = module._prepare_traced
+        monkeypatch.setattr(module, "_prepare_traced", lambda *x, real=real, **k: traced.append(1) or real(*x, **k))
+    got = step(a[0], g, a[1], 2)
+    assert not traced, "the repeated call ran the full checks"
+    assert want[0] == "ok" and _same(got, want[1]) and _same(a, b)
