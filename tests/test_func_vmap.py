@@ -782,6 +782,15 @@ def _outcome(fn):
         return ("raised", type(e), str(e))
 
 
+def _full_checks_counted(monkeypatch) -> list:
+    """A list that the vmapped step's full checks (pure and in place) append to each time they run."""
+    ran: list = []
+    for module in (bnbf.functional, sys.modules["bnbf.plan"]):
+        real = module._prepare_traced
+        monkeypatch.setattr(module, "_prepare_traced", lambda *x, real=real, **k: ran.append(1) or real(*x, **k))
+    return ran
+
+
 def _without_memo(fn):
     """``fn()`` with the memo off: every check on vmap's batched tensors (the path the memo must equal)."""
     saved = bnbf.functional._vmapped_hit
@@ -812,10 +821,7 @@ def test_a_repeated_vmapped_step_takes_the_memo_and_equals_the_full_checks(monke
     copy = lambda: tree_map(torch.clone, (p1, s1))  # noqa: E731
     a, b_ = copy(), copy()
     want = _without_memo(lambda: step(*a[:1], g, a[1], 2))
-    traced = []
-    for module in (bnbf.functional, sys.modules["bnbf.plan"]):
-        real = module._prepare_traced
-        monkeypatch.setattr(module, "_prepare_traced", lambda *x, real=real, **k: traced.append(1) or real(*x, **k))
+    traced = _full_checks_counted(monkeypatch)
     got = step(b_[0], g, b_[1], 2)
     assert not traced, "the repeated call ran the full checks"
     assert want[0] == "ok", want
@@ -978,10 +984,7 @@ def test_a_nested_tree_takes_the_memo(monkeypatch, fn):
     step(first[0], g, first[1], 1)
     a, b = tree_map(torch.clone, first), tree_map(torch.clone, first)
     want = _without_memo(lambda: step(b[0], g, b[1], 2))
-    traced = []
-    for module in (bnbf.functional, sys.modules["bnbf.plan"]):
-        real = module._prepare_traced
-        monkeypatch.setattr(module, "_prepare_traced", lambda *x, real=real, **k: traced.append(1) or real(*x, **k))
+    traced = _full_checks_counted(monkeypatch)
     got = step(a[0], g, a[1], 2)
     assert not traced, "the repeated call ran the full checks"
     assert want[0] == "ok" and _same(got, want[1]) and _same(a, b)
