@@ -2,7 +2,8 @@
 alternating in one process: bench_func's ``vmap_flat`` set-up (8 GPT-2-small-shaped members, flat params,
 stacked; bf16, 8-bit AdamW, Python-number lr and step), the kernel launch stubbed out (CPU) or real (CUDA).
 
-    python scripts/vmap_memo_host.py [--in-place] [--cpu] [--rounds 6] [--calls 150]
+    python scripts/vmap_memo_host.py [--in-place] [--rounds 6] [--calls 150]
+    TRITON_INTERPRET=1 python scripts/vmap_memo_host.py --cpu [--in-place]
 
 Prints, per mode, the median microseconds of a call: torch.func's processing of the inputs before the vmapped
 function runs, bnbf's time from there to its first launch (``--cpu``: to the stubbed launch), bnbf's whole time
@@ -37,6 +38,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=150)
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
+    if args.cpu and os.environ.get("TRITON_INTERPRET", "0") in ("", "0"):
+        # CPU tensors take the reference path unless the interpreter is on: no launch would be timed
+        ap.error("--cpu times the Triton route's host code: set TRITON_INTERPRET=1")
     launches: list = []
     if args.cpu:
         launcher.launch_group = lambda *a, **k: launches.append(time.perf_counter())

@@ -388,7 +388,10 @@ _ACCEPTED_OVERRIDES = [
 ]
 
 
-@pytest.mark.parametrize("route", ["override_config", "register_module_override"])
+# the manager's second way reaches the step as the first: the interpreter pass steps the kernels through one
+@pytest.mark.parametrize(
+    "route", ["override_config", pytest.param("register_module_override", marks=pytest.mark.surface)]
+)
 @pytest.mark.parametrize("make, settings", _ACCEPTED_OVERRIDES)
 def test_get_config_reports_what_the_step_steps_with(make, settings, route):
     """Every override the step takes, through either of the manager's ways: a twin optimizer given get_config's

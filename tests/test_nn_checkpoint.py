@@ -766,6 +766,9 @@ DCP_RESUMES = {  # 8-bit and 32-bit state (the bias); AdEMAMix's stacked state1;
 }
 
 
+# torch.distributed.checkpoint's plumbing is the same whatever route steps: the interpreter pass (2-11 s a case
+# there) leaves these tests to the reference pass and the GPU run; its resumes are test_nn_optim's round trips
+@pytest.mark.surface
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("name", list(DCP_RESUMES))
 def test_a_dcp_resume_through_get_and_set_state_dict_continues_bit_for_bit(tmp_path, name, flatten):
@@ -801,6 +804,7 @@ def test_a_dcp_resume_through_get_and_set_state_dict_continues_bit_for_bit(tmp_p
         assert_equal_report(q.detach(), p.detach(), f"{n} after the resume")
 
 
+@pytest.mark.surface  # DCP's plumbing, as above
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 @pytest.mark.parametrize("change", ["params reordered", "override added"])
 def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change, flatten):
@@ -839,6 +843,7 @@ def test_a_dcp_resume_keeps_or_refuses_bits_by_param_name(tmp_path, change, flat
         assert_equal_report(pb[n].detach(), pa[n].detach(), f"{n} after the resume")
 
 
+@pytest.mark.surface  # DCP's plumbing, as above
 @pytest.mark.parametrize("flatten", [False, True], ids=["nested", "flattened"])
 def test_a_dcp_resume_keeps_the_groups_origin(tmp_path, flatten):
     """The groups' "bnbf" entry (the saving optimizer's rule, each group's starting lr) reaches load_state_dict
@@ -873,6 +878,7 @@ def test_a_dcp_resume_keeps_the_groups_origin(tmp_path, flatten):
     assert sgd.state_dict()["param_groups"][0]["bnbf"]["lr0"] == 1e-2
 
 
+@pytest.mark.surface  # DCP's plumbing, as above
 def test_a_flattened_dcp_rollback_keeps_a_param_without_state_stateless(tmp_path):
     """``flatten_optimizer_state_dict`` rebuilds each param's entry from the keys of the live ``optimizer.state[p]``,
     so a param without state (requires_grad, but no grad yet) arrives as an empty entry. torch.optim loads it as no
