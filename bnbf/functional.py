@@ -468,9 +468,12 @@ def update_(
 
 def _remember(param: Any, state: Any, plan: Any) -> None:
     """``plan`` as update_'s last for these containers (:func:`_last_plan` finds it)."""
-    if len(_LAST) >= _LAST_SIZE:
-        _LAST.clear()  # containers made anew each call (their ids are dead keys): start over
-    _LAST[id(param), id(state)] = weakref.ref(plan)
+    key = id(param), id(state)
+    if key not in _LAST and len(_LAST) >= _LAST_SIZE:
+        # the oldest key goes (containers made anew each call leave dead ids): clearing them all had sent a loop's
+        # next call, whose containers were remembered just before, through the full lookup again
+        del _LAST[next(iter(_LAST))]
+    _LAST[key] = weakref.ref(plan)
 
 
 # update_'s last plan per (param container, state container), by their ids: a weak reference to the plan that

@@ -145,6 +145,24 @@ IN_PLACE_TREES = {
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("make", IN_PLACE_TREES.values(), ids=IN_PLACE_TREES.keys())
 def test_a_nested_in_place_loop_steps_through_one_plan_and_equals_a_flat_one(generic_steps, monkeypatch, device, make):
+    _in_place_loops(generic_steps, monkeypatch, device, make)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_containers_remembered_among_many_keep_their_route(generic_steps, monkeypatch, device):
+    """update_'s table of containers full of others' (dead ids of containers made anew each call): the loops'
+    containers, remembered one after the other, keep their route; a full table had been cleared at the second
+    one, sending the first through the full lookup again (found in CI, where earlier tests had filled it)."""
+    dead = {(-1 - i, -1): (lambda: None) for i in range(F._LAST_SIZE - 1)}
+    monkeypatch.setattr(F, "_LAST", dead)
+    _in_place_loops(generic_steps, monkeypatch, device, _nested)
+    if kernel_runs(device):  # the two loops' containers in, the oldest dead id out
+        assert len(F._LAST) == F._LAST_SIZE and (-1, -1) not in F._LAST
+
+
+def _in_place_loops(generic_steps, monkeypatch, device, make):
+    """A nested (or flat) tree's in-place loop beside the flat dict of its leaves: equal results, and on the Triton
+    path one plan lookup each, the calls after the first taking their containers' route."""
     lookups = []  # update_'s full plan lookups: its containers' own route (_last_plan) serves the calls after the first
     full = F._cached
     monkeypatch.setattr(F, "_cached", lambda *a: lookups.append(a[0]) or full(*a))
