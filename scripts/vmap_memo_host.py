@@ -20,10 +20,12 @@ import os
 import statistics
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_func as bench_func  # noqa: E402
 import benchmarks.bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 import bnbf.functional as F  # noqa: E402
@@ -53,13 +55,9 @@ def main() -> None:
 
         launcher.launch_group = timed_launch
     shapes = bs.SMOKE_SETS["gpt2_124M"]() if args.cpu else bs.SETS["gpt2_124M"]()
-    members = 8
-    params = {n: torch.randn(members, *s, device=device).to(torch.bfloat16) for n, s in shapes}
-    grads = {n: torch.randn(members, *s, device=device).to(torch.bfloat16) for n, s in shapes}
-    layout = bnbf.flat_layout({k: v[0] for k, v in params.items()}, bnbf.OptimSpec(rule="adamw"))
-    params, grads = torch.func.vmap(layout.flatten)(params), torch.func.vmap(layout.flatten)(grads)
-    state = torch.func.vmap(layout.init_state)(params)
-    hp = {"lr": 1e-3, "weight_decay": 0.01}
+    members, hp = bench_func.MEMBERS, bench_func.HP
+    ctx = types.SimpleNamespace(shapes=shapes, dtype=torch.bfloat16, device=device)
+    params, grads, state = bench_func._ensemble(ctx, "flat")  # the vmap_flat row's ensemble
     fn = bnbf.update_ if args.in_place else bnbf.update
     marks: list = []
 
