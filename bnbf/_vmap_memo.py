@@ -34,7 +34,7 @@ class Memo(NamedTuple):
     device: torch.device
     rule: Any
     present: int  # the kept slots' mask the checked hyperparameters gave
-    groups: tuple  # (layout, param indices, field indices, fields a state) per launch group
+    groups: tuple  # (layout, param indices, field indices) per launch group
 
 
 # by the params' structure key: a flat tree's key tuple, a nested one's spec by id (confirmed by identity)
@@ -71,10 +71,7 @@ def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
     device = tensors[0][0].device
     if any(t.device != device for t in _CHAIN(tensors)):
         return
-    plan = tuple(
-        (layout, tuple(idx), tuple(_field_positions(call.states, idx)), len(call.states[idx[0]]))
-        for (_, _, layout), idx in groups
-    )
+    plan = tuple((layout, tuple(idx), tuple(_field_positions(call.states, idx))) for (_, _, layout), idx in groups)
     twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ts] for ts in tensors)
     memo = Memo(call.spec, tuple(map(type, call.states)), twins, device, call.rule,
                 present_mask(call.rule, call.hparams), plan)  # fmt: skip

@@ -258,17 +258,22 @@ def _update(param, grad, state, hparams, step, hit, leaves, skip_zeros, max_unor
                 gs = [_plain(call.grads[i]) for i in idx]
             ss = [t for i in idx for t in call.states[i]]
             out_p, out_s = ops.step(ps, gs, ss, rows[device], layout, skip_zeros, clip)
-            per = len(ss) // len(idx)  # fields a state (one layout: as many each)
-            make = type(call.states[idx[0]])._make
-            for k, i in enumerate(idx):
-                new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
-                new_states[i] = make(out_s[k * per : (k + 1) * per])
+            _file(new_params, new_states, idx, out_p, out_s, type(call.states[idx[0]])._make)
     out = _unflatten(new_params, call.spec), _unflatten(new_states, call.spec)
     if not vmapped and not torch.compiler.is_compiling():
         _remember_pure(out, new_params, new_states, call, groups)
     elif vmapped:
         _vmap_memo.remember(call, groups, step, rows)
     return out
+
+
+def _file(new_params: list, new_states: list, idx, out_p: list, out_s: list, make) -> None:
+    """A launch group's outputs under their leaves' positions ``idx``: a param each, its state's fields (one layout:
+    as many a state) made into its state type by ``make``."""
+    per = len(out_s) // len(idx)
+    for k, i in enumerate(idx):
+        new_params[i] = out_p[k]  # the op's outputs have their inputs' shapes
+        new_states[i] = make(out_s[k * per : (k + 1) * per])
 
 
 _ZERO = itertools.repeat(0)  # the batch dim of every output a vmapped step wraps
@@ -298,7 +303,7 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     scalars = tuple(map(float, values))
     if in_place:  # as the full path after its checks: memory apart (its own memo of the addresses), then the steps
         ops.check_vmapped_leaves_apart(param, params, grads, states, fields)
-        for layout, idx, field_idx, _ in memo.groups if size else ():  # an ensemble of no members: nothing to step
+        for layout, idx, field_idx in memo.groups if size else ():  # an ensemble of no members: nothing to step
             p_in, g_in, f_in = _vmap_memo.pick(ps, gs, fs, idx, field_idx)
             with torch._C._DisableFuncTorch():
                 ops._stacked_step_(p_in, g_in, [0] * len(g_in), f_in, scalars, None, layout, skip_zeros, clip, size,
@@ -307,18 +312,14 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     new_params: list = [None] * len(ps)
     new_states: list = [None] * len(ps)
     add, levels = _functorch._add_batch_dim, itertools.repeat(level)
-    for layout, idx, field_idx, per in memo.groups:
+    for layout, idx, field_idx in memo.groups:
         p_in, g_in, f_in = _vmap_memo.pick(ps, gs, fs, idx, field_idx)
         zeros_p, zeros_f = [0] * len(p_in), [0] * len(f_in)
         out_p, out_s = ops._step_stacked(
             p_in, zeros_p, g_in, zeros_p, f_in, zeros_f, scalars, None, layout, skip_zeros, clip, size
         )
         out_p = list(map(add, out_p, _ZERO, levels))
-        out_s = list(map(add, out_s, _ZERO, levels))
-        make = memo.types[idx[0]]._make
-        for k, i in enumerate(idx):
-            new_params[i] = out_p[k]
-            new_states[i] = make(out_s[k * per : (k + 1) * per])
+        _file(new_params, new_states, idx, out_p, list(map(add, out_s, _ZERO, levels)), memo.types[idx[0]]._make)
     return _unflatten(new_params, memo.spec), _unflatten(new_states, memo.spec)
 
 
