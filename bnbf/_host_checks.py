@@ -202,9 +202,8 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
         if spec is None:
             spec = pytree.tree_flatten(tree, is_leaf=is_leaf)[1]
             with _SPECS_LOCK:
-                if len(_SPECS) >= _SPECS_SIZE:
-                    _SPECS.clear()
-                    _SHAPES.clear()
+                if len(_SPECS) >= _SPECS_SIZE:  # the oldest structure goes, as update_'s table of containers
+                    _SHAPES.pop(id(_SPECS.pop(next(iter(_SPECS)))), None)
                 _SPECS[key] = spec
                 _SHAPES[id(spec)] = (spec, key)
         return leaves, spec

@@ -543,6 +543,19 @@ def test_any_nested_tree_steps_as_the_flat_dict_of_its_leaves(shape, in_place):
     assert len(out[0]) == len(out[1]) and all(torch.equal(a, b) for a, b in zip(*out))
 
 
+def test_a_full_table_of_structures_keeps_the_ones_walked_last(monkeypatch):
+    """The table of walked structures full of others': two trees walked one after the other keep their spec objects
+    (what plans and the vmap memo are keyed by, and how a spec is known as walked); a full table had been cleared
+    at the second, so the first came back as a new spec and its plan was no longer found."""
+    monkeypatch.setattr(H, "_SPECS", {("dead", i): object() for i in range(H._SPECS_SIZE - 1)})
+    monkeypatch.setattr(H, "_SHAPES", {})
+    a, b = _nested(_leaves(5)), {"x": _nested(_leaves(5))}
+    _, spec_a = H._flatten(a)
+    _, spec_b = H._flatten(b)
+    assert H._flatten(a)[1] is spec_a and H._flatten(b)[1] is spec_b
+    assert H.walked(spec_a) and H.walked(spec_b) and ("dead", 0) not in H._SPECS
+
+
 COMPILED = {
     "update": lambda p, g, s, k: bnbf.update(p, g, s, HP, k),
     "update_": lambda p, g, s, k: bnbf.update_(p, g, s, HP, k),
