@@ -82,10 +82,9 @@ def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
 
 def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
     """``(memo, level, size, (params, grads, fields) unwrapped, (params, grads, states, fields) as given)`` where a
-    memo's
-    trees and stacked tensors are this call's: the same structures and state types; the stacked tensors plain,
-    batched along dim 0 at the innermost vmap's level, contiguous, each with its recorded shape and dtype, on the
-    recorded device, none requiring grad under grad mode; an int step, no forward-mode dual, no tracing, no CUDA
+    memo's trees and stacked tensors are this call's: the same structures and state types; the stacked tensors
+    plain, batched along dim 0 at the innermost vmap's level, contiguous, each with its recorded shape and dtype, on
+    the recorded device, none requiring grad under grad mode; an int step, no forward-mode dual, no tracing, no CUDA
     graph being captured. Else None."""
     if type(step) is not int or forward_ad._current_level >= 0 or torch.compiler.is_compiling():
         return None

@@ -318,8 +318,8 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
         out_p, out_s = ops._step_stacked(
             p_in, zeros_p, g_in, zeros_p, f_in, zeros_f, scalars, None, layout, skip_zeros, clip, size
         )
-        out_p = list(map(add, out_p, _ZERO, levels))
-        _file(new_params, new_states, idx, out_p, list(map(add, out_s, _ZERO, levels)), memo.types[idx[0]]._make)
+        out_p, out_s = list(map(add, out_p, _ZERO, levels)), list(map(add, out_s, _ZERO, levels))
+        _file(new_params, new_states, idx, out_p, out_s, memo.types[idx[0]]._make)
     return _unflatten(new_params, memo.spec), _unflatten(new_states, memo.spec)
 
 
