@@ -497,10 +497,10 @@ def row_graph(ctx) -> dict:
     return {"ms": ms, "bytes": bs.model_bytes(ctx.shapes, ctx.dtype, "8bit")}
 
 
-def _ensemble(ctx, mode: str) -> tuple:
-    """``MEMBERS`` members of the row's set, stacked: params, grads and their state (``mode``: per_param, packed or
+def _ensemble(ctx, mode: str, members: int = MEMBERS) -> tuple:
+    """``members`` members of the row's set, stacked: params, grads and their state (``mode``: per_param, packed or
     flat: each member's leaves in the flat buffers, members stacked)."""
-    stacked = [(name, (MEMBERS, *shape)) for name, shape in ctx.shapes]
+    stacked = [(name, (members, *shape)) for name, shape in ctx.shapes]
     params, grads = fresh(stacked, ctx.dtype, ctx.device)
     spec = bnbf.OptimSpec(rule="adamw")
     if mode == "flat":

@@ -23,7 +23,6 @@ import itertools
 import operator
 import os
 import struct
-import threading
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,6 +33,7 @@ from torch._functorch import pyfunctorch
 from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
+from bnbf._bounded import Bounded
 from bnbf.rules import RULES, get_rule
 from bnbf.rules.base import _value, member_values, members
 from bnbf.rules.base import no_value as _no_value
@@ -201,11 +201,9 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
         spec = _SPECS.get(key)
         if spec is None:
             spec = pytree.tree_flatten(tree, is_leaf=is_leaf)[1]
-            with _SPECS_LOCK:
-                if len(_SPECS) >= _SPECS_SIZE:  # the oldest structure goes, as update_'s table of containers
-                    _SHAPES.pop(id(_SPECS.pop(next(iter(_SPECS)))), None)
-                _SPECS[key] = spec
+            with _SPECS.lock:
                 _SHAPES[id(spec)] = (spec, key)
+                _SPECS.put(key, spec)
         return leaves, spec
     return pytree.tree_flatten(tree, is_leaf=is_leaf)
 
@@ -216,10 +214,8 @@ def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
 _NESTS = (dict, list, tuple, collections.OrderedDict)
 _MAPS = (dict, collections.OrderedDict)
 _STR = {str}
-_SPECS: dict = {}  # shape -> its pytree spec
-_SHAPES: dict = {}  # id(spec) -> (spec, shape)
-_SPECS_SIZE = 64
-_SPECS_LOCK = threading.Lock()
+_SHAPES: dict = {}  # id(spec) -> (spec, shape), of each spec _SPECS holds
+_SPECS = Bounded(64, evicted=lambda spec: _SHAPES.pop(id(spec), None))  # shape -> its pytree spec
 
 
 def _walk(tree: Any, leaf_type: type, leaves: list, shape: list) -> bool:

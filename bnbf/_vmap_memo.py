@@ -21,6 +21,7 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
+from bnbf._bounded import Bounded
 from bnbf._host_checks import NATIVE, _field_positions, _flatten, walked
 from bnbf.state import is_state, present_mask
 
@@ -38,8 +39,7 @@ class Memo(NamedTuple):
 
 
 # by the params' structure key: a flat tree's key tuple, a nested one's spec by id (confirmed by identity)
-MEMOS: dict = {}
-_SIZE = 8
+MEMOS = Bounded(8)
 
 
 def _key(spec: Any) -> Any:
@@ -75,9 +75,7 @@ def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
     twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in ts] for ts in tensors)
     memo = Memo(call.spec, tuple(map(type, call.states)), twins, device, call.rule,
                 present_mask(call.rule, call.hparams), plan)  # fmt: skip
-    if len(MEMOS) >= _SIZE:
-        MEMOS.clear()
-    MEMOS[_key(call.spec)] = memo
+    MEMOS.put(_key(call.spec), memo)
 
 
 def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:

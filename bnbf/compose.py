@@ -25,14 +25,12 @@ Built on the public core (:func:`bnbf.init_state`, :func:`bnbf.update`, :func:`b
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
 import itertools
 import math
 import operator
-import threading
 import types
 import weakref
 from collections.abc import Callable, Mapping
@@ -45,6 +43,7 @@ from torch.utils import _pytree as pytree
 
 import bnbf
 from bnbf import ops
+from bnbf._bounded import Bounded
 from bnbf._dispatch import NORM_REDUCE, is_dtensor, use_triton
 from bnbf._host_checks import (
     _NESTS,
@@ -562,7 +561,7 @@ def _flatten_call(params: Any, grads: Any, state: Any) -> tuple:
 
 # a walked structure's (spec, leaf names, paths, key paths), by id(spec): made once per structure (names, str keys
 # and key paths only: no caller's object)
-_NAMES: dict = {}
+_NAMES = Bounded(64)
 
 
 def _names_of(treespec: Any, params: Any) -> tuple:
@@ -571,9 +570,7 @@ def _names_of(treespec: Any, params: Any) -> tuple:
     if entry is None or entry[0] is not treespec:
         kps = [k for k, _ in pytree.tree_flatten_with_path(params)[0]]
         entry = (treespec, _leaf_names(kps), [path_name(k) for k in kps], kps)
-        if len(_NAMES) >= 64:
-            _NAMES.clear()
-        _NAMES[id(treespec)] = entry
+        _NAMES.put(id(treespec), entry)
     return entry[1:]
 
 
@@ -811,7 +808,9 @@ def _keep_pure(out: tuple, parts: _Parts, units: list, new_p: list, new_s: list,
     if entry is None or (entry.spec is None and (type(out[0]) is not dict or type(out[1]) is not dict)):
         return
     cuda = any(device.type == "cuda" for u in units for (device, _), _ in u.groups)
-    _PURE_KEPT.put(out, _PureKept(entry, units, list(map(type, new_s)), fields_planned([tuple(new_p), *new_s]), cuda))
+    _PURE_KEPT.record(
+        out, _PureKept(entry, units, list(map(type, new_s)), fields_planned([tuple(new_p), *new_s]), cuda)
+    )
 
 
 def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: Any, opts: dict) -> tuple | None:
@@ -858,7 +857,7 @@ def _kept_pure_update(params: Any, grads: Any, state: Any, hparams: Any, step: A
         out = dict(zip(entry.keys, new_p)), dict(zip(entry.keys, new_s))
     else:
         out = _unflatten(new_p, entry.spec), _unflatten(new_s, entry.spec)
-    _PURE_KEPT.put(out, dataclasses.replace(kept, planned=fields_planned([tuple(new_p), *new_s])))
+    _PURE_KEPT.record(out, dataclasses.replace(kept, planned=fields_planned([tuple(new_p), *new_s])))
     return out
 
 
@@ -1103,7 +1102,7 @@ class _Partition:
     spec: Any = None  # a nested tree's walked spec (bnbf._host_checks._flatten; one object per structure), else None
 
 
-_PARTITIONS: collections.OrderedDict = collections.OrderedDict()
+_PARTITIONS = Bounded(16)
 
 
 def _plain_items(h: Any) -> tuple | None:
@@ -1185,11 +1184,7 @@ def _remember(parts: _Parts, units: list, plans: list, opts: dict) -> None:
     ps, ss = parts.params, parts.states
     entry.grads_at = tuple(map(_GRAD_AT, plans))  # the grads just stepped: apart (checked, or as last checked)
     key = (id(ps[0]), id(ps[-1]), id(ss[0]), id(ss[-1]), len(ps))
-    with _CHECKED_LOCK:
-        _PARTITIONS[key] = entry
-        _PARTITIONS.move_to_end(key)
-        while len(_PARTITIONS) > _CHECKED_SIZE:
-            _PARTITIONS.popitem(last=False)
+    _PARTITIONS.put(key, entry)
 
 
 def _plain_copies(raw: list) -> list | None:
@@ -1314,7 +1309,7 @@ def _known_update_(params: Any, grads: Any, state: Any, hparams: Any, step: Any,
 
 # sets of plans whose leaves were found not to share memory between plans: weak references to the plans (a plan
 # serves while its leaves keep their memory and shapes; a plan whose tensor is freed is dropped)
-_DISJOINT: collections.OrderedDict = collections.OrderedDict()
+_DISJOINT = Bounded(16)
 
 
 def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
@@ -1323,16 +1318,13 @@ def _check_plans_disjoint(parts: _Parts, plans: list) -> None:
     if refs is not None and all(r() is p and p.alive for r, p in zip(refs, plans)):
         return
     _check_disjoint(parts)
-    with _CHECKED_LOCK:
-        _DISJOINT[key] = [weakref.ref(p) for p in plans]
-        while len(_DISJOINT) > _CHECKED_SIZE:
-            _DISJOINT.popitem(last=False)
+    _DISJOINT.put(key, [weakref.ref(p) for p in plans])
 
 
 # per set of plans stepped together (one per rule) by the split's route: the plans' grad tables (Plan._grad_at) when
 # their grads were last found apart from every rule's params and states; weak references to the plans (a kept
 # partition holds its own record, _Partition.grads_at)
-_GRADS_APART: collections.OrderedDict = collections.OrderedDict()
+_GRADS_APART = Bounded(16)
 _MOVED, _GRAD_AT = operator.attrgetter("moved"), operator.attrgetter("_grad_at")
 
 
@@ -1368,11 +1360,7 @@ def _check_plan_grads(runs: list, leaves: list) -> None:
 def _keep_plan_grads(plans: list) -> None:
     """Keep the plans' grad tables after a step whose grads :func:`_check_plan_grads` found apart."""
     key = tuple(map(id, plans))
-    with _CHECKED_LOCK:
-        _GRADS_APART[key] = ([weakref.ref(p) for p in plans], tuple(map(_GRAD_AT, plans)))
-        _GRADS_APART.move_to_end(key)
-        while len(_GRADS_APART) > _CHECKED_SIZE:
-            _GRADS_APART.popitem(last=False)
+    _GRADS_APART.put(key, ([weakref.ref(p) for p in plans], tuple(map(_GRAD_AT, plans))))
 
 
 def _merged_update(parts: _Parts, sets: list, idx: list[int], step: Any, opts: dict, new_p: list, new_s: list) -> None:
@@ -1466,9 +1454,7 @@ class _Checked:
         )
 
 
-_CHECKED: collections.OrderedDict[tuple, _Checked] = collections.OrderedDict()
-_CHECKED_SIZE = 16
-_CHECKED_LOCK = threading.Lock()
+_CHECKED = Bounded(16)  # _Checked by the ids of the tensors checked
 
 
 def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> None:
@@ -1529,10 +1515,7 @@ def _check_before_writing(parts: _Parts, step: Any, max_unorm: Any = 0.0) -> Non
             bnbf.plan(_sub(parts, parts.params, idx), _sub(parts, parts.states, idx))
         _check_disjoint(parts)
         found = _Checked([weakref.ref(t) for t in tensors], layout, fields_planned(parts.states))
-        with _CHECKED_LOCK:
-            _CHECKED[key] = found
-            while len(_CHECKED) > _CHECKED_SIZE:
-                _CHECKED.popitem(last=False)
+        _CHECKED.put(key, found)
     _check_grads_between(parts, found)
 
 

@@ -20,6 +20,7 @@ from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf import _vmap_memo, ops
+from bnbf._bounded import Bounded
 from bnbf._dispatch import is_dtensor, use_triton
 from bnbf._host_checks import (
     NATIVE,
@@ -345,7 +346,7 @@ _PURE = OutputRecords()
 def _remember_pure(out: tuple, params: list, states: list, call: Any, groups: list) -> None:
     if type(call.spec) is pytree.TreeSpec and not walked(call.spec):  # a tree of other nodes: the full checks
         return
-    _PURE.put(out, _PureMemo(call.spec, list(map(type, states)), fields_planned([tuple(params), *states]), groups))
+    _PURE.record(out, _PureMemo(call.spec, list(map(type, states)), fields_planned([tuple(params), *states]), groups))
 
 
 def _pure_hit(param: Any, grad: Any, state: Any) -> tuple | None:
@@ -470,18 +471,16 @@ def update_(
 def _remember(param: Any, state: Any, plan: Any) -> None:
     """``plan`` as update_'s last for these containers (:func:`_last_plan` finds it)."""
     key = id(param), id(state)
-    if key not in _LAST and len(_LAST) >= _LAST_SIZE:
-        # the oldest key goes (containers made anew each call leave dead ids): clearing them all had sent a loop's
-        # next call, whose containers were remembered just before, through the full lookup again
-        del _LAST[next(iter(_LAST))]
-    _LAST[key] = weakref.ref(plan)
+    ref = _LAST.get(key)
+    if ref is None or ref() is not plan:  # a loop's next calls find their plan here already
+        _LAST.put(key, weakref.ref(plan))
 
 
 # update_'s last plan per (param container, state container), by their ids: a weak reference to the plan that
 # bnbf.plan's cache owns (the plan itself holds no tensor). An id is only where to look: every call confirms
 # the containers' contents against the plan (_last_plan), so a mutated or reused container is never trusted.
-_LAST: dict = {}
-_LAST_SIZE = 64
+# Containers made anew each call leave dead ids, which the bound drops oldest first.
+_LAST = Bounded(64)
 
 
 def _last_plan(param: Any, state: Any) -> tuple | None:

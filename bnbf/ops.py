@@ -16,7 +16,6 @@ with host work that does not grow with the member count (:mod:`bnbf.kernels.memb
 from __future__ import annotations
 
 import array
-import collections
 import contextlib
 import functools
 import itertools
@@ -29,6 +28,7 @@ from torch import Tensor
 from torch._C import _functorch
 from torch._C._functorch import TransformType
 
+from bnbf._bounded import Bounded
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
 from bnbf._host_checks import NATIVE, _check_grads_apart, _check_no_overlap, _grad_overlap, _names, _overlap
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, reference_step
@@ -83,8 +83,7 @@ def _run(p_in, p_out, grads, s_in, s_out, hp, layout: Layout, skip_zeros, clip) 
 # entry holds no caller tensor.
 # Each entry is (group, probe); the probe lets a call be matched against an entry by the compiled host checks
 # (addresses compared in C++, no Python int per tensor): GPT-2's two groups 69 -> 37 us a step (CPU, launch stubbed).
-_GROUPS: collections.OrderedDict = collections.OrderedDict()
-_GROUP_CACHE_SIZE = 16
+_GROUPS = Bounded(16)
 
 
 class _Probe(NamedTuple):
@@ -131,16 +130,13 @@ def _group(p_in, p_out, s_in, s_out, layout: Layout):
     # the addresses gathered in one compiled pass (a pure step's fresh outputs miss every call: no Python int a tensor)
     addresses, packed, aligned = plain_addresses(p_in, p_out, s_in, s_out)
     key = (sig, tuple(map(Tensor.numel, p_in)), packed)
-    entry = _GROUPS.get(key)
+    entry = _GROUPS.touch(key)
     if entry is not None:
-        _GROUPS.move_to_end(key)
         return entry[0]
     group = plain_group(p_in, p_out, s_in, s_out, layout, (addresses, aligned))
     n, m = 8 * len(p_in), 8 * len(s_in)
     cuts = (packed[:n], None if p_out is p_in else packed[n : 2 * n], packed[2 * n : 2 * n + m])
-    _GROUPS[key] = (group, _Probe(sig, key[1], *cuts, None if s_out is s_in else packed[2 * n + m :]))
-    if len(_GROUPS) > _GROUP_CACHE_SIZE:
-        _GROUPS.popitem(last=False)
+    _GROUPS.put(key, (group, _Probe(sig, key[1], *cuts, None if s_out is s_in else packed[2 * n + m :])))
     return group
 
 
@@ -432,8 +428,7 @@ def _(params, grads, states, params2, grads2, states2, hp, *args) -> None:
 
 # pairs of the groups of traced calls (bnbf.kernels.launcher.Pair: its compiled kernels and arguments), by the two
 # groups' ids; an entry is used only for the very groups it holds, which hold no caller tensor
-_PAIRS: collections.OrderedDict = collections.OrderedDict()
-_PAIR_CACHE_SIZE = 8
+_PAIRS = Bounded(8)
 
 
 def _run_pair(first: tuple, second: tuple, hp: Any, layouts: tuple, skip_zeros: bool) -> None:
@@ -449,9 +444,7 @@ def _run_pair(first: tuple, second: tuple, hp: Any, layouts: tuple, skip_zeros: 
             key = id(a), id(b)
             pair = _PAIRS.get(key)
             if pair is None or {id(pair.a), id(pair.b)} != set(key):
-                pair = _PAIRS[key] = pair_of([a, b])
-                if len(_PAIRS) > _PAIR_CACHE_SIZE:
-                    _PAIRS.popitem(last=False)
+                pair = _PAIRS.put(key, pair_of([a, b]))
         if pair is not None and GRAD_CLIP.get() is None:
             if _BUMP is not None:
                 for ts in (first[0], first[2], second[0], second[2]):
@@ -784,8 +777,7 @@ def _check_disjoint(params: list, states: list, step: str = "vmapped in-place st
 # call found apart: (meta twins and addresses of the stacked params and state fields, the stacked grads' addresses
 # and their addresses the call before: a loop making new grads each step alternates between two places); no
 # caller tensor is kept. A few entries: a loop may step two ensembles (a GAN's two models) in turn.
-_APART: dict = {}
-_APART_SIZE = 8
+_APART = Bounded(8)
 
 
 def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Callable, check: Callable) -> tuple:
@@ -831,9 +823,7 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
     if all(map(operator.is_, bases, (*ps, *gs, *ss))) and all(map(Tensor.is_contiguous, written)):  # one level
         twins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in written]
         at = lambda ts: array.array("Q", map(Tensor.data_ptr, ts)).tobytes()  # noqa: E731
-        if len(_APART) >= _APART_SIZE:
-            _APART.clear()
-        _APART[key] = (twins, at(written), at(gs), None)
+        _APART.put(key, (twins, at(written), at(gs), None))
     return unwrapped
 
 

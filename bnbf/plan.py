@@ -13,12 +13,10 @@ that holds no tensor alive (:func:`_cached`).
 from __future__ import annotations
 
 import array
-import collections
 import contextlib
 import functools
 import itertools
 import operator
-import threading
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -31,6 +29,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode as _dispatch
 from torch.utils._pytree import TreeSpec
 
 from bnbf import _vmap_memo, ops
+from bnbf._bounded import Bounded
 from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     _REQUIRES_GRAD,
@@ -196,7 +195,7 @@ class Plan:
         self._first_blocks = first_blocks_of(params) if self._direct else None
         # per-leaf hyperparameters: set assignment -> [how its rows are laid out (rows_layout), and where they are
         # numbers: the sets' float32 rows last made and the groups' rows made from them (ours: no caller's tensor)]
-        self._set_layout: dict = {}
+        self._set_layout = Bounded(4)
         self._last_layout = None  # (set assignment, its entry of _set_layout) of the last multi-set step
         # the last (assignment, kept-slot masks, the sets weakly) whose states were found to match
         self._checked_sets = None
@@ -629,10 +628,8 @@ class Plan:
         else:
             kept = self._set_layout.get(set_of)
             if kept is None:
-                if len(self._set_layout) >= 4:
-                    self._set_layout.clear()
                 sets = [(group.device, set_of if pick is None else pick(set_of)) for pick, group in self.groups]
-                kept = self._set_layout[set_of] = [rows_layout(sets, len(values[0])), None, None]
+                kept = self._set_layout.put(set_of, [rows_layout(sets, len(values[0])), None, None])
             self._last_layout = (set_of, kept)
         if not kept[0][0]:  # every group of one set: its scalars as that set's call takes them, nothing to keep
             return group_rows(kept[0], values, None, _one_set)
@@ -827,21 +824,16 @@ def leaves_fit(params: list, grads: list, states: list, planned: Any, grad_mode:
         return False
 
 
-class OutputRecords(collections.OrderedDict):
+class OutputRecords(Bounded):
     """What pure calls established of their outputs, by the ids of the (params, state) trees they returned, which a
     torch.func loop hands the next call as its inputs. An id is only where to look: :func:`fed_back` confirms the
     leaves. Past ``size`` entries the oldest goes (another loop's latest stays). The entries hold no tensor."""
 
     def __init__(self, size: int = 64):
-        super().__init__()
-        self.size = size
-        self._lock = threading.Lock()
+        super().__init__(size)
 
-    def put(self, out: tuple, memo: Any) -> None:
-        with self._lock:
-            if len(self) >= self.size:
-                self.popitem(last=False)
-            self[id(out[0]), id(out[1])] = memo
+    def record(self, out: tuple, memo: Any) -> None:
+        self.put((id(out[0]), id(out[1])), memo)
 
 
 def fed_back(spec: Any, planned: Any, types: list, param: Any, grad: Any, state: Any) -> tuple | None:
@@ -995,8 +987,7 @@ def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
 # with no copy from the host (and a captured step with no fill per number). By stream: a row is uploaded and freed
 # on the stream that reads it, so no other stream reads it before its copy or after its memory is reused. Rows read
 # by a captured step are held for good, as the launch tables are.
-_NUMBER_ROWS: collections.OrderedDict = collections.OrderedDict()
-_NUMBER_ROWS_SIZE = 16
+_NUMBER_ROWS = Bounded(16)
 _HELD_NUMBER_ROWS: dict = {}
 
 
@@ -1019,9 +1010,7 @@ def _number_row(values: Any, device: torch.device, capturing: bool) -> tuple | N
     entry = _NUMBER_ROWS.get(key)
     if entry is None:
         row = as_scalar_row(numbers, device)
-        entry = _NUMBER_ROWS[key] = row, row.unbind()
-        if len(_NUMBER_ROWS) > _NUMBER_ROWS_SIZE:
-            _NUMBER_ROWS.popitem(last=False)
+        entry = _NUMBER_ROWS.put(key, (row, row.unbind()))
     return entry[1]
 
 
@@ -1241,9 +1230,8 @@ def _step_generic(
 
 # ---- bnbf.update_'s plans -----------------------------------------------------------------------------------
 
-_PLANS: collections.OrderedDict = collections.OrderedDict()
-_PLAN_CACHE_SIZE = 32  # one per (optimizer, param group, override bucket) in use
-_PLANS_LOCK = threading.Lock()  # threads stepping different params share the cache
+# one per (optimizer, param group, override bucket) in use; threads stepping different params share it (its lock)
+_PLANS = Bounded(32)
 _DEAD: list = []  # keys of plans marked dead by a weakref callback, dropped at the next lookup
 
 
@@ -1258,7 +1246,7 @@ def _died(plan_ref: weakref.ref, key: tuple, _tensor_ref: Any) -> None:
 
 
 def _drop_dead() -> None:
-    with _PLANS_LOCK:
+    with _PLANS.lock:
         while _DEAD:
             key = _DEAD.pop()
             p = _PLANS.get(key)
@@ -1273,7 +1261,7 @@ def _confirmed(plan: Plan, params: list, states: list) -> bool:
     if not (plan._same(params, states) and plan._confirm(params, states)):
         return False
     key = plan._key
-    with _PLANS_LOCK:
+    with _PLANS.lock:
         if _PLANS.get(key) is plan:
             _PLANS.move_to_end(key)
     return True
@@ -1294,11 +1282,11 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     if found is not None:
         # the same tensors in another container (a dict, then a list) are another call: its own plan
         if found._spec == spec and found._same(params, states) and found._confirm(params, states):
-            with _PLANS_LOCK:
+            with _PLANS.lock:
                 if _PLANS.get(key) is found:
                     _PLANS.move_to_end(key)
             return found
-        with _PLANS_LOCK:
+        with _PLANS.lock:
             if _PLANS.get(key) is found:
                 del _PLANS[key]
     made = Plan._weak(tree, params, states, spec)
@@ -1307,9 +1295,4 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     made._key = key
     died = functools.partial(_died, weakref.ref(made), key)
     made._refs = [weakref.ref(t, died) for t in itertools.chain(params, _CHAIN(states))]
-    with _PLANS_LOCK:
-        _PLANS[key] = made
-        _PLANS.move_to_end(key)
-        while len(_PLANS) > _PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
-    return made
+    return _PLANS.put(key, made)

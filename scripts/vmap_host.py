@@ -21,10 +21,12 @@ import pstats
 import statistics
 import sys
 import time
+import types
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import benchmarks.bench_func as bench_func  # noqa: E402
 import benchmarks.bench_step as bs  # noqa: E402
 import bnbf  # noqa: E402
 
@@ -51,15 +53,9 @@ def main() -> None:
     args = ap.parse_args()
     device = torch.device("cpu" if args.cpu else "cuda")
     shapes = bs.gpt2_shapes(vocab=64, ctx=16, d=16, layers=2) if args.cpu else bs.SETS["gpt2_124M"]()
-    spec = bnbf.OptimSpec(rule="adamw")
-    hp = {"lr": 1e-3, "weight_decay": 0.01}
-    one = {n: torch.randn(s, device=device).to(torch.bfloat16) for n, s in shapes}
-    layout = bnbf.flat_layout(one, spec)
-    stack = lambda: torch.func.vmap(layout.flatten)(  # noqa: E731
-        {n: torch.randn(args.members, *s, device=device).to(torch.bfloat16) for n, s in shapes}
-    )
-    params, grads = stack(), stack()
-    state = torch.func.vmap(layout.init_state)(params)
+    hp = bench_func.HP
+    ctx = types.SimpleNamespace(shapes=shapes, dtype=torch.bfloat16, device=device)
+    params, grads, state = bench_func._ensemble(ctx, "flat", args.members)  # the vmap_flat row's ensemble
     pure = torch.func.vmap(lambda p, g, s, i: bnbf.update(p, g, s, hp, i), in_dims=(0, 0, 0, None))
     in_place = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, hp, i), in_dims=(0, 0, 0, None))
     floor = torch.func.vmap(lambda p, g, s, i: (p, s), in_dims=(0, 0, 0, None))

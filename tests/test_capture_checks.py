@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from bnbf import ops
+from bnbf._bounded import Bounded
 from bnbf.kernels import launcher
 from bnbf.rules import get_rule
 
@@ -78,7 +79,7 @@ def test_the_step_and_lr_must_be_tensors_on_the_params_device():
 
 
 def test_the_numbers_beside_tensor_scalars_go_up_once_and_are_held_for_a_capture(monkeypatch):
-    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", Bounded(plan._NUMBER_ROWS.size))
     monkeypatch.setattr(plan, "_HELD_NUMBER_ROWS", {})
     cpu = torch.device("cpu")
     values = (0.9, torch.tensor(2.5), -0.0, 3, torch.tensor(7, dtype=torch.int64))
@@ -92,9 +93,9 @@ def test_the_numbers_beside_tensor_scalars_go_up_once_and_are_held_for_a_capture
     assert not torch.signbit(plan._number_row(zero, cpu, capturing=False)[2])
     moved = (0.9, 2.5, -0.0, torch.tensor(3.0), torch.tensor(7))  # the same numbers where other tensors stand
     assert plan._number_row(moved, cpu, capturing=False) is not made
-    for k in range(plan._NUMBER_ROWS_SIZE + 4):  # bounded
+    for k in range(plan._NUMBER_ROWS.size + 4):  # bounded
         plan._number_row((float(k), torch.tensor(1.0)), cpu, capturing=False)
-    assert len(plan._NUMBER_ROWS) == plan._NUMBER_ROWS_SIZE
+    assert len(plan._NUMBER_ROWS) == plan._NUMBER_ROWS.size
 
 
 def test_a_scalar_row_is_the_values_rounded_to_float32_in_order():
@@ -106,7 +107,7 @@ def test_a_scalar_row_is_the_values_rounded_to_float32_in_order():
 
 
 def test_each_stream_has_its_number_rows_and_a_capture_takes_any_made_before_it(monkeypatch):
-    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", Bounded(plan._NUMBER_ROWS.size))
     monkeypatch.setattr(plan, "_HELD_NUMBER_ROWS", {})
     cpu = torch.device("cpu")
     values = (0.9, torch.tensor(2.5))
@@ -118,14 +119,14 @@ def test_each_stream_has_its_number_rows_and_a_capture_takes_any_made_before_it(
     assert on_two is not on_one and len(plan._NUMBER_ROWS) == 2
     monkeypatch.setattr(plan, "_stream_of", lambda device: 3)  # a capture's own stream: a row made before it
     assert plan._number_row(values, cpu, capturing=True) is on_two
-    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())  # evicted: the graph's row is still held
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", Bounded(plan._NUMBER_ROWS.size))  # evicted: the graph's row is still held
     assert [e[1] for e in plan._HELD_NUMBER_ROWS.values()] == [on_two]
 
 
 def test_rows_made_under_fake_tensor_mode_and_outside_it_never_mix(monkeypatch):
     from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 
-    monkeypatch.setattr(plan, "_NUMBER_ROWS", type(plan._NUMBER_ROWS)())
+    monkeypatch.setattr(plan, "_NUMBER_ROWS", Bounded(plan._NUMBER_ROWS.size))
     cpu = torch.device("cpu")
     with FakeTensorMode():
         fake = plan.scalar_row((0.9, torch.tensor(2.5)), cpu)

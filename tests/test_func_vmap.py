@@ -25,6 +25,7 @@ import bnbf.kernels.launcher as launcher
 import bnbf.kernels.members as members
 import bnbf.ops
 import bnbf.rules
+from bnbf._bounded import Bounded
 from bnbf.plan import _scalars, scalar_row
 
 B = 3
@@ -515,7 +516,7 @@ def test_vmap_in_place_compares_memory_once_per_ensemble(monkeypatch):
     compared = []
     real = bnbf.ops._check_no_overlap
     monkeypatch.setattr(bnbf.ops, "_check_no_overlap", lambda *a: compared.append(1) or real(*a))
-    monkeypatch.setattr(bnbf.ops, "_APART", {})
+    monkeypatch.setattr(bnbf.ops, "_APART", Bounded(8))
     step = torch.vmap(_IN_PLACE_FORMS["per-param"])
     first, second = _two_groups("cpu"), _stack(numels=(1, 257))
     second = (*second, torch.vmap(lambda q: bnbf.init_state(q, bnbf.OptimSpec(rule="adamw")))(second[0]))
@@ -833,6 +834,31 @@ def test_a_repeated_vmapped_step_takes_the_memo_and_equals_the_full_checks(monke
         assert _same(_member(got, b), one)
     held = [t for m in bnbf._vmap_memo.MEMOS.values() for ts in m.twins for t in ts]
     assert held and all(t.device.type == "meta" for t in held)  # no caller tensor kept
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("device", DEVICES)
+def test_two_ensembles_in_a_full_memo_table_both_keep_their_memo(monkeypatch, device):
+    """The memo table full of other structures' memos: two ensembles stepped in turn each keep theirs, so their
+    repeated calls skip the full checks. A full table had been cleared whole at the second ensemble's memo."""
+    memos = Bounded(bnbf._vmap_memo.MEMOS.size)
+    for i in range(memos.size - 1):
+        memos.put(("dead", i), None)
+    monkeypatch.setattr(bnbf._vmap_memo, "MEMOS", memos)
+    hp = {"lr": 0.01}
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    step = _vmapped_update(hp)
+    loops = []
+    for numels in ((1, 257, 300), (1, 257)):
+        p, g = _stack(numels=numels, device=device)
+        loops.append([p, g, torch.vmap(lambda q: bnbf.init_state(q, spec))(p)])
+    for loop in loops:
+        loop[0], loop[2] = step(*loop, 1)  # the full checks, remembered
+    traced = _full_checks_counted(monkeypatch)
+    for p, g, s in loops:
+        step(p, g, s, 2)
+    assert not traced, "a repeated call ran the full checks"
+    assert ("dead", 0) not in memos and len(memos) == memos.size
 
 
 @_memo_needs_native

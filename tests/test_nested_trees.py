@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 import bnbf
 from bnbf import _host_checks as H
 from bnbf import functional as F
+from bnbf._bounded import Bounded
 from bnbf.state import State, is_state
 
 SPEC = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)  # the 300-element leaves 8-bit, the small ones 32-bit
@@ -153,11 +154,13 @@ def test_containers_remembered_among_many_keep_their_route(generic_steps, monkey
     """update_'s table of containers full of others' (dead ids of containers made anew each call): the loops'
     containers, remembered one after the other, keep their route; a full table had been cleared at the second
     one, sending the first through the full lookup again (found in CI, where earlier tests had filled it)."""
-    dead = {(-1 - i, -1): (lambda: None) for i in range(F._LAST_SIZE - 1)}
+    dead = Bounded(F._LAST.size)
+    for i in range(dead.size - 1):
+        dead.put((-1 - i, -1), lambda: None)
     monkeypatch.setattr(F, "_LAST", dead)
     _in_place_loops(generic_steps, monkeypatch, device, _nested)
     if kernel_runs(device):  # the two loops' containers in, the oldest dead id out
-        assert len(F._LAST) == F._LAST_SIZE and (-1, -1) not in F._LAST
+        assert len(F._LAST) == F._LAST.size and (-1, -1) not in F._LAST
 
 
 def _in_place_loops(generic_steps, monkeypatch, device, make):
@@ -547,7 +550,10 @@ def test_a_full_table_of_structures_keeps_the_ones_walked_last(monkeypatch):
     """The table of walked structures full of others': two trees walked one after the other keep their spec objects
     (what plans and the vmap memo are keyed by, and how a spec is known as walked); a full table had been cleared
     at the second, so the first came back as a new spec and its plan was no longer found."""
-    monkeypatch.setattr(H, "_SPECS", {("dead", i): object() for i in range(H._SPECS_SIZE - 1)})
+    specs = Bounded(H._SPECS.size, H._SPECS.evicted)
+    for i in range(specs.size - 1):
+        specs.put(("dead", i), object())
+    monkeypatch.setattr(H, "_SPECS", specs)
     monkeypatch.setattr(H, "_SHAPES", {})
     a, b = _nested(_leaves(5)), {"x": _nested(_leaves(5))}
     _, spec_a = H._flatten(a)
@@ -571,7 +577,7 @@ def test_a_nested_tree_compiles_whole_as_on_its_first_call(fresh_dynamo, monkeyp
     the eager steps' bits."""
     from torch._dynamo.testing import CompileCounter
 
-    monkeypatch.setattr(H, "_SPECS", {})
+    monkeypatch.setattr(H, "_SPECS", Bounded(H._SPECS.size, H._SPECS.evicted))
     monkeypatch.setattr(H, "_SHAPES", {})
     cnt = CompileCounter()
     compiled = torch.compile(COMPILED[step], fullgraph=True, backend=cnt)

@@ -331,7 +331,7 @@ def test_threads_churning_the_plan_cache(monkeypatch):
     sys.setswitchinterval(1e-6)  # switch threads as often as possible
     try:
         # sizes that differ: the kernels' task-list cache churns too
-        problems = [[torch.randn(4 + i)] for i in range(2 * P._PLAN_CACHE_SIZE + 8)]
+        problems = [[torch.randn(4 + i)] for i in range(2 * P._PLANS.size + 8)]
         states = [bnbf.init_state(p, SPEC32) for p in problems]
         errors: list = []
 
@@ -352,7 +352,7 @@ def test_threads_churning_the_plan_cache(monkeypatch):
     finally:
         sys.setswitchinterval(old)
     assert errors == []
-    assert len(F._PLANS) <= P._PLAN_CACHE_SIZE
+    assert len(F._PLANS) <= P._PLANS.size
 
 
 # ---- 5. import without NumPy ----------------------------------------------------------------------------
@@ -555,7 +555,7 @@ def test_a_plan_used_every_step_outlives_the_churn_of_others(monkeypatch):
     monkeypatch.setattr(P, "launch_group", lambda *a, **k: None)  # only the caches are exercised
     hot = [torch.randn(300)]
     hot_state = bnbf.init_state(hot, SPEC32)
-    others = [[torch.randn(4 + i)] for i in range(P._PLAN_CACHE_SIZE + 4)]
+    others = [[torch.randn(4 + i)] for i in range(P._PLANS.size + 4)]
     other_states = [bnbf.init_state(o, SPEC32) for o in others]
     bnbf.update_(hot, [torch.randn(300)], hot_state, HP, 1)
     plan = F._LAST[id(hot), id(hot_state)]()

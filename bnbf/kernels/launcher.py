@@ -11,7 +11,6 @@ scripts/tune_step.py).
 from __future__ import annotations
 
 import array
-import collections
 import dataclasses
 import functools
 import itertools
@@ -22,6 +21,7 @@ import torch
 import triton.language as tl
 from torch import Tensor
 
+from bnbf._bounded import Bounded
 from bnbf._dispatch import NORM_REDUCE, interpreting, launch_lock
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.direct_launch import launch
@@ -95,8 +95,7 @@ LAUNCH_KEYS: set = set()  # static (compile-relevant) keys launched so far; test
 
 # ---- groups ----------------------------------------------------------------------------------------------
 
-_TASKS: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 16
+_TASKS = Bounded(16)
 
 
 def not_capturable(why: str) -> RuntimeError:
@@ -130,9 +129,8 @@ def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device
     """(tensor index, chunk index) per program, int32 [programs, 2], and per tensor the range of its
     tiles, int64 [tensors, 2] (the rows of the norm pass's partial sums); cached by the tensor sizes."""
     key = (device, block, ROWS * iters, numels)
-    hit = _TASKS.get(key)
+    hit = _TASKS.touch(key)
     if hit is not None:
-        _TASKS.move_to_end(key)
         return hit
     per_chunk = block * ROWS * iters
     chunks = torch.tensor([-(-n // per_chunk) for n in numels], dtype=torch.int64)
@@ -141,10 +139,7 @@ def _tasks(numels: tuple[int, ...], block: int, iters: int, device: torch.device
     chunk_idx = torch.arange(int(chunks.sum())) - torch.repeat_interleave(starts, chunks)
     tasks = _to_device(torch.stack([tensor_idx, chunk_idx], 1).to(torch.int32).contiguous(), device)
     ranges = _to_device(torch.stack([starts * iters, (starts + chunks) * iters], 1).contiguous(), device)
-    _TASKS[key] = tasks, ranges
-    if len(_TASKS) > _CACHE_SIZE:
-        _TASKS.popitem(last=False)
-    return tasks, ranges
+    return _TASKS.put(key, (tasks, ranges))
 
 
 @dataclasses.dataclass

@@ -27,6 +27,7 @@ import operator
 import torch
 from torch import Tensor
 
+from bnbf._bounded import Bounded
 from bnbf._host_checks import NATIVE
 from bnbf.kernels.launcher import ITERS, Group, _tasks, _to_device, build_group, first_blocks_of
 from bnbf.reference import FIRST_BLOCKS
@@ -66,15 +67,13 @@ class _Structure:
 
 # a pure step's outputs alternate between a few address sets (the caching allocator reuses blocks); a miss costs
 # one gather of the addresses and two tensor ops (its structure is kept)
-_GROUPS: collections.OrderedDict = collections.OrderedDict()
-_STRUCTURES: collections.OrderedDict = collections.OrderedDict()
+_GROUPS = Bounded(8)
 # structures by (layout, dtype, device, members, list lengths), found by their meta twins in one compiled
 # comparison per list (no numel or stride read in Python); the most recent per key
-_PROBES: collections.OrderedDict = collections.OrderedDict()
-_CACHE_SIZE = 8
+_PROBES = Bounded(8)
 # structures: one per launch group of every pure step no plan serves (bnbf.ops' group cache, 16 entries, makes its
 # misses from them), besides the vmapped and packed steps'; a structure holds no caller tensor
-_STRUCTURE_CACHE_SIZE = 32
+_STRUCTURES = Bounded(32)
 BUILDS: collections.Counter = collections.Counter()  # "group" and "structure" builds so far (benchmarks read it)
 _REPEAT_0 = itertools.repeat(0)
 _NBYTES = operator.attrgetter("nbytes")
@@ -94,17 +93,6 @@ def member_strides(x: tuple, size: int) -> tuple[int, ...]:
 
 def _member(x: tuple, b: int) -> list[Tensor]:
     return [t[b] if batched else t for t, batched in zip(*x)]
-
-
-def _cached(cache: collections.OrderedDict, key: tuple, make, size: int = _CACHE_SIZE):
-    hit = cache.get(key)
-    if hit is not None:
-        cache.move_to_end(key)
-        return hit
-    hit = cache[key] = make()
-    if len(cache) > size:
-        cache.popitem(last=False)
-    return hit
 
 
 def stacked_group(p_in: tuple, p_out: tuple, s_in: tuple, s_out: tuple, layout: Layout, size: int) -> MemberGroup:
@@ -170,16 +158,12 @@ def plain_group(
 def _group_at(key: tuple, structure: _Structure, addresses: Tensor, aligned: bool, check=None) -> MemberGroup:
     """The cached group of ``key`` (a structure's key and the packed addresses), else ``check()`` (if given) and a
     new one (:func:`_group_of`)."""
-    hit = _GROUPS.get(key)
+    hit = _GROUPS.touch(key)
     if hit is not None:
-        _GROUPS.move_to_end(key)
         return hit
     if check is not None:
         check()
-    group = _GROUPS[key] = _group_of(structure, addresses, aligned)
-    if len(_GROUPS) > _CACHE_SIZE:
-        _GROUPS.popitem(last=False)
-    return group
+    return _GROUPS.put(key, _group_of(structure, addresses, aligned))
 
 
 def _group_of(structure: _Structure, addresses: Tensor, aligned: bool) -> MemberGroup:
@@ -241,7 +225,7 @@ def packed_group(p_in: tuple, p_out: tuple, b_in: tuple, b_out: tuple, parts, ke
         p_out is p_in,
         *map(_strides_key, lists, (size,) * 4),
     )
-    structure = _cached(_STRUCTURES, skey, lambda: _packed_structure(lists, parts, layout, size), _STRUCTURE_CACHE_SIZE)
+    structure = _STRUCTURES.kept(skey, lambda: _packed_structure(lists, parts, layout, size))
     addresses, packed, aligned = _addresses(lists)
     return _group_at((skey, packed), structure, addresses, aligned, check)
 
@@ -325,14 +309,11 @@ def _structure_of(lists: tuple, layout: Layout, size: int) -> _Structure:
     strides = tuple(member_strides(x, size) for x in lists)
     numels = tuple(t.numel() // size if b else t.numel() for t, b in zip(*p_in))
     key = (layout, t0.dtype, t0.device, size, numels, strides)
-    structure = _cached(_STRUCTURES, key, lambda: _structure(lists, layout, size, key), _STRUCTURE_CACHE_SIZE)
+    structure = _STRUCTURES.kept(key, lambda: _structure(lists, layout, size, key))
     if NATIVE is not None and batched and structure.twins is None and _contiguous(lists):
         structure.twins = tuple([torch.empty(t.shape, dtype=t.dtype, device="meta") for t in x[0]] for x in lists[::2])
     if structure.twins is not None:
-        _PROBES[probe] = structure
-        _PROBES.move_to_end(probe)
-        if len(_PROBES) > _CACHE_SIZE:
-            _PROBES.popitem(last=False)
+        _PROBES.put(probe, structure)
     return structure
 
 
