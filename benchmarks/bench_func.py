@@ -552,12 +552,22 @@ def row_vmap(ctx, mode: str = "per_param") -> dict:
         # a synchronized call's floor where nothing of bnbf's came before its first launch: torch.func's input
         # processing, then the kernels (their time back to back)
         floor = back_to_back + wrap_in
+        # the step count in a closure, so that in_dims is one 0 (an int step cannot be batched): torch.func's
+        # cheaper broadcast of in_dims over the trees; a new vmap each call, as a loop writing it so would
+        holder2 = {"p": params, "s": state}
+
+        def by_closure(i: int) -> None:
+            run = torch.func.vmap(lambda p, g, s: bnbf.update(p, g, s, HP, i))
+            holder2["p"], holder2["s"] = run(holder2["p"], grads, holder2["s"])
+
+        closure_ms, closure_host = timed(ctx.device, by_closure, ctx.warmup, ctx.steps)
         more = (
             f"back to back (mean of {n} steps, one synchronize) {back_to_back:.3f} ms a step "
             f"({_pct(ctx, back_to_back)} of copy); torch.func's input processing {wrap_in:.3f} ms a call, "
             f"bnbf.update inside {inside:.3f} ms; back to back + input processing {floor:.3f} ms "
-            f"({_pct(ctx, floor)} of copy); {in_place}; back to back {in_place_b2b:.3f} ms a step, "
-            f"{_pct(ctx, in_place_b2b)} of copy)"
+            f"({_pct(ctx, floor)} of copy); the step count a closure, in_dims 0: {closure_ms:.3f} ms "
+            f"({_pct(ctx, closure_ms)} of copy, host {closure_host:.3f}); {in_place}; back to back "
+            f"{in_place_b2b:.3f} ms a step, {_pct(ctx, in_place_b2b)} of copy)"
         )
     else:  # and the loop it replaces: one pure call per member
         members = [{k: v[m] for k, v in params.items()} for m in range(MEMBERS)]
