@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from bnbf._bounded import Bounded
+
 Number = float | int | Tensor
 
 
@@ -110,11 +112,8 @@ class Rule:
                 except OverflowError:  # an int beyond float64 has no float sign: validated (refused) uncached
                     return self._make_hparams(hparams)
                 hit = _HPARAMS.get(key)
-                if hit is None:
-                    hit = self._make_hparams(hparams)
-                    if len(_HPARAMS) >= 256:  # e.g. a schedule's new lr every step
-                        _HPARAMS.clear()
-                    _HPARAMS[key] = hit
+                if hit is None:  # e.g. a schedule's new lr every step
+                    hit = _HPARAMS.put(key, self._make_hparams(hparams))
                 _LAST[self.hparams] = (tuple(hparams), tuple(hparams.values()), hit)
                 return hit
         return self._make_hparams(hparams)
@@ -138,7 +137,7 @@ class Rule:
 
 # keyed by the rule's hparams class, what the result depends on (not its name: a name deleted from the registry may
 # be registered again for another class)
-_HPARAMS: dict = {}  # (hparams class, *items) -> validated hparams, for dicts of plain numbers
+_HPARAMS = Bounded(256)  # (hparams class, *items) -> validated hparams, for dicts of plain numbers
 _LAST: dict = {}  # hparams class -> (keys, values, validated hparams) of its last dict of plain numbers
 # bools too (amsgrad, nesterov, centered): a group's dict holds them every step. True keys like 1: a flag given
 # as 1 after True was cached is taken as True (torch takes any truthy flag), not refused as a non-bool
