@@ -17,12 +17,13 @@ from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor
+from torch._C import _functorch
 from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
 
 from bnbf import ops
 from bnbf._bounded import Bounded
-from bnbf._host_checks import NATIVE, _field_positions, _flatten, walked
+from bnbf._host_checks import NATIVE, _field_positions, _flatten, hparam_tensors, walked
 from bnbf.state import is_state, present_mask
 
 _CHAIN = itertools.chain.from_iterable
@@ -48,10 +49,10 @@ def _key(spec: Any) -> Any:
 
 def remember(call: Any, groups: list, step: Any, rows: dict) -> None:
     """A memo of this checked vmapped call (``groups``: its launch groups, ``rows``: its scalars by device), where
-    a later call can take it: the compiled checks built, an int step, Python-number scalars on one device, a tree
+    a later call can take it: the compiled checks built, scalars for one device, none a member's own tensor, a tree
     whose structure key lasts, stacked tensors as a memo records them; and none of its structure holds them already
     (a call the memo's user declined for its scalars, say)."""
-    if NATIVE is None or type(step) is not int or len(rows) != 1 or type(next(iter(rows.values()))) is not tuple:
+    if NATIVE is None or len(rows) != 1 or wrapped_scalars(hparam_tensors(call.hparams, step)):
         return
     found = ops.vmap_level()
     if found is None or (type(call.spec) is pytree.TreeSpec and not walked(call.spec)):
@@ -82,9 +83,11 @@ def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
     """``(memo, level, size, (params, grads, fields) unwrapped, (params, grads, states, fields) as given)`` where a
     memo's trees and stacked tensors are this call's: the same structures and state types; the stacked tensors
     plain, batched along dim 0 at the innermost vmap's level, contiguous, each with its recorded shape and dtype, on
-    the recorded device, none requiring grad under grad mode; an int step, no forward-mode dual, no tracing, no CUDA
-    graph being captured. Else None."""
-    if type(step) is not int or forward_ad._current_level >= 0 or torch.compiler.is_compiling():
+    the recorded device, none requiring grad under grad mode; an int or plain tensor step, no forward-mode dual, no
+    tracing, no CUDA graph being captured. Else None."""
+    if forward_ad._current_level >= 0 or torch.compiler.is_compiling():
+        return None
+    if type(step) is not int and type(step) is not Tensor:  # a member's count, a subclass: the full path
         return None
     found = ops.vmap_level()
     if found is None:
@@ -120,6 +123,13 @@ def confirm(param: Any, grad: Any, state: Any, step: Any) -> tuple | None:
     if device.type == "cuda" and torch.cuda.is_current_stream_capturing():  # the full path's capture checks
         return None
     return memo, level, size, (ps, gs, fs), (params, grads, states, fields)
+
+
+def wrapped_scalars(tensors: list) -> bool:
+    """Whether any of a call's tensor hyperparameters, step or max_unorm (``tensors``: :func:`hparam_tensors`' pairs)
+    is one a transform wraps (a member's own value under vmap) or of a subclass: the memo steps plain 0-d tensors
+    only, one row for every member."""
+    return any(type(t) is not Tensor or _functorch.is_functorch_wrapped_tensor(t) for _, t in tensors)
 
 
 def pick(ps: list, gs: list, fs: list, idx: tuple, field_idx: tuple) -> tuple:

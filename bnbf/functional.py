@@ -282,7 +282,8 @@ _ZERO = itertools.repeat(0)  # the batch dim of every output a vmapped step wrap
 
 def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, in_place=False) -> Any:
     """The step under ``vmap`` of trees a recent vmapped call's full checks passed (:mod:`bnbf._vmap_memo`), with
-    Python-number hyperparameters and an int step checked as every call checks them; then the stacked step of each
+    hyperparameters and a step (numbers, or plain 0-d tensors the same for every member) checked as every call
+    checks them; then the stacked step of each
     launch group, as the full path's batching rules run it: pure, the new ``(params, states)``; in place (the
     memory checks of the full path first: params, states and grads apart), written into the stacked tensors, True.
     None where anything differs or a check fails: the full path then runs (and raises its own error)."""
@@ -292,16 +293,20 @@ def _vmapped_hit(param, grad, state, hparams, step, skip_zeros, max_unorm, maxim
     memo, level, size, (ps, gs, fs), (params, grads, states, fields) = found
     rule = memo.rule
     try:  # every call's checks of its options: an error is the full path's to raise, with its words
+        tensors = hparam_tensors(hparams, step, max_unorm)
+        if tensors:  # the full path's checks of 0-d tensors: none a member's, none asked a gradient of
+            if _vmap_memo.wrapped_scalars(tensors):
+                return None
+            check_not_differentiated(param, params, grads, hparams, step, max_unorm, states, in_place=in_place)
         h = rule.make_hparams(hparams)
         if present_mask(rule, h) != memo.present:
             return None
         _check_step(step)
-        values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+        with torch._C._DisableFuncTorch():  # plain tensors: their small ops pass no vmap layer (call_scalars too)
+            values, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+            scalars = _one_set(values, memo.device)
     except Exception:  # noqa: BLE001 - the full path raises it again, as an uncached call would
         return None
-    if not set(map(type, values)) <= _NUMBERS:
-        return None
-    scalars = tuple(map(float, values))
     if in_place:  # as the full path after its checks: memory apart (its own memo of the addresses), then the steps
         ops.check_vmapped_leaves_apart(param, params, grads, states, fields)
         for layout, idx, field_idx in memo.groups if size else ():  # an ensemble of no members: nothing to step

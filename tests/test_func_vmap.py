@@ -836,6 +836,45 @@ def test_a_repeated_vmapped_step_takes_the_memo_and_equals_the_full_checks(monke
     assert held and all(t.device.type == "meta" for t in held)  # no caller tensor kept
 
 
+_TENSOR_SCALARS = {
+    "lr": lambda device: ({"lr": torch.tensor(0.01, device=device), "weight_decay": 0.1}, lambda k: k),
+    "step": lambda device: ({"lr": 0.01, "weight_decay": 0.1}, lambda k: torch.tensor(k, device=device)),
+    "lr on the cpu, step": lambda device: (
+        {"lr": torch.tensor(0.01), "betas": (0.9, torch.tensor(0.99, device=device))},
+        lambda k: torch.tensor(k, device=device),
+    ),
+}
+
+
+@_memo_needs_native
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("scalars", _TENSOR_SCALARS)
+@pytest.mark.parametrize("fn", ["update", "update_"])
+def test_a_repeated_vmapped_step_with_tensor_scalars_takes_the_memo(monkeypatch, fn, scalars, device):
+    """0-d tensor hyperparameters and steps the same for every member (a schedule's tensors): the repeated call
+    takes the memo as numbers do, and equals the full path bit for bit, each step's scalars their own."""
+    p, g = _stack(device=device)
+    hp, step_of = _TENSOR_SCALARS[scalars](device)
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=256)
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec, hp))(p)
+    call = getattr(bnbf, fn)
+    step = torch.vmap(lambda q, r, u, t: call(q, r, u, hp, t), in_dims=(0, 0, 0, None))
+    bnbf._vmap_memo.MEMOS.clear()
+    p1, s1 = tree_map(torch.clone, step(p, g, s, step_of(1)))  # the full checks, remembered
+    assert bnbf._vmap_memo.MEMOS
+    a, b = tree_map(torch.clone, (p1, s1)), tree_map(torch.clone, (p1, s1))
+    if isinstance(hp["lr"], torch.Tensor):
+        hp["lr"].fill_(0.02)  # a schedule's next value, in place
+    want = _without_memo(lambda: step(a[0], g, a[1], step_of(2)))
+    traced = _full_checks_counted(monkeypatch)
+    got = step(b[0], g, b[1], step_of(2))
+    assert not traced, "the repeated call ran the full checks"
+    assert want[0] == "ok", want
+    assert _same(got, want[1])
+    if fn == "update_":
+        assert _same(b, a)
+
+
 @_memo_needs_native
 @pytest.mark.parametrize("device", DEVICES)
 def test_two_ensembles_in_a_full_memo_table_both_keep_their_memo(monkeypatch, device):
@@ -899,6 +938,17 @@ def test_a_vmapped_call_the_memo_cannot_confirm_takes_the_full_checks():
             p, g, s, torch.tensor([0.1, 0.01, 0.001])
         ),
         "a 0-d tensor lr": lambda: _vmapped_update({"lr": torch.tensor(0.01)})(p, g, s, 1),
+        "a 0-d tensor step": lambda: _vmapped_update(hp)(p, g, s, torch.tensor(3)),
+        "a negative 0-d tensor lr": lambda: _vmapped_update({"lr": torch.tensor(-0.01)})(p, g, s, 1),
+        "a 1-d tensor lr": lambda: _vmapped_update({"lr": torch.tensor([0.01])})(p, g, s, 1),
+        "a meta lr": lambda: _vmapped_update({"lr": torch.tensor(0.01, device="meta")})(p, g, s, 1),
+        "an lr requiring grad": lambda: _vmapped_update({"lr": torch.tensor(0.01, requires_grad=True)})(p, g, s, 1),
+        "a float step tensor": lambda: _vmapped_update(hp)(p, g, s, torch.tensor(2.0)),
+        "a 0-d tensor step 0": lambda: _vmapped_update(hp)(p, g, s, torch.tensor(0)),
+        "a member's step": lambda: _vmapped_update(hp, in_dims=(0, 0, 0, 0))(p, g, s, torch.tensor([1, 2, 3])),
+        "a tensor max_unorm": lambda: torch.vmap(
+            lambda q, r, u: bnbf.update(q, r, u, hp, 1, max_unorm=torch.tensor(0.5))
+        )(p, g, s),
         "grad of a vmapped step": lambda: torch.func.grad(
             lambda q: sum(t.sum() for t in tree_leaves(_vmapped_update(hp)(q, g, s, 1)[0]))
         )(p),
