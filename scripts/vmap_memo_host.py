@@ -1,8 +1,10 @@
 """Host time of the vmapped ensemble step with the memo of its checks (bnbf/_vmap_memo.py) and without it, the two
 alternating in one process: bench_func's ``vmap_flat`` set-up (8 GPT-2-small-shaped members, flat params,
-stacked; bf16, 8-bit AdamW, Python-number lr and step), the kernel launch stubbed out (CPU) or real (CUDA).
+stacked; bf16, 8-bit AdamW, Python-number lr and step, or with ``--tensors`` 0-d tensors on the device: the step
+filled before each call, as a captured step's warm-up passes them), the kernel launch stubbed out (CPU) or real
+(CUDA).
 
-    python scripts/vmap_memo_host.py [--in-place] [--rounds 6] [--calls 150]
+    python scripts/vmap_memo_host.py [--in-place] [--tensors] [--rounds 6] [--calls 150]
     TRITON_INTERPRET=1 python scripts/vmap_memo_host.py --cpu [--in-place]
 
 Prints, per mode, the median microseconds of a call: torch.func's processing of the inputs before the vmapped
@@ -36,6 +38,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--in-place", action="store_true")
     ap.add_argument("--cpu", action="store_true")
+    ap.add_argument("--tensors", action="store_true")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--calls", type=int, default=150)
     args = ap.parse_args()
@@ -56,6 +59,11 @@ def main() -> None:
         launcher.launch_group = timed_launch
     shapes = bs.SMOKE_SETS["gpt2_124M"]() if args.cpu else bs.SETS["gpt2_124M"]()
     members, hp = bench_func.MEMBERS, bench_func.HP
+    step_of = lambda n: n  # noqa: E731
+    if args.tensors:
+        hp = {**hp, "lr": torch.tensor(hp["lr"], device=device)}
+        count = torch.tensor(1, device=device)
+        step_of = count.fill_
     ctx = types.SimpleNamespace(shapes=shapes, dtype=torch.bfloat16, device=device)
     params, grads, state = bench_func._ensemble(ctx, "flat")  # the vmap_flat row's ensemble
     fn = bnbf.update_ if args.in_place else bnbf.update
@@ -77,11 +85,12 @@ def main() -> None:
             for i in range(args.calls):
                 launches.clear()
                 marks.clear()
+                k = step_of(i + 1)  # a tensor count filled before the timed call
                 t0 = time.perf_counter()
                 if args.in_place:
-                    step(params, grads, state, i + 1)
+                    step(params, grads, state, k)
                 else:
-                    held[:] = step(held[0], grads, held[1], i + 1)
+                    held[:] = step(held[0], grads, held[1], k)
                 t1 = time.perf_counter()
                 if i >= 20:
                     results[on].append((marks[0] - t0, launches[0] - marks[0], marks[1] - marks[0], t1 - t0))
@@ -97,16 +106,17 @@ def main() -> None:
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
                     if args.in_place:
-                        step(params, grads, state, i + 1)
+                        step(params, grads, state, step_of(i + 1))
                     else:
-                        held[:] = step(held[0], grads, held[1], i + 1)
+                        held[:] = step(held[0], grads, held[1], step_of(i + 1))
                     end.record()
                     torch.cuda.synchronize()
                     if i >= 3:
                         synced[on].append(start.elapsed_time(end))
     F._vmapped_hit = memo
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
-    print(f"{name}, torch {torch.__version__}, vmap({fn.__name__}), {members} members, flat params")
+    scalars = "0-d tensor lr and step" if args.tensors else "Python-number lr and step"
+    print(f"{name}, torch {torch.__version__}, vmap({fn.__name__}), {members} members, flat params, {scalars}")
     print("| | torch.func's input processing | bnbf to its first launch | bnbf in all | the call | synchronized step |")
     print("|---|---|---|---|---|---|")
     for on in (False, True):
