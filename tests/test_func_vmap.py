@@ -848,7 +848,10 @@ _TENSOR_SCALARS = {
 
 @_memo_needs_native
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("scalars", _TENSOR_SCALARS)
+@pytest.mark.parametrize(  # the interpreter takes the mix of both (the row's route through the kernels is one)
+    "scalars",
+    [k if k == "lr on the cpu, step" else pytest.param(k, marks=_slow_in_interpreter) for k in _TENSOR_SCALARS],
+)
 @pytest.mark.parametrize("fn", ["update", "update_"])
 def test_a_repeated_vmapped_step_with_tensor_scalars_takes_the_memo(monkeypatch, fn, scalars, device):
     """0-d tensor hyperparameters and steps the same for every member (a schedule's tensors): the repeated call
