@@ -51,7 +51,6 @@ from bnbf.packed import PackedState, pack_state
 from bnbf.packed import update as packed_update
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _DEAD,
-    _NUMBERS,
     _PLANS,
     OutputRecords,
     _cached,

@@ -1260,10 +1260,7 @@ def _confirmed(plan: Plan, params: list, states: list) -> bool:
     of the plan it finds (the plan then moves to the cache's end, as a found one does)."""
     if not (plan._same(params, states) and plan._confirm(params, states)):
         return False
-    key = plan._key
-    with _PLANS.lock:
-        if _PLANS.get(key) is plan:
-            _PLANS.move_to_end(key)
+    _PLANS.touch(plan._key)  # whatever plan is there now is the newest: moving it is harmless
     return True
 
 
@@ -1282,9 +1279,7 @@ def _cached(tree: Any, params: list, states: list, spec: Any, s_spec: Any) -> Pl
     if found is not None:
         # the same tensors in another container (a dict, then a list) are another call: its own plan
         if found._spec == spec and found._same(params, states) and found._confirm(params, states):
-            with _PLANS.lock:
-                if _PLANS.get(key) is found:
-                    _PLANS.move_to_end(key)
+            _PLANS.touch(key)
             return found
         with _PLANS.lock:
             if _PLANS.get(key) is found:
