@@ -15,7 +15,8 @@
 # Logs and results go to $OUT (else .gpu_check in the repository, ignored by git): tests.log, bench.log, bench.json, bench.md, rules.*,
 # quality.log, quality.json, quality.md, profile.log. Exits non-zero if the tests failed (or timed out) or the
 # benchmark ran and produced nothing; the benchmarks run even when the tests fail. Knobs (environment):
-# BIG_BUDGET_S (default 45), TEST_BUDGET_S (400), TEST_WORKERS (14), BNBF_TEST_DEVICES (cuda), BENCH_BUDGET_S (100; 0 skips it), RULES_BUDGET_S (60; 0 skips it), QUALITY_BUDGET_S (150), QUALITY_ARGS,
+# BIG_BUDGET_S (default 45), TEST_BUDGET_S (400), TEST_WORKERS (14), BNBF_TEST_DEVICES (cuda), BENCH_BUDGET_S
+# (100; 0 skips it), RULES_BUDGET_S (60; 0 skips it), QUALITY_BUDGET_S (150), QUALITY_ARGS,
 # CALL_BUDGET_S (590), PROFILE_BUDGET_S (25 per script), PYTEST_ARGS, BENCH_ARGS (default "--quick --steps 20
 # --warmup 5": the anchors' step counts, without torchao), RULES_CANDIDATES (bnbf8).
 set -uo pipefail
