@@ -77,6 +77,13 @@ def main() -> None:
 
     step = torch.func.vmap(body, in_dims=(0, 0, 0, None))
     held = [params, state]
+
+    def call(k) -> None:  # one step: in place, or the outputs fed back as the next call's inputs
+        if args.in_place:
+            step(params, grads, state, k)
+        else:
+            held[:] = step(held[0], grads, held[1], k)
+
     memo = F._vmapped_hit
     results: dict = {True: [], False: []}
     for _ in range(args.rounds):
@@ -87,10 +94,7 @@ def main() -> None:
                 marks.clear()
                 k = step_of(i + 1)  # a tensor count filled before the timed call
                 t0 = time.perf_counter()
-                if args.in_place:
-                    step(params, grads, state, k)
-                else:
-                    held[:] = step(held[0], grads, held[1], k)
+                call(k)
                 t1 = time.perf_counter()
                 if i >= 20:
                     results[on].append((marks[0] - t0, launches[0] - marks[0], marks[1] - marks[0], t1 - t0))
@@ -105,10 +109,7 @@ def main() -> None:
                     torch.cuda.synchronize()
                     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                     start.record()
-                    if args.in_place:
-                        step(params, grads, state, step_of(i + 1))
-                    else:
-                        held[:] = step(held[0], grads, held[1], step_of(i + 1))
+                    call(step_of(i + 1))
                     end.record()
                     torch.cuda.synchronize()
                     if i >= 3:
