@@ -14,8 +14,11 @@ from __future__ import annotations
 
 import array
 import contextlib
+import copy
+import dataclasses
 import functools
 import itertools
+import math
 import operator
 import weakref
 from collections.abc import Callable
@@ -30,7 +33,7 @@ from torch.utils._pytree import TreeSpec
 
 from bnbf import _vmap_memo, ops
 from bnbf._bounded import Bounded
-from bnbf._dispatch import BUILD_LOCK, is_dtensor, launch_lock, use_triton
+from bnbf._dispatch import BUILD_LOCK, interpreting, is_dtensor, launch_lock, use_triton
 from bnbf._host_checks import (
     _REQUIRES_GRAD,
     _SHAPE_DTYPE,
@@ -55,6 +58,7 @@ from bnbf._host_checks import (
     _prepare_traced,
     _rule_of,
     _states_ok,
+    _TracedHparams,
     _unflatten,
     _values_of,
     check_hparam_values,
@@ -67,6 +71,7 @@ from bnbf._host_checks import (
     packed_identities,
     unaddressable,
 )
+from bnbf.kernels import scalar_program
 from bnbf.kernels.direct_launch import _current_stream
 from bnbf.kernels.launcher import (
     _to_device,
@@ -959,10 +964,128 @@ def _scalar_values(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any
     """The rule's scalars followed by the four the step adds: the gradient's sign (-1 with ``maximize``), the
     seed of the states' stochastic rounding (the step mod 2**24, see bnbf.quant), and the clipping pair
     (max_unorm, lr); and whether clipping is on. Not checked for meta tensors (:func:`_scalars` checks them):
-    for :meth:`Plan._checked_step`, which tells numbers from tensors anyway."""
+    for :meth:`Plan._checked_step`, which tells numbers from tensors anyway. Where 0-d tensors are among the
+    inputs, computed from their values in float64 as the host computes numbers (Python floats), so a step with a
+    tensor lr or step equals the step with those numbers: in one launch (:func:`_program_values`), else with torch
+    ops on the tensors made float64 (traced, vmapped per-member values, arithmetic a program does not record)."""
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
+    found = hparam_tensors(h, step, max_unorm)
+    if found:
+        tensors = [t for _, t in found]
+        made = _program_values(rule, h, step, max_unorm, maximize, tensors)
+        if made is not None:
+            return made, clip
+        h, step, max_unorm = _replaced(h, step, max_unorm, iter([t.double() for t in tensors]))
     seed = step % DITHER_SEED_MOD  # an int, or a device op on a tensor step (no host sync)
     return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
+
+
+def _replaced(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
+    """``(h, step, max_unorm)`` with each tensor among them (in :func:`hparam_tensors`' order) replaced by
+    ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values)."""
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return next(new)
+        if type(v) is tuple and any(isinstance(x, Tensor) for x in v):
+            return tuple(next(new) if isinstance(x, Tensor) else x for x in v)
+        return v
+
+    if type(h) is _TracedHparams:
+        h = _TracedHparams({k: swap(v) for k, v in h.values.items()})
+    else:
+        h, old = copy.copy(h), h
+        for f in dataclasses.fields(old):
+            v = getattr(old, f.name)
+            w = swap(v)
+            if w is not v:
+                object.__setattr__(h, f.name, w)
+    return h, swap(step), swap(max_unorm)
+
+
+# where 0-d tensor scalars take one program launch: the devices whose steps run Triton kernels
+PROGRAM_DEVICES = {"cuda", "cpu"} if interpreting() else {"cuda"}
+
+
+def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any, tensors: list) -> tuple | None:
+    """:func:`_scalar_values` from the 0-d ``tensors`` among the inputs (lr, the step...): the rule's arithmetic
+    on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), each such scalar a 0-d float32
+    view of its output. None where that route does not apply: tensors of a kind the kernel does not read as they
+    are (subclasses, torch.func's wrappers, a dispatch mode, tensors in a derivative, several devices, more than
+    its pointers), tracing by torch.compile, or arithmetic a program cannot record; the caller's torch ops then
+    compute them."""
+    device = tensors[0].device
+    if device.type not in PROGRAM_DEVICES or len(tensors) > scalar_program.MAX_INPUTS:
+        return None
+    if torch.compiler.is_compiling() or _dispatch_mode() is not None or not dataclasses.is_dataclass(h):
+        return None
+    grad_mode = torch.is_grad_enabled()
+    for t in tensors:
+        if type(t) is not Tensor or t.device != device or _functorch.is_functorch_wrapped_tensor(t):
+            return None
+        if grad_mode and t.requires_grad:
+            return None
+    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+        return None
+
+    key = _program_key(rule, h, step, max_unorm, maximize)
+    program = _PROGRAMS.get(key, _MISSING) if key is not None else _MISSING
+    if program is _MISSING:
+
+        def scalars(*syms: Any) -> tuple:
+            h2, s, u = _replaced(h, step, max_unorm, iter(syms))
+            return (*rule.scalars(h2, s), -1.0 if maximize else 1.0, s % DITHER_SEED_MOD, u, h2.lr)
+
+        try:
+            program = scalar_program.program_of(*scalar_program.trace(scalars, len(tensors)))
+        except Exception:  # noqa: BLE001 - arithmetic the program cannot record: the torch ops compute it
+            program = None
+        if key is not None:
+            _PROGRAMS.put(key, program)
+    if program is None:
+        return None
+    row = scalar_program.run(program, tensors, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
+    return ProgramValues(row)
+
+
+class ProgramValues(tuple):
+    """A step's scalars made by one program: 0-d views of ``row``, the float32 row a kernel reads (which
+    :func:`scalar_row` hands on as it is)."""
+
+    def __new__(cls, row: Tensor) -> ProgramValues:
+        values = super().__new__(cls, row.unbind())
+        values.row = row
+        return values
+
+
+# the programs recorded, by what they were recorded from (a rule's hyperparameters with their tensors as _TENSOR);
+# None: arithmetic that cannot be recorded
+_PROGRAMS = Bounded(64)
+_TENSOR = object()
+_MISSING = object()
+
+
+def _program_key(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any) -> tuple | None:
+    """What decides a rule's program: its name, the hyperparameters' type and their numbers (a float with its sign:
+    0.0 and -0.0 are other constants), where the tensors stand; None where a value is of another kind."""
+
+    def part(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return _TENSOR
+        t = type(v)
+        if t is float:
+            return (v, math.copysign(1.0, v))
+        if t is int or t is bool or v is None:
+            return (t, v)
+        if t is tuple:
+            return tuple(map(part, v))
+        raise TypeError
+
+    try:
+        fields = tuple(part(getattr(h, f.name)) for f in dataclasses.fields(h))
+        return (rule.name, type(h), fields, part(step), part(max_unorm), maximize)
+    except TypeError:
+        return None
 
 
 def check_capture_scalars(h: Any, step: Any, device: torch.device) -> None:
@@ -1033,6 +1156,8 @@ def scalar_row(values: Any, device: torch.device) -> Tensor:
     compile per value)."""
     if torch.compiler.is_compiling():
         return ops.traced_scalar_row(values, device)  # one Inductor kernel; a stack of >8 scalars is one per scalar
+    if type(values) is ProgramValues and values.row.device == device:
+        return values.row
     capturing = _capturing((device,))
     cached = any(isinstance(v, Tensor) for v in values) and _plain_scalars(values)
     if not (capturing or cached):

@@ -1,8 +1,10 @@
 """Where the host time of the eager vmapped in-place ensemble step goes when lr and the step are 0-d device tensors
 (``vmap_graph``'s eager twin in benchmarks/bench_func.py), against Python numbers: the median host time of a call and
 of bnbf's parts inside it (each wrapped with a timer), then ``torch.profiler``'s ops and kernels over 10 calls.
+``--torch-ops`` turns off the one-launch program of the tensor scalars (bnbf.kernels.scalar_program): each scalar
+then comes from small torch ops, as before it.
 
-    python scripts/tensor_scalars_host.py [--numbers] [--calls 200]
+    python scripts/tensor_scalars_host.py [--numbers | --torch-ops] [--calls 200]
 
 CUDA only (the question is what the small ops on device scalars cost a GPU's host).
 """
@@ -54,8 +56,11 @@ def timed_parts() -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numbers", action="store_true", help="Python-number lr and step instead of 0-d device tensors")
+    ap.add_argument("--torch-ops", action="store_true", help="the tensor scalars from small torch ops, no program")
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
+    if args.torch_ops:
+        sys.modules["bnbf.plan"].PROGRAM_DEVICES = set()
     device = torch.device("cuda")
     ctx = types.SimpleNamespace(shapes=bs.SETS["gpt2_124M"](), dtype=torch.bfloat16, device=device)
     params, grads, state = bench_func._ensemble(ctx, "flat")
@@ -77,6 +82,7 @@ def main() -> None:
         if i % 10 == 0:
             torch.cuda.synchronize()  # a short queue: the host's own work is timed
     kind = "Python-number" if args.numbers else "0-d device tensor"
+    kind += " (torch ops)" if args.torch_ops else ""
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vmap(update_), {kind} lr and step")
     print(f"the call: median {statistics.median(calls) * 1e6:.0f} us")
     for name, times in spent.items():

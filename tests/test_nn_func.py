@@ -283,7 +283,7 @@ def test_capturable_keeps_steps_on_the_device_and_follows_the_scheduler(name):
     assert isinstance(opt.param_groups[0]["lr"], torch.Tensor)  # filled in place by the scheduler
     torch.testing.assert_close(opt.param_groups[0]["lr"].item(), plain.param_groups[0]["lr"])
     for p, q in zip(params, ref):
-        # bias correction from the device step in float32 (Python steps: float64): float32 rounding
+        # the scheduler's lr as a float32 tensor against Python floats: float32 rounding of lr
         torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-6)
 
 
@@ -355,7 +355,7 @@ def test_compiled_step_compiles_no_more_than_torchs_adamw(name, tensor_lr):
     assert ours[-1] <= ref[-1], f"{name}8bit compiled {ours} graphs by call, torch's AdamW {ref}"
     assert ours[-1] == ours[1], f"{name}8bit recompiled after its second call: {ours}"
     # the same steps eagerly: equal bit for bit (with a tensor lr the compiled step keeps tensor step counts on
-    # the device, as capturable=True does: float32 bias corrections)
+    # the device, as capturable=True does)
     eager_params = _loop(lambda ps, lr: _make(name, ps, lr=as_lr(lr), capturable=tensor_lr), lr0, compiled_at=())[1]
     for p, q in zip(params, eager_params):
         assert torch.equal(p, q), f"{name}8bit: the compiled steps differ from the eager ones"
