@@ -982,7 +982,8 @@ def _scalar_values(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any
 
 def _replaced(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
     """``(h, step, max_unorm)`` with each tensor among them (in :func:`hparam_tensors`' order) replaced by
-    ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values)."""
+    ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values), or ``h`` itself
+    where it is of another kind."""
 
     def swap(v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -993,7 +994,7 @@ def _replaced(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
 
     if type(h) is _TracedHparams:
         h = _TracedHparams({k: swap(v) for k, v in h.values.items()})
-    else:
+    elif dataclasses.is_dataclass(h):
         h, old = copy.copy(h), h
         for f in dataclasses.fields(old):
             v = getattr(old, f.name)
@@ -1009,11 +1010,11 @@ PROGRAM_DEVICES = {"cuda", "cpu"} if interpreting() else {"cuda"}
 
 def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any, tensors: list) -> tuple | None:
     """:func:`_scalar_values` from the 0-d ``tensors`` among the inputs (lr, the step...): the rule's arithmetic
-    on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), each such scalar a 0-d float32
-    view of its output. None where that route does not apply: tensors of a kind the kernel does not read as they
-    are (subclasses, torch.func's wrappers, a dispatch mode, tensors in a derivative, several devices, more than
-    its pointers), tracing by torch.compile, or arithmetic a program cannot record; the caller's torch ops then
-    compute them."""
+    on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), every scalar a 0-d view of the
+    float32 row it makes (:class:`ProgramValues`). None where that route does not apply: tensors of a kind the
+    kernel does not read as they are (subclasses, torch.func's wrappers, a dispatch mode, tensors in a
+    derivative, several devices, more than its pointers), tracing by torch.compile, or arithmetic a program
+    cannot record; the caller's torch ops then compute them."""
     device = tensors[0].device
     if device.type not in PROGRAM_DEVICES or len(tensors) > scalar_program.MAX_INPUTS:
         return None
