@@ -285,3 +285,33 @@ def test_inputs_of_every_dtype_are_read(program_device, dtypes):
     got = sp.run(program, xs).tolist()
     read = [float(x.double().item()) for x in xs]
     assert got == [_as_f32(r) for r in read] + [_as_f32(read[0] * read[1] + read[2] - read[3])]
+
+
+def test_one_kernel_signature_for_every_mix_of_inputs(program_device, monkeypatch):
+    """Programs of other sizes and inputs of other dtypes reach the kernel with the same argument types and
+    constexprs: changing which hyperparameters are tensors, or their dtypes, compiles nothing new."""
+    seen = set()
+    real = sp._program_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            def launch(*args, **kwargs):
+                kinds = tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args)
+                seen.add((kinds, tuple(sorted(kwargs.items()))))
+                return real[grid](*args, **kwargs)
+
+            return launch
+
+    monkeypatch.setattr(sp, "_program_kernel", Recorder())
+    monkeypatch.setattr(sp, "_COMPILED", {})  # every launch through the dispatch (CUDA)
+    P._PROGRAMS.clear()
+    t = lambda v, dt=torch.float32: torch.tensor(v, dtype=dt, device=program_device)  # noqa: E731
+    sgd = get_rule("sgd")
+    for rule, hp, step in (
+        (get_rule("adamw"), {"lr": t(1e-3)}, t(3, torch.int64)),
+        (get_rule("adamw"), {"lr": t(1e-3, torch.float64), "betas": (t(0.9, torch.bfloat16), 0.99)}, 5),
+        (sgd, {"lr": t(1e-2), "momentum": t(0.9), "dampening": t(0.1)}, t(2, torch.int32)),
+        (get_rule("lion"), {"lr": t(1e-4, torch.float16)}, 7),
+    ):
+        assert _program(rule, rule.make_hparams(hp), step) is not None
+    assert len(seen) == 1, seen
