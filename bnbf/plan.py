@@ -1045,8 +1045,26 @@ def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any,
             _PROGRAMS.put(key, program)
     if program is None:
         return None
-    row = scalar_program.run(program, tensors, device.type == "cuda" and torch.cuda.is_current_stream_capturing())
-    return ProgramValues(row)
+    row = _program_row(program, device, _capturing({device}))
+    return ProgramValues(scalar_program.run(program, row, tensors))
+
+
+# the programs' rows (constants, code, outputs; float64) on the device, kept as _NUMBER_ROWS are (below)
+_PROGRAM_ROWS = Bounded(32)
+_HELD_PROGRAM_ROWS: dict = {}
+
+
+def _program_row(program: Any, device: torch.device, capturing: bool) -> Tensor:
+    """:attr:`scalar_program.Program.row` on ``device`` (:func:`_kept_row`). Captured where none was made before
+    the capture: filled inside the graph, a fill per value, and held for its replays only."""
+    host = lambda: _to_device(torch.frombuffer(bytearray(program.data), dtype=torch.float64), device)  # noqa: E731
+    row = _kept_row(_PROGRAM_ROWS, _HELD_PROGRAM_ROWS, (device, program.data), host, device, capturing)
+    if row is None:
+        row = torch.empty(len(program.row), dtype=torch.float64, device=device)
+        for k, v in enumerate(program.row):
+            row[k].fill_(v)
+        _HELD_PROGRAM_ROWS[id(row)] = row
+    return row
 
 
 class ProgramValues(tuple):
@@ -1124,18 +1142,32 @@ def _number_row(values: Any, device: torch.device, capturing: bool) -> tuple | N
     tensors = tuple(k for k, v in enumerate(values) if isinstance(v, Tensor))
     numbers = [0.0 if isinstance(v, Tensor) else v for v in values]
     what = (device, tensors, array.array("d", numbers).tobytes())
+
+    def made() -> tuple:
+        row = as_scalar_row(numbers, device)
+        return row, row.unbind()
+
+    entry = _kept_row(_NUMBER_ROWS, _HELD_NUMBER_ROWS, what, made, device, capturing)
+    return None if entry is None else entry[1]
+
+
+def _kept_row(cache: Bounded, held: dict, what: tuple, make: Callable[[], Any], device: torch.device,
+              capturing: bool) -> Any:  # fmt: skip
+    """What ``make()`` uploads from the host for ``what`` (its device first), kept in ``cache`` by stream: made at
+    the first call on the stream that reads it. While capturing a CUDA graph, one made on any stream before the
+    capture (which begins with a synchronize, so its copy is done), held in ``held`` for the replays whatever the
+    cache evicts; else None (a copy cannot be captured)."""
     if capturing:
-        found = next(((k, e) for k, e in reversed(_NUMBER_ROWS.items()) if k[1:] == what), None)
+        found = next(((k, e) for k, e in reversed(cache.items()) if k[1:] == what), None)
         if found is None:
             return None
-        _HELD_NUMBER_ROWS[found[0]] = found[1]  # a replay reads it, whatever the cache evicts
-        return found[1][1]
+        held[found[0]] = found[1]
+        return found[1]
     key = (_stream_of(device), *what)
-    entry = _NUMBER_ROWS.get(key)
+    entry = cache.get(key)
     if entry is None:
-        row = as_scalar_row(numbers, device)
-        entry = _NUMBER_ROWS.put(key, (row, row.unbind()))
-    return entry[1]
+        entry = cache.put(key, make())
+    return entry
 
 
 def _plain_scalars(values: Any) -> bool:

@@ -45,14 +45,14 @@ def _same(a, b) -> bool:
 def _drop_tables() -> list:
     """Empty bnbf's caches of kernel tables and reuse the memory they freed (small tensors of junk): a replay must
     read the tables its capture saw, which bnbf holds for the graph."""
-    from bnbf.kernels import members, scalar_program
+    from bnbf.kernels import members
 
     members._GROUPS.clear()
     bnbf.ops._GROUPS.clear()
     bnbf.functional._PLANS.clear()  # update_'s plans: their tables go with them
     bnbf.functional._LAST.clear()
     sys.modules["bnbf.plan"]._NUMBER_ROWS.clear()  # the numbers beside a tensor lr and step
-    scalar_program._ROWS.clear()  # the programs that derive the scalars from them
+    sys.modules["bnbf.plan"]._PROGRAM_ROWS.clear()  # the programs that derive the scalars from them
     return [torch.full((n,), -1, dtype=torch.int64, device="cuda") for n in (64, 128, 256, 512, 1024, 4096) * 8]
 
 

@@ -66,6 +66,11 @@ def _program(rule, h, step):
     return P._program_values(rule, h, step, 0.0, False, [t for _, t in hparam_tensors(h, step, 0.0)])
 
 
+def _run(program, xs):
+    """The program's outputs for inputs ``xs``, its row uploaded as a step uploads it."""
+    return sp.run(program, P._program_row(program, xs[0].device, False), xs)
+
+
 def _as_f32(v) -> float:
     return torch.tensor(float(v), dtype=torch.float64).float().item()
 
@@ -113,7 +118,7 @@ def test_power_as_torch(program_device, x, y):
     program = sp.program_of(*sp.trace(lambda a, b: (a**b,), 2))
     xs = [torch.tensor(x, dtype=torch.float64, device=program_device), torch.tensor(y, dtype=torch.float64,
           device=program_device)]  # fmt: skip
-    got = sp.run(program, xs)[0].item()
+    got = _run(program, xs)[0].item()
     want = torch.pow(xs[0], xs[1]).float().item()
     if math.isnan(want):
         assert math.isnan(got)
@@ -129,7 +134,7 @@ def test_mod_and_floordiv_as_python(program_device, x, y):
     """``%`` and ``//`` with Python's (and torch's) signs: the remainder takes the divisor's."""
     program = sp.program_of(*sp.trace(lambda a, b: (a % b, a // b, b - a, -a, a / b), 2))
     xs = [torch.tensor(v, dtype=torch.float64, device=program_device) for v in (x, y)]
-    got = sp.run(program, xs).tolist()
+    got = _run(program, xs).tolist()
     assert got == [_as_f32(x % y), _as_f32(x // y), _as_f32(y - x), _as_f32(-x), _as_f32(x / y)]
 
 
@@ -282,7 +287,7 @@ def test_inputs_of_every_dtype_are_read(program_device, dtypes):
         base = torch.tensor([0, v, 0], dtype=dt, device=program_device)
         xs.append(base[1:2])  # an element at an offset, shape (1,)
     program = sp.program_of(*sp.trace(lambda a, b, c, d: (a, b, c, d, a * b + c - d), 4))
-    got = sp.run(program, xs).tolist()
+    got = _run(program, xs).tolist()
     read = [float(x.double().item()) for x in xs]
     assert got == [_as_f32(r) for r in read] + [_as_f32(read[0] * read[1] + read[2] - read[3])]
 

@@ -22,8 +22,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from bnbf._bounded import Bounded
-from bnbf.kernels.direct_launch import _current_stream, launch
+from bnbf.kernels.direct_launch import launch
 
 ADD, SUB, MUL, DIV, POW, MOD, FLOORDIV, NEG = range(8)
 MAX_INPUTS = 4  # the kernel's tensor pointers (registers 0-3)
@@ -188,40 +187,14 @@ def program_of(values: tuple, inputs: list) -> Program | None:
     return program if program.registers <= MAX_REGISTERS else None
 
 
-# the programs' rows on the device, by (stream, device, their bytes): uploaded once on the stream that reads them (a
-# row read on another stream before its copy is done would be garbage); rows a captured step reads are held for good
-_ROWS = Bounded(32)
-_HELD: dict = {}
-
-
-def _device_row(program: Program, device: torch.device, capturing: bool) -> Tensor:
-    what = (device, program.data)
-    if capturing:  # a copy cannot be captured: a row made before (the capture began with a synchronize)
-        found = next((e for k, e in reversed(_ROWS.items()) if k[1:] == what), None)
-        if found is None:  # else one the graph fills (valid inside this graph only: not kept for other calls)
-            found = torch.empty(len(program.row), dtype=torch.float64, device=device)
-            for k, v in enumerate(program.row):
-                found[k].fill_(v)
-        _HELD[id(found)] = found  # a replay reads it, whatever the cache drops
-        return found
-    key = (_current_stream(device.index) if device.type == "cuda" else 0, *what)
-    row = _ROWS.get(key)
-    if row is None:
-        host = torch.frombuffer(bytearray(program.data), dtype=torch.float64)
-        row = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        _ROWS.put(key, row)
-    return row
-
-
-def run(program: Program, tensors: list[Tensor], capturing: bool = False) -> Tensor:
-    """The program's outputs as a float32 row on the tensors' device (``tensors``: its inputs, 1-element each),
-    one launch (``capturing``: a CUDA graph is being captured on the current stream)."""
+def run(program: Program, row: Tensor, tensors: list[Tensor]) -> Tensor:
+    """The program's outputs as a float32 row on the tensors' device, one launch. ``row``: :attr:`Program.row` on
+    that device; ``tensors``: its inputs, 1-element each."""
     device = tensors[0].device
-    row = _device_row(program, device, capturing)
     out = torch.empty(program.n_outputs, dtype=torch.float32, device=device)
     # float64 inputs, whatever their dtypes (exact: the program computes in float64 anyway), so which
     # hyperparameters are tensors, of which dtype, compiles no other kernel; the kernel reads element 0 of each
-    xs = [t if t.dtype == torch.float64 else t.double() for t in tensors]
+    xs = [t.double() for t in tensors]
     xs += [xs[0]] * (MAX_INPUTS - len(xs))
     sizes = (program.n_ops, program.n_consts, program.n_outputs)
 
