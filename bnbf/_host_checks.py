@@ -17,6 +17,7 @@ from __future__ import annotations
 import array
 import bisect
 import collections
+import copy
 import dataclasses
 import functools
 import itertools
@@ -715,6 +716,30 @@ def hparam_tensors(h: Any, step: Any = None, max_unorm: Any = None) -> list[tupl
             found.extend((f"{name}[{i}]", x) for i, x in enumerate(v) if isinstance(x, Tensor))
     found.extend((n, v) for n, v in (("step", step), ("max_unorm", max_unorm)) if isinstance(v, Tensor))
     return found
+
+
+def replace_hparam_tensors(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
+    """``(h, step, max_unorm)`` with each tensor among them (in :func:`hparam_tensors`' order) replaced by
+    ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values), or ``h`` itself
+    where it is of another kind."""
+
+    def swap(v: Any) -> Any:
+        if isinstance(v, Tensor):
+            return next(new)
+        if type(v) is tuple and any(isinstance(x, Tensor) for x in v):
+            return tuple(next(new) if isinstance(x, Tensor) else x for x in v)
+        return v
+
+    if type(h) is _TracedHparams:
+        h = _TracedHparams({k: swap(v) for k, v in h.values.items()})
+    elif dataclasses.is_dataclass(h):
+        h, old = copy.copy(h), h
+        for f in dataclasses.fields(old):
+            v = getattr(old, f.name)
+            w = swap(v)
+            if w is not v:
+                object.__setattr__(h, f.name, w)
+    return h, swap(step), swap(max_unorm)
 
 
 def _tracked(t: Tensor, grad_mode: bool, fwd: bool) -> bool:

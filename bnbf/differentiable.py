@@ -7,8 +7,9 @@ and ``jvp`` then give the true derivatives of the new params and states with res
 the states and the hyperparameters (0-d tensors), through one step or several (TorchOpt's MetaAdam is the
 model). Only 32-bit states: an 8-bit state is rounded to codes, which have no derivative.
 
-The computation runs in the params' dtype promoted to at least float32, so float64 params with float64 state
-(``torch.func``/``gradcheck`` style) are stepped in float64 throughout.
+The rule's scalars are computed in float64, from numbers as from 0-d tensors (a tensor lr or step steps as the same
+number does); the step itself runs in the params' dtype promoted to at least float32, so float64 params with float64
+state (``torch.func``/``gradcheck`` style) are stepped in float64 throughout.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from bnbf._host_checks import (
     check_steps,
     check_update_options,
     hparam_tensors,
+    replace_hparam_tensors,
     unaddressable,
 )
 from bnbf.reference import step_math
@@ -106,8 +108,11 @@ def update(
     _check_present(rule, checked, states)
     check_steps(step)
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
-    if isinstance(step, Tensor) and any(p.dtype == torch.float64 for p in params):
-        step = step.double()  # a number's power of an int tensor is float32: 1 - 0.999**t would lose digits
+    # tensors among them computed in float64 as the host computes numbers (a number's power of an int tensor would
+    # be float32: 1 - 0.999**t loses digits), so a tensor lr or step steps as the number does; .double() is derivable
+    found = hparam_tensors(h, step, max_unorm)
+    if found:
+        h, step, max_unorm = replace_hparam_tensors(h, step, max_unorm, iter([t.double() for _, t in found]))
     scalars = rule.scalars(h, step)
     check_hparam_values((*scalars, max_unorm, h.lr), h, max_unorm)  # the values _as reads
     new_params, new_states = [], []

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import copy
 import dataclasses
 import functools
 import itertools
@@ -58,7 +57,6 @@ from bnbf._host_checks import (
     _prepare_traced,
     _rule_of,
     _states_ok,
-    _TracedHparams,
     _unflatten,
     _values_of,
     check_hparam_values,
@@ -69,6 +67,7 @@ from bnbf._host_checks import (
     leaves_of,
     own_dispatch,
     packed_identities,
+    replace_hparam_tensors,
     unaddressable,
 )
 from bnbf.kernels import scalar_program
@@ -975,33 +974,9 @@ def _scalar_values(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any
         made = _program_values(rule, h, step, max_unorm, maximize, tensors)
         if made is not None:
             return made, clip
-        h, step, max_unorm = _replaced(h, step, max_unorm, iter([t.double() for t in tensors]))
+        h, step, max_unorm = replace_hparam_tensors(h, step, max_unorm, iter([t.double() for t in tensors]))
     seed = step % DITHER_SEED_MOD  # an int, or a device op on a tensor step (no host sync)
     return (*rule.scalars(h, step), -1.0 if maximize else 1.0, seed, max_unorm, h.lr), clip
-
-
-def _replaced(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
-    """``(h, step, max_unorm)`` with each tensor among them (in :func:`hparam_tensors`' order) replaced by
-    ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values), or ``h`` itself
-    where it is of another kind."""
-
-    def swap(v: Any) -> Any:
-        if isinstance(v, Tensor):
-            return next(new)
-        if type(v) is tuple and any(isinstance(x, Tensor) for x in v):
-            return tuple(next(new) if isinstance(x, Tensor) else x for x in v)
-        return v
-
-    if type(h) is _TracedHparams:
-        h = _TracedHparams({k: swap(v) for k, v in h.values.items()})
-    elif dataclasses.is_dataclass(h):
-        h, old = copy.copy(h), h
-        for f in dataclasses.fields(old):
-            v = getattr(old, f.name)
-            w = swap(v)
-            if w is not v:
-                object.__setattr__(h, f.name, w)
-    return h, swap(step), swap(max_unorm)
 
 
 # where 0-d tensor scalars take one program launch: the devices whose steps run Triton kernels
@@ -1011,7 +986,8 @@ PROGRAM_DEVICES = {"cuda", "cpu"} if interpreting() else {"cuda"}
 def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any, tensors: list) -> tuple | None:
     """:func:`_scalar_values` from the 0-d ``tensors`` among the inputs (lr, the step...): the rule's arithmetic
     on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), every scalar a 0-d view of the
-    float32 row it makes (:class:`ProgramValues`). None where that route does not apply: tensors of a kind the
+    float32 row it makes (:class:`ProgramValues`); an int step beside them is an argument of that launch. None
+    where that route does not apply: tensors of a kind the
     kernel does not read as they are (subclasses, torch.func's wrappers, a dispatch mode, tensors in a
     derivative, several devices, more than its pointers), tracing by torch.compile, or arithmetic a program
     cannot record; the caller's torch ops then compute them."""
@@ -1029,24 +1005,36 @@ def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any,
     if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors):
         return None
 
+    # an int step beside the tensors is the launch's number: one program for every step (folded into the program,
+    # each step would record and upload another); folded where the rule's arithmetic on it cannot be recorded
+    number = type(step) is int and 0 <= step < scalar_program.MAX_NUMBER
+    for as_number in (True, False) if number else (False,):
+        program = _program(rule, h, _NUMBER if as_number else step, max_unorm, maximize, len(tensors))
+        if program is not None:
+            row = _program_row(program, device, _capturing({device}))
+            return ProgramValues(scalar_program.run(program, row, tensors, step if as_number else 0))
+    return None
+
+
+def _program(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any, n_tensors: int) -> Any:
+    """The program of a step's scalars (kept in :data:`_PROGRAMS`), with ``step`` :data:`_NUMBER` where it is the
+    launch's number; None where the arithmetic cannot be recorded."""
     key = _program_key(rule, h, step, max_unorm, maximize)
     program = _PROGRAMS.get(key, _MISSING) if key is not None else _MISSING
     if program is _MISSING:
 
         def scalars(*syms: Any) -> tuple:
-            h2, s, u = _replaced(h, step, max_unorm, iter(syms))
+            h2, s, u = replace_hparam_tensors(h, step, max_unorm, iter(syms))
+            s = syms[-1] if step is _NUMBER else s
             return (*rule.scalars(h2, s), -1.0 if maximize else 1.0, s % DITHER_SEED_MOD, u, h2.lr)
 
         try:
-            program = scalar_program.program_of(*scalar_program.trace(scalars, len(tensors)))
+            program = scalar_program.program_of(*scalar_program.trace(scalars, n_tensors, step is _NUMBER))
         except Exception:  # noqa: BLE001 - arithmetic the program cannot record: the torch ops compute it
             program = None
         if key is not None:
             _PROGRAMS.put(key, program)
-    if program is None:
-        return None
-    row = _program_row(program, device, _capturing({device}))
-    return ProgramValues(scalar_program.run(program, row, tensors))
+    return program
 
 
 # the programs' rows (constants, code, outputs; float64) on the device, kept as _NUMBER_ROWS are (below)
@@ -1081,14 +1069,18 @@ class ProgramValues(tuple):
 # None: arithmetic that cannot be recorded
 _PROGRAMS = Bounded(64)
 _TENSOR = object()
+_NUMBER = object()  # where an int step stands as the program's number
 _MISSING = object()
 
 
 def _program_key(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any) -> tuple | None:
     """What decides a rule's program: its name, the hyperparameters' type and their numbers (a float with its sign:
-    0.0 and -0.0 are other constants), where the tensors stand; None where a value is of another kind."""
+    0.0 and -0.0 are other constants), where the tensors (and the launch's number) stand; None where a value is of
+    another kind."""
 
     def part(v: Any) -> Any:
+        if v is _NUMBER:
+            return v
         if isinstance(v, Tensor):
             return _TENSOR
         t = type(v)

@@ -2,9 +2,9 @@
 (``vmap_graph``'s eager twin in benchmarks/bench_func.py), against Python numbers: the median host time of a call and
 of bnbf's parts inside it (each wrapped with a timer), then ``torch.profiler``'s ops and kernels over 10 calls.
 ``--torch-ops`` turns off the one-launch program of the tensor scalars (bnbf.kernels.scalar_program): each scalar
-then comes from small torch ops, as before it.
+then comes from small torch ops, as before it. ``--int-step``: a tensor lr beside a Python int step.
 
-    python scripts/tensor_scalars_host.py [--numbers | --torch-ops] [--calls 200]
+    python scripts/tensor_scalars_host.py [--numbers | --torch-ops | --int-step] [--calls 200]
 
 CUDA only (the question is what the small ops on device scalars cost a GPU's host).
 """
@@ -57,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--numbers", action="store_true", help="Python-number lr and step instead of 0-d device tensors")
     ap.add_argument("--torch-ops", action="store_true", help="the tensor scalars from small torch ops, no program")
+    ap.add_argument("--int-step", action="store_true", help="a 0-d device tensor lr, a Python int step")
     ap.add_argument("--calls", type=int, default=200)
     args = ap.parse_args()
     if args.torch_ops:
@@ -66,7 +67,7 @@ def main() -> None:
     params, grads, state = bench_func._ensemble(ctx, "flat")
     lr = bench_func.HP["lr"] if args.numbers else torch.tensor(bench_func.HP["lr"], device=device)
     count = torch.tensor(1, device=device)
-    step_of = (lambda i: i) if args.numbers else count.fill_
+    step_of = (lambda i: i) if args.numbers or args.int_step else count.fill_
     hp = {"lr": lr, "weight_decay": bench_func.HP["weight_decay"]}
     step_ = torch.func.vmap(lambda p, g, s, i: bnbf.update_(p, g, s, hp, i), in_dims=(0, 0, 0, None))
     spent = timed_parts()
@@ -83,7 +84,8 @@ def main() -> None:
             torch.cuda.synchronize()  # a short queue: the host's own work is timed
     kind = "Python-number" if args.numbers else "0-d device tensor"
     kind += " (torch ops)" if args.torch_ops else ""
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vmap(update_), {kind} lr and step")
+    kind += " lr, int step" if args.int_step else " lr and step"
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, vmap(update_), {kind}")
     print(f"the call: median {statistics.median(calls) * 1e6:.0f} us")
     for name, times in spent.items():
         print(f"  {name}: {len(times)} calls, median {statistics.median(times) * 1e6:.0f} us")

@@ -232,6 +232,33 @@ def test_a_tensor_step_is_a_float64_step_as_an_int_is(row):
     assert torch.equal(got[0], want[0])
 
 
+@_plain_only
+@pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
+def test_float32_tensor_hyperparameters_step_as_their_numbers(row):
+    """float32 params with every float hyperparameter a float32 0-d tensor requiring grad and a tensor step: the
+    scalars are computed in float64 as from the same numbers, so the params and states equal the number steps bit
+    for bit (computed in float32, 1 - beta2**t alone would lose digits)."""
+    rule = bnbf.RULES[row.name]
+    tensors = {}
+    for k, v in _float_fields(rule, row.hparams).items():
+        f32 = lambda t: torch.tensor(float(t.detach()), dtype=torch.float32, requires_grad=True)  # noqa: E731
+        tensors[k] = tuple(map(f32, v)) if type(v) is tuple else f32(v) if isinstance(v, torch.Tensor) else v
+    numbers = {k: tree_map(lambda t: t.item() if isinstance(t, torch.Tensor) else t, v) for k, v in tensors.items()}
+    gen = torch.Generator().manual_seed(5)
+    p0 = torch.randn(257, generator=gen)
+    grads = [torch.randn(257, generator=gen) for _ in range(3)]
+    state0 = bnbf.init_state(p0, bnbf.OptimSpec(rule=row.name, state_bits=32), numbers)
+    out = []
+    for hp, as_tensor in ((numbers, False), (tensors, True)):
+        p, s = p0, state0
+        for k, g in enumerate(grads, start=1):
+            p, s = bnbf.update(p, g, s, hp, torch.tensor(k * 1000) if as_tensor else k * 1000, differentiable=True)
+        out.append((p, s))
+    for a, b in zip(torch.utils._pytree.tree_leaves(out[0]), torch.utils._pytree.tree_leaves(out[1])):
+        assert torch.equal(a.detach(), b.detach())
+    assert torch.autograd.grad(out[1][0].sum(), tensors["lr"])[0].isfinite()
+
+
 @pytest.mark.parametrize("row", ROWS, ids=ROW_IDS)
 def test_float32_equals_the_reference_step(row):
     """In float32 the differentiable step is the reference path's step, bit for bit (one implementation)."""

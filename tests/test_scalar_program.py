@@ -66,9 +66,9 @@ def _program(rule, h, step):
     return P._program_values(rule, h, step, 0.0, False, [t for _, t in hparam_tensors(h, step, 0.0)])
 
 
-def _run(program, xs):
-    """The program's outputs for inputs ``xs``, its row uploaded as a step uploads it."""
-    return sp.run(program, P._program_row(program, xs[0].device, False), xs)
+def _run(program, xs, number=0):
+    """The program's outputs for inputs ``xs`` (and the launch's ``number``), its row uploaded as a step uploads it."""
+    return sp.run(program, P._program_row(program, xs[0].device, False), xs, number)
 
 
 def _as_f32(v) -> float:
@@ -148,8 +148,9 @@ def test_stand_ins_record_arithmetic_only():
             op()
 
 
-def _step_pair(device, name, hp, steps, in_place, tensor_betas=False):
-    """The params after ``steps`` steps with numbers, and with lr (and betas) float64 tensors and a tensor step."""
+def _step_pair(device, name, hp, steps, in_place, tensor_betas=False, tensor_step=True):
+    """The params after ``steps`` steps with numbers, and with lr (and betas) float64 tensors and a tensor step (or
+    the int step)."""
     torch.manual_seed(0)
     p0 = torch.randn(257, device=device)
     grads = [torch.randn(257, device=device) for _ in range(steps)]
@@ -163,7 +164,7 @@ def _step_pair(device, name, hp, steps, in_place, tensor_betas=False):
             if tensor_betas and "betas" in hp:
                 h["betas"] = tuple(torch.tensor(b, dtype=torch.float64, device=device) for b in hp["betas"])
         for k in range(1, steps + 1):
-            step = torch.tensor(k, device=device) if tensors else k
+            step = torch.tensor(k, device=device) if tensors and tensor_step else k
             if in_place:
                 bnbf.update_(p, grads[k - 1], s, h, step)
             else:
@@ -174,11 +175,18 @@ def _step_pair(device, name, hp, steps, in_place, tensor_betas=False):
 
 @pytest.mark.parametrize("name", ["adamw", "adan", "lamb", "sgd", "ademamix"])
 @pytest.mark.parametrize("in_place", [False, True])
-def test_step_with_tensor_scalars_equals_numbers(program_device, monkeypatch, name, in_place):
+@pytest.mark.parametrize("tensor_step", [True, False])
+def test_step_with_tensor_scalars_equals_numbers(program_device, monkeypatch, name, in_place, tensor_step):
     runs = _counted(monkeypatch)
+    traced = []
+    real = sp.trace
+    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(1) or real(*a))
+    P._PROGRAMS.clear()
     hp = _hparams(name, 1e-2, (0.9, 0.99), 0.01)
-    (p_num, s_num), (p_t, s_t) = _step_pair(program_device, name, hp, 3, in_place, tensor_betas=name == "adamw")
+    pair = _step_pair(program_device, name, hp, 3, in_place, tensor_betas=name == "adamw", tensor_step=tensor_step)
+    (p_num, s_num), (p_t, s_t) = pair
     assert len(runs) == 3, "each tensor step's scalars took the program"
+    assert len(traced) == 1, "one program for the three steps (an int step is the launch's number)"
     assert torch.equal(p_num, p_t)
     for a, b in zip(s_num, s_t):
         assert torch.equal(a, b)
@@ -197,6 +205,41 @@ def test_unrecorded_arithmetic_falls_back(program_device, monkeypatch):
     assert torch.equal(p_t, p_off)
     for a, b in zip(s_t, s_off):
         assert torch.equal(a, b)
+
+
+def test_int_step_folded_where_its_arithmetic_is_not_recorded(program_device, monkeypatch):
+    """AdEMAMix's warm-ups with an int step beside a tensor lr: the minimum of the step's schedule cannot be recorded
+    on a stand-in for the step, but the int folds into the program as a number (one program a step); the steps
+    equal the ones with numbers."""
+    runs = _counted(monkeypatch)
+    traced = []
+    real = sp.trace
+    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(a[2:]) or real(*a))
+    P._PROGRAMS.clear()
+    hp = {"lr": 1e-2, "t_alpha": 10, "t_beta3": 10}
+    (p_num, s_num), (p_t, s_t) = _step_pair(program_device, "ademamix", hp, 3, False, tensor_step=False)
+    assert len(runs) == 3
+    assert traced == [(True,), (False,), (False,), (False,)]  # the number's attempt once, then a program a step
+    assert torch.equal(p_num, p_t)
+    for a, b in zip(s_num, s_t):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("step", [1, 2, 2**31 - 1, 2**31, 2**40 + 3])
+def test_int_step_beside_tensors_matches_host_numbers(program_device, step):
+    """An int step is the launch's int32 number below 2**31 and folds into the program beyond: both give the
+    host's scalars, the rounding's seed included; the kernel refuses a number beyond int32."""
+    rule = get_rule("adamw")
+    hp = {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.01}
+    expected = _host("adamw", hp, step)
+    got = _program(rule, rule.make_hparams({**hp, "lr": torch.tensor(1e-3, dtype=torch.float64,
+                                                                       device=program_device)}), step)  # fmt: skip
+    assert got is not None
+    assert got.row.tolist() == [_as_f32(e) for e in expected]
+    program = sp.program_of(*sp.trace(lambda a, n: (a * n,), 1, True))
+    with pytest.raises(ValueError, match="number"):
+        _run(program, [torch.ones((), device=program_device)], 2**31)
+    assert _run(program, [torch.ones((), device=program_device)], 2**31 - 1).tolist() == [_as_f32(2**31 - 1)]
 
 
 def test_not_taken_where_the_kernel_cannot_read_them(program_device, monkeypatch):

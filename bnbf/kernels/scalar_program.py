@@ -6,9 +6,10 @@ op: AdamW's scalars took 15 launches and about 0.26 ms of an H100 host's time a 
 (benchmarks/results/2026-12-07_h100_session56.md). Here the rule's own ``scalars`` runs once on stand-ins for those
 tensors (:class:`Sym`) that record the arithmetic, numbers folding on the host as before; the recorded program then
 runs in one single-program kernel, in float64, reading the tensors on the device (each made float64 first: one
-small conversion where it is not; no host synchronization). The rule is written once, for numbers and tensors
-alike; an operation the stand-ins do not record (a comparison, a ``float()``, a torch function) ends the recording
-and the caller takes the small torch ops instead.
+small conversion where it is not; no host synchronization); an int step beside them is an argument of the launch,
+so one program serves every step. The rule is written once, for numbers and tensors alike; an operation the
+stand-ins do not record (a comparison, a ``float()``, a torch function) ends the recording and the caller takes the
+small torch ops instead.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ from bnbf.kernels.direct_launch import launch
 
 ADD, SUB, MUL, DIV, POW, MOD, FLOORDIV, NEG = range(8)
 MAX_INPUTS = 4  # the kernel's tensor pointers (registers 0-3)
+NUMBER = MAX_INPUTS  # register 4: an int argument of the launch (a step that is a Python int), no copy to the device
+MAX_NUMBER = 2**31  # the numbers it takes: below, Triton types the argument int32 (one kernel for every step)
 MAX_REGISTERS = 64  # inputs, constants and intermediate values of one program
 MAX_OUTPUTS = 32  # the scalars of one step (a rule's, at most 14, and the step's four)
 
@@ -141,11 +144,11 @@ class Program:
     def __init__(self, tape: _Tape, outputs: list) -> None:
         n_c = len(tape.consts)
 
-        def number(reg: Any) -> int:  # the input pointers' registers first, then constants, then results
+        def number(reg: Any) -> int:  # the inputs' registers first (pointers, the number), then constants, results
             if type(reg) is int:
                 return reg
             kind, k = reg
-            return MAX_INPUTS + k if kind == "c" else MAX_INPUTS + n_c + k
+            return NUMBER + 1 + k if kind == "c" else NUMBER + 1 + n_c + k
 
         code = [x if k == 0 else number(x) for ins in tape.code for k, x in enumerate(ins)]  # op, a, b, out
         self.n_ops, self.n_consts, self.n_outputs = len(tape.code), n_c, len(outputs)
@@ -154,14 +157,17 @@ class Program:
 
     @property
     def registers(self) -> int:
-        return MAX_INPUTS + self.n_consts + self.n_ops
+        return NUMBER + 1 + self.n_consts + self.n_ops
 
 
-def trace(fn: Any, n_inputs: int) -> tuple[Any, list]:
-    """Run ``fn(*inputs)`` on ``n_inputs`` stand-ins. Returns what it returned and the stand-ins for the inputs;
-    raises :class:`Untraceable` (or the error the function itself raised on them) where it cannot be recorded."""
+def trace(fn: Any, n_inputs: int, number: bool = False) -> tuple[Any, list]:
+    """Run ``fn(*inputs)`` on ``n_inputs`` stand-ins for tensors, and with ``number`` one more for the launch's int
+    argument (:func:`run`'s ``number``). Returns what it returned and the stand-ins; raises :class:`Untraceable` (or
+    the error the function itself raised on them) where it cannot be recorded."""
     tape = _Tape()
-    syms = [Sym(tape, k) for k in range(n_inputs)]  # registers 0..n_inputs-1: the kernel's inputs
+    syms = [Sym(tape, k) for k in range(n_inputs)]  # registers 0..n_inputs-1: the kernel's pointers
+    if number:
+        syms.append(Sym(tape, NUMBER))
     return fn(*syms), syms
 
 
@@ -187,9 +193,12 @@ def program_of(values: tuple, inputs: list) -> Program | None:
     return program if program.registers <= MAX_REGISTERS else None
 
 
-def run(program: Program, row: Tensor, tensors: list[Tensor]) -> Tensor:
+def run(program: Program, row: Tensor, tensors: list[Tensor], number: int = 0) -> Tensor:
     """The program's outputs as a float32 row on the tensors' device, one launch. ``row``: :attr:`Program.row` on
-    that device; ``tensors``: its inputs, 1-element each."""
+    that device; ``tensors``: its inputs, 1-element each; ``number``: the int input (0 <= number <
+    :data:`MAX_NUMBER`), where it was traced with one."""
+    if not 0 <= number < MAX_NUMBER:
+        raise ValueError(f"a scalar program's number must be in [0, 2**31), got {number}")
     device = tensors[0].device
     out = torch.empty(program.n_outputs, dtype=torch.float32, device=device)
     # float64 inputs, whatever their dtypes (exact: the program computes in float64 anyway), so which
@@ -199,7 +208,7 @@ def run(program: Program, row: Tensor, tensors: list[Tensor]) -> Tensor:
     sizes = (program.n_ops, program.n_consts, program.n_outputs)
 
     def dispatch() -> Any:
-        return _program_kernel[(1,)](row, *xs, out, *sizes, R=MAX_REGISTERS, KP=MAX_OUTPUTS)
+        return _program_kernel[(1,)](row, *xs, number, out, *sizes, R=MAX_REGISTERS, KP=MAX_OUTPUTS)
 
     if device.type != "cuda":  # the interpreter, which warns on what IEEE arithmetic takes silently
         with _quiet():
@@ -207,7 +216,9 @@ def run(program: Program, row: Tensor, tensors: list[Tensor]) -> Tensor:
         return out
     ptrs = [t.data_ptr() for t in xs]
     key = (device.index, *(a % 16 == 0 for a in ptrs))  # Triton specializes on the inputs' alignment
-    launch(_COMPILED, device, key, (1, 1, 1), (row.data_ptr(), *ptrs, out.data_ptr(), *sizes, None, None), dispatch)
+    launch(
+        _COMPILED, device, key, (1, 1, 1), (row.data_ptr(), *ptrs, number, out.data_ptr(), *sizes, None, None), dispatch
+    )
     return out
 
 
@@ -258,11 +269,13 @@ def _power(x, y):
     return tl.where(integral, whole, general)
 
 
-@triton.jit(do_not_specialize=["n_ops", "n_consts", "n_outputs"])  # a program's sizes are data, not a new kernel
-def _program_kernel(row, x0, x1, x2, x3, out, n_ops, n_consts, n_outputs, R: tl.constexpr, KP: tl.constexpr):
+# a program's sizes and its number are data, not a new kernel
+@triton.jit(do_not_specialize=["number", "n_ops", "n_consts", "n_outputs"])
+def _program_kernel(row, x0, x1, x2, x3, number, out, n_ops, n_consts, n_outputs, R: tl.constexpr, KP: tl.constexpr):
     lanes = tl.arange(0, R)
-    # registers: the four inputs, then the constants, then each instruction's result
-    regs = tl.load(row + lanes - 4, mask=(lanes >= 4) & (lanes < 4 + n_consts), other=0.0)
+    # registers: the four pointers' values, the number, then the constants, then each instruction's result
+    regs = tl.load(row + lanes - 5, mask=(lanes >= 5) & (lanes < 5 + n_consts), other=0.0)
+    regs = tl.where(lanes == 4, number.to(tl.float64), regs)
     regs = tl.where(lanes == 0, tl.load(x0), regs)
     regs = tl.where(lanes == 1, tl.load(x1), regs)
     regs = tl.where(lanes == 2, tl.load(x2), regs)
