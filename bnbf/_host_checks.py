@@ -721,7 +721,7 @@ def hparam_tensors(h: Any, step: Any = None, max_unorm: Any = None) -> list[tupl
 def replace_hparam_tensors(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple:
     """``(h, step, max_unorm)`` with each tensor among them (in :func:`hparam_tensors`' order) replaced by
     ``next(new)``; ``h`` a copy (a dataclass's without its checks, which would read the values), or ``h`` itself
-    where it is of another kind."""
+    where it holds no tensor."""
 
     def swap(v: Any) -> Any:
         if isinstance(v, Tensor):
@@ -739,6 +739,8 @@ def replace_hparam_tensors(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple
             w = swap(v)
             if w is not v:
                 object.__setattr__(h, f.name, w)
+    elif hparam_tensors(h):  # a mapping's tensors would be left in place and the step would take one's value
+        raise TypeError(f"tensors in hyperparameters of type {type(h).__name__} cannot be replaced")
     return h, swap(step), swap(max_unorm)
 
 

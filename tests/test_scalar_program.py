@@ -363,3 +363,21 @@ def test_one_kernel_signature_for_every_mix_of_inputs(program_device, monkeypatc
     ):
         assert _program(rule, rule.make_hparams(hp), step) is not None
     assert len(seen) == 1, seen
+
+
+def test_replace_hparam_tensors_keeps_hparam_tensors_order():
+    """The tensors of a rule's hyperparameters, the step and max_unorm replaced in hparam_tensors' order (the
+    original left as it was); a mapping holding tensors is refused rather than misaligned."""
+    from bnbf._host_checks import replace_hparam_tensors
+
+    rule = get_rule("adamw")
+    lr, b1, step = torch.tensor(1e-3), torch.tensor(0.9), torch.tensor(4)
+    h = rule.make_hparams({"lr": lr, "betas": (b1, 0.999)})
+    found = hparam_tensors(h, step, 0.0)
+    h2, s2, u2 = replace_hparam_tensors(h, step, 0.0, iter(["a", "b", "c"]))
+    assert [n for n, _ in found] == ["lr", "betas[0]", "step"]
+    assert (h2.lr, h2.betas, s2, u2) == ("a", ("b", 0.999), "c", 0.0)
+    assert h.lr is lr and h.betas[0] is b1
+    with pytest.raises(TypeError, match="cannot be replaced"):
+        replace_hparam_tensors({"lr": lr}, step, 0.0, iter(["a", "b"]))
+    assert replace_hparam_tensors({"lr": 1e-3}, 3, 0.0, iter([])) == ({"lr": 1e-3}, 3, 0.0)
