@@ -987,22 +987,18 @@ def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any,
     """:func:`_scalar_values` from the 0-d ``tensors`` among the inputs (lr, the step...): the rule's arithmetic
     on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), every scalar a 0-d view of the
     float32 row it makes (:class:`ProgramValues`); an int step beside them is an argument of that launch. None
-    where that route does not apply: tensors of a kind the
-    kernel does not read as they are (subclasses, torch.func's wrappers, a dispatch mode, tensors in a
-    derivative, several devices, more than its pointers), tracing by torch.compile, or arithmetic a program
-    cannot record; the caller's torch ops then compute them."""
+    where that route does not apply: tensors of a kind the kernel does not read as they are (subclasses,
+    torch.func's wrappers, a dispatch mode, tensors in a derivative, several devices, more than its pointers),
+    tracing by torch.compile, or arithmetic a program cannot record; the caller's torch ops then compute them."""
     device = tensors[0].device
     if device.type not in PROGRAM_DEVICES or len(tensors) > scalar_program.MAX_INPUTS:
         return None
     if torch.compiler.is_compiling() or _dispatch_mode() is not None or not dataclasses.is_dataclass(h):
         return None
-    grad_mode = torch.is_grad_enabled()
     for t in tensors:
         if type(t) is not Tensor or t.device != device or _functorch.is_functorch_wrapped_tensor(t):
             return None
-        if grad_mode and t.requires_grad:
-            return None
-    if forward_ad._current_level >= 0 and any(forward_ad.unpack_dual(t).tangent is not None for t in tensors):
+    if differentiated(tensors):  # a derivative through them: the torch ops, which autograd records
         return None
 
     # an int step beside the tensors is the launch's number: one program for every step (folded into the program,

@@ -1851,8 +1851,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         h, kw = call
         torch._foreach_add_(steps, 1)  # one launch for the bucket, as torch.optim's capturable steps
         if group["differentiable"]:
-            # a CPU step as the int it holds: bias corrections from an int are computed in float64 (the
-            # differentiable step computes them from a tensor step in its dtype)
+            # a CPU step as the int it holds: a number, not a CPU tensor that each scalar derived from it would
+            # copy to the params' device
             step = steps[0] if capturable else int(steps[0])
             with torch.enable_grad():  # torch.optim steps a differentiable group under grad mode too
                 bnbf.update_(bucket.params, grads, bucket.states, h, step, differentiable=True, **kw)

@@ -45,6 +45,15 @@ def _counted(monkeypatch) -> list:
     return runs
 
 
+def _traced(monkeypatch) -> list:
+    """The recordings of programs from here on (each call's arguments after the function), none kept before."""
+    traced = []
+    real = sp.trace
+    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(a[2:]) or real(*a))
+    P._PROGRAMS.clear()
+    return traced
+
+
 def _hparams(name: str, lr: float, betas: tuple, wd: float) -> dict:
     h: dict = {"lr": lr, "weight_decay": wd}
     if "betas" in {f for f in get_rule(name).hparams.__dataclass_fields__}:
@@ -178,10 +187,7 @@ def _step_pair(device, name, hp, steps, in_place, tensor_betas=False, tensor_ste
 @pytest.mark.parametrize("tensor_step", [True, False])
 def test_step_with_tensor_scalars_equals_numbers(program_device, monkeypatch, name, in_place, tensor_step):
     runs = _counted(monkeypatch)
-    traced = []
-    real = sp.trace
-    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(1) or real(*a))
-    P._PROGRAMS.clear()
+    traced = _traced(monkeypatch)
     hp = _hparams(name, 1e-2, (0.9, 0.99), 0.01)
     pair = _step_pair(program_device, name, hp, 3, in_place, tensor_betas=name == "adamw", tensor_step=tensor_step)
     (p_num, s_num), (p_t, s_t) = pair
@@ -212,10 +218,7 @@ def test_int_step_folded_where_its_arithmetic_is_not_recorded(program_device, mo
     on a stand-in for the step, but the int folds into the program as a number (one program a step); the steps
     equal the ones with numbers."""
     runs = _counted(monkeypatch)
-    traced = []
-    real = sp.trace
-    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(a[2:]) or real(*a))
-    P._PROGRAMS.clear()
+    traced = _traced(monkeypatch)
     hp = {"lr": 1e-2, "t_alpha": 10, "t_beta3": 10}
     (p_num, s_num), (p_t, s_t) = _step_pair(program_device, "ademamix", hp, 3, False, tensor_step=False)
     assert len(runs) == 3
@@ -302,10 +305,7 @@ def test_captured_program_replays_like_eager(monkeypatch, new_program):
 def test_programs_are_kept_by_what_decides_them(program_device, monkeypatch):
     """A second step with the same numbers (tensors' values aside) runs the kept program, recorded once; another
     number, or the same number with the other sign of zero, records its own."""
-    traced = []
-    real = sp.trace
-    monkeypatch.setattr(sp, "trace", lambda *a: traced.append(1) or real(*a))
-    P._PROGRAMS.clear()
+    traced = _traced(monkeypatch)
     rule = get_rule("adamw")
     step = torch.tensor(2, device=program_device)
     for lr, wd in ((1e-3, 0.01), (2e-3, 0.01), (1e-3, 0.02), (1e-3, 0.0), (1e-3, -0.0), (5e-3, -0.0)):
