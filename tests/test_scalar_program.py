@@ -317,22 +317,58 @@ def test_programs_are_kept_by_what_decides_them(program_device, monkeypatch):
 
 @pytest.mark.parametrize("dtypes", [
     (torch.float32, torch.float64, torch.int64, torch.bfloat16), (torch.float16, torch.int32, torch.int16, torch.int8),
-    (torch.uint8, torch.float32, torch.float32, torch.int64),
+    (torch.uint8, torch.float32, torch.bool, torch.int64),
 ])  # fmt: skip
-def test_inputs_of_every_dtype_are_read(program_device, dtypes):
-    """Each input's value, whatever its dtype (made float64 for the kernel, so a new mix of dtypes compiles
-    nothing), including 1-element tensors of other shapes and a view at an offset."""
+@pytest.mark.parametrize("view", ["offset", "strided", "neg"])
+def test_inputs_of_every_dtype_are_read(program_device, dtypes, view):
+    """Each input's value, whatever its dtype (read as it is, by a code of the launch, so a new mix of dtypes
+    compiles nothing; bool made float64 first), including 1-element tensors of other shapes: a view at an offset,
+    one whose stride is not 1, one with torch's negative bit (its value the negated element)."""
     values = [3.5, -2.25, 7, 1.5]
     xs = []
     for v, dt in zip(values, dtypes):
-        if dt in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8):
+        if dt in (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8, torch.bool):
             v = int(abs(v))
-        base = torch.tensor([0, v, 0], dtype=dt, device=program_device)
-        xs.append(base[1:2])  # an element at an offset, shape (1,)
+        base = torch.tensor([0, 0, v, 0, 0, 0], dtype=dt, device=program_device)
+        x = base[2:3] if view == "offset" else base[::2][1:2]  # (1,) at element 2, strides 1 or 2
+        if view == "neg" and dt.is_floating_point:
+            x = torch._neg_view(x)
+        xs.append(x)
     program = sp.program_of(*sp.trace(lambda a, b, c, d: (a, b, c, d, a * b + c - d), 4))
     got = _run(program, xs).tolist()
     read = [float(x.double().item()) for x in xs]
     assert got == [_as_f32(r) for r in read] + [_as_f32(read[0] * read[1] + read[2] - read[3])]
+
+
+def test_inputs_take_no_conversion(program_device, monkeypatch):
+    """The inputs of the dtypes the kernel reads reach it as they are: at their own addresses, with no op before the
+    launch but the views (a conversion would be one more launch a step on a GPU)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    seen, given = [], []
+    real = sp._program_kernel
+
+    class Ops(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not given:  # before the launch (the interpreter copies tensors of its own)
+                seen.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *a, **k: given.extend(x.data_ptr() for x in a[1:5]) or real[grid](*a, **k)
+
+    monkeypatch.setattr(sp, "_program_kernel", Kernel())
+    monkeypatch.setattr(sp, "_COMPILED", {})  # every launch through the dispatch (CUDA)
+    program = sp.program_of(*sp.trace(lambda a, b, c, d: (a + b, c * d), 4))
+    dts = (torch.float32, torch.int64, torch.bfloat16, torch.float64)
+    xs = [torch.tensor(k + 2, dtype=dt, device=program_device) for k, dt in enumerate(dts)]
+    row = P._program_row(program, program_device, False)
+    with Ops():
+        got = sp.run(program, row, xs)
+    assert set(seen) <= {"empty", "as_strided", "view", "detach"}, seen  # views and the output: no copy
+    assert given == [x.data_ptr() for x in xs]
+    assert got.tolist() == [5.0, 20.0]
 
 
 def test_one_kernel_signature_for_every_mix_of_inputs(program_device, monkeypatch):

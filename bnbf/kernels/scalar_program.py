@@ -5,8 +5,8 @@ A rule derives its kernel's scalars from the hyperparameters and the step with P
 op: AdamW's scalars took 15 launches and about 0.26 ms of an H100 host's time a step
 (benchmarks/results/2026-12-07_h100_session56.md). Here the rule's own ``scalars`` runs once on stand-ins for those
 tensors (:class:`Sym`) that record the arithmetic, numbers folding on the host as before; the recorded program then
-runs in one single-program kernel, in float64, reading the tensors on the device (each made float64 first: one
-small conversion where it is not; no host synchronization); an int step beside them is an argument of the launch,
+runs in one single-program kernel, in float64, reading the tensors on the device as they are (no conversion
+launch, no host synchronization); an int step beside them is an argument of the launch,
 so one program serves every step. The rule is written once, for numbers and tensors alike; an operation the
 stand-ins do not record (a comparison, a ``float()``, a torch function) ends the recording and the caller takes the
 small torch ops instead.
@@ -201,14 +201,17 @@ def run(program: Program, row: Tensor, tensors: list[Tensor], number: int = 0) -
         raise ValueError(f"a scalar program's number must be in [0, 2**31), got {number}")
     device = tensors[0].device
     out = torch.empty(program.n_outputs, dtype=torch.float32, device=device)
-    # float64 inputs, whatever their dtypes (exact: the program computes in float64 anyway), so which
-    # hyperparameters are tensors, of which dtype, compiles no other kernel; the kernel reads element 0 of each
-    xs = [t.double() for t in tensors]
+    # the kernel reads element 0 of each input as it is, by a dtype code of the launch, and makes it float64 (exact:
+    # the program computes in float64 anyway): no conversion launch, and which hyperparameters are tensors, of which
+    # dtype, compiles no other kernel; another dtype (bool) is made float64 first
+    xs = [t.resolve_neg() if t.is_neg() else t for t in tensors]  # torch's negative bit: the kernel reads bytes
+    xs = [t if t.dtype in _CODES else t.double() for t in xs]
     xs += [xs[0]] * (MAX_INPUTS - len(xs))
+    codes = sum(_CODES[t.dtype] << (4 * k) for k, t in enumerate(xs))
     sizes = (program.n_ops, program.n_consts, program.n_outputs)
 
     def dispatch() -> Any:
-        return _program_kernel[(1,)](row, *xs, number, out, *sizes, R=MAX_REGISTERS, KP=MAX_OUTPUTS)
+        return _program_kernel[(1,)](row, *map(_bytes, xs), codes, number, out, *sizes, R=MAX_REGISTERS, KP=MAX_OUTPUTS)
 
     if device.type != "cuda":  # the interpreter, which warns on what IEEE arithmetic takes silently
         with _quiet():
@@ -217,9 +220,25 @@ def run(program: Program, row: Tensor, tensors: list[Tensor], number: int = 0) -
     ptrs = [t.data_ptr() for t in xs]
     key = (device.index, *(a % 16 == 0 for a in ptrs))  # Triton specializes on the inputs' alignment
     launch(
-        _COMPILED, device, key, (1, 1, 1), (row.data_ptr(), *ptrs, number, out.data_ptr(), *sizes, None, None), dispatch
+        _COMPILED,
+        device,
+        key,
+        (1, 1, 1),
+        (row.data_ptr(), *ptrs, codes, number, out.data_ptr(), *sizes, None, None),
+        dispatch,
     )
     return out
+
+
+def _bytes(t: Tensor) -> Tensor:
+    """Element 0 of ``t`` as a uint8 tensor at its address (the kernel's pointers are of one type)."""
+    one = t.as_strided((1,), (1,))  # any 1-element view, whatever its strides, at its storage offset
+    return one if t.dtype == torch.uint8 else one.view(torch.uint8)
+
+
+# the dtypes the kernel reads, by their code in the launch's ``codes`` (4 bits an input)
+_CODES = {torch.float64: 0, torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.int64: 4, torch.int32: 5,
+          torch.int16: 6, torch.int8: 7, torch.uint8: 8}  # fmt: skip
 
 
 _COMPILED: dict = {}  # direct launchers of the program kernel by configuration (bnbf.kernels.direct_launch)
@@ -269,17 +288,43 @@ def _power(x, y):
     return tl.where(integral, whole, general)
 
 
-# a program's sizes and its number are data, not a new kernel
-@triton.jit(do_not_specialize=["number", "n_ops", "n_consts", "n_outputs"])
-def _program_kernel(row, x0, x1, x2, x3, number, out, n_ops, n_consts, n_outputs, R: tl.constexpr, KP: tl.constexpr):
+@triton.jit
+def _read(x, code):
+    # element 0 at x (a uint8 pointer) as the dtype its code names (_CODES), in float64
+    if code == 0:
+        v = tl.load(x.to(tl.pointer_type(tl.float64)))
+    elif code == 1:
+        v = tl.load(x.to(tl.pointer_type(tl.float32))).to(tl.float64)
+    elif code == 2:
+        v = tl.load(x.to(tl.pointer_type(tl.float16))).to(tl.float64)
+    elif code == 3:
+        v = tl.load(x.to(tl.pointer_type(tl.bfloat16))).to(tl.float64)
+    elif code == 4:
+        v = tl.load(x.to(tl.pointer_type(tl.int64))).to(tl.float64)
+    elif code == 5:
+        v = tl.load(x.to(tl.pointer_type(tl.int32))).to(tl.float64)
+    elif code == 6:
+        v = tl.load(x.to(tl.pointer_type(tl.int16))).to(tl.float64)
+    elif code == 7:
+        v = tl.load(x.to(tl.pointer_type(tl.int8))).to(tl.float64)
+    else:
+        v = tl.load(x).to(tl.float64)
+    return v
+
+
+# a program's sizes, its number and its inputs' dtypes are data, not a new kernel
+@triton.jit(do_not_specialize=["codes", "number", "n_ops", "n_consts", "n_outputs"])
+def _program_kernel(
+    row, x0, x1, x2, x3, codes, number, out, n_ops, n_consts, n_outputs, R: tl.constexpr, KP: tl.constexpr
+):
     lanes = tl.arange(0, R)
     # registers: the four pointers' values, the number, then the constants, then each instruction's result
     regs = tl.load(row + lanes - 5, mask=(lanes >= 5) & (lanes < 5 + n_consts), other=0.0)
     regs = tl.where(lanes == 4, number.to(tl.float64), regs)
-    regs = tl.where(lanes == 0, tl.load(x0), regs)
-    regs = tl.where(lanes == 1, tl.load(x1), regs)
-    regs = tl.where(lanes == 2, tl.load(x2), regs)
-    regs = tl.where(lanes == 3, tl.load(x3), regs)
+    regs = tl.where(lanes == 0, _read(x0, codes & 15), regs)
+    regs = tl.where(lanes == 1, _read(x1, (codes >> 4) & 15), regs)
+    regs = tl.where(lanes == 2, _read(x2, (codes >> 8) & 15), regs)
+    regs = tl.where(lanes == 3, _read(x3, (codes >> 12) & 15), regs)
     for i in range(n_ops):
         at = row + n_consts + 4 * i
         op = tl.load(at).to(tl.int32)
