@@ -363,7 +363,7 @@ def test_inputs_take_no_conversion(program_device, monkeypatch):
     program = sp.program_of(*sp.trace(lambda a, b, c, d: (a + b, c * d), 4))
     dts = (torch.float32, torch.int64, torch.bfloat16, torch.float64)
     xs = [torch.tensor(k + 2, dtype=dt, device=program_device) for k, dt in enumerate(dts)]
-    row = P._program_row(program, program_device, False)
+    row = P._program_row(program, xs[0].device, False)  # the tensors' device (cuda:0: a stream's)
     with Ops():
         got = sp.run(program, row, xs)
     assert set(seen) <= {"empty", "as_strided", "view", "detach"}, seen  # views and the output: no copy
