@@ -988,7 +988,8 @@ def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any,
     on them recorded and run in one launch (:mod:`bnbf.kernels.scalar_program`), every scalar a 0-d view of the
     float32 row it makes (:class:`ProgramValues`); an int step beside them is an argument of that launch. None
     where that route does not apply: tensors of a kind the kernel does not read as they are (subclasses,
-    torch.func's wrappers, a dispatch mode, tensors in a derivative, several devices, more than its pointers),
+    torch.func's wrappers, a dispatch mode, tensors in a derivative, lazily negated or efficient zero tensors,
+    several devices, more than its pointers),
     tracing by torch.compile, or arithmetic a program cannot record; the caller's torch ops then compute them."""
     device = tensors[0].device
     if device.type not in PROGRAM_DEVICES or len(tensors) > scalar_program.MAX_INPUTS:
@@ -999,6 +1000,8 @@ def _program_values(rule: Any, h: Any, step: Any, max_unorm: Any, maximize: Any,
         if type(t) is not Tensor or t.device != device or _functorch.is_functorch_wrapped_tensor(t):
             return None
     if differentiated(tensors):  # a derivative through them: the torch ops, which autograd records
+        return None
+    if _any_lazy(tensors):  # memory that is not their values (negative bit, efficient zeros): the torch ops
         return None
 
     # an int step beside the tensors is the launch's number: one program for every step (folded into the program,

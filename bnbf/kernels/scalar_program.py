@@ -195,17 +195,17 @@ def program_of(values: tuple, inputs: list) -> Program | None:
 
 def run(program: Program, row: Tensor, tensors: list[Tensor], number: int = 0) -> Tensor:
     """The program's outputs as a float32 row on the tensors' device, one launch. ``row``: :attr:`Program.row` on
-    that device; ``tensors``: its inputs, 1-element each; ``number``: the int input (0 <= number <
+    that device; ``tensors``: its inputs, 1-element each, their memory holding their values (no negative bit, no
+    efficient zero tensor: the caller's check); ``number``: the int input (0 <= number <
     :data:`MAX_NUMBER`), where it was traced with one."""
     if not 0 <= number < MAX_NUMBER:
         raise ValueError(f"a scalar program's number must be in [0, 2**31), got {number}")
     device = tensors[0].device
     out = torch.empty(program.n_outputs, dtype=torch.float32, device=device)
-    # the kernel reads element 0 of each input as it is, by a dtype code of the launch, and makes it float64 (exact:
+    # the kernel reads element 0 of each input's memory, by a dtype code of the launch, and makes it float64 (exact:
     # the program computes in float64 anyway): no conversion launch, and which hyperparameters are tensors, of which
     # dtype, compiles no other kernel; another dtype (bool) is made float64 first
-    xs = [t.resolve_neg() if t.is_neg() else t for t in tensors]  # torch's negative bit: the kernel reads bytes
-    xs = [t if t.dtype in _CODES else t.double() for t in xs]
+    xs = [t if t.dtype in _CODES else t.double() for t in tensors]
     xs += [xs[0]] * (MAX_INPUTS - len(xs))
     codes = sum(_CODES[t.dtype] << (4 * k) for k, t in enumerate(xs))
     sizes = (program.n_ops, program.n_consts, program.n_outputs)
