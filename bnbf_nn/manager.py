@@ -95,13 +95,19 @@ class GlobalOptimManager:
             parameters: a tensor or an iterable of tensors.
             key, value: one setting (``"optim_bits"``, ``"lr"``, ``"betas"``...) and its value (None: no
                 override, as bitsandbytes skips it).
-            key_value_dict: several settings at once (instead of ``key``/``value``).
+            key_value_dict: several settings at once (instead of ``key``/``value``; given with a ``key`` whose
+                ``value`` is None, the dict is applied and the key ignored, as bitsandbytes does).
         """
-        if key is not None and key_value_dict is not None:
-            raise ValueError("give either key and value or key_value_dict, not both")
-        if key is None and key_value_dict is None:
+        if key is not None and value is not None:
+            if key_value_dict is not None:
+                raise ValueError("give either key and value or key_value_dict, not both")
+            settings = {key: value}
+        elif key_value_dict is not None:  # a key without a value is ignored beside it, as in bitsandbytes
+            settings = dict(key_value_dict)
+        elif key is None:
             raise ValueError("override_config needs key and value, or key_value_dict")
-        settings = {key: value} if key is not None else dict(key_value_dict)
+        else:
+            settings = {}
         # a None value overrides nothing, as in bitsandbytes (whose override_config skips it)
         settings = {k: v for k, v in settings.items() if v is not None}
         tensors = [parameters] if isinstance(parameters, torch.Tensor) else list(parameters)

@@ -2873,7 +2873,12 @@ def _bnb_submodules() -> None:
         cls = globals()[name]
         family = getattr(cls, "family", None)  # the bases have none
         if isinstance(cls, type) and issubclass(cls, Optimizer8bit) and family is not None and family.in_bitsandbytes:
-            found.setdefault(family.name.lower(), []).append(cls)
+            classes = found.setdefault(family.name.lower(), [])
+            classes.append(cls)
+            # and the base its bitsandbytes module imports (``from bitsandbytes.optim.adam import Optimizer2State``)
+            base = Optimizer2State if issubclass(cls, Optimizer2State) else Optimizer1State
+            if issubclass(cls, base) and base not in classes:
+                classes.append(base)
     for sub, classes in found.items():
         module = types.ModuleType(f"{__name__}.{sub}", f"bitsandbytes.optim.{sub}'s classes, as bnbf_nn has them.")
         module.__dict__.update({c.__name__: c for c in classes})

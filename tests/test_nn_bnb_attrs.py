@@ -224,6 +224,25 @@ def test_get_config_reports_the_hyperparameters_the_step_uses():
     assert sgd.get_config(0, 0, sgd.param_groups[0])["betas"] == (0.5, 0.0)
 
 
+def test_override_config_takes_bitsandbytes_calling_forms():
+    """bitsandbytes' override_config: key and value; key_value_dict; a dict beside a key whose value is None (the key
+    ignored, the dict applied); a key with a None value alone overrides nothing. A key with a value and a dict too is
+    refused, as is a call with neither, and such a call changes no setting."""
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    p, q = torch.nn.Parameter(torch.zeros(8)), torch.nn.Parameter(torch.zeros(8))
+    opt = bnbf_nn.AdamW([p, q], lr=1e-2)
+    mng.override_config(p, "lr", None, {"optim_bits": 32, "betas": (0.5, 0.6)})
+    mng.override_config(q, "eps", None)
+    c = opt.get_config(0, 0, opt.param_groups[0])
+    assert (c["optim_bits"], c["betas"], c["lr"]) == (32, (0.5, 0.6), 1e-2)
+    assert opt.get_config(0, 1, opt.param_groups[0])["eps"] == opt.param_groups[0]["eps"]
+    with pytest.raises(ValueError, match="not both"):
+        mng.override_config(p, "lr", 1e-3, {"optim_bits": 8})
+    with pytest.raises(ValueError, match="needs key and value"):
+        mng.override_config(p)
+    assert opt.get_config(0, 0, opt.param_groups[0])["optim_bits"] == 32
+
+
 @pytest.mark.parametrize(
     "cls,key,value,error,match",
     [
