@@ -1192,7 +1192,11 @@ def _check_members(rule: Any, hparams: Any, batched: list) -> None:
     """Each member's value of per-member hyperparameter tensors (vmap), checked as the number an eager call would
     check: each tensor's values in turn, with the other tensors at their first member's."""
     plain = {id(t): members(t) for t in batched}
-    if any(u is None for u in plain.values()) or not isinstance(hparams, Mapping):
+    if any(u is None for u in plain.values()):
+        return
+    if dataclasses.is_dataclass(hparams) and not isinstance(hparams, type):  # a composed call's groups pass these
+        hparams = {f.name: getattr(hparams, f.name) for f in dataclasses.fields(hparams)}
+    elif not isinstance(hparams, Mapping):
         return
     with torch._C._DisableFuncTorch():
         firsts = {k: u.reshape(-1)[0].item() for k, u in plain.items()}

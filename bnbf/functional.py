@@ -7,6 +7,7 @@ exactly as they were. The checks are :mod:`bnbf._host_checks`; ``update_`` steps
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import weakref
@@ -42,6 +43,7 @@ from bnbf._host_checks import (
     hparam_tensors,
     keystr,
     leaves_of,
+    own_dispatch,
     unaddressable,
     walked,
 )
@@ -204,6 +206,8 @@ def update(
         >>> p2
         tensor([0.9000, 0.9000, 0.9000])
     """
+    if max_grad_norm is not None:
+        _check_scalars_readable(param, hparams, step, max_unorm, max_grad_norm, in_place=False)
     if type(state) is PackedState:
         return _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, differentiable,
                               max_grad_norm, in_place=False)  # fmt: skip
@@ -429,6 +433,7 @@ def update_(
     leaves requiring grad (``nn.Parameter``) are stepped as torch.optim steps them, and grads that require
     grad are taken detached, as torch.optim takes them.
     """
+    _check_scalars_readable(param, hparams, step, max_unorm, max_grad_norm, in_place=True)
     if type(state) is PackedState:
         return _packed_update(param, grad, state, hparams, step, skip_zeros, max_unorm, maximize, differentiable,
                               max_grad_norm, in_place=True)  # fmt: skip
@@ -559,6 +564,61 @@ def dequantize_state(state: Any) -> Any:
     if not leaves or not all(is_state(s) for s in leaves):
         raise TypeError("dequantize_state expects a bnbf state or a pytree of them")
     return pytree.tree_unflatten([dequantize_state(s) for s in leaves], spec)
+
+
+_NUMBERS = frozenset({float, int, bool})
+_PLAIN_SCALARS = frozenset({float, int, bool, type(None), Tensor})
+
+
+def _subclass_scalar(values: Any) -> tuple[str, Tensor] | None:
+    """The first ``(name, tensor)`` among hyperparameters (a mapping, nested ones, tuples, a rule's dataclass) and
+    ``values``' other scalars (``(name, value)`` pairs) that is of a tensor subclass dispatching on its own
+    (TwoTensor, DTensor...), else None. Callables (schedules, per-leaf functions) are not called here."""
+    stack = [((name,) if name else (), v) for name, v in values]
+    while stack:
+        path, v = stack.pop()
+        if type(v) in _NUMBERS or v is None:
+            continue
+        if isinstance(v, Tensor):
+            if own_dispatch(v):
+                if any(type(k) is not int for k in path[1:]):  # in a per-leaf or per-rule mapping
+                    return "hparams" + "".join(f"[{k!r}]" for k in path), v
+                return path[0] + "".join(f"[{k}]" for k in path[1:]), v
+        elif isinstance(v, dict):
+            stack.extend(((*path, k), x) for k, x in v.items())
+        elif type(v) is tuple or type(v) is list:
+            stack.extend(((*path, i), x) for i, x in enumerate(v))
+        elif dataclasses.is_dataclass(v) and not isinstance(v, type):
+            stack.extend(((*path, f.name), getattr(v, f.name)) for f in dataclasses.fields(v))
+    return None
+
+
+def _check_scalars_readable(param: Any, hparams: Any, step: Any, max_unorm: Any, max_grad_norm: Any, in_place: bool):
+    """TypeError, before anything is computed, for a hyperparameter, step or clipping bound of a tensor subclass with
+    its own dispatch that the step cannot take: in place beside plain params (the kernels read a scalar's memory,
+    which is not such a tensor's value, and the results could not be written back as plain tensors; torch's ops
+    would run once per inner tensor), and ``max_grad_norm`` in either step (the norm's coefficient is computed into
+    plain memory). Traced calls (torch.compile's fake tensors) take their own route."""
+    plain = _PLAIN_SCALARS
+    if type(step) in plain and type(max_unorm) in plain and type(max_grad_norm) in plain and type(hparams) is dict:
+        for v in hparams.values():  # the usual call: numbers and plain tensors, betas a tuple of them
+            if type(v) not in plain and not (type(v) is tuple and all(type(x) in plain for x in v)):
+                break
+        else:
+            return
+    if torch.compiler.is_compiling():
+        return
+    found = _subclass_scalar([("max_grad_norm", max_grad_norm)])
+    if found is None and in_place:
+        found = _subclass_scalar([("", hparams), ("step", step), ("max_unorm", max_unorm)])
+        if found is not None and any(map(own_dispatch, _flatten(param)[0])):
+            found = None  # subclass params take the pure step, written back: the subclass's dispatch answers
+    if found is not None:
+        name, t = found
+        raise TypeError(
+            f"bnbf: {name} is a {type(t).__name__}, a tensor subclass that dispatches on its own: the "
+            f"{'in-place ' if in_place else ''}step cannot read its value from memory; pass a plain tensor or a number"
+        )
 
 
 def _check_differentiable(differentiable: Any) -> None:

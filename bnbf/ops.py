@@ -30,7 +30,15 @@ from torch._C._functorch import TransformType
 
 from bnbf._bounded import Bounded
 from bnbf._dispatch import BUILD_LOCK, launch_lock, use_triton
-from bnbf._host_checks import NATIVE, _check_grads_apart, _check_no_overlap, _grad_overlap, _names, _overlap
+from bnbf._host_checks import (
+    NATIVE,
+    _check_grads_apart,
+    _check_no_overlap,
+    _grad_overlap,
+    _names,
+    _overlap,
+    _overlaps_itself,
+)
 from bnbf.reference import FIRST_BLOCKS, GRAD_CLIP, reference_step
 from bnbf.rules.base import as_scalar_row
 from bnbf.state import Layout
@@ -709,9 +717,9 @@ def _step_vmapped_(params, grads, states, hp, layout: Layout, skip_zeros, clip, 
     if len(shared) == len(p_dims) + len(s_dims) and h_dim is None and g_dims.count(None) == len(g_dims):
         return False  # nothing batched at this level: the op's dispatch, as outside vmap
     if shared:  # before anything is written
-        k = shared[0]
-        what = f"param {k}" if k < len(params) else f"state field {k - len(params)}"
-        raise RuntimeError(UNBATCHED_IN_PLACE.format(what=what))
+        raise RuntimeError(UNBATCHED_IN_PLACE.format(what=_written_name(shared[0], params)))
+    if unwrapped is None:
+        check_vmapped_writable(params, states)
     plain = _unwrapped(ps, gs, ss, _row_list(hp_u))
     if plain and _stackable(ps[0], h_dim):
         with torch._C._DisableFuncTorch():
@@ -764,6 +772,35 @@ def _stacked_step_(params, grads, g_dims, states, hp, h_dim, layout, skip_zeros,
     _reference_members(ps, ps, gs, ss, ss, hp, h_dim, layout, skip_zeros, clip, size)
 
 
+def check_vmapped_writable(params: list, fields: list, layers_in: bool = False) -> None:
+    """Before an in-place step under ``vmap`` writes anything, what eager ``update_`` refuses to write: tensors made
+    under ``torch.inference_mode()`` (outside it), and stacked params or state fields whose members or elements
+    share memory (an expanded member dim, members strided closer than they are long): one location would keep only
+    one member's step. ``params``, ``fields``: the stacked tensors (under vmap's wrappers; ``layers_in``: already
+    under every level of them)."""
+    written = [*params, *fields]
+    if not layers_in:
+        written = list(map(_base, written))
+    if not torch.is_inference_mode_enabled() and any(map(Tensor.is_inference, written)):
+        k = next(k for k, t in enumerate(written) if t.is_inference())
+        raise RuntimeError(
+            f"Inplace update to inference tensor outside InferenceMode is not allowed: {_written_name(k, params)} "
+            "was made under torch.inference_mode(); step inside it, or clone() the tensor outside it"
+        )
+    for k, t in enumerate(written):
+        if not t.is_contiguous() and _overlaps_itself(t):
+            raise ValueError(
+                f"bnbf: the in-place step under vmap cannot write {_written_name(k, params)}: its strides "
+                f"{t.stride()} for shape {tuple(t.shape)} (batch dims included) map more than one of its members' "
+                "elements to one memory location (an expanded tensor?), so it cannot take each member's step in "
+                "place; pass a clone(), or use bnbf.update"
+            )
+
+
+def _written_name(k: int, params: list) -> str:
+    return f"param {k}" if k < len(params) else f"state field {k - len(params)}"
+
+
 def _check_disjoint(params: list, states: list, step: str = "vmapped in-place step") -> None:
     """ValueError where two of the (stacked) params and states share memory (what update_ refuses outside vmap)."""
     if _overlap([*params, *states], []) is not None:  # all as params: spans measured where not contiguous
@@ -804,6 +841,8 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
     unwrapped = level, size, _unwrap(params, level), _unwrap(grads, level), _unwrap(fields, level)
     ps, gs, ss = unwrapped[2][0], unwrapped[3][0], unwrapped[4][0]
     written = [*ps, *ss]
+    if not torch.is_inference_mode_enabled() and any(map(Tensor.is_inference, written)):
+        check_vmapped_writable(ps, ss)  # raises, naming the tensor
     key = (len(ps), len(ss), *((ps[0].shape, ps[0].dtype) if ps else ()))
     last = _APART.get(key)
     if NATIVE is not None and last is not None and NATIVE.meta_match(written, last[0], last[1]):
@@ -819,6 +858,7 @@ def check_vmapped_apart(params: list, grads: list, fields: list, per_state: Call
         return unwrapped
     n, m = len(ps), len(gs)
     with torch._C._DisableFuncTorch():
+        check_vmapped_writable(bases[:n], bases[n + m :], layers_in=True)
         check(bases[:n], bases[n : n + m], bases[n + m :])
     if all(map(operator.is_, bases, (*ps, *gs, *ss))) and all(map(Tensor.is_contiguous, written)):  # one level
         twins = [torch.empty(t.shape, dtype=t.dtype, device="meta") for t in written]

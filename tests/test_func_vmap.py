@@ -691,6 +691,72 @@ def test_vmap_of_update__names_the_unbatched_leaf():
     assert all(torch.equal(x, y) for x, y in zip(before, after))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("packed", [False, True], ids=["per-param", "packed"])
+def test_vmap_of_update__refuses_what_eager_update__cannot_write(device, packed):
+    """Stacked params or states whose members share memory (expanded over the members, or members strided closer than
+    they are long) would each keep one member's step, and inference tensors cannot be written outside inference
+    mode: ``vmap(update_)`` refuses them as eager ``update_`` refuses such tensors, before anything is written, also
+    after calls of the same structure took the memo of checked calls."""
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=0, block_size=64)
+    step = torch.vmap(lambda p, g, s: bnbf.update_(p, g, s, {"lr": 0.01}, 1))
+    g = {"w": torch.randn(B, 300, device=device)}
+
+    def refused(p, s, error, match):
+        before = [t.clone() for t in tree_leaves((p, s))]
+        with pytest.raises(error, match=match):
+            step(p, g, s)
+        assert all(torch.equal(a, b) for a, b in zip(tree_leaves((p, s)), before))
+
+    def state_of(p):
+        return torch.vmap(lambda q: bnbf.init_state(q, spec, packed=packed))(p)
+
+    fresh = {"w": torch.randn(B, 300, device=device)}
+    step(fresh, g, state_of(fresh))  # a checked call of this structure first
+    one = torch.randn(300, device=device)
+    expanded = {"w": one.expand(B, 300)}
+    refused(expanded, state_of({"w": one.clone().expand(B, 300).contiguous()}), ValueError, r"strides \(0, 1\)")
+    buf = torch.randn(2 * 300, device=device)
+    overlapping = {"w": buf.as_strided((B, 300), (100, 1))}  # member b at 100 b: 200 elements in two members
+    refused(overlapping, state_of({"w": torch.randn(B, 300, device=device)}), ValueError, r"strides \(100, 1\)")
+    if not packed:  # one member's state shared by every member
+        s1 = bnbf.init_state(one, spec)
+        shared = {"w": type(s1)._make(f.expand(B, *f.shape) for f in s1)}
+        refused({"w": torch.randn(B, 300, device=device)}, shared, ValueError, "cannot write state field 0")
+    with torch.inference_mode():
+        made = {"w": torch.randn(B, 300, device=device)}
+        made_state = state_of(made)
+    ordinary = {"w": made["w"].clone()}
+    refused(made, state_of(ordinary), RuntimeError, "param 0 was made under torch.inference_mode")
+    refused(ordinary, made_state, RuntimeError, "state field 0 was made under torch.inference_mode")
+
+
+@pytest.mark.parametrize("form", ["per-leaf", "by-rule", "callable", "per-leaf betas"])
+@pytest.mark.parametrize("in_place", [False, True], ids=["update", "update_"])
+def test_vmap_checks_member_values_given_through_composing_forms(form, in_place):
+    """A per-member hyperparameter tensor given through a per-leaf mapping, ``{rule: mapping}`` or a callable is
+    checked member by member as the shared mapping's is (each member's value as an eager call's number): a member's
+    invalid lr or beta raises before anything is written (the composed groups had passed it unread)."""
+    spec = bnbf.OptimSpec(rule="adamw", state_bits=32)
+    p = {"a": torch.randn(B, 50), "b": torch.randn(B, 7)}
+    g = {k: torch.randn_like(v) for k, v in p.items()}
+    s = torch.vmap(lambda q: bnbf.init_state(q, spec))(p)
+    make = {
+        "per-leaf": lambda v: {"a": {"lr": v}, "b": {"lr": 0.1}},
+        "by-rule": lambda v: {"adamw": {"lr": v}},
+        "callable": lambda v: lambda path, q: {"lr": v},
+        "per-leaf betas": lambda v: {"a": {"betas": (v, 0.999)}, "b": {}},
+    }[form]
+    bad = torch.tensor([0.9, 0.9, 1.5]) if form == "per-leaf betas" else torch.tensor([0.1, 0.1, -1.0])
+    fn = bnbf.update_ if in_place else bnbf.update
+    before = [t.clone() for t in tree_leaves((p, s))]
+    with pytest.raises(ValueError, match="Invalid beta parameter at index 0: 1.5|Invalid learning rate: -1.0"):
+        torch.vmap(lambda a, b, c, v: fn(a, b, c, make(v), 1))(p, g, s, bad)
+    assert all(torch.equal(x, y) for x, y in zip(before, tree_leaves((p, s))))
+    good = torch.tensor([0.9, 0.8, 0.7]) if form == "per-leaf betas" else torch.tensor([0.1, 0.2, 0.3])
+    torch.vmap(lambda a, b, c, v: fn(a, b, c, make(v), 1))(p, g, s, good)  # valid members step
+
+
 def test_packed_and_flat_states_of_no_members():
     """An ensemble of no members: the packed state and the flat layout's buffers and state are made (they raised
     torch's reshape(-1) error), as the per-param state is."""

@@ -303,6 +303,47 @@ def test_a_grad_subclass_with_its_own_dispatch_is_refused_in_place(device, how):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("what", ["lr", "betas", "per-leaf lr", "step", "max_unorm", "max_grad_norm"])
+def test_a_scalar_subclass_with_its_own_dispatch_is_refused_before_any_write(device, what):
+    """A 0-d hyperparameter, step or bound of a subclass with its own dispatch (TwoTensor) beside plain params: the
+    kernels read a scalar's memory (the launch crashed reading a TwoTensor), a plain param cannot hold its step's
+    two halves, and max_grad_norm's coefficient reached the codec as a TwoTensor (a crash after the param was
+    written). The in-place step refuses each, and the pure step max_grad_norm, naming it, before anything is
+    written; the pure step of the others runs the subclass's dispatch (its outputs are TwoTensors)."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def two(v):
+        return TwoTensor(torch.tensor(v, device=device), torch.tensor(v, device=device))
+
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(257, device=device)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    hp, step, opts = {"lr": 0.1}, 1, {}
+    if what == "lr":
+        hp = {"lr": two(0.1)}
+    elif what == "betas":
+        hp = {"lr": 0.1, "betas": (two(0.9), 0.999)}
+    elif what == "per-leaf lr":
+        hp = {"a": {"lr": 0.1}, "b": {"lr": two(0.1)}}
+    elif what == "step":
+        step = two(1)
+    else:
+        opts = {what: two(0.5)}
+    before = snapshot(params, state)
+    name = {"per-leaf lr": r"hparams\['b'\]\['lr'\]", "betas": r"betas\[0\]"}.get(what, what)
+    with pytest.raises(TypeError, match=rf"{name} is a TwoTensor, a tensor subclass"):
+        bnbf.update_(params, grads, state, hp, step, **opts)
+    assert_untouched(before)
+    if what == "max_grad_norm":
+        with pytest.raises(TypeError, match="max_grad_norm is a TwoTensor"):
+            bnbf.update(params, grads, state, hp, step, **opts)
+    elif what == "lr":
+        new_p, _ = bnbf.update(params, grads, state, hp, step, **opts)
+        assert type(new_p["a"]) is TwoTensor
+    assert_untouched(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_an_expanded_param_is_refused_in_place_before_any_write(device):
     """A param with a zero stride (expanded) cannot be written in place; torch refuses at the write, after the
     other params and states were stepped. Refused first, nothing written; the pure step takes it."""
