@@ -40,6 +40,7 @@ import torch
 from torch import Tensor
 from torch.autograd import forward_ad
 from torch.utils import _pytree as pytree
+from torch.utils._foreach_utils import _group_tensors_by_device_and_dtype
 
 import bnbf
 from bnbf import ops
@@ -1842,11 +1843,10 @@ def _check_apply_in_place(params: Any, ps: list, us: list) -> None:
 
 
 def _by_device_dtype(gs: list[Tensor]) -> dict[tuple, list[int]]:
-    """The grads' indices by (device, dtype), in order of first appearance: torch's clip groups them so."""
-    by: dict[tuple, list[int]] = {}
-    for i, g in enumerate(gs):
-        by.setdefault((g.device, g.dtype), []).append(i)
-    return by
+    """The grads' indices by (device, dtype), the groups in the order torch's clip_grad_norm_ takes them (its grouping
+    function's, not the order of first appearance): the stacked group norms' sum, so the total's bits, follow it."""
+    grouped = _group_tensors_by_device_and_dtype([list(gs)], with_indices=True)
+    return {key: list(idx) for key, (_, idx) in grouped.items()}
 
 
 def _per_tensor() -> bool:

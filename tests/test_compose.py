@@ -200,6 +200,31 @@ def test_clip_grad_norm_equals_torch(device, dtype, norm_type, max_norm):
             assert abs(float(n) - max_norm) <= 1e-5 * max_norm
 
 
+def test_clip_grad_norm_of_mixed_dtypes_equals_torch_bit_for_bit(device):
+    """Grads of three dtypes: the per-group norms are stacked in the order torch's clip groups them (its grouping
+    function's order, not the grads' first appearance), so the total and the clipped grads are torch's bits (in
+    the order of first appearance the total differed from torch's in its last bit); pure and in place."""
+    gen = torch.Generator().manual_seed(0)
+    a = torch.randn(300, generator=gen)
+    a[0] = 1e5
+    grads = {
+        "a": a.to(device),
+        "h": torch.randn(300, generator=gen).half().to(device),
+        "b": torch.randn(300, generator=gen).bfloat16().to(device),
+    }
+    ts = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads.values()]
+    for t, g in zip(ts, grads.values()):
+        t.grad = g.clone()
+    expected = torch.nn.utils.clip_grad_norm_(ts, 1.0)
+    clipped, total = compose.clip_grad_norm(grads, 1.0)
+    assert_equal_report(total, expected, "total norm vs torch")
+    for t, c in zip(ts, clipped.values()):
+        assert_equal_report(c, t.grad, "clipped grad vs torch")
+    in_place = {k: g.clone() for k, g in grads.items()}
+    assert_equal_report(compose.clip_grad_norm_(in_place, 1.0), expected, "in-place norm")
+    _eq_tree(in_place, clipped, "in place vs pure")
+
+
 def test_clip_grad_norm_nonfinite():
     grads = [torch.tensor([1.0, math.inf])]
     with pytest.raises(RuntimeError, match="non-finite"):
