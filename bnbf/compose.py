@@ -584,6 +584,19 @@ def _named_hparams(rule: str, h: Any, path: str) -> Any:
         raise type(e)(f"hyperparameters of {path!r} ({rule}): {e}") from None
 
 
+def _check_group_present(rule: str, h: Any, idx: list[int], states: list, paths: list) -> None:
+    """Each leaf's state keeps the slots its group's hyperparameters use, else the core's error naming the leaf (a
+    per-leaf ``amsgrad=True`` on one leaf whose state lacks the slot)."""
+    want = present_mask(get_rule(rule), h)
+    for i in idx:
+        s = states[i]
+        if is_state(s) and type(s).layout.present != want:
+            try:
+                _check_present(get_rule(rule), h, [s])
+            except ValueError as e:
+                raise ValueError(f"hyperparameters of {paths[i]!r} ({rule}): {e}") from None
+
+
 def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Parts:
     rebuild, names, paths, keypaths, ps, gs, ss, walked_spec = _flatten_call(params, grads, state)
     rules = [type(s).layout.rule for s in ss]
@@ -607,6 +620,8 @@ def _split(params: Any, grads: Any, state: Any, hparams: Any, step: Any) -> _Par
         validated = [(hps[idx[0]], idx) for idx in groups.values()]
     else:
         validated = [(_named_hparams(rule, hps[idx[0]], paths[idx[0]]), idx) for (rule, _), idx in groups.items()]
+        for ((rule, _), idx), (h, _) in zip(groups.items(), validated):
+            _check_group_present(rule, h, idx, ss, paths)
     flat = type(params) is dict and names is paths and list(params) == list(grads) == list(state)
     return _Parts(rebuild, names, ps, gs, ss, validated, flat, raw if form else None, hps, form, walked_spec, paths)
 

@@ -1146,8 +1146,13 @@ def test_a_tree_of_hparams_through_lists_and_tuples_of_the_params(seq):
         (lambda path, p: {"lr": float("nan") if path == "enc.1.y" else 1e-3}, ValueError, "Invalid learning rate: nan"),
         (lambda path, p: {"lr": 1e-3, "momentum": 0.9} if path == "enc.1.y" else {"lr": 1e-3}, ValueError, "unknown"),
         ({"adamw": {"lr": 1e-3}, "lion": {"betas": (0.9, 1.5)}}, ValueError, "Invalid beta parameter at index 1"),
+        (
+            lambda path, p: {"amsgrad": True} if path == "enc.1.y" else {},
+            ValueError,
+            "need .*'max_exp_avg_sq'",
+        ),  # a slot it lacks
     ],
-    ids=["per-leaf nan lr", "per-leaf unknown key", "per-rule beta"],
+    ids=["per-leaf nan lr", "per-leaf unknown key", "per-rule beta", "per-leaf slot"],
 )
 def test_a_bad_hyperparameter_names_its_leaf(hparams, error, match, in_place):
     """Per-leaf and per-rule hyperparameters: the error names the leaf (the first of its group) and the rule, then
