@@ -587,12 +587,13 @@ def _named_hparams(rule: str, h: Any, path: str) -> Any:
 def _check_group_present(rule: str, h: Any, idx: list[int], states: list, paths: list) -> None:
     """Each leaf's state keeps the slots its group's hyperparameters use, else the core's error naming the leaf (a
     per-leaf ``amsgrad=True`` on one leaf whose state lacks the slot)."""
-    want = present_mask(get_rule(rule), h)
+    rule_ = get_rule(rule)
+    want = present_mask(rule_, h)
     for i in idx:
         s = states[i]
         if is_state(s) and type(s).layout.present != want:
             try:
-                _check_present(get_rule(rule), h, [s])
+                _check_present(rule_, h, [s])
             except ValueError as e:
                 raise ValueError(f"hyperparameters of {paths[i]!r} ({rule}): {e}") from None
 

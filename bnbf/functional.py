@@ -53,6 +53,7 @@ from bnbf.packed import PackedState, pack_state
 from bnbf.packed import update as packed_update
 from bnbf.plan import (  # noqa: F401 - _PLANS: tests read update_'s cache
     _DEAD,
+    _NUMBERS,
     _PLANS,
     OutputRecords,
     _cached,
@@ -566,8 +567,7 @@ def dequantize_state(state: Any) -> Any:
     return pytree.tree_unflatten([dequantize_state(s) for s in leaves], spec)
 
 
-_NUMBERS = frozenset({float, int, bool})
-_PLAIN_SCALARS = frozenset({float, int, bool, type(None), Tensor})
+_PLAIN_SCALARS = _NUMBERS | {type(None), Tensor}
 
 
 def _subclass_scalar(values: Any) -> tuple[str, Tensor] | None:
