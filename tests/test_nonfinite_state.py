@@ -13,6 +13,7 @@ import pytest
 import torch
 from conftest import DEVICES, init_params, make_grad
 from optim_table import ROWS
+from resync import Ref
 from tolerances import assert_equal_report
 from torch.utils._pytree import tree_leaves
 
@@ -41,8 +42,8 @@ def _formats():
     return ["power"] if INTERP else list(STATE_FORMATS)
 
 
-def _steps(row, spec, p, grads):
-    hp = {**row.hparams, "weight_decay": 0.0}
+def _steps(row, spec, p, grads, wd: float = 0.0):
+    hp = {**row.hparams, "weight_decay": wd}
     state = bnbf.init_state(p, spec, hp)
     for t, g in enumerate(grads, 1):
         p, state = bnbf.update(p, g, state, hp, t)
@@ -53,9 +54,9 @@ def _steps(row, spec, p, grads):
 @pytest.mark.parametrize("fmt", _formats())
 @pytest.mark.parametrize("row", _rows(), ids=lambda r: r.id)
 def test_a_nan_param_element_leaves_its_block_alone(device, row, fmt):
-    """A NaN param element with a zero gradient: every other element's param, and every state leaf (codes and
-    absmax), equal the same steps with that element 0. Adam, SGD, RMSprop, Adagrad and LARS take the param into
-    their states even at weight decay 0 (0 · NaN), which made the block's absmax NaN on the CPU path."""
+    """A NaN param element with a zero gradient, weight decay 0.01: every other element's param, and every state
+    leaf (codes and absmax), equal the same steps with that element 0. Adam, SGD, RMSprop and Adagrad take
+    weight_decay · p into their states (NaN there), which made the block's absmax NaN on the CPU path."""
     gen = torch.Generator().manual_seed(0)
     grads = [(torch.randn(N, generator=gen) * 0.01).to(device) for _ in range(3)]
     for g in grads:
@@ -63,8 +64,8 @@ def test_a_nan_param_element_leaves_its_block_alone(device, row, fmt):
     p = init_params((N,), F32, device)
     nan_p, zero_p = p.clone(), p.clone()
     nan_p[BAD], zero_p[BAD] = float("nan"), 0.0
-    p_a, s_a = _steps(row, _spec(row, fmt), nan_p, grads)
-    p_b, s_b = _steps(row, _spec(row, fmt), zero_p, grads)
+    p_a, s_a = _steps(row, _spec(row, fmt), nan_p, grads, wd=0.01)
+    p_b, s_b = _steps(row, _spec(row, fmt), zero_p, grads, wd=0.01)
     others = torch.arange(N, device=device) != BAD
     assert_equal_report(p_a[others], p_b[others], f"{row.id}: the other params")
     for i, (a, b) in enumerate(zip(tree_leaves(s_a), tree_leaves(s_b), strict=True)):
@@ -129,3 +130,43 @@ def test_a_nan_32bit_second_moment_steps_as_torch(device, rule):
     assert bool(torch.isnan(new_p[BAD])), f"{rule}: the NaN second moment did not reach the param"
     others = torch.arange(N, device=device) != BAD
     torch.testing.assert_close(new_p[others], ref.detach()[others], rtol=1e-6, atol=1e-7)
+
+
+BADS = {5: float("inf"), 6: float("-inf"), 7: float("nan")}  # in the first block
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("row", _rows(), ids=lambda r: r.id)
+def test_a_non_finite_param_element_at_weight_decay_0_steps_as_torch(device, row, bits):
+    """With weight_decay=0, param elements already +inf, -inf and NaN stay so and their states step from the
+    gradient alone, as the row's reference does (torch.optim skips a zero weight decay's term): every param and
+    state leaf equals the same steps with those elements 0, but the non-finite params themselves. The rules once
+    added 0 · p, which is NaN there: the param went NaN (32-bit) or its states were zeroed (8-bit)."""
+    gen = torch.Generator().manual_seed(2)
+    grads = [(torch.randn(N, generator=gen) * 0.01).to(device) for _ in range(3)]
+    p = init_params((N,), F32, device)
+    bad_p, zero_p = p.clone(), p.clone()
+    for i, v in BADS.items():
+        bad_p[i], zero_p[i] = v, 0.0
+    spec = _spec(row, "power", bits)
+    p_a, s_a = _steps(row, spec, bad_p, grads)
+    p_b, s_b = _steps(row, spec, zero_p, grads)
+    ref = Ref(row, {"w": bad_p}, {**row.hparams, "weight_decay": 0.0})
+    for g in grads:
+        ref.step({"w": g})
+    idx = torch.tensor(list(BADS), device=device)
+    # AdEMAMix's plain-torch reference, written from the paper's code, adds 0 · p (NaN): its params are not compared
+    for what, q in (("bnbf", p_a), ("the reference", ref.p("w")))[: 1 if row.name == "ademamix" else 2]:
+        assert q[idx].tolist()[:2] == [float("inf"), float("-inf")] and bool(q[7].isnan()), f"{what}: {q[idx]}"
+    others = torch.ones(N, dtype=torch.bool, device=device)
+    others[idx] = False
+    assert_equal_report(p_a[others], p_b[others], f"{row.id}: the other params")
+    for i, (a, b) in enumerate(zip(tree_leaves(s_a), tree_leaves(s_b), strict=True)):
+        if isinstance(a, torch.Tensor):
+            assert_equal_report(a, b, f"{row.id}: state leaf {i} ({a.dtype}, {tuple(a.shape)})")
+    ref_zero = Ref(row, {"w": zero_p}, {**row.hparams, "weight_decay": 0.0})
+    for g in grads:
+        ref_zero.step({"w": g})
+    for name, theirs in row.state_names.items():  # the reference's states there step from the gradient alone too
+        assert_equal_report(ref.state("w")[theirs][idx], ref_zero.state("w")[theirs][idx], f"reference {name}")

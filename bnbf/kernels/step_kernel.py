@@ -358,7 +358,7 @@ def _tile_step(
         s_new = kept
     if QUANT:
         # an 8-bit state holds no NaN or inf (a code is a fraction of its block's absmax, which one would make NaN
-        # or inf for the whole block): an element whose new state is one (a NaN param under 0 · p, a square that
+        # or inf for the whole block): an element whose new state is one (a NaN param under weight decay, a square that
         # overflows) steps as a non-finite gradient's, its param kept and its states zeroed
         for j in tl.static_range(SLOTS):
             if (PRESENT >> j) & 1:

@@ -27,6 +27,7 @@ from bnbf.rules.base import (
     check_weight_decay,
     start_value,
 )
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -59,7 +60,7 @@ def scalars(h: AdagradHparams, step: Number) -> AdagradScalars:
 def adagrad_math(p, g, s, hp, nrm):
     h = AdagradScalars(*hp)
     (acc,) = s
-    g = g + h.wd * p
+    g = g + decay_term(h.wd, p)
     acc = acc + g * g
     p = p - h.clr * fast_div(g, tl.sqrt(acc) + h.eps)
     return p, (acc,)
@@ -67,7 +68,7 @@ def adagrad_math(p, g, s, hp, nrm):
 
 def adagrad_reference(p, g, states, h: AdagradScalars):
     (acc,) = states
-    g = g + h.wd * p
+    g = g + decay_term_reference(h.wd, p)
     acc = acc + g * g
     return p - h.clr * g / (acc.sqrt() + h.eps), [acc]
 

@@ -30,6 +30,7 @@ from bnbf.rules.base import (
     check_lr,
     check_weight_decay,
 )
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -105,7 +106,7 @@ def present(h: AdamHparams) -> tuple[bool, ...]:
 @triton.jit
 def adam_math(p, g, s, hp, nrm):
     h = AdamScalars(*hp)
-    return _moments_step(p, g + h.l2 * p, s, h)
+    return _moments_step(p, g + decay_term(h.l2, p), s, h)
 
 
 @triton.jit
@@ -131,11 +132,11 @@ def _moments_step(p, g, s, h):
 
 
 def adam_reference(p, g, states, h: AdamScalars):
-    return _moments_reference(p, g + h.l2 * p, states, h)
+    return _moments_reference(p, g + decay_term_reference(h.l2, p), states, h)
 
 
 def adamw_reference(p, g, states, h: AdamScalars):
-    # as adamw_math, no l2 term: 0 · p would carry a NaN or inf param element into its states (and, 8-bit, its block)
+    # as adamw_math, no l2 term
     return _moments_reference(p, g, states, h)
 
 

@@ -24,6 +24,7 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_flag, check_lr, check_weight_decay
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -97,7 +98,7 @@ def adan_math(p, g, s, hp, nrm):
     u = g + h.b2 * diff
     n = h.b3 * n + h.omb3 * u * u
     denom = tl.sqrt(n) * h.inv_bc3_sqrt + h.eps
-    p = p - (h.decay * p + fast_div(h.step_size * m + h.step_size_diff * d, denom))
+    p = p - (decay_term(h.decay, p) + fast_div(h.step_size * m + h.step_size_diff * d, denom))
     return p, (m, n, d, -g)
 
 
@@ -108,7 +109,8 @@ def adan_reference(p, g, states, h: AdanScalars):
     d = h.b2 * d + h.omb2 * diff
     u = g + h.b2 * diff
     n = h.b3 * n + h.omb3 * u * u
-    p = p - (h.decay * p + (h.step_size * m + h.step_size_diff * d) / (n.sqrt() * h.inv_bc3_sqrt + h.eps))
+    u = (h.step_size * m + h.step_size_diff * d) / (n.sqrt() * h.inv_bc3_sqrt + h.eps)
+    p = p - (decay_term_reference(h.decay, p) + u)
     return p, [m, n, d, -g]
 
 

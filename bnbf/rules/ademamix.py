@@ -34,6 +34,7 @@ from bnbf.rules.base import (
     check_weight_decay,
     finite,
 )
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -145,7 +146,7 @@ def ademamix_math(p, g, s, hp, nrm):
     m1 = h.b1 * m1 + h.omb1 * g
     m2 = h.b3 * m2 + h.omb3 * g
     nu = h.b2 * nu + h.omb2 * g * g
-    p = p - (h.decay * p + fast_div(h.lr1 * m1 + h.lr2 * m2, tl.sqrt(nu) * h.inv_bc2_sqrt + h.eps))
+    p = p - (decay_term(h.decay, p) + fast_div(h.lr1 * m1 + h.lr2 * m2, tl.sqrt(nu) * h.inv_bc2_sqrt + h.eps))
     return p, (m1, m2, nu)
 
 
@@ -154,7 +155,7 @@ def ademamix_reference(p, g, states, h: AdEMAMixScalars):
     m1 = h.b1 * m1 + h.omb1 * g
     m2 = h.b3 * m2 + h.omb3 * g
     nu = h.b2 * nu + h.omb2 * g * g
-    p = p - (h.decay * p + (h.lr1 * m1 + h.lr2 * m2) / (nu.sqrt() * h.inv_bc2_sqrt + h.eps))
+    p = p - (decay_term_reference(h.decay, p) + (h.lr1 * m1 + h.lr2 * m2) / (nu.sqrt() * h.inv_bc2_sqrt + h.eps))
     return p, [m1, m2, nu]
 
 

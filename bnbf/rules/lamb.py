@@ -21,6 +21,7 @@ import triton.language as tl
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.adam import AdamMomentsHparams
 from bnbf.rules.base import Number, Rule, StateSlot, _value, check_flag, finite, norm_of
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -72,7 +73,7 @@ def _direction(p, g, s, h):
     m, v = s
     m = h.b1 * m + h.omb1 * g
     v = h.b2 * v + h.omb2 * g * g
-    u = fast_div(m, tl.sqrt(v) + h.eps) + h.wd * p
+    u = fast_div(m, tl.sqrt(v) + h.eps) + decay_term(h.wd, p)
     return u, m, v
 
 
@@ -97,7 +98,7 @@ def _direction_ref(p, g, states, h: LambScalars):
     m, v = states
     m = h.b1 * m + h.omb1 * g
     v = h.b2 * v + h.omb2 * g * g
-    return m / (v.sqrt() + h.eps) + h.wd * p, m, v
+    return m / (v.sqrt() + h.eps) + decay_term_reference(h.wd, p), m, v
 
 
 def lamb_norm_terms_ref(p, g, states, h: LambScalars):

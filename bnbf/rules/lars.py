@@ -22,6 +22,7 @@ import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
 from bnbf.rules.base import Number, Rule, StateSlot, _value, check_eps, finite, norm_of
+from bnbf.rules.decay import decay_term, decay_term_reference
 from bnbf.rules.sgd import SGDHparams, SGDScalars, momentum_step, momentum_step_reference, present
 from bnbf.rules.sgd import scalars as sgd_scalars
 
@@ -59,7 +60,7 @@ def lars_math(p, g, s, hp, nrm):
     p_norm = tl.sqrt(nrm[0])
     g_norm = tl.sqrt(nrm[1])
     local = tl.where((p_norm > 0) & (g_norm > 0), fast_div(h.trust * p_norm, g_norm + h.wd * p_norm + h.eps), 1.0)
-    step, buf = momentum_step(local * (g + h.wd * p), buf, h)
+    step, buf = momentum_step(local * (g + decay_term(h.wd, p)), buf, h)
     return p - h.lr * step, (buf,)
 
 
@@ -71,7 +72,7 @@ def lars_reference(p, g, states, h: LarsScalars, sums):
     p_norm, g_norm = norm_of(sums[0]), norm_of(sums[1])
     ok = (p_norm > 0) & (g_norm > 0)
     local = torch.where(ok, h.trust * p_norm / (g_norm + h.wd * p_norm + h.eps), torch.ones_like(p_norm))
-    step, buf = momentum_step_reference(local * (g + h.wd * p), states[0], h)
+    step, buf = momentum_step_reference(local * (g + decay_term_reference(h.wd, p)), states[0], h)
     return p - h.lr * step, [buf]
 
 

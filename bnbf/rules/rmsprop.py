@@ -36,6 +36,7 @@ from bnbf.rules.base import (
     check_nonneg,
     check_weight_decay,
 )
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -89,7 +90,7 @@ def rmsprop_math(p, g, s, hp, nrm):
     sq, buf, ga = s
     alpha = h.alpha
     oma = h.oma
-    g = g + h.wd * p
+    g = g + decay_term(h.wd, p)
     d = g - ga
     sq = tl.where(h.centered != 0, alpha * sq + alpha * oma * d * d, alpha * sq + oma * g * g)
     ga = alpha * ga + oma * g
@@ -102,7 +103,7 @@ def rmsprop_math(p, g, s, hp, nrm):
 def rmsprop_reference(p, g, states, h: RMSpropScalars):
     sq, buf, ga = states
     alpha, oma = h.alpha, h.oma
-    g = g + h.wd * p
+    g = g + decay_term_reference(h.wd, p)
     if ga is not None:  # sq holds the centered variance
         sq = alpha * sq + alpha * oma * (g - ga) ** 2
         ga = alpha * ga + oma * g

@@ -29,6 +29,7 @@ from bnbf.rules.base import (
     check_momentum,
     check_weight_decay,
 )
+from bnbf.rules.decay import decay_term, decay_term_reference
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -104,12 +105,12 @@ def momentum_step_reference(d, buf, h):
 def sgd_math(p, g, s, hp, nrm):
     h = SGDScalars(*hp)
     (buf,) = s
-    step, buf = momentum_step(g + h.wd * p, buf, h)
+    step, buf = momentum_step(g + decay_term(h.wd, p), buf, h)
     return p - h.lr * step, (buf,)
 
 
 def sgd_reference(p, g, states, h: SGDScalars):
-    step, buf = momentum_step_reference(g + h.wd * p, states[0], h)
+    step, buf = momentum_step_reference(g + decay_term_reference(h.wd, p), states[0], h)
     return p - h.lr * step, [buf]
 
 
