@@ -175,6 +175,23 @@ def check_hparam_values(values: tuple, h: Any, max_unorm: Any = None) -> None:
                 raise _no_value(name)
 
 
+def subclass_scalar_error(name: str, t: Tensor, in_place: bool) -> TypeError:
+    """The refusal of a hyperparameter, step or bound of a tensor subclass with its own dispatch where the step reads
+    scalars from memory (the kernels' row or arguments), which is not such a tensor's value."""
+    return TypeError(
+        f"bnbf: {name} is a {type(t).__name__}, a tensor subclass that dispatches on its own: the "
+        f"{'in-place ' if in_place else ''}step cannot read its value from memory; pass a plain tensor or a number"
+    )
+
+
+def check_scalars_plain(h: Any, step: Any, max_unorm: Any) -> None:
+    """:func:`subclass_scalar_error` for the first hyperparameter tensor, step or max_unorm of such a subclass
+    (TwoTensor...): for the direct launch's steps (a plan's), which read every scalar's memory."""
+    for name, t in hparam_tensors(h, step, max_unorm):
+        if own_dispatch(t):
+            raise subclass_scalar_error(name, t, True)
+
+
 def _flatten(tree: Any, is_leaf=None) -> tuple[list, Any]:
     """Leaves and a structure key; flat dicts and lists of leaves skip the generic pytree walk. A flat one with a
     leaf of another type (an int grad, a float param) gets the same key, so that the leaf checks name that leaf

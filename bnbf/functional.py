@@ -44,6 +44,7 @@ from bnbf._host_checks import (
     keystr,
     leaves_of,
     own_dispatch,
+    subclass_scalar_error,
     unaddressable,
     walked,
 )
@@ -614,11 +615,7 @@ def _check_scalars_readable(param: Any, hparams: Any, step: Any, max_unorm: Any,
         if found is not None and any(map(own_dispatch, _flatten(param)[0])):
             found = None  # subclass params take the pure step, written back: the subclass's dispatch answers
     if found is not None:
-        name, t = found
-        raise TypeError(
-            f"bnbf: {name} is a {type(t).__name__}, a tensor subclass that dispatches on its own: the "
-            f"{'in-place ' if in_place else ''}step cannot read its value from memory; pass a plain tensor or a number"
-        )
+        raise subclass_scalar_error(*found, in_place)
 
 
 def _check_differentiable(differentiable: Any) -> None:

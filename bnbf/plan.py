@@ -61,6 +61,7 @@ from bnbf._host_checks import (
     _values_of,
     check_hparam_values,
     check_not_differentiated,
+    check_scalars_plain,
     check_update_options,
     differentiated,
     hparam_tensors,
@@ -185,6 +186,9 @@ class Plan:
     def _setup(self, params: list, states: list, spec: Any) -> None:
         """Groups, address tables and the planned metadata of checked leaves."""
         self._spec = spec
+        # replaced whenever the planned leaves are checked anew: a caller's check over several plans (bnbf_nn's
+        # groups) holds still while every plan's mark is the one it saw
+        self.mark = object()
         self._keys = spec[1] if type(spec) is tuple and spec[0] == "dict" else None  # a flat dict's keys
         self._n = len(params)
         self.rule = get_rule(type(states[0]).layout.rule)
@@ -397,6 +401,7 @@ class Plan:
         elif self._generic_meta is not None and _leaf_meta(self._params, self._states) != self._generic_meta:
             _validate(self._tree, self._params, self._states, self._spec, self._spec)
             self._generic_meta = _leaf_meta(self._params, self._states)
+            self.mark = object()
 
     def _rebuild(self) -> None:
         _validate(self._tree, self._params, self._states, self._spec, self._spec)
@@ -483,6 +488,7 @@ class Plan:
             scalars = tuple(map(float, values))
         else:
             check_hparam_values(values, h, max_unorm)  # a meta one has no value to read
+            check_scalars_plain(h, step, max_unorm)
             if differentiated([t for _, t in hparam_tensors(h, step, max_unorm)]):
                 check_not_differentiated(tree, params, grads, h, step, max_unorm, states, in_place=True)
             with torch.no_grad():  # 0-d tensor hyperparameters: stacked on each device, no host sync
@@ -595,6 +601,8 @@ class Plan:
         values = []
         for h in sets:
             v, clip = _scalars(rule, h, step, skip_zeros, max_unorm, maximize)
+            if not set(map(type, v)) <= _NUMBERS:
+                check_scalars_plain(h, step, max_unorm)
             values.append(v)
 
         def run() -> None:
@@ -1340,6 +1348,7 @@ def _step_generic(
         return
     else:
         call = _prepare(param, grad, state, hparams, step, max_unorm, in_place=True)
+        check_scalars_plain(call.hparams, step, max_unorm)  # plain params: the kernels or the codec read each scalar
     devices = {p.device for p in call.params}
     if not torch.compiler.is_compiling() and _capturing(devices):  # the tables are checked at the launch
         for device in devices:

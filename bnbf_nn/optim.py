@@ -122,6 +122,7 @@ call, which would never call it. Absent: those other hooks (``init_state``,
 
 from __future__ import annotations
 
+import array
 import collections
 import dataclasses
 import functools
@@ -405,6 +406,49 @@ def _check_apart(groups: list) -> None:
         seen |= ids
 
 
+class _NoState(typing.NamedTuple):
+    """The fields of a param without state yet (its first step makes them): none to compare."""
+
+
+class _Label:
+    """A key-path entry printed as it is: the core's messages then name a param as torch's do here."""
+
+    def __init__(self, text: str):
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def _one_call(job: tuple) -> bool:
+    """Whether a prepared group (:meth:`Optimizer8bit._prepare_group`'s tuple) steps in one core call, which checks
+    its own leaves before it writes: every param with state and a grad, one bucket, at one step count."""
+    _, plan, _, every = job
+    return plan.complete and every and len(plan.buckets) == 1 and plan.buckets[0].uniform
+
+
+def _across_key(jobs: list) -> tuple | None:
+    """What :meth:`Optimizer8bit._check_across` found apart, while it holds: each bucket's plan's mark (the plans
+    confirm their leaves before, :meth:`Optimizer8bit._prepare_group`) and the grads' addresses; None where some
+    param has no state or no grad this step (no plans to confirm them)."""
+    marks, at = [], []
+    for _, plan, gs, every in jobs:
+        if plan.dist:
+            continue
+        if not (plan.complete and every) or any(b.plan is None for b in plan.buckets):
+            return None
+        marks.extend(b.plan.mark for b in plan.buckets)
+        at.append(array.array("Q", map(Tensor.data_ptr, gs)).tobytes())
+    return tuple(marks), b"".join(at)
+
+
+def _leaf_name(gi: int, i: int) -> str:
+    """A key by which the core's messages name param ``i`` of param group ``gi`` as bnbf_nn's own do."""
+    name = _host_checks.LeafName(f"{gi}.{i}")
+    name.keypath = (_Label(f"[{i}] of param group {gi}"),)
+    return name
+
+
 def _check_unique(params: list) -> None:
     if len(set(map(id, params))) != len(params):
         raise ValueError(
@@ -672,6 +716,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         # paged state: the GPU's free bytes before its states were made, by device (see _paged_slices)
         self._paged_free: dict[int, int] = {}
         self._fast: _Fast | None = None  # what the last general step found steppable by _fast_step
+        self._across: tuple | None = None  # the last step's leaves and grads checked across its calls (_check_across)
         self._stale: str | None = None  # why the state cannot be stepped (a refused load that wrote into it)
         self._adding: list = []  # (group, bucket, hparams) whose states lack a slot the settings step (_relayout)
         self._qmaps: dict = {}  # the live views' qmaps, this optimizer's own (_checkpoint.qmap)
@@ -1163,6 +1208,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                 self._leaves_checked(group, bucket)
             self._check_grads(group, grads, True)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
+        if len(ready) > 1 and any(r[3] is not True for r in ready):  # grads moved: against the other groups' leaves
+            self._check_grads_across(ready)
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
             bucket.call = call
@@ -1286,11 +1333,13 @@ class Optimizer8bit(torch.optim.Optimizer):
         for gi, (group, plan, grads, every) in enumerate(jobs):
             if not plan.dist:
                 self._check_grads(group, grads, every)
-            elif gi:  # DTensor grads: the first group's step checks its own before writing, a later one's here
+            else:  # DTensor grads: a group may step in several core calls (overrides, params out of step)
                 try:
                     _distributed().check_grads(group["params"], grads)
                 except (TypeError, ValueError, NotImplementedError) as e:
                     raise type(e)(f"param group {gi}: {e}") from None
+        if len(jobs) > 1 or not _one_call(jobs[0]):
+            self._check_across(jobs)
         if self._adding:  # the states change only now, every group checked
             self._add_slots()
             jobs = [self._prepare_group(group) for group in self.param_groups]
@@ -1380,7 +1429,10 @@ class Optimizer8bit(torch.optim.Optimizer):
         if checked is None or id(cfg) not in checked:
             self._check_group(group, cfg)
             max_unorm = (cfg or {}).get("max_unorm", group["max_unorm"])
-            self._check_not_differentiated(group, self._hparams(group, cfg), max_unorm, [layout], gi)
+            hp = self._hparams(group, cfg)
+            self._check_not_differentiated(group, hp, max_unorm, [layout], gi)
+            if _host_checks.hparam_tensors(hp, None, max_unorm):
+                self._check_readable(group, self._rule.make_hparams(_detached(hp)), max_unorm)
             if checked is not None:
                 checked.add(id(cfg))
 
@@ -1616,6 +1668,8 @@ class Optimizer8bit(torch.optim.Optimizer):
         if not numbers:
             self._check_not_differentiated(group, hp, kw.get("max_unorm"), bucket.states)
         h = self._rule.make_hparams(hp)
+        if not numbers:
+            self._check_readable(group, h, kw.get("max_unorm", 0.0))
         check_update_options(
             self._rule, kw.get("skip_zeros", False), kw.get("max_unorm", 0.0), kw.get("maximize", False)
         )
@@ -1644,6 +1698,76 @@ class Optimizer8bit(torch.optim.Optimizer):
             ask = (where, f"optim_bits=32, or {self.family.name}32bit")
             _host_checks.check_not_differentiated(None, [], [], hp, None, max_unorm, states, in_place=True, ask=ask)
 
+    def _check_across(self, jobs: list) -> None:
+        """What each core call checks of its own leaves, over every call of the step, before the first writes: a
+        later call's refusal must find nothing stepped, and memory shared between calls would be stepped twice (a
+        view of another group's param, a grad that is another group's param or state). Params getting their first
+        state are checked as the core would check them. DTensor groups (checked by bnbf.distributed's calls on
+        their shards) and subclasses with their own dispatch (no addresses to compare) are left to their calls.
+        Kept while every bucket's plan holds its mark (the same leaves) and the grads their addresses."""
+        key = _across_key(jobs)
+        if key is not None and key == self._across:
+            return
+        names, params, grads, states = [], [], [], []
+        for gi, (group, plan, gs, _every) in enumerate(jobs):
+            if plan.dist:
+                continue
+            state_of = {i: st for b in plan.buckets for i, st in zip(b.idx, b.states)}
+            for i, (p, g) in enumerate(zip(group["params"], gs)):
+                if g is None:
+                    continue
+                names.append((gi, i))
+                params.append(p)
+                grads.append(g)
+                st = state_of.get(i)
+                if st is None:
+                    _host_checks._check_param(p, f"[{i}] of param group {gi}", wide=group["differentiable"] is True)
+                    st = _NoState()
+                states.append(st)
+        if not params or _host_checks.unaddressable(params, grads):
+            return
+        tree = dict(zip(itertools.starmap(_leaf_name, names), params))
+        _host_checks._check_writable(tree, params, states, pure="bnbf.update")
+        _host_checks._check_no_overlap(tree, params, states)
+        _host_checks._check_grads_apart(tree, params, grads, states)
+        self._across = key
+
+    def _check_grads_across(self, ready: list) -> None:
+        """The fast step's check of the grads, where some moved since the last step, against every group's params
+        and states (each group's plan checks its own grads against its own leaves only when that group steps).
+        ``ready``: the fast step's entries, one per group, each (bucket, records, step function, the grads as
+        ``Plan._grads_held`` found them or a list, ...). Kept as :meth:`_check_across`'s check is."""
+        at = []
+        for bucket, _, _, held, *_ in ready:
+            if held is True:
+                at.append(bucket.plan._grad_at)
+            elif type(held) is tuple:
+                at.append(held[1])
+            else:
+                at.append(array.array("Q", map(Tensor.data_ptr, held)).tobytes())
+        key = (tuple(r[0].plan.mark for r in ready), b"".join(at))
+        if key == self._across:
+            return
+        params, states = [], []
+        for bucket, *_ in ready:
+            params.extend(bucket.params)
+            states.extend(bucket.states)
+        grads = [p.grad for p in params]
+        if _host_checks._grad_overlap(params, grads, states) is not None:
+            names = [_leaf_name(gi, i) for gi, r in enumerate(ready) for i in r[0].idx]
+            _host_checks._check_grads_apart(dict(zip(names, params)), params, grads, states)
+        self._across = key
+
+    def _check_readable(self, group: Mapping, h: Any, max_unorm: Any) -> None:
+        """A tensor setting the step cannot read, refused before any group steps (the core's call refuses it only
+        after the groups before it stepped): a meta tensor, which has no value, and outside a differentiable step
+        a subclass with its own dispatch (TwoTensor), whose memory the kernels would read as its value."""
+        found = _host_checks.hparam_tensors(h, None, max_unorm)
+        if any(t.device.type == "meta" for _, t in found):
+            _host_checks.check_hparam_values(self._rule.scalars(h, 1), h, max_unorm)
+        if not group["differentiable"]:
+            _host_checks.check_scalars_plain(h, None, max_unorm)
+
     def _mode_settings(self, group: dict, bucket: _Bucket) -> tuple[Any, dict]:
         """:meth:`_settings` of a group with capturable=True or differentiable=True (which :meth:`_run_modes`
         steps, its step counts made tensors there): the hyperparameters checked on detached values (reading a
@@ -1656,6 +1780,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         self._check_not_differentiated(group, hp, kw["max_unorm"], bucket.states)
         h = self._rule.make_hparams(_detached(hp))
         check_update_options(self._rule, kw["skip_zeros"], kw["max_unorm"], kw["maximize"])
+        self._check_readable(group, h, kw["max_unorm"])
         if present_mask(self._rule, h) != bucket.present:  # momentum or amsgrad switched: as in _settings
             self._relayout(group, bucket, h)
         if not group["differentiable"]:

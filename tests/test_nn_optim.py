@@ -25,6 +25,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import DEVICES
 from tolerances import assert_equal_report
 
 import bnbf
@@ -891,6 +892,82 @@ def test_bad_setting_before_the_first_step_creates_no_state():
         opt.step()
     _assert_unchanged(snap, "after a bad beta")
     assert not any(opt.state.get(p) for p in a + b)
+
+
+def _bad_second_group(kind: str, device: str):
+    """The params of a second group that its step refuses, and what the refusal says."""
+    if kind == "expanded":
+        return [torch.nn.Parameter(torch.randn(1, 300, device=device).expand(4, 300))], "zero stride"
+    if kind == "overlapping":
+        base = torch.randn(400, device=device)
+        return [torch.nn.Parameter(base[:200]), torch.nn.Parameter(base[100:])], "overlap in memory"
+    if kind == "negative bit":
+        return [torch.nn.Parameter(torch.randn(300, device=device)._neg_view())], "negative bit"
+    return [torch.nn.Parameter(torch.randn(300, device="meta"))], "meta tensor"
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("kind", ["expanded", "overlapping", "negative bit", "meta"])
+def test_a_later_groups_refused_param_steps_no_group(device, kind):
+    """A param of the second group that its core call refuses (first step: no state yet) is refused before the
+    first group steps: the first group's params, states and step counts as they were, no state made. The first
+    group was once stepped (and its count advanced) before the second group's call raised."""
+    a = make_params(seed=0, device=device)
+    bad, match = _bad_second_group(kind, device)
+    opt = bnbf_nn.AdamW8bit([{"params": a}, {"params": bad}], lr=1e-2, min_8bit_size=MIN8)
+    for p in a + bad:
+        p.grad = torch.ones(p.shape, device=p.device)
+    snap = [(p, p.detach().clone()) for p in a]  # (no state yet)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.step()
+    _assert_unchanged(snap, f"{kind} param in the second group")
+    assert not any(opt.state.get(p) for p in a + bad)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("bits", [8, 32])
+@pytest.mark.parametrize("later", [False, True], ids=["first step", "later step"])
+@pytest.mark.parametrize("bad", ["grad alias", "meta lr", "TwoTensor lr"])
+def test_a_later_groups_refused_grad_or_setting_steps_no_group(device, bits, later, bad):
+    """A grad of the second group that is another of its params' memory, or a setting its step cannot read (a meta
+    tensor, a tensor subclass dispatching on its own), is refused before the first group steps, at the first step
+    and at a later one (the fast step's, on the GPU's direct launch); every param, state and step count as it was."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    a, b = make_params(seed=0, device=device), make_params(seed=1, device=device)
+    opt = bnbf_nn.AdamW8bit([{"params": a}, {"params": b}], lr=1e-2, min_8bit_size=MIN8, optim_bits=bits)
+    if later:
+        run_adapter(opt, a + b, make_grads(a + b, 2))
+    for p, g in zip(a + b, make_grads(a + b, 1, seed=5)[0]):
+        p.grad = g
+    if bad == "grad alias":
+        b[2].grad = b[0].detach()[:7]  # the (7,) param's grad is the (300,) param's memory
+    match = {"grad alias": "shares memory", "meta lr": "lr is a meta tensor", "TwoTensor lr": "lr is a TwoTensor"}[bad]
+    if bad == "meta lr":
+        opt.param_groups[1]["lr"] = torch.tensor(1e-2, device="meta")
+    elif bad == "TwoTensor lr":
+        opt.param_groups[1]["lr"] = TwoTensor(torch.tensor(1e-2), torch.tensor(1e-2))
+    snap = _snapshot_opt(opt)
+    steps = [opt.state[p]["step"] if p in opt.state else None for p in a + b]
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.step()
+    _assert_unchanged(snap, f"a {bad} in the second group")
+    assert [opt.state[p]["step"] if p in opt.state else None for p in a + b] == steps
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_params_of_two_groups_sharing_memory_are_refused(device):
+    """A param that is a view of another group's param: each group is its own core call, which checks its own
+    leaves only, so the shared elements were stepped twice (SGD: 2 lr where the other rows moved lr). Refused
+    before anything is written, as two such params in one group are."""
+    base = torch.randn(4, 300, device=device)
+    a, b = torch.nn.Parameter(base), torch.nn.Parameter(base[0])
+    opt = bnbf_nn.SGD8bit([{"params": [a]}, {"params": [b]}], lr=0.1, momentum=0.0, min_8bit_size=1)
+    a.grad, b.grad = torch.ones_like(a), torch.ones_like(b)
+    before = base.clone()
+    with pytest.raises(ValueError, match=r"param\[0\] of param group 0 and param\[0\] of param group 1 overlap"):
+        opt.step()
+    assert_equal_report(base, before, "the shared memory")
 
 
 def test_a_tensor_listed_twice_is_refused():

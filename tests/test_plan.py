@@ -344,6 +344,33 @@ def test_a_scalar_subclass_with_its_own_dispatch_is_refused_before_any_write(dev
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("what", ["lr", "step", "max_unorm"])
+def test_a_plans_step_refuses_a_scalar_subclass_with_its_own_dispatch(device, what):
+    """Plan.step (bnbf_nn's step) with a TwoTensor hyperparameter, step or bound, as bnbf.update_ refuses them: the
+    reference path stepped with 2.34 times the lr, the kernels crashed reading its storage."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    def two(v):
+        return TwoTensor(torch.tensor(v, device=device), torch.tensor(v, device=device))
+
+    params = {"a": torch.randn(300, device=device), "b": torch.randn(257, device=device)}
+    grads = {k: torch.randn_like(p) for k, p in params.items()}
+    state = bnbf.init_state(params, bnbf.OptimSpec(rule="adamw", min_8bit_size=0))
+    plan = bnbf.plan(params, state)
+    hp, step, opts = {"lr": 0.1}, 1, {}
+    if what == "lr":
+        hp = {"lr": two(0.1)}
+    elif what == "step":
+        step = two(1)
+    else:
+        opts = {what: two(0.5)}
+    before = snapshot(params, state)
+    with pytest.raises(TypeError, match=rf"{what} is a TwoTensor, a tensor subclass"):
+        plan.step(grads, hp, step, **opts)
+    assert_untouched(before)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_an_expanded_param_is_refused_in_place_before_any_write(device):
     """A param with a zero stride (expanded) cannot be written in place; torch refuses at the write, after the
     other params and states were stepped. Refused first, nothing written; the pure step takes it."""
