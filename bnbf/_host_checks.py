@@ -21,6 +21,7 @@ import copy
 import dataclasses
 import functools
 import itertools
+import numbers
 import operator
 import os
 import struct
@@ -1034,7 +1035,10 @@ def clips(max_unorm: Any) -> bool:
     """Whether ``max_unorm`` turns update clipping on (> 0); ValueError for a value below 0 or NaN. A CPU tensor's
     value is checked as a number's; a device tensor's is not read (a host sync): the step then clips only where it
     is > 0, so a tensor 0 is off as the number 0 is (and a negative or NaN one clips nothing). Under vmap each
-    member's value of a CPU tensor is checked."""
+    member's value of a CPU tensor is checked. TypeError for anything but a number or a tensor (as max_grad_norm's):
+    a string or None would otherwise fail a comparison, or pass for an unread device tensor."""
+    if isinstance(max_unorm, bool) or not isinstance(max_unorm, (numbers.Real, Tensor)):  # numpy's floats pass
+        raise TypeError(f"max_unorm must be a number or a 1-element tensor, got {type(max_unorm).__name__}")
     if isinstance(max_unorm, Tensor):
         v = None if torch.compiler.is_compiling() else _value(max_unorm, "max_unorm")
         for m in [] if torch.compiler.is_compiling() else member_values(max_unorm):

@@ -503,6 +503,7 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
             check_no_repeats(param, params, [])  # no addresses to compare
         else:  # two results for one tensor, as the per-param state's update refuses
             _check_no_overlap(param, params, [])
+        _check_pure_apart(param, params, buffers, meta)
     rule = get_rule(meta.rule)
     layouts = [g.layout for g in meta.groups]
     compiling = torch.compiler.is_compiling()
@@ -699,6 +700,37 @@ def _check_apart(param, params: list, grads: list, state: PackedState | None, di
     raise grad_shares_memory(
         f"grad{names[j]}", f"param{names[k]}" if k < len(params) else f"packed state buffer {k - len(params)}"
     )
+
+
+def _check_pure_apart(param, params: list, buffers: tuple, meta: PackedMeta) -> None:
+    """A pure step's refusal of buffers sharing memory with each other or with a param, in the per-param state's
+    words (:func:`_check_no_overlap`): one buffer read as another (an exp_avg as its exp_avg_sq) steps to NaN.
+    Addresses are compared for plain eager tensors only (traced or batched ones have none: the same tensor twice)."""
+
+    def name(k: int) -> str:
+        if k < len(params):
+            return f"param{_names(param)[k]}"
+        b = k - len(params)
+        g = next(g for g in meta.groups if g.first <= b < g.first + len(g.offsets))
+        return f"packed state buffer {b} ({state_class(g.layout)._fields[b - g.first]})"
+
+    n = len(params)
+    pair = next(((n + i, n + j) for j, x in enumerate(buffers) for i in range(j) if buffers[i] is x), None)
+    if (
+        pair is None
+        and not torch.compiler.is_compiling()
+        and _functorch.maybe_current_level() is None
+        and set(map(type, itertools.chain(params, buffers))) <= ops._PLAIN_TYPES
+    ):
+        pair = _overlap([*params, *buffers], [])  # the params are apart (checked): a pair holds a buffer
+    if pair is None:
+        return
+    i, j = pair
+    if i == j:  # no storage at an address (a meta buffer beside a CPU param's: refused by the checks before)
+        raise TypeError(f"{name(i)} has no storage the fused step can address")
+    if i < n:
+        raise ValueError(f"{name(i)} and {name(j)} overlap in memory: a param and a state must not share memory")
+    raise ValueError(f"{name(i)} and {name(j)} overlap in memory: the states of one call must not share memory")
 
 
 # ---- the ops and their dispatch -------------------------------------------------------------------------------------

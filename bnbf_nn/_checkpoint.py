@@ -598,6 +598,13 @@ def _fail(where: str, msg: str) -> None:
     raise ValueError(f"cannot load the optimizer state of {where}: {msg}")
 
 
+def _check_has_data(where: str, key: str, t: Tensor) -> None:
+    """Refuse a meta tensor (a checkpoint saved or loaded under a meta device) before its values are read or
+    copied: torch's own errors there ("Cannot copy out of meta tensor") name no entry."""
+    if t.device.type == "meta":
+        _fail(where, f"{key} is a meta tensor, which holds no data")
+
+
 def for_bitsandbytes(state_dict: Mapping) -> dict:
     """``state_dict`` with each param's ``step`` an int, as bitsandbytes writes it (a new dict; the tensors are
     the same objects). bitsandbytes casts every floating-point tensor of a state it loads but its state entries
@@ -638,6 +645,8 @@ def _count(v: Any, name: str, where: str) -> int:
     """A saved count as an int: a one-element tensor's value (a float32 step, as torch writes it), numpy's ints,
     integral floats; anything else, or a negative count, refused naming ``name``."""
     given = v
+    if isinstance(v, Tensor) and v.device.type == "meta":  # item() would raise torch's bare meta error
+        _fail(where, f"{name} is a meta tensor, which holds no data")
     if isinstance(v, Tensor) and v.numel() == 1 and not v.is_complex():
         v = v.item()
     if isinstance(v, numbers.Integral) and not isinstance(v, bool):  # numpy's ints, as converted checkpoints hold
@@ -671,7 +680,10 @@ def unpack(
     checks = [] if own else checks
     entry = _unflattened(entry)
     saved_bits = _saved_bits(entry.pop(BITS_KEY, None), where)
-    entry.update(entry.pop(QUANT_KEY, None) or {})
+    quant = entry.pop(QUANT_KEY, None) or {}
+    if not isinstance(quant, Mapping):  # dict.update would fail on it with a message that names nothing
+        _fail(where, f"{QUANT_KEY!r} must be a dict of bitsandbytes' state tensors, got {type(quant).__name__}")
+    entry.update(quant)
     hparams = bnbf.hparams_for(rule.name, hparams)
     present = list(rule.slots_present(hparams))
     slots = _slots(rule, stacks)
@@ -715,6 +727,7 @@ def unpack(
                 else ""
             )
             _fail(where, f"missing {key!r} (the {rule.name} state {[rule.states[j].name for j in kept]}){hint}")
+        _check_has_data(where, key, t)
         lead = (len(slots[int(k) - 1]),) if len(slots[int(k) - 1]) > 1 else ()
         if tuple(t.shape) != lead + tuple(param.shape):
             _fail(where, f"{key} has shape {tuple(t.shape)}, the parameter needs {lead + tuple(param.shape)}")
@@ -730,6 +743,8 @@ def unpack(
         if not isinstance(a, Tensor) or a.dtype != torch.float32 or tuple(a.shape) != lead + (nblocks,):
             got = f"{a.dtype} {tuple(a.shape)}" if isinstance(a, Tensor) else repr(a)
             _fail(where, f"absmax{k} must be float32 of shape {lead + (nblocks,)} for {n} elements, got {got}")
+        _check_has_data(where, f"qmap{k}", q)
+        _check_has_data(where, f"absmax{k}", a)
         if is_dtensor(a):  # a DTensor param's scales, replicated (portable): every rank checks all of them
             a = a.full_tensor()
         _check_values(where, f"absmax{k}", a, True, checks)  # a negative scale flips its block's sign

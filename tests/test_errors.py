@@ -521,6 +521,30 @@ def test_a_meta_hparam_is_named_on_every_path(device, fn):
 
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
+@pytest.mark.parametrize("value", ["1", None, True, 1j, [1.0]], ids=["str", "None", "bool", "complex", "list"])
+def test_a_max_unorm_of_another_type_is_named_on_every_path(device, fn, value):
+    """max_unorm="1" (a config's string) failed a bare comparison ("'>=' not supported between instances of 'str'
+    and 'float'"), None a float() deep in the step: refused naming max_unorm, as max_grad_norm is (bool too, as
+    there), on the per-param and packed states, per-leaf and mixed-rule calls (compose), the differentiable step
+    and with max_grad_norm; nothing written."""
+    p = {"a": torch.randn(300, device=device), "b": torch.randn(4, 300, device=device)}
+    g = {k: torch.randn_like(v) * 0.01 for k, v in p.items()}
+    s = bnbf.init_state(p, spec())
+    mixed = {"a": bnbf.init_state(p["a"], spec("sgd")), "b": s["b"]}
+    match = f"^max_unorm must be a number or a 1-element tensor, got {type(value).__name__}$"
+    for state, hparams, options in [
+        (s, {"lr": 1e-3}, {}),
+        (bnbf.init_state(p, spec(), packed=True), {"lr": 1e-3}, {}),
+        (s, {"a": {"lr": 1e-3}, "b": {"lr": 1e-2}}, {}),
+        (mixed, {"sgd": {"lr": 1e-3}, "adamw": {"lr": 1e-3}}, {}),
+        (s, {"lr": 1e-3}, {"max_grad_norm": 1.0}),
+        (bnbf.init_state(p, spec(bits=32)), {"lr": 1e-3}, {"differentiable": True}),
+    ]:
+        expect_error(fn, TypeError, match, p, g, state, hparams, max_unorm=value, **options)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("fn", UPDATES, ids=UPDATE_IDS)
 @pytest.mark.parametrize("step", [1.0, 2.5, "float_tensor", "shape_1", torch.uint8, torch.int8, torch.int16])
 def test_non_integer_step(setup, fn, step, device):
     p, g, s = setup

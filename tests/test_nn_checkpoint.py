@@ -326,6 +326,20 @@ BAD = {
         lambda sd, _: _entry(sd, 1)["state2"].view(-1).__setitem__(0, -1.0) or sd,
         r"state2 holds 1 values that are negative, NaN or inf",
     ),
+    # a meta tensor (a state dict made or loaded on the meta device) has no values: torch's item() and copy_
+    # errors named no entry; a quant state that is no dict failed dict.update's conversion
+    "meta step": (lambda sd, _: sd["state"][1].update(step=torch.tensor(1.0, device="meta")) or sd, "'step' is a meta"),
+    "meta codes": (lambda sd, _: _entry(sd).update(state1=_entry(sd)["state1"].to("meta")) or sd, "state1 is a meta"),
+    "meta qmap": (lambda sd, _: _entry(sd).update(qmap2=_entry(sd)["qmap2"].to("meta")) or sd, "qmap2 is a meta"),
+    "meta absmax": (lambda sd, _: _entry(sd).update(absmax1=_entry(sd)["absmax1"].to("meta")) or sd, "absmax1 is a"),
+    "meta 32-bit state": (
+        lambda sd, _: _entry(sd, 1).update(state2=_entry(sd, 1)["state2"].to("meta")) or sd,
+        r"^cannot load the optimizer state of param 1 \(shape \(7,\)\): state2 is a meta tensor, which holds no data$",
+    ),
+    "quant state not a dict": (
+        lambda sd, _: sd["state"][0].update({QUANT_KEY: [1, 2]}) or sd,
+        rf"^cannot load the optimizer state of param 0 \(shape \(32, 40\)\): '{QUANT_KEY}' must be a dict .* list$",
+    ),
 }
 
 

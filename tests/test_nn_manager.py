@@ -264,11 +264,41 @@ def test_override_config_with_a_non_tensor_changes_nothing():
     [
         (bnbf_nn.AdamW8bit, {"max_unorm": -1.0}, ValueError, "Invalid max_unorm value"),
         (bnbf_nn.AdamW8bit, {"skip_zeros": "yes"}, TypeError, "skip_zeros must be a bool"),
+        (bnbf_nn.AdamW8bit, {"max_unorm": "1"}, TypeError, "max_unorm must be a number or a 1-element tensor"),
     ],
 )
 def test_bad_call_settings_fail_at_construction(cls, kw, exc, match):
     with pytest.raises(exc, match=match):
         cls(make_params(), lr=1e-3, **kw)
+
+
+@pytest.mark.parametrize("value", ["1", None])
+@pytest.mark.parametrize("where", ["group", "override"])
+def test_a_max_unorm_of_another_type_is_named_before_any_group_steps(where, value):
+    """A second group's (or a manager override's) max_unorm="1" failed a bare comparison inside the step (None: a
+    float() of the core's): refused naming max_unorm, before the first group stepped. A None override overrides
+    nothing (bitsandbytes skips it), so the step runs."""
+    params = make_params()
+    opt = bnbf_nn.AdamW8bit([{"params": params[:1]}, {"params": params[1:]}], lr=1e-2, min_8bit_size=MIN8)
+    run_adapter(opt, params, make_grads(params, 1))
+    if where == "group":
+        opt.param_groups[1]["max_unorm"] = value
+    else:
+        bnbf_nn.GlobalOptimManager.get_instance().override_config(params[2], "max_unorm", value)
+    for p, g in zip(params, make_grads(params, 1, seed=2)[0]):
+        p.grad = g
+    before = [p.detach().clone() for p in params], copy.deepcopy([dict(opt.state[p]) for p in params])
+    if where == "override" and value is None:
+        opt.step()
+        assert all(opt.state[p]["step"] == 2 for p in params)
+        return
+    match = rf"^max_unorm must be a number or a 1-element tensor, got {type(value).__name__}\n\(in param group 1 "
+    with pytest.raises(TypeError, match=match):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip(params, before[0]))
+    for p, rec in zip(params, before[1]):
+        assert opt.state[p]["step"] == rec["step"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(opt.state[p]["state"], rec["state"]))
 
 
 def test_lamb_group_with_max_unorm_fails_at_construction():

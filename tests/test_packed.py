@@ -805,3 +805,31 @@ def test_the_pure_step_refuses_a_param_listed_twice_or_overlapping(case):
     for packed in (state, bnbf.init_state({"a": torch.zeros(300), "b": torch.zeros(300)}, spec)):
         with pytest.raises(ValueError, match=rf"param\['a'\] and param\['b'\] {match}"):
             bnbf.update(params, grads, packed, {"lr": 1e-2}, 1)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("case", ["set_", "same tensor", "param in a buffer"])
+def test_the_pure_step_refuses_buffers_sharing_memory(device, case):
+    """The pure ``update`` of a packed state whose exp_avg_sq buffer was ``set_`` to its exp_avg buffer stepped
+    them as one (NaN params), where ``update_`` and the per-param state's ``update`` refuse states sharing memory.
+    Refused with the per-param state's words before anything is computed; nothing written."""
+    params = {"a": torch.randn(4, 300, device=device), "b": torch.randn(300, device=device)}
+    grads = {k: torch.randn_like(v) for k, v in params.items()}
+    params, state = bnbf.update(params, grads, bnbf.init_state(params, bnbf.OptimSpec(state_bits=32), packed=True),
+                                {"lr": 1e-2}, 1)  # fmt: skip
+    if case == "set_":
+        state.buffers[1].set_(state.buffers[0])
+    elif case == "same tensor":
+        state = type(state)((state.buffers[0], state.buffers[0]), state.meta)
+    else:
+        params["b"] = state.buffers[1][:300]
+    snap = snapshot(params, grads, state.buffers)
+    if case == "param in a buffer":
+        match = r"^param\['b'\] and packed state buffer 1 \(exp_avg_sq\) overlap in memory: a param and a state"
+    else:
+        match = r"^packed state buffer 0 \(exp_avg\) and packed state buffer 1 \(exp_avg_sq\) overlap in memory: the st"
+    with pytest.raises(ValueError, match=match):
+        bnbf.update(params, grads, state, {"lr": 1e-2}, 2)
+    assert_untouched(snap, f"the pure update of buffers sharing memory ({case})")
+    with pytest.raises(ValueError, match="overlap in memory"):  # as the per-param state's update refuses it
+        bnbf.update(params, grads, state.unpack(), {"lr": 1e-2}, 2)
