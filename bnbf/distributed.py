@@ -1094,6 +1094,22 @@ def _check_entry(i: str, s: Any, e: Any) -> None:
             raise ValueError(
                 f"saved{i}.{name} is {e[name].dtype} {tuple(got)}; the state needs {t.dtype} {tuple(want)}"
             )
+        if isinstance(e[name], DTensor):
+            _check_dtensor_entry(f"saved{i}.{name}", e[name])
+
+
+def _check_dtensor_entry(where: str, t: DTensor) -> None:
+    """A DTensor entry is what its metadata says: on a mesh that holds this rank, with the local tensor its global
+    shape and placements give here; else its rows or its gather would be wrong, or fail after earlier writes."""
+    mesh = t.device_mesh
+    if mesh.get_coordinate() is None:
+        raise ValueError(f"{where} is a DTensor on a mesh that does not hold rank {dist.get_rank()}: {mesh}")
+    want = torch.Size(compute_local_shape_and_global_offset(t.shape, mesh, t.placements)[0])
+    if t._local_tensor.shape != want:
+        raise ValueError(
+            f"{where} is a DTensor of global shape {tuple(t.shape)} with placements {t.placements} whose local "
+            f"tensor has shape {tuple(t._local_tensor.shape)}, not {tuple(want)}"
+        )
 
 
 def load_state_dict_(state: Any, saved: Any) -> Any:
@@ -1105,7 +1121,9 @@ def load_state_dict_(state: Any, saved: Any) -> Any:
 
     Args:
         state: the live states (from :func:`init_state`), written in place.
-        saved: ``state_dict(state)`` after ``dcp.load`` filled it (or the same structure of tensors).
+        saved: ``state_dict(state)`` after ``dcp.load`` filled it (or the same structure of tensors): plain tensors
+            or DTensors of the global shape, on any mesh and placements. A DTensor split otherwise than its state
+            (not ``Replicate``) is gathered as it is written, one at a time: then every rank of its mesh must call.
 
     Returns:
         ``state``.
@@ -1138,34 +1156,55 @@ def load_state_dict_(state: Any, saved: Any) -> Any:
 
 def _load_one(s: Any, e: dict, sh: _Shards | None, local: Any) -> None:
     """Entry ``e`` written into state ``s`` (checked); ``sh``, ``local``: its split and local view (None and ``s``
-    for a plain state)."""
+    for a plain state). A DTensor entry split otherwise than the state is gathered here, one tensor at a time."""
     layout = type(s).layout
     like = _param_like(s)
     if sh is None:
         for name, t in zip(s._fields, s):
-            src = e[name].full_tensor() if isinstance(e[name], DTensor) else e[name]
-            if src is not t:
-                t.copy_(src)
+            src = _entry_rows(e[name], None, t.device)
+            if src.data_ptr() != t.data_ptr() or src.numel() != t.numel():
+                t.copy_(src.view(t.shape))
         return
-    mine = slice(sh.start, sh.start + sh.count)  # this shard's elements of a plain (global) tensor
-
-    def rows(t: Tensor) -> Tensor:
-        return t.to_local().reshape(-1) if isinstance(t, DTensor) else t.reshape(-1)[mine]
-
+    device = like.device
     if not layout.quantized:
         for name, t in zip(local._fields, local):
-            src = rows(e[name])
+            src = _entry_rows(e[name], sh, device)
             if src.data_ptr() != t.data_ptr() or src.numel() != t.numel():
                 t.copy_(src.view(t.shape))
         return
     bs = layout.block_size
-    local_b, global_b = _element_blocks(sh.start, sh.count, bs, like.device)
+    local_b, global_b = _element_blocks(sh.start, sh.count, bs, device)
     for slot in layout.slots():
-        full = e[slot.name + "_absmax"]
-        full = full.full_tensor() if isinstance(full, DTensor) else full
+        full = _entry_rows(e[slot.name + "_absmax"], None, device)
         own = getattr(local, slot.name + "_absmax")
         scales = torch.zeros_like(own).scatter_reduce_(0, local_b, full[global_b], reduce="amax")
         live = getattr(local, slot.name)
-        new = _rescale(rows(e[slot.name]), full[global_b], scales[local_b], layout.format, slot.signed)
+        new = _rescale(
+            _entry_rows(e[slot.name], sh, device), full[global_b], scales[local_b], layout.format, slot.signed
+        )
         live.copy_(new.view(live.shape))
         own.copy_(scales)
+
+
+def _entry_rows(t: Tensor, sh: _Shards | None, device: torch.device) -> Tensor:
+    """The elements of shard ``sh`` (all where None) of entry ``t`` of the global shape, flat, on ``device``: a
+    DTensor split as the state (same mesh and placements) gives its local tensor; any other gives a slice of the
+    whole tensor, which a Replicate DTensor's local tensor already is and any other is gathered into (a collective:
+    which way is taken depends on metadata only, so every rank takes the same, in the same order)."""
+    if isinstance(t, DTensor):
+        if sh is not None and _split_as(t, sh):
+            return t.to_local().reshape(-1).to(device)
+        t = t.to_local() if all(type(pl) is Replicate for pl in t.placements) else t.full_tensor()
+    flat = t.reshape(-1).to(device)
+    return flat if sh is None else flat[sh.start : sh.start + sh.count]
+
+
+def _split_as(t: DTensor, sh: _Shards) -> bool:
+    """Whether DTensor ``t`` (of the state's global shape) is split as shard ``sh``'s state: then its local tensor
+    holds this shard's elements (the type compared too: a ``_StridedShard`` is a ``Shard`` of other rows)."""
+    pls = tuple(t.placements)
+    return (
+        t.device_mesh == sh.mesh
+        and len(pls) == len(sh.placements)
+        and all(type(a) is type(b) and a == b for a, b in zip(pls, sh.placements))
+    )

@@ -638,6 +638,109 @@ def scenario_checkpoint():
     torch.distributed.barrier()
 
 
+def _entries(sd: dict, convert) -> dict:
+    """``sd`` (from bnbf.distributed.state_dict) with ``convert`` applied to each tensor, the layouts kept."""
+    from bnbf.distributed import LAYOUT_KEY
+
+    return {k: {n: v if n == LAYOUT_KEY else convert(v) for n, v in e.items()} for k, e in sd.items()}
+
+
+def _other_splits() -> dict:
+    """Ways to hand load_state_dict_ the tensors of a state_dict: plain (gathered); Replicate on their mesh; Shard(0)
+    on another mesh (2-D, HSDP's layout); Shard(1) on their mesh (1-D tensors: Shard(0) on the 2-D mesh). Not a mesh
+    of the ranks in reverse order: torch's own Shard(0) of uneven rows there is wrong (full_tensor of 5 rows gave 0,
+    1, 0, 3, 4 from arange(5))."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    two_d = init_device_mesh(DEVICE.type, (1, WORLD), mesh_dim_names=("replicate", "shard"))
+
+    def on_2d(v):
+        return distribute_tensor(v.full_tensor(), two_d, [Replicate(), Shard(0)])
+
+    return {
+        "plain": lambda v: v.full_tensor(),
+        "replicate": lambda v: v.redistribute(v.device_mesh, [Replicate()]),
+        "other mesh": on_2d,
+        "columns": lambda v: v.redistribute(v.device_mesh, [Shard(1)]) if v.ndim > 1 else on_2d(v),
+    }
+
+
+def scenario_load_entries_of_other_splits():
+    """load_state_dict_ of entries that are DTensors of the global shape split otherwise than the live state
+    (Replicate, a gathered tree; Shard(0) on another mesh; Shard(1)) loads this shard's rows of the whole tensor:
+    the states and the steps after equal those of a load of plain tensors. It took the local tensor as this shard's
+    rows: a view error after earlier states were written, or other elements (Shard(1) of 8 x 128: 8 x 64)."""
+    import bnbf
+    import bnbf.distributed as bd
+
+    splits = _other_splits()
+    for bits in (8, 32):
+        spec = bnbf.OptimSpec(rule="adamw", state_bits=bits, min_8bit_size=MIN8)
+        run = _Run(spec, {"lr": LR})
+        for _ in range(STEPS):
+            run.advance(reference=False)
+        sd = bd.state_dict(run.state)
+        params, states = {}, {}
+        for kind, convert in splits.items():
+            params[kind] = {k: p.detach().clone() for k, p in run.params.items()}
+            states[kind] = bd.init_state(params[kind], spec, {"lr": LR})
+            bd.load_state_dict_(states[kind], _entries(sd, convert))
+        for t in range(STEPS + 1, STEPS + 3):
+            grads = run.grads()
+            run.step += 1
+            for kind in splits:
+                bd.update_(params[kind], grads, states[kind], {"lr": LR}, t)
+        for kind in splits.keys() - {"plain"}:
+            for k in run.params:
+                want = [f.to_local() for f in states["plain"][k]]
+                assert all(torch.equal(f.to_local(), w) for f, w in zip(states[kind][k], want)), (bits, kind, k)
+                assert torch.equal(params[kind][k].to_local(), params["plain"][k].to_local()), (bits, kind, k)
+
+
+def scenario_load_refused_before_writing():
+    """load_state_dict_ whose later entry is a DTensor that is not what its metadata says (a local tensor of
+    another shape than its global shape and placements give) refuses it before any state is written, the earlier
+    entries (plain, Replicate, Shard(1), Shard(0) on another mesh) fine. It wrote those, then raised a view error."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    import bnbf
+    import bnbf.distributed as bd
+
+    spec = bnbf.OptimSpec(rule="adamw", min_8bit_size=MIN8)
+    run = _Run(spec, {"lr": LR})
+    for _ in range(STEPS):
+        run.advance(reference=False)
+    sd = bd.state_dict(run.state)
+    splits = _other_splits()
+    saved = {k: dict(e) for k, e in sd.items()}
+    for k, kind in (("0.weight", "plain"), ("0.bias", "replicate"), ("2.weight", "columns"), ("2.bias", "other mesh")):
+        saved[k] = _entries({k: sd[k]}, splits[kind])[k]
+    reference = bd.init_state(run.params, spec, {"lr": LR})
+    bd.load_state_dict_(reference, _entries(sd, splits["plain"]))
+    # 4.weight (150 x 8, 75 rows a rank): its codes as a Shard(0) DTensor holding all 150 rows, or its scales as a
+    # Replicate DTensor holding 3 of its 5
+    lying = {
+        "exp_avg": lambda v: DTensor.from_local(
+            v.full_tensor(), v.device_mesh, [Shard(0)], run_check=False, shape=v.shape, stride=v.stride()
+        ),
+        "exp_avg_sq_absmax": lambda v: DTensor.from_local(
+            v.full_tensor()[:3], v.device_mesh, [Replicate()], run_check=False, shape=v.shape, stride=v.stride()
+        ),
+    }
+    for field, lie in lying.items():
+        bad = {**saved, "4.weight": {**saved["4.weight"], field: lie(sd["4.weight"][field])}}
+        state = bd.init_state(run.params, spec, {"lr": LR})  # zeros: any write shows
+        kept = {k: [t.to_local().clone() for t in s] for k, s in state.items()}
+        with pytest.raises(ValueError, match=rf"saved\['4.weight'\]\.{field} is a DTensor .* whose local tensor"):
+            bd.load_state_dict_(state, bad)
+        for k, s in state.items():
+            assert all(torch.equal(t.to_local(), c) for t, c in zip(s, kept[k])), (field, k)
+        bd.load_state_dict_(state, saved)  # without the lie, the same entries load
+        for k, s in state.items():
+            assert all(torch.equal(t.to_local(), w.to_local()) for t, w in zip(s, reference[k])), (field, k)
+
+
 def scenario_ddp_unchanged():
     """DDP: plain params and all-reduced grads go straight to the core; every rank equals the unsharded run
     on the averaged grads bit for bit."""
