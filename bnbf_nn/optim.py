@@ -1333,7 +1333,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         for gi, (group, plan, grads, every) in enumerate(jobs):
             if not plan.dist:
                 self._check_grads(group, grads, every)
-            else:  # DTensor grads: a group may step in several core calls (overrides, params out of step)
+            elif gi or not _one_call(jobs[0]):  # DTensor grads: one core call checks its own before writing
                 try:
                     _distributed().check_grads(group["params"], grads)
                 except (TypeError, ValueError, NotImplementedError) as e:
