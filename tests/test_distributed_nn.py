@@ -338,6 +338,39 @@ def scenario_nn_refused():
     assert all(torch.equal(p.detach().to_local(), before[k]) for k, p in model.named_parameters())
 
 
+def scenario_nn_later_bucket_grad_refused():
+    """A first group split into two core calls (a weight_decay override on 0.weight) whose later bucket holds a plain
+    grad for a DTensor param: the step raises before anything is written. 0.weight, its state and step count were
+    updated first, then torch's "mixed torch.Tensor and DTensor" was raised (naming no param group)."""
+    import bnbf_nn
+
+    mng = bnbf_nn.GlobalOptimManager.get_instance()
+    try:
+        model = _fsdp_model()
+        mng.override_config(model[0].weight, "weight_decay", 0.5)
+        opt = bnbf_nn.AdamW8bit(model.parameters(), lr=LR, min_8bit_size=MIN8)
+        _backward(model, 1)
+        opt.step()
+        _backward(model, 2)
+        model[4].weight.grad = torch.zeros(model[4].weight.shape, device=td.DEVICE)  # a DTensor param's grad
+        params = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
+        states = {k: [t.to_local().clone() for t in opt.state[p]["state"]] for k, p in model.named_parameters()}
+        steps = {k: opt.state[p]["step"] for k, p in model.named_parameters()}
+        try:  # not pytest.raises: its failure is a BaseException, which would end the rank, not this scenario
+            opt.step()
+        except TypeError as e:
+            said = str(e)
+        else:
+            raise AssertionError("a plain grad for a DTensor param stepped")
+        for k, p in model.named_parameters():
+            assert torch.equal(p.detach().to_local(), params[k]), k
+            assert all(torch.equal(t.to_local(), c) for t, c in zip(opt.state[p]["state"], states[k])), k
+            assert opt.state[p]["step"] == steps[k] == 1, k
+        assert "param group 0: grad[4]: got mixed torch.Tensor and DTensor" in said, said
+    finally:
+        mng.initialize()
+
+
 def _code_step_close(got: torch.Tensor, want: torch.Tensor, absmax: torch.Tensor, signed: bool) -> bool:
     """Whether dequantized states differ by at most one code step of their block's scale."""
     from bnbf.quant import state_map
@@ -690,6 +723,66 @@ def scenario_nn_load_refused_on_every_rank():
         assert opt.param_groups[0]["lr"] == LR / 2, cls.__name__
         for p, kept in before.items():
             assert all(torch.equal(s.to_local(), k) for s, k in zip(opt.state[p]["state"], kept)), cls.__name__
+
+
+def _whole_blocks_model() -> torch.nn.Module:
+    """An FSDP2 model whose 8-bit states' shards all hold whole 256-element blocks (weights 128 x 8 and 8 x 128)."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 128), torch.nn.Tanh(), torch.nn.Linear(128, 8)).to(td.DEVICE)
+    fully_shard(model, mesh=td.mesh())
+    return model
+
+
+def scenario_nn_load_replicate_entries():
+    """load_state_dict of the optimizer's own state_dict() whose DTensors were redistributed to Replicate (entries of
+    the global shape, as README allows): the states equal those of a load of the unmodified state_dict bit for bit,
+    and so do the params two steps on. It raised "shape ... is invalid" (the whole tensor read as this shard's)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.utils._pytree import tree_map
+
+    import bnbf_nn
+
+    def backward(model: torch.nn.Module, step: int) -> None:
+        model.zero_grad(set_to_none=True)
+        x, _ = (t.to(td.DEVICE) for t in td._batch(torch.distributed.get_rank(), step))
+        model(x).square().mean().backward()
+
+    for cls in (bnbf_nn.AdamW8bit, bnbf_nn.AdamW32bit):
+        model = _whole_blocks_model()
+        opt = cls(model.parameters(), lr=LR, min_8bit_size=MIN8, weight_decay=0.01)
+        for t in range(1, td.STEPS + 1):
+            backward(model, t)
+            opt.step()
+        sd = opt.state_dict()
+        replicated = tree_map(
+            lambda v: v.redistribute(v.device_mesh, [Replicate()]) if isinstance(v, DTensor) else copy.deepcopy(v), sd
+        )
+        saved = {k: p.detach().to_local().clone() for k, p in model.named_parameters()}
+        runs = []
+        for entries in (replicated, sd):
+            twin = _whole_blocks_model()
+            with torch.no_grad():
+                for k, p in twin.named_parameters():
+                    p.to_local().copy_(saved[k])
+            loaded = cls(twin.parameters(), lr=LR, min_8bit_size=MIN8, weight_decay=0.01)
+            loaded.load_state_dict(entries)
+            runs.append((twin, loaded))
+        (rep, rep_opt), (plain, plain_opt) = runs
+        for step in range(td.STEPS, td.STEPS + 3):
+            if step > td.STEPS:
+                for twin, loaded in runs:
+                    backward(twin, step)
+                    loaded.step()
+            for (k, p), q in zip(rep.named_parameters(), plain.parameters()):
+                tag = (cls.__name__, step, k)
+                assert torch.equal(p.detach().to_local(), q.detach().to_local()), tag
+                mine, want = rep_opt.state[p], plain_opt.state[q]
+                assert mine["step"] == want["step"] == step, tag
+                assert all(torch.equal(a.to_local(), b.to_local()) for a, b in zip(mine["state"], want["state"])), tag
 
 
 def scenario_nn_overrides_and_fully_shard():
