@@ -196,8 +196,8 @@ def update(
         ``(new_param, new_state)`` in the input structures, all new tensors.
 
     Raises:
-        ValueError: among others, for a param (or state) listed twice, or params or states sharing memory
-            (views of one tensor): each leaf is stepped on its own.
+        ValueError: among others, for a param (or state) listed twice, or params or states whose memory
+            overlaps (overlapping views of one tensor; disjoint views step): each leaf is stepped on its own.
         RuntimeError: where a derivative is asked for through the step without ``differentiable=True``
             (an input requires grad under grad mode, or torch.func's grad/jvp wraps it).
 

@@ -78,7 +78,7 @@ opposite to the class is refused in a param group, where a hand edit sets it too
 
 Settings live in the param groups (``optim_bits``, ``min_8bit_size``, ``state_format``, ``skip_zeros``,
 ``max_unorm``, ``maximize`` included), so each group may set its own, and :class:`GlobalOptimManager` overrides
-them per parameter; ``step`` checks every group's settings (and the dtype of params that get their first state)
+them per parameter; ``step`` checks every group's settings, params and grads (memory shared between groups included)
 before it steps any group. Settings that decide which states exist may change between steps, as in torch.optim:
 with momentum (SGD, RMSprop, LARS) or amsgrad (Adam, AdamW) switched off the state keeps its buffer untouched
 (``state_dict`` saves it and loading keeps it), switched on the missing buffer is added at its initial value;

@@ -1,6 +1,6 @@
-"""The examples in bnbf's docstrings run as written: doctest over each module of bnbf whose source holds one (a
-``>>>`` line), in the module's namespace (doctest's own rule: what an example uses and the module does not define
-or import, the example imports), on the CPU."""
+"""The examples in bnbf's and bnbf_nn's docstrings run as written: doctest over each module of either package whose
+source holds one (a ``>>>`` line), in the module's namespace (doctest's own rule: what an example uses and the module
+does not define or import, the example imports), on the CPU."""
 
 from __future__ import annotations
 
@@ -12,11 +12,13 @@ import re
 import pytest
 
 import bnbf
+import bnbf_nn
 
-ROOT = pathlib.Path(bnbf.__file__).parent
 MODULES = sorted(
-    ".".join(("bnbf", *path.relative_to(ROOT).with_suffix("").parts)).removesuffix(".__init__")
-    for path in ROOT.rglob("*.py")
+    ".".join((package.__name__, *path.relative_to(root).with_suffix("").parts)).removesuffix(".__init__")
+    for package in (bnbf, bnbf_nn)
+    for root in [pathlib.Path(package.__file__).parent]
+    for path in root.rglob("*.py")
     if ">>>" in path.read_text()
 )
 
@@ -39,3 +41,4 @@ def test_docstring_examples_run(name):
 def test_the_modules_with_examples_are_found():
     """The discovery above finds the modules that hold examples (a check of its path arithmetic)."""
     assert {"bnbf", "bnbf.functional", "bnbf.packed", "bnbf.compose", "bnbf.rules"} <= set(MODULES)
+    assert {"bnbf_nn", "bnbf_nn.nn", "bnbf_nn.optim"} <= set(MODULES)

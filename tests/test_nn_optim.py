@@ -927,7 +927,7 @@ def test_a_later_groups_refused_param_steps_no_group(device, kind):
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("bits", [8, 32])
 @pytest.mark.parametrize("later", [False, True], ids=["first step", "later step"])
-@pytest.mark.parametrize("bad", ["grad alias", "meta lr", "TwoTensor lr"])
+@pytest.mark.parametrize("bad", ["grad alias", "grad of the first group", "meta lr", "TwoTensor lr"])
 def test_a_later_groups_refused_grad_or_setting_steps_no_group(device, bits, later, bad):
     """A grad of the second group that is another of its params' memory, or a setting its step cannot read (a meta
     tensor, a tensor subclass dispatching on its own), is refused before the first group steps, at the first step
@@ -942,7 +942,14 @@ def test_a_later_groups_refused_grad_or_setting_steps_no_group(device, bits, lat
         p.grad = g
     if bad == "grad alias":
         b[2].grad = b[0].detach()[:7]  # the (7,) param's grad is the (300,) param's memory
-    match = {"grad alias": "shares memory", "meta lr": "lr is a meta tensor", "TwoTensor lr": "lr is a TwoTensor"}[bad]
+    elif bad == "grad of the first group":
+        b[2].grad = a[0].detach()[:7]  # another group's param: no group's own call sees it
+    match = {
+        "grad alias": "shares memory",
+        "grad of the first group": "shares memory",
+        "meta lr": "lr is a meta tensor",
+        "TwoTensor lr": "lr is a TwoTensor",
+    }[bad]
     if bad == "meta lr":
         opt.param_groups[1]["lr"] = torch.tensor(1e-2, device="meta")
     elif bad == "TwoTensor lr":
