@@ -428,17 +428,26 @@ def _one_call(job: tuple) -> bool:
 
 
 def _across_key(jobs: list) -> tuple | None:
-    """What :meth:`Optimizer8bit._check_across` found apart, while it holds: each bucket's plan's mark (the plans
-    confirm their leaves before, :meth:`Optimizer8bit._prepare_group`) and the grads' addresses; None where some
-    param has no state or no grad this step (no plans to confirm them)."""
+    """What :meth:`Optimizer8bit._check_across` found apart, while it holds: the mark of the plan of each bucket this
+    step takes (or of its subset with grads, where some params have none: a frozen layer's), which the plans
+    confirm before (:meth:`Optimizer8bit._prepare_group`), and the grads' addresses; None where a param has no
+    state yet or a subset no plan (no plans to confirm them)."""
     marks, at = [], []
     for _, plan, gs, every in jobs:
         if plan.dist:
             continue
-        if not (plan.complete and every) or any(b.plan is None for b in plan.buckets):
+        if not plan.complete:
             return None
-        marks.extend(b.plan.mark for b in plan.buckets)
-        at.append(array.array("Q", map(Tensor.data_ptr, gs)).tobytes())
+        if every:
+            steps = plan.buckets
+        elif plan.partial and plan.has_grad == tuple(g is not None for g in gs):
+            steps = [sub for _, sub in plan.partial]
+        else:
+            return None
+        if any(b.plan is None for b in steps):
+            return None
+        marks.extend(b.plan.mark for b in steps)
+        at.append(array.array("Q", [g.data_ptr() for g in gs if g is not None]).tobytes())
     return tuple(marks), b"".join(at)
 
 

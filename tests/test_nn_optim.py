@@ -963,6 +963,25 @@ def test_a_later_groups_refused_grad_or_setting_steps_no_group(device, bits, lat
 
 
 @pytest.mark.parametrize("device", DEVICES)
+def test_a_grad_of_another_group_is_refused_beside_a_frozen_param(device):
+    """Steps where a param has no grad (a frozen one) keep the check across groups between steps (by the plans of the
+    subsets with grads, and the grads' addresses): a grad made another group's param's memory there is refused."""
+    a, b = make_params(seed=0, device=device), make_params(seed=1, device=device)
+    opt = bnbf_nn.AdamW8bit([{"params": a}, {"params": b}], lr=1e-2, min_8bit_size=MIN8)
+    run_adapter(opt, a + b, make_grads(a + b, 1))
+    for gs in make_grads(a + b, 2, seed=3):
+        for p, g in zip(a + b, gs):
+            p.grad = g
+        a[1].grad = None
+        opt.step()
+    b[2].grad = a[0].detach()[:7]
+    snap = _snapshot_opt(opt)
+    with pytest.raises(ValueError, match=r"grad\[2\] of param group 1 shares memory with param\[0\] of param group 0"):
+        opt.step()
+    _assert_unchanged(snap, "a grad of group 1 that is group 0's param")
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_params_of_two_groups_sharing_memory_are_refused(device):
     """A param that is a view of another group's param: each group is its own core call, which checks its own
     leaves only, so the shared elements were stepped twice (SGD: 2 lr where the other rows moved lr). Refused
