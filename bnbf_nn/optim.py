@@ -874,7 +874,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             _check_adam_lr(settings)
         if adamish:
             self._check_decoupled(settings)
-        bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
+        h = bnbf.hparams_for(self._rule.name, _detached(self._hparams(group, override, as_given)))
+        if _host_checks.hparam_tensors(h, None, settings["max_unorm"]):  # a meta or TwoTensor lr: refused here too
+            self._check_readable(settings, h, settings["max_unorm"])
         if adam:
             _check_adam_betas(settings["betas"], settings["foreach"] and not settings["capturable"])
         self._spec(group, override)

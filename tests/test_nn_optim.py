@@ -795,6 +795,28 @@ def test_a_state_dict_group_with_a_refused_argument_is_refused_at_load(cls, key,
     assert opt.param_groups[0][key] == taken
 
 
+@pytest.mark.parametrize("bad", ["meta", "TwoTensor"])
+def test_an_unreadable_tensor_lr_is_refused_at_construction_and_load(bad):
+    """An lr the step cannot read (a meta tensor, a tensor subclass dispatching on its own) is refused by the
+    constructor and by a load, before anything is loaded; a saved group's meta lr loaded and failed at the next step."""
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    lr = torch.tensor(1e-2, device="meta") if bad == "meta" else TwoTensor(torch.tensor(1e-2), torch.tensor(1e-2))
+    match = f"lr is a {'meta tensor' if bad == 'meta' else 'TwoTensor'}"
+    a = make_params()
+    with pytest.raises((TypeError, ValueError), match=match):
+        bnbf_nn.AdamW8bit(a, lr=lr, min_8bit_size=MIN8)
+    opt = bnbf_nn.AdamW8bit(a, lr=1e-2, min_8bit_size=MIN8)
+    run_adapter(opt, a, make_grads(a, 1))
+    sd = opt.state_dict()
+    sd["param_groups"][0]["lr"] = lr
+    kept = _kept(opt, a)
+    with pytest.raises((TypeError, ValueError), match=match):
+        opt.load_state_dict(sd)
+    _assert_kept(opt, a, kept)
+    assert opt.param_groups[0]["lr"] == 1e-2
+
+
 def test_a_load_replaces_lambs_bias_correction_set_by_hand_before_it():
     """A live group's bias_correction set by hand and not yet stepped outlived a load (whose group holds debias):
     the next step read it over the loaded debias. The saved group states the settings, as in torch.optim; a saved
