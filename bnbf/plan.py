@@ -188,7 +188,7 @@ class Plan:
         self._spec = spec
         # replaced whenever the planned leaves are checked anew: a caller's check over several plans (bnbf_nn's
         # groups) holds still while every plan's mark is the one it saw
-        self.mark = object()
+        self._mark = object()
         self._keys = spec[1] if type(spec) is tuple and spec[0] == "dict" else None  # a flat dict's keys
         self._n = len(params)
         self.rule = get_rule(type(states[0]).layout.rule)
@@ -401,7 +401,7 @@ class Plan:
         elif self._generic_meta is not None and _leaf_meta(self._params, self._states) != self._generic_meta:
             _validate(self._tree, self._params, self._states, self._spec, self._spec)
             self._generic_meta = _leaf_meta(self._params, self._states)
-            self.mark = object()
+            self._mark = object()
 
     def _rebuild(self) -> None:
         _validate(self._tree, self._params, self._states, self._spec, self._spec)

@@ -446,7 +446,7 @@ def _across_key(jobs: list) -> tuple | None:
             return None
         if any(b.plan is None for b in steps):
             return None
-        marks.extend(b.plan.mark for b in steps)
+        marks.extend(b.plan._mark for b in steps)
         at.append(array.array("Q", [g.data_ptr() for g in gs if g is not None]).tobytes())
     return tuple(marks), b"".join(at)
 
@@ -1756,7 +1756,7 @@ class Optimizer8bit(torch.optim.Optimizer):
                 at.append(held[1])
             else:
                 at.append(array.array("Q", map(Tensor.data_ptr, held)).tobytes())
-        key = (tuple(r[0].plan.mark for r in ready), b"".join(at))
+        key = (tuple(r[0].plan._mark for r in ready), b"".join(at))
         if key == self._across:
             return
         params, states = [], []
