@@ -434,7 +434,7 @@ def _across_key(jobs: list) -> tuple | None:
     state yet or a subset no plan (no plans to confirm them)."""
     marks, at = [], []
     for _, plan, gs, every in jobs:
-        if plan.dist:
+        if plan.dist or not any(g is not None for g in gs):  # a group with no grad (frozen) writes nothing
             continue
         if not plan.complete:
             return None
@@ -447,7 +447,10 @@ def _across_key(jobs: list) -> tuple | None:
         if any(b.plan is None for b in steps):
             return None
         marks.extend(b.plan._mark for b in steps)
-        at.append(array.array("Q", [g.data_ptr() for g in gs if g is not None]).tobytes())
+        present = [g for g in gs if g is not None]
+        if not all(map(Tensor.is_contiguous, present)):  # an address alone does not say what a strided grad spans
+            return None
+        at.append(array.array("Q", map(Tensor.data_ptr, present)).tobytes())
     return tuple(marks), b"".join(at)
 
 
@@ -1214,13 +1217,14 @@ class Optimizer8bit(torch.optim.Optimizer):
             grads, every = _grads_of(params)
             if not every:
                 return False
-            # as _grads_held confirms: a changed param raises before any steps (the first one's step checks first)
-            if ready:
+            # as _grads_held confirms: a changed param raises before any steps (a lone group's step checks first;
+            # with several, every plan's mark must be current for _check_fast_across)
+            if ready or len(groups) > 1:
                 self._leaves_checked(group, bucket)
             self._check_grads(group, grads, True)  # before any group steps (_grads_held checked the others')
             ready.append((bucket, records, plan.step, grads, call, t + 1))
-        if len(ready) > 1 and any(r[3] is not True for r in ready):  # grads moved: against the other groups' leaves
-            self._check_grads_across(ready)
+        if len(ready) > 1:  # the leaves of every group apart, as the general step checks them (kept while unchanged)
+            self._check_fast_across(ready)
         # no profiler runs (checked above): torch's _optimizer_step_code, the profiler's entry point, has no reader
         for bucket, records, plan_step, grads, call, t in ready:
             bucket.call = call
@@ -1743,30 +1747,36 @@ class Optimizer8bit(torch.optim.Optimizer):
         _host_checks._check_grads_apart(tree, params, grads, states)
         self._across = key
 
-    def _check_grads_across(self, ready: list) -> None:
-        """The fast step's check of the grads, where some moved since the last step, against every group's params
-        and states (each group's plan checks its own grads against its own leaves only when that group steps).
-        ``ready``: the fast step's entries, one per group, each (bucket, records, step function, the grads as
-        ``Plan._grads_held`` found them or a list, ...). Kept as :meth:`_check_across`'s check is."""
+    def _check_fast_across(self, ready: list) -> None:
+        """:meth:`_check_across` for the fast step's groups (``ready``: one entry per group, each (bucket, records,
+        step function, the grads as ``Plan._grads_held`` found them or a list, ...), every plan confirmed), with the
+        same key: each plan's mark (a param's ``.data`` or a state field changed since makes a new one) and the
+        grads' addresses (held grads are contiguous, of their params' shapes; a list with a strided grad is checked
+        every step)."""
         at = []
         for bucket, _, _, held, *_ in ready:
             if held is True:
                 at.append(bucket.plan._grad_at)
             elif type(held) is tuple:
                 at.append(held[1])
-            else:
+            elif all(map(Tensor.is_contiguous, held)):
                 at.append(array.array("Q", map(Tensor.data_ptr, held)).tobytes())
-        key = (tuple(r[0].plan._mark for r in ready), b"".join(at))
-        if key == self._across:
+            else:
+                at = None
+                break
+        key = None if at is None else (tuple(r[0].plan._mark for r in ready), b"".join(at))
+        if key is not None and key == self._across:
             return
-        params, states = [], []
-        for bucket, *_ in ready:
+        params, states, names = [], [], []
+        for gi, (bucket, *_) in enumerate(ready):
             params.extend(bucket.params)
             states.extend(bucket.states)
+            names.extend((gi, i) for i in bucket.idx)
         grads = [p.grad for p in params]
-        if _host_checks._grad_overlap(params, grads, states) is not None:
-            names = [_leaf_name(gi, i) for gi, r in enumerate(ready) for i in r[0].idx]
-            _host_checks._check_grads_apart(dict(zip(names, params)), params, grads, states)
+        if _host_checks._overlap(params, states) is not None or _host_checks._grad_overlap(params, grads, states):
+            tree = dict(zip(itertools.starmap(_leaf_name, names), params))
+            _host_checks._check_no_overlap(tree, params, states)
+            _host_checks._check_grads_apart(tree, params, grads, states)
         self._across = key
 
     def _check_readable(self, group: Mapping, h: Any, max_unorm: Any) -> None:

@@ -1004,6 +1004,43 @@ def test_a_grad_of_another_group_is_refused_beside_a_frozen_param(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("general", [False, True], ids=["fast step", "general step"])
+@pytest.mark.parametrize("change", [".data = another group's param", ".data = another group's grad", "strided grad"])
+def test_leaves_changed_between_steps_are_checked_across_groups(device, general, change):
+    """A change between steps that makes two groups share memory, where each group's own call sees only its leaves:
+    a param's .data made another group's param (stepped twice, silently) or another group's grad (rewritten before
+    that group read it), and a strided grad at its old grad's address reaching into another group's param. The fast
+    step once checked only grads across groups, against a key of stale marks or of addresses alone, and its key then
+    let the general step skip the check too. Refused on either step, nothing written."""
+    buf = torch.zeros(1024, device=device)
+    a = torch.nn.Parameter(torch.randn(2, 128, device=device))
+    a.data = buf[256:512].view(2, 128)
+    a.data.normal_()
+    b = torch.nn.Parameter(torch.randn(2, 128, device=device))
+    opt = bnbf_nn.AdamW8bit([{"params": [a]}, {"params": [b]}], lr=0.1, min_8bit_size=1)
+    a.grad = torch.ones_like(a)
+    b.grad = buf[0:256].view(2, 128)  # apart from a, kept in place between steps
+    buf[0:256] = 1.0
+    opt.step()
+    opt.step()
+    if general:
+        opt.param_groups[1]["weight_decay"] = 0.02  # another setting: the general step
+    if change == ".data = another group's param":
+        b.data = a.data
+        match = r"param\[0\] of param group 0 and param\[0\] of param group 1 overlap"
+    elif change == ".data = another group's grad":
+        a.data = b.grad
+        match = r"grad\[0\] of param group 1 shares memory with param\[0\] of param group 0"
+    else:
+        b.grad = buf.as_strided((2, 128), (256, 1), 0)  # its second row is a's first
+        match = r"grad\[0\] of param group 1 shares memory with param\[0\] of param group 0"
+    snap = [(t, t.detach().clone()) for t in (buf, *opt.state[a]["state"], *opt.state[b]["state"])]
+    with pytest.raises(ValueError, match=match):
+        opt.step()
+    _assert_unchanged(snap, change)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_params_of_two_groups_sharing_memory_are_refused(device):
     """A param that is a view of another group's param: each group is its own core call, which checks its own
     leaves only, so the shared elements were stepped twice (SGD: 2 lr where the other rows moved lr). Refused
