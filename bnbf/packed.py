@@ -495,14 +495,6 @@ def update(param, grad, state: PackedState, hparams, step, skip_zeros, max_unorm
         raise ValueError("a packed state does not hold DTensor (FSDP2) params' state; use bnbf.distributed")
     _check_tree(param, params, spec, grads, g_spec, buffers, meta, in_place)
     if not in_place:  # (in place: _check_apart, every param against every param and buffer)
-        if (
-            torch.compiler.is_compiling()
-            or _functorch.maybe_current_level() is not None
-            or not set(map(type, params)) <= ops._PLAIN_TYPES
-        ):
-            check_no_repeats(param, params, [])  # no addresses to compare
-        else:  # two results for one tensor, as the per-param state's update refuses
-            _check_no_overlap(param, params, [])
         _check_pure_apart(param, params, buffers, meta)
     rule = get_rule(meta.rule)
     layouts = [g.layout for g in meta.groups]
@@ -703,9 +695,10 @@ def _check_apart(param, params: list, grads: list, state: PackedState | None, di
 
 
 def _check_pure_apart(param, params: list, buffers: tuple, meta: PackedMeta) -> None:
-    """A pure step's refusal of buffers sharing memory with each other or with a param, in the per-param state's
-    words (:func:`_check_no_overlap`): one buffer read as another (an exp_avg as its exp_avg_sq) steps to NaN.
-    Addresses are compared for plain eager tensors only (traced or batched ones have none: the same tensor twice)."""
+    """A pure step's refusal of params or buffers sharing memory, in the per-param state's words
+    (:func:`_check_no_overlap`): a param twice would get two results, one buffer read as another (an exp_avg as its
+    exp_avg_sq) steps to NaN. Addresses are compared for plain eager tensors only, in one pass over params and
+    buffers (traced or batched ones have none: the same tensor twice)."""
 
     def name(k: int) -> str:
         if k < len(params):
@@ -715,17 +708,21 @@ def _check_pure_apart(param, params: list, buffers: tuple, meta: PackedMeta) -> 
         return f"packed state buffer {b} ({state_class(g.layout)._fields[b - g.first]})"
 
     n = len(params)
-    pair = next(((n + i, n + j) for j, x in enumerate(buffers) for i in range(j) if buffers[i] is x), None)
-    if (
-        pair is None
-        and not torch.compiler.is_compiling()
+    addresses = (
+        not torch.compiler.is_compiling()
         and _functorch.maybe_current_level() is None
         and set(map(type, itertools.chain(params, buffers))) <= ops._PLAIN_TYPES
-    ):
-        pair = _overlap([*params, *buffers], [])  # the params are apart (checked): a pair holds a buffer
+    )
+    if not addresses:
+        check_no_repeats(param, params, [])
+    pair = next(((n + i, n + j) for j, x in enumerate(buffers) for i in range(j) if buffers[i] is x), None)
+    if pair is None and addresses:
+        pair = _overlap([*params, *buffers], [])
     if pair is None:
         return
     i, j = pair
+    if j < n:  # two params: named as the per-param state's update names them
+        _check_no_overlap(param, params, [])
     if i == j:  # no storage at an address (a meta buffer beside a CPU param's: refused by the checks before)
         raise TypeError(f"{name(i)} has no storage the fused step can address")
     if i < n:
