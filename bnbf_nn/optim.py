@@ -454,6 +454,16 @@ def _across_key(jobs: list) -> tuple | None:
     return tuple(marks), b"".join(at)
 
 
+def _refuse_shared(names: list, params: list, grads: list, states: list) -> None:
+    """The core's refusals of leaves sharing memory (params and states; a grad and a param or state), over the leaves
+    of several core calls; ``names``: (group index, index in the group) of each param, for the messages only."""
+    if _host_checks._overlap(params, states) is None and _host_checks._grad_overlap(params, grads, states) is None:
+        return
+    tree = dict(zip(itertools.starmap(_leaf_name, names), params))
+    _host_checks._check_no_overlap(tree, params, states)
+    _host_checks._check_grads_apart(tree, params, grads, states)
+
+
 def _leaf_name(gi: int, i: int) -> str:
     """A key by which the core's messages name param ``i`` of param group ``gi`` as bnbf_nn's own do."""
     name = _host_checks.LeafName(f"{gi}.{i}")
@@ -1743,8 +1753,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             return
         tree = dict(zip(itertools.starmap(_leaf_name, names), params))
         _host_checks._check_writable(tree, params, states, pure="bnbf.update")
-        _host_checks._check_no_overlap(tree, params, states)
-        _host_checks._check_grads_apart(tree, params, grads, states)
+        _refuse_shared(names, params, grads, states)
         self._across = key
 
     def _check_fast_across(self, ready: list) -> None:
@@ -1772,11 +1781,7 @@ class Optimizer8bit(torch.optim.Optimizer):
             params.extend(bucket.params)
             states.extend(bucket.states)
             names.extend((gi, i) for i in bucket.idx)
-        grads = [p.grad for p in params]
-        if _host_checks._overlap(params, states) is not None or _host_checks._grad_overlap(params, grads, states):
-            tree = dict(zip(itertools.starmap(_leaf_name, names), params))
-            _host_checks._check_no_overlap(tree, params, states)
-            _host_checks._check_grads_apart(tree, params, grads, states)
+        _refuse_shared(names, params, [p.grad for p in params], states)
         self._across = key
 
     def _check_readable(self, group: Mapping, h: Any, max_unorm: Any) -> None:
