@@ -730,7 +730,7 @@ def hparam_tensors(h: Any, step: Any = None, max_unorm: Any = None) -> list[tupl
     for name, v in items:
         if isinstance(v, Tensor):
             found.append((name, v))
-        elif type(v) is tuple:
+        elif type(v) is tuple or type(v) is list:  # betas: a list before the rule's dataclass makes it a tuple
             found.extend((f"{name}[{i}]", x) for i, x in enumerate(v) if isinstance(x, Tensor))
     found.extend((n, v) for n, v in (("step", step), ("max_unorm", max_unorm)) if isinstance(v, Tensor))
     return found
@@ -744,7 +744,7 @@ def replace_hparam_tensors(h: Any, step: Any, max_unorm: Any, new: Any) -> tuple
     def swap(v: Any) -> Any:
         if isinstance(v, Tensor):
             return next(new)
-        if type(v) is tuple and any(isinstance(x, Tensor) for x in v):
+        if (type(v) is tuple or type(v) is list) and any(isinstance(x, Tensor) for x in v):
             return tuple(next(new) if isinstance(x, Tensor) else x for x in v)
         return v
 

@@ -46,9 +46,7 @@ class AdamMomentsHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        if len(self.betas) != 2:
-            raise ValueError(f"betas must be a pair, got {self.betas}")
-        check_betas(self.betas)
+        check_betas(self, 2)
         check_weight_decay(self.weight_decay)
 
 

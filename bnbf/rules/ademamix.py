@@ -50,9 +50,7 @@ class AdEMAMixHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        if len(self.betas) != 3:
-            raise ValueError(f"betas must be a triple (beta1, beta2, beta3), got {self.betas}")
-        check_betas(self.betas)
+        check_betas(self, 3)
         check_weight_decay(self.weight_decay)
         check_nonneg(self.alpha, "alpha")
         for name in ("t_alpha", "t_beta3"):

@@ -269,7 +269,18 @@ def check_momentum(momentum: Number) -> None:
     check_nonneg(momentum, "momentum")  # NaN too: torch's RMSprop refuses it in these words (its SGD lets it by)
 
 
-def check_betas(betas: Sequence[Number]) -> None:
+_COUNTS = {2: "a pair", 3: "a triple (beta1, beta2, beta3)"}
+
+
+def check_betas(hparams: Any, count: int) -> None:
+    """Checks ``hparams.betas`` and makes a list (a JSON or YAML config's) a tuple: the checks for tensors that
+    require grad, and their widening under ``differentiable=True``, look inside tuples."""
+    betas = hparams.betas
+    if type(betas) is list:
+        betas = tuple(betas)
+        object.__setattr__(hparams, "betas", betas)
+    if len(betas) != count:
+        raise ValueError(f"betas must be {_COUNTS[count]}, got {betas}")
     for i, b in enumerate(betas):
         v = _value(b, f"betas[{i}]")
         if v is not None and not 0.0 <= v < 1.0:
