@@ -20,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch
+import torch.autograd.forward_ad as fwAD
 from torch import Tensor
 from torch._C import _functorch
 
@@ -218,9 +219,15 @@ def _live(t: Any) -> Any:
     through a view made under no_grad (as states are made), and reading one would lose its base's history."""
     if isinstance(t, Tensor) and t._base is not None and not torch.compiler.is_compiling():  # traced: no _base
         base = t._base
-        if base.dtype == t.dtype and base.device == t.device:  # else (a dtype view) the view as it is
-            return base.as_strided(t.size(), t.stride(), t.storage_offset())
+        # fwAD.make_dual's result is a view of a primal without a tangent: written through that base, the new
+        # values would land but the view's tangent would stay the old one
+        if base.dtype == t.dtype and base.device == t.device and not _tangent_only_on(t, base):
+            return base.as_strided(t.size(), t.stride(), t.storage_offset())  # a dtype view stays as it is
     return t
+
+
+def _tangent_only_on(view: Tensor, base: Tensor) -> bool:
+    return fwAD.unpack_dual(view).tangent is not None and fwAD.unpack_dual(base).tangent is None
 
 
 def update_(

@@ -59,3 +59,30 @@ def test_a_state_with_history_is_refused_in_place(device):
     leaf = torch.zeros(300, device=device, requires_grad=True)
     tracked = {"w": type(state["w"])(leaf * 1.0, state["w"].exp_avg_sq), "b": state["b"]}
     _refused(lambda: bnbf.update_(params, grads, tracked, HP, 2), params, grads, tracked)
+
+
+@pytest.mark.parametrize("rule", ["sgd", "adamw"])
+def test_differentiable_update__of_a_dual_param_carries_its_tangent(rule):
+    """fwAD.make_dual's result is a view of a primal without a tangent: written through that base, the param's
+    values stepped but its tangent stayed the input's. Its tangent after the step is the pure step's."""
+    gen = torch.Generator().manual_seed(1)
+    p0 = torch.randn(257, generator=gen, dtype=torch.float64)
+    g0 = torch.randn(257, generator=gen, dtype=torch.float64)
+    tangent = torch.randn(257, generator=gen, dtype=torch.float64)
+    hp = {"lr": 0.1, "momentum": 0.9} if rule == "sgd" else {"lr": 0.1}
+    spec = bnbf.OptimSpec(rule=rule, state_bits=32)
+    out = []
+    for pure in (True, False):
+        state = bnbf.init_state(p0, spec, hp)
+        with fwAD.dual_level():
+            p = fwAD.make_dual(p0.clone(), tangent)
+            for step in (1, 2):
+                g = g0 + p  # a grad that depends on the param: the tangent moves with the step
+                if pure:
+                    p, state = bnbf.update(p, g, state, hp, step, differentiable=True)
+                else:
+                    bnbf.update_(p, g, state, hp, step, differentiable=True)
+            out.append(tuple(t.clone() for t in fwAD.unpack_dual(p)))
+    assert out[0][1] is not None
+    for a, b in zip(out[0], out[1]):
+        torch.testing.assert_close(b, a, rtol=0, atol=0)
