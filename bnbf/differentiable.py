@@ -156,6 +156,21 @@ def check_apart(param: Any, params: list, states: list) -> None:
         _check_no_overlap(param, params, states)
 
 
+def _check_no_leaf_written(param: Any, params: list, states: list) -> None:
+    """Before the first write: autograd refuses to write a leaf that requires grad (or a view of one) in place, and
+    raised on it after the leaves before it were written."""
+    if not torch.is_grad_enabled() or torch.compiler.is_compiling():
+        return
+    for name, p, s in zip(_names(param), params, states):
+        for where, t in ((f"param{name}", p), *((f"state{name}.{f}", x) for f, x in zip(s._fields, s))):
+            if t.requires_grad and (t if t._base is None else t._base).is_leaf:
+                raise RuntimeError(
+                    f"{where} is a leaf that requires grad (or a view of one), which autograd does not let an "
+                    "in-place step write under grad mode (a leaf Variable that requires grad is being used in an "
+                    "in-place operation): step a non-leaf copy (e.g. p0.clone()), or use bnbf.update"
+                )
+
+
 def _as(v: Any, dtype: torch.dtype, device: torch.device) -> Tensor:
     """A scalar as a 0-d tensor of the compute dtype (a tensor keeps its history)."""
     if isinstance(v, Tensor):
@@ -274,6 +289,7 @@ def update_(
         check_apart(param, params, states)
         if not unaddressable(params, fields):
             _check_writable(param, params, states)
+        _check_no_leaf_written(param, params, states)
     copies_p = _unflatten([clone(_live(p)) for p in params], p_spec)
     copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(

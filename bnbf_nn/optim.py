@@ -1397,6 +1397,19 @@ class Optimizer8bit(torch.optim.Optimizer):
                     "step cannot address its storage; pass a plain tensor"
                 )
 
+    def _check_no_leaf_stepped(self, group: Mapping, params: list, grads: list) -> None:
+        """A differentiable group steps under grad mode, where autograd refuses to write a leaf that requires grad
+        (an nn.Parameter) in place: refused before any group steps or counts a step (torch.optim raises as it
+        writes it)."""
+        for i, (p, g) in enumerate(zip(params, grads)):
+            if g is not None and p.requires_grad and (p if p._base is None else p._base).is_leaf:
+                raise RuntimeError(
+                    f"{type(self).__name__}: param {i} of param group {_index_of(self.param_groups, group)} is a "
+                    "leaf that requires grad (or a view of one), which a differentiable=True step cannot write in "
+                    "place (a leaf Variable that requires grad is being used in an in-place operation): step "
+                    "non-leaf copies of the params (e.g. p0.clone())"
+                )
+
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
         params that get their first state this step checked; nothing is written."""
@@ -1442,6 +1455,8 @@ class Optimizer8bit(torch.optim.Optimizer):
                     continue
                 self._check_steppable(group, gi, i, p)
                 self._check_first_state(group, gi, p, plan.configs.get(id(p)), checked)
+        if group["differentiable"]:
+            self._check_no_leaf_stepped(group, params, grads)
         return group, plan, grads, every
 
     def _check_first_state(self, group: Mapping, gi: Any, p: Tensor, cfg: Mapping | None, checked=None) -> None:

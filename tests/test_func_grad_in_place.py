@@ -86,3 +86,20 @@ def test_differentiable_update__of_a_dual_param_carries_its_tangent(rule):
     assert out[0][1] is not None
     for a, b in zip(out[0], out[1]):
         torch.testing.assert_close(b, a, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("where", ["param", "state"])
+def test_differentiable_update__refuses_a_leaf_before_writing_any(where):
+    """autograd refuses to write a leaf that requires grad in place: the leaves before it were written first."""
+    gen = torch.Generator().manual_seed(2)
+    params = {k: torch.randn(257, generator=gen, requires_grad=True).clone() for k in "ab"}
+    grads = {k: torch.randn(257, generator=gen) for k in "ab"}
+    state = bnbf.init_state({k: v.detach() for k, v in params.items()}, SPEC)
+    if where == "param":
+        params["b"] = torch.nn.Parameter(params["b"].detach())
+    else:  # a learned initial state
+        state["b"] = type(state["b"])._make(t.clone().requires_grad_() for t in state["b"])
+    before = snapshot(params, state)
+    with pytest.raises(RuntimeError, match=rf"{where}\['b'\].* is a leaf that requires grad"):
+        bnbf.update_(params, grads, state, HP, 1, differentiable=True)
+    assert_untouched(before)

@@ -222,6 +222,28 @@ def test_differentiable_with_8bit_state_raises_naming_32bit_and_writes_nothing()
     assert "state" not in opt.state.get(p, {})
 
 
+@pytest.mark.parametrize("groups", [1, 2])
+@pytest.mark.parametrize("warm", [False, True], ids=["first step", "later step"])
+def test_a_differentiable_step_refuses_a_leaf_param_before_any_step(groups, warm):
+    """torch refuses to write a leaf that requires grad in place under grad mode: the params before it (of its
+    group or of earlier groups) were stepped, and its own step count taken, before torch's error."""
+    a = torch.randn(257, requires_grad=True).clone()  # a non-leaf: the differentiable idiom
+    b = torch.randn(257, requires_grad=True).clone()
+    params = [a, b] if groups == 1 else [{"params": [a]}, {"params": [b]}]
+    opt = bnbf_nn.AdamW32bit(params, lr=0.1, differentiable=True)
+    a.grad, b.grad = torch.randn(257), torch.randn(257)
+    if warm:
+        opt.step()
+    leaf = torch.nn.Parameter(b.detach().clone())
+    leaf.grad = b.grad
+    opt.param_groups[-1]["params"][-1] = leaf
+    opt.state[leaf] = opt.state.pop(b, {})
+    before = snapshot([a, leaf], [opt.state[a], opt.state[leaf]])
+    with pytest.raises(RuntimeError, match=f"param {2 - groups} of param group {groups - 1} is a leaf that requires"):
+        opt.step()
+    assert_untouched(before)
+
+
 @pytest.mark.parametrize("capturable", [False, True], ids=["plain", "capturable"])
 @pytest.mark.parametrize("when", ["first step", "later step", "compiled step"])
 @pytest.mark.parametrize("cls", [bnbf_nn.SGD32bit, bnbf_nn.AdamW8bit], ids=lambda c: c.__name__)
