@@ -1851,8 +1851,10 @@ class Optimizer8bit(torch.optim.Optimizer):
             states.append(s)
         bucket.states, bucket.present, bucket.plan = states, want, None
         plan = self._plans.get(id(group))
-        if plan is not None:  # its cached subsets of params with grads hold the old states
+        if plan is not None:  # its cached subsets (of params with grads, of paged state's slices) hold the old states
             plan.has_grad = ()
+            if plan.slices:
+                plan.slices = self._paged_slices(plan)
 
     def _check_switch(self, group: Mapping, h: Any, have: int, want: int, gi: Any = None) -> None:
         """Refuse the switches of settings after which bnbf's step would differ from torch.optim's: SGD's and LARS'
