@@ -40,6 +40,8 @@ class Embedding(torch.nn.Embedding):
         _weight: Tensor | None = None,
         device=None,
         dtype=None,
+        *,
+        _freeze: bool = False,  # torch's from_pretrained passes it (bitsandbytes' classes refuse it)
     ) -> None:
         super().__init__(
             num_embeddings,
@@ -50,6 +52,7 @@ class Embedding(torch.nn.Embedding):
             scale_grad_by_freq,
             sparse,
             _weight,
+            _freeze,
             device=device,
             dtype=dtype,
         )

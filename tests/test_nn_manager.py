@@ -204,6 +204,21 @@ def test_embeddings_keep_32bit_state(cls):
     assert type(opt.state[other.weight]["state"]).layout.bits == 8
 
 
+@pytest.mark.parametrize("freeze", [True, False])
+@pytest.mark.parametrize("cls", [bnbf_nn.StableEmbedding, bnbf_nn.Embedding])
+def test_from_pretrained_keeps_the_weights_and_their_32bit_state(cls, freeze):
+    """torch.nn.Embedding.from_pretrained passes ``_freeze``, which the classes refused (TypeError)."""
+    weights = torch.randn(300, 16)
+    emb = cls.from_pretrained(weights, freeze=freeze, padding_idx=0)
+    assert torch.equal(emb.weight.detach(), weights) and emb.weight.requires_grad is not freeze
+    assert emb.padding_idx == 0 and (cls is not bnbf_nn.StableEmbedding or isinstance(emb.norm, torch.nn.LayerNorm))
+    if not freeze:
+        opt = bnbf_nn.AdamW8bit(emb.parameters())
+        emb(torch.tensor([1, 2])).square().sum().backward()
+        opt.step()
+        assert type(opt.state[emb.weight]["state"]).layout.bits == 32
+
+
 def test_stable_embedding_keeps_the_weight_dtype():
     emb = bnbf_nn.StableEmbedding(50, 8, dtype=torch.bfloat16)
     assert emb(torch.tensor([1, 2])).dtype == torch.bfloat16

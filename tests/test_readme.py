@@ -84,9 +84,12 @@ def test_embeddings_take_bitsandbytes_arguments():
         return [(p.name, p.kind, p.default) for p in inspect.signature(cls).parameters.values()]
 
     ours = params(bnbf_nn.Embedding)
-    assert ours[:-1] == params(bnb_nn.Embedding)
-    assert ours[-1] == ("dtype", inspect.Parameter.POSITIONAL_OR_KEYWORD, None)
-    assert ours == params(bnb_nn.StableEmbedding)
+    assert ours[:-2] == params(bnb_nn.Embedding)
+    assert ours[-2:] == [
+        ("dtype", inspect.Parameter.POSITIONAL_OR_KEYWORD, None),
+        ("_freeze", inspect.Parameter.KEYWORD_ONLY, False),  # torch's, for from_pretrained
+    ]
+    assert ours[:-1] == params(bnb_nn.StableEmbedding)
     assert [p.kind for p in inspect.signature(bnbf_nn.StableEmbedding).parameters.values()] == [
         inspect.Parameter.VAR_POSITIONAL,
         inspect.Parameter.VAR_KEYWORD,
