@@ -964,9 +964,12 @@ class Optimizer8bit(torch.optim.Optimizer):
     def _spec(self, group: Mapping, override: Mapping | None = None) -> bnbf.OptimSpec:
         """The storage a parameter's state gets: the group's settings, with its manager overrides."""
         storage = {k: (override or {}).get(k, group[k]) for k in _STORAGE}
+        bits = _whole(storage["optim_bits"])
+        if type(bits) is not int or bits not in (8, 32):  # bnbf_nn's name for the core's state_bits
+            raise ValueError(f"optim_bits must be 8 or 32, got {bits!r}")
         return bnbf.OptimSpec(
             rule=self._rule.name,
-            state_bits=_whole(storage["optim_bits"]),
+            state_bits=bits,
             block_size=_checkpoint.BLOCK,
             min_8bit_size=_whole(storage["min_8bit_size"]),
             state_format=storage["state_format"],
@@ -1630,7 +1633,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         :meth:`get_config`'s, so that the two refuse alike."""
         configs = self._overrides(params)
         allowed = set(self._hkeys) | set(_STORAGE) | set(_CALL)
-        for p in params:
+        for i, p in enumerate(params):
             cfg = configs.get(id(p), {})
             unknown = sorted(set(cfg) - allowed)
             if unknown:
@@ -1642,7 +1645,12 @@ class Optimizer8bit(torch.optim.Optimizer):
                     f"known: {sorted(allowed)}"
                 )
             if not cfg.keys().isdisjoint(_STORAGE):  # buckets leave storage out (a made state's is fixed): each checked
-                self._spec(group, cfg)
+                try:
+                    self._spec(group, cfg)
+                except (TypeError, ValueError) as e:
+                    where = f"param {i} in param group {_index_of(self.param_groups, group)}"
+                    e.add_note(f"(GlobalOptimManager's override {cfg} of {where} of {type(self).__name__})")
+                    raise
         return configs
 
     def _watched_mark(self, group: Mapping) -> Any:

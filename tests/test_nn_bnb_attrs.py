@@ -276,7 +276,7 @@ def test_get_config_refuses_a_hand_edit_the_next_step_refuses(cls, key, value, e
 @pytest.mark.parametrize(
     "make, edit, error, match",
     [
-        (lambda ps: bnbf_nn.AdamW8bit(ps), {"optim_bits": 7}, ValueError, "state_bits must be 8 or 32"),
+        (lambda ps: bnbf_nn.AdamW8bit(ps), {"optim_bits": 7}, ValueError, "optim_bits must be 8 or 32"),
         (lambda ps: bnbf_nn.AdamW8bit(ps), {"min_8bit_size": -1}, ValueError, "min_8bit_size must be a non-neg"),
         (lambda ps: bnbf_nn.Lion(ps), {"state_format": "fancy"}, ValueError, "state_format must be one of"),
         (lambda ps: bnbf_nn.AdamW(ps), {"capturable": "yes"}, TypeError, "capturable must be a bool"),
@@ -449,7 +449,10 @@ _REFUSED_FOR_THE_STATE = [
     pytest.param(lambda ps: bnbf_nn.SGD(ps, 0.1, 0.0, 0.5), True, _override("momentum", 0.9), id="SGD-momentum-on"),
     pytest.param(lambda ps: bnbf_nn.RMSprop(ps, centered=True), True, _override("centered", False), id="RMSprop"),
     pytest.param(
-        lambda ps: bnbf_nn.AdamW(ps, differentiable=True, min_8bit_size=0),
+        # group 0's param a leaf that does not require grad: a differentiable step cannot write an nn.Parameter
+        lambda gs: bnbf_nn.AdamW(
+            [{"params": [gs[0]["params"][0].requires_grad_(False)]}, gs[1]], differentiable=True, min_8bit_size=0
+        ),
         False,
         _override("optim_bits", 8),
         id="differentiable-8bit-override",

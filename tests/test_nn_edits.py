@@ -331,7 +331,7 @@ def test_a_grad_no_step_can_take_raises_before_any_group_steps(when, bad, match)
 @pytest.mark.parametrize(
     "key, value, match",
     [
-        ("optim_bits", 16, "state_bits must be 8 or 32"),
+        ("optim_bits", 16, "optim_bits must be 8 or 32"),
         ("min_8bit_size", -5, "min_8bit_size must be a non-negative int"),
     ],
 )
@@ -347,8 +347,12 @@ def test_a_bad_storage_override_after_the_first_step_raises_for_any_param(key, v
     opt.step()
     bnbf_nn.GlobalOptimManager.get_instance().override_config(params[which], key, value)
     before = [p.detach().clone() for p in params]
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(ValueError, match=match) as info:
         opt.step()
+    # the error says where the value came from (it named the core's state_bits and no override)
+    assert info.value.__notes__ == [
+        f"(GlobalOptimManager's override {{'{key}': {value}}} of param {which} in param group 0 of AdamW8bit)"
+    ]
     assert all(torch.equal(p.detach(), b) for p, b in zip(params, before))
     assert all(opt.state[p]["step"] == 1 for p in params)
 
@@ -455,7 +459,7 @@ LATE = {
     _fractional_count: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"group 1 is tensor\(2.5000\): a step count is a whole"),
     _float_count_then_bad_grad: (bnbf_nn.AdamW8bit, dict(lr=1e-2, capturable=True), r"sparse gradients"),
     _param_in_two_groups: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"appear in more than one parameter group"),
-    _bad_storage: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"state_bits must be 8 or 32"),
+    _bad_storage: (bnbf_nn.AdamW8bit, dict(lr=1e-2), r"optim_bits must be 8 or 32"),
 }
 
 

@@ -582,7 +582,7 @@ def test_positional_arguments_bind_as_bitsandbytes():
         (lambda ps: bnbf_nn.Lion8bit(ps, optim_bits=32), ValueError, "8-bit state"),
         (lambda ps: bnbf_nn.Adagrad8bit(ps, optim_bits=32), ValueError, "8-bit state"),
         (lambda ps: bnbf_nn.Adam32bit(ps, optim_bits=8), ValueError, "32-bit state"),
-        (lambda ps: bnbf_nn.Adam(ps, optim_bits=16), ValueError, "state_bits"),
+        (lambda ps: bnbf_nn.Adam(ps, optim_bits=16), ValueError, "optim_bits must be 8 or 32"),
         (lambda ps: bnbf_nn.AdamW(ps, lr=-1.0), ValueError, "Invalid learning rate: -1.0"),
         (lambda ps: bnbf_nn.AdamW(ps, betas=(1.0, 0.9)), ValueError, "Invalid beta parameter at index 0"),
         (lambda ps: bnbf_nn.SGD(ps, lr=0.1, nesterov=True), ValueError, "Nesterov"),
