@@ -642,6 +642,7 @@ def differentiable_update(
     skip_zeros: bool = False,
     max_unorm: Any = 0.0,
     maximize: bool = False,
+    grad_scale: Tensor | None = None,
 ) -> tuple[Any, Any]:
     """``bnbf.update(..., differentiable=True)`` of the composing forms (:func:`update`'s hparams forms: schedules,
     ``{rule: mapping}``, a callable ``(path, param) -> mapping``, a tree of mappings; states of several rules).
@@ -670,7 +671,7 @@ def differentiable_update(
         pick = lambda leaves: {names[i]: leaves[i] for i in idx}  # noqa: B023 - used at once
         out_p, out_s = differentiable.update(
             pick(ps), pick(gs), pick(ss), hps[idx[0]], step, skip_zeros=skip_zeros, max_unorm=max_unorm,
-            maximize=maximize,
+            maximize=maximize, grad_scale=grad_scale,
         )  # fmt: skip
         for i in idx:
             new_p[i] = out_p[names[i]]
@@ -1741,12 +1742,14 @@ def _differentiable_updates(
     hparams form, mixed rules) on the params and grads widened to float32 by differentiable casts (exact), and
     ``u = new - p`` in that dtype; float64 params stay float64 (gradcheck). Every tensor keeps its history."""
     ps, g_leaves = _updates_leaves(flat, treespec, grads)
-    if max_grad_norm is not None:  # clipped as given, as the default path clips (16-bit grads: 16-bit norms)
-        _check_max_grad_norm(max_grad_norm)
-        grads = clip_grad_norm(grads, max_grad_norm)[0]
-        g_leaves = pytree.tree_leaves(grads)
     widen = lambda t: t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
     wide, g_wide = list(map(widen, ps)), list(map(widen, g_leaves))
+    if max_grad_norm is not None and g_leaves:
+        # the norms of the grads as given (16-bit grads: 16-bit norms), the factor applied to the widened grads, as
+        # the default path applies it as it loads them
+        _check_max_grad_norm(max_grad_norm)
+        coef = clip_coefficient_differentiably(g_leaves, max_grad_norm)[0]
+        g_wide = [g * coef.to(g.device) for g in g_wide]
     new, new_state = bnbf.update(
         pytree.tree_unflatten(wide, treespec),
         pytree.tree_unflatten(g_wide, treespec),
@@ -2037,6 +2040,19 @@ def _asked(tensors: list) -> bool:
     return differentiated(tensors)
 
 
+def clip_coefficient_differentiably(
+    gs: list, max_norm: Any, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> tuple[Tensor, Tensor, dict]:
+    """``(coef, total, by)``: :func:`_clip_differentiably`'s factor and total norm, and the grads' (device, dtype)
+    groups, for a step that applies the factor itself (in its compute dtype, as the default step does)."""
+    by = _by_device_dtype(gs)
+    first = gs[0].device
+    norms = [torch.linalg.vector_norm(gs[i], norm_type).to(first) for idx in by.values() for i in idx]
+    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
+    _check_finite_norm(total, norm_type, error_if_nonfinite)
+    return torch.clamp(max_norm / (total + 1e-6), max=1.0), total, by
+
+
 def _clip_differentiably(
     gs: list, treespec: Any, max_norm: Any, norm_type: float, error_if_nonfinite: bool
 ) -> tuple[Any, Tensor]:
@@ -2045,12 +2061,7 @@ def _clip_differentiably(
     forward derivative under torch.func). One ``vector_norm`` per grad is what ``torch._foreach_norm`` runs on the
     CPU (so the same bits there) and what ``clip_grad_norm_(foreach=False)`` runs; the norms are stacked in the
     same (device, dtype) group order as :func:`_total_norm`, and ``g * coef`` is ``torch._foreach_mul``'s product."""
-    by = _by_device_dtype(gs)
-    first = gs[0].device
-    norms = [torch.linalg.vector_norm(gs[i], norm_type).to(first) for idx in by.values() for i in idx]
-    total = torch.linalg.vector_norm(torch.stack(norms), norm_type)
-    _check_finite_norm(total, norm_type, error_if_nonfinite)
-    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    coef, total, by = clip_coefficient_differentiably(gs, max_norm, norm_type, error_if_nonfinite)
     out: list = [None] * len(gs)
     for (device, _), idx in by.items():
         c = coef.to(device)

@@ -62,6 +62,7 @@ def update(
     skip_zeros: bool = False,
     max_unorm: Any = 0.0,
     maximize: bool = False,
+    grad_scale: Tensor | None = None,
 ) -> tuple[Any, Any]:
     """:func:`bnbf.update` with ``differentiable=True``: the same step as new tensors that keep their history.
 
@@ -74,6 +75,8 @@ def update(
             tensors, which may require grad (meta-gradients).
         step: 1-based index of this update (int or 0-d int32/int64 tensor).
         skip_zeros, max_unorm, maximize: as for :func:`bnbf.update`.
+        grad_scale: max_grad_norm's coefficient, applied to each grad in the compute dtype, as the default step
+            scales a grad as it loads it (a 16-bit product would round the clipped grad).
 
     Returns:
         ``(new_param, new_state)``: new tensors in the inputs' structures, params in their dtypes, state fields
@@ -94,8 +97,9 @@ def update(
         # schedules, per-rule, per-leaf and tree forms, mixed rules: resolved and grouped as the default step
         # groups them, each group stepped here
         return compose.differentiable_update(
-            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
-        )
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
+            grad_scale=grad_scale,
+        )  # fmt: skip
     params, grads, states, p_spec = _structures(param, grad, state)
     names = _names(param) if len(params) > 1 or p_spec != "leaf" else [""]
     for name, p, g, s in zip(names, params, grads, states):
@@ -125,6 +129,8 @@ def update(
         for j, field in zip(slots, s):
             values[j] = field.to(dt)
         g = g.to(dt)
+        if grad_scale is not None:
+            g = g * grad_scale.to(p.device)
         if maximize:
             g = -g
         new_p, out, finite = step_math(
@@ -255,6 +261,7 @@ def update_(
     skip_zeros: bool = False,
     max_unorm: Any = 0.0,
     maximize: bool = False,
+    grad_scale: Tensor | None = None,
 ) -> tuple[Any, Any]:
     """:func:`bnbf.update_` with ``differentiable=True``: torch.optim's differentiable in-place step.
 
@@ -293,8 +300,9 @@ def update_(
     copies_p = _unflatten([clone(_live(p)) for p in params], p_spec)
     copies_s = _unflatten([type(s)._make(clone(_live(t)) for t in s) if is_state(s) else s for s in states], s_spec)
     new_p, new_s = update(
-        copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
-    )
+        copies_p, grad, copies_s, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
+        grad_scale=grad_scale,
+    )  # fmt: skip
     new_states = _flatten(new_s, is_leaf=is_state)[0]
     if torch.compiler.is_compiling():
         for s, n in zip(states, new_states):

@@ -215,10 +215,10 @@ def update(
                               max_grad_norm, in_place=False)  # fmt: skip
     if differentiable is not False:
         _check_differentiable(differentiable)
-        grad = _clipped_differentiably(grad, max_grad_norm)
         return differentiable_update(
-            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
-        )
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
+            grad_scale=_clip_coefficient(grad, max_grad_norm),
+        )  # fmt: skip
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if max_grad_norm is not None or not _shared(hparams):
         check_clip_not_differentiated(max_grad_norm, state, in_place=False)
@@ -441,10 +441,10 @@ def update_(
                               max_grad_norm, in_place=True)  # fmt: skip
     if differentiable is not False:
         _check_differentiable(differentiable)
-        grad = _clipped_differentiably(grad, max_grad_norm)
         return differentiable_update_(
-            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize
-        )
+            param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
+            grad_scale=_clip_coefficient(grad, max_grad_norm),
+        )  # fmt: skip
     if max_grad_norm is not None or not _shared(hparams):
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
         check_clip_not_differentiated(max_grad_norm, state, in_place=True)
@@ -623,19 +623,15 @@ def _check_differentiable(differentiable: Any) -> None:
         raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
 
 
-def _clipped_differentiably(grad: Any, max_grad_norm: Any) -> Any:
-    """``grad`` clipped to a global norm of ``max_grad_norm`` in differentiable ops, as
-    ``torch.nn.utils.clip_grad_norm_`` computes it (the norm of the per-tensor norms, then the factor
-    ``min(1, max_norm / (total + 1e-6))``), for the ``differentiable=True`` step; ``None``: ``grad`` as it is."""
+def _clip_coefficient(grad: Any, max_grad_norm: Any) -> Tensor | None:
+    """For the ``differentiable=True`` step: ``torch.nn.utils.clip_grad_norm_``'s factor for ``grad`` in
+    differentiable ops (the norm of the per-tensor norms, then ``min(1, max_grad_norm / (total + 1e-6))``), which
+    the step applies to each grad in its compute dtype; ``None`` without ``max_grad_norm`` or grads."""
     if max_grad_norm is None:
-        return grad
+        return None
     _compose()._check_max_grad_norm(max_grad_norm)
-    gs, spec = pytree.tree_flatten(grad)
-    if not gs:
-        return grad
-    total = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in gs]))
-    coef = torch.clamp(max_grad_norm / (total + 1e-6), max=1.0)
-    return pytree.tree_unflatten([g * coef for g in gs], spec)
+    gs = pytree.tree_leaves(grad)
+    return _compose().clip_coefficient_differentiably(gs, max_grad_norm)[0] if gs else None
 
 
 def _shared(hparams: Any) -> bool:
