@@ -476,10 +476,7 @@ class Plan:
         if h is not self._checked_h():  # make_hparams hands back the same object for the same plain numbers
             if present_mask(rule, h) != self._present:
                 _check_present(rule, h, states)
-            try:
-                self._checked_h = weakref.ref(h)
-            except TypeError:  # a rule's own hparams class with __slots__: checked every step
-                self._checked_h = _NO_REF
+            self._checked_h = _checked_ref(h)
         _check_step(step)
         if self._cuda and torch.cuda.is_current_stream_capturing():
             self._check_capture(grads, at, h, step)
@@ -591,11 +588,8 @@ class Plan:
                     mine = [s for s, j in zip(states, set_of) if j == k]
                     if any(type(s).layout.present != want for s in mine):
                         _check_present(rule, sets[k], mine)
-            try:
-                refs = tuple(map(weakref.ref, sets))
-            except TypeError:  # a rule's own hparams class with __slots__: checked every step
-                refs = ()
-            self._checked_sets = (set_of, wants, refs)
+            refs = tuple(map(_checked_ref, sets))
+            self._checked_sets = (set_of, wants, () if any(r is _NO_REF for r in refs) else refs)
         _check_step(step)
         clip = False
         values = []
@@ -965,6 +959,18 @@ def _scalars(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maxi
     if not set(map(type, values)) <= _NUMBERS:  # 0-d tensors among them
         check_hparam_values(values, h, max_unorm)
     return values, clip
+
+
+def _checked_ref(h: Any) -> Any:
+    """A weak reference to hyperparameters whose state slots were checked, by which the next step with the very
+    object skips the check; ``_NO_REF`` (checked every step) where it holds a tensor, whose value (SGD's momentum
+    switched on in place) can change which slots a step needs, or where its class has ``__slots__``."""
+    if hparam_tensors(h):
+        return _NO_REF
+    try:
+        return weakref.ref(h)
+    except TypeError:
+        return _NO_REF
 
 
 def _scalar_values(rule: Any, h: Any, step: Any, skip_zeros: Any, max_unorm: Any, maximize: Any) -> tuple[tuple, bool]:

@@ -530,3 +530,24 @@ def test_a_copied_or_pickled_plan_steps_its_copies(device, how):
     cached = importlib.import_module("bnbf.functional")._LAST[id(params), id(state)]()
     with pytest.raises(TypeError, match=r"bnbf\.plan\(params, state\)"):
         copy.deepcopy(cached)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("how", ["update_", "plan"])
+def test_a_tensor_momentum_switched_on_in_place_is_refused_as_a_new_one_is(device, how):
+    """Hyperparameters holding a tensor whose value decides the state's slots (SGD's momentum) are checked every
+    step: the plan skipped the check for the same object, so momentum filled from 0 to 0.9 in place stepped
+    plain SGD without a momentum buffer, where a fresh plan (and the pure step) refuses it."""
+    p = torch.randn(300, device=device)
+    momentum = torch.tensor(0.0, device=device)
+    h = bnbf.RULES["sgd"].hparams(lr=0.1, momentum=momentum)
+    state = bnbf.init_state(p, bnbf.OptimSpec(rule="sgd", state_bits=32), h)
+    g = torch.randn(300, device=device)
+    plan = bnbf.plan(p, state) if how == "plan" else None
+    step = (lambda t: plan.step(g, h, t)) if plan is not None else (lambda t: bnbf.update_(p, g, state, h, t))
+    step(1)
+    momentum.fill_(0.9)
+    before = p.clone()
+    with pytest.raises(ValueError, match=r"need \['momentum_buffer'\]"):
+        step(2)
+    assert torch.equal(p, before)
