@@ -37,7 +37,7 @@ from torch.utils import _pytree as pytree
 
 from bnbf._bounded import Bounded
 from bnbf.rules import RULES, get_rule
-from bnbf.rules.base import _value, member_values, members
+from bnbf.rules.base import _value, member_values, members, type_name
 from bnbf.rules.base import no_value as _no_value
 from bnbf.state import Layout, State, is_state, present_mask
 
@@ -1055,9 +1055,9 @@ def check_update_options(rule: Any, skip_zeros: Any, max_unorm: Any, maximize: A
     """Check ``update``'s ``skip_zeros``, ``max_unorm`` and ``maximize`` for ``rule``; returns whether clipping
     is on."""
     if not isinstance(skip_zeros, bool):
-        raise TypeError(f"skip_zeros must be a bool, got {type(skip_zeros).__name__}")
+        raise TypeError(f"skip_zeros must be a bool, got {type_name(skip_zeros)}")
     if not isinstance(maximize, bool):
-        raise TypeError(f"maximize must be a bool, got {type(maximize).__name__}")
+        raise TypeError(f"maximize must be a bool, got {type_name(maximize)}")
     clip = clips(max_unorm)
     if clip and rule.norms is not None:
         raise ValueError(f"max_unorm does not combine with {rule.name}, which scales its update by its own norms")

@@ -76,6 +76,7 @@ from bnbf._host_checks import (
     leaves_of,
     packed_identities,
     same_plain_dicts,
+    type_name,
     unaddressable,
     walked,
 )
@@ -1668,7 +1669,7 @@ def updates(
     differentiable = options.pop("differentiable", False)
     if differentiable is not False:
         if differentiable is not True:
-            raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+            raise TypeError(f"differentiable must be a bool, got {type_name(differentiable)}")
         return _differentiable_updates(flat, treespec, params, grads, state, hparams, step, max_grad_norm, options)
     ps, g_leaves = _updates_leaves(flat, treespec, grads)
     tensors = all(isinstance(p, Tensor) for p in ps) and all(isinstance(g, Tensor) for g in g_leaves)

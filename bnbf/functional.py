@@ -45,6 +45,7 @@ from bnbf._host_checks import (
     leaves_of,
     own_dispatch,
     subclass_scalar_error,
+    type_name,
     unaddressable,
     walked,
 )
@@ -99,7 +100,7 @@ def init_state(param: Any, spec: OptimSpec, hparams: Any = None, *, packed: bool
     """
     if packed is not False:
         if packed is not True:
-            raise TypeError(f"packed must be a bool, got {type(packed).__name__}")
+            raise TypeError(f"packed must be a bool, got {type_name(packed)}")
         if not isinstance(spec, OptimSpec) or spec.paged:
             raise ValueError("a packed state takes one OptimSpec (one rule), not paged")
         if any(map(is_dtensor, _flatten(param)[0])):
@@ -620,7 +621,7 @@ def _check_scalars_readable(param: Any, hparams: Any, step: Any, max_unorm: Any,
 
 def _check_differentiable(differentiable: Any) -> None:
     if differentiable is not True:
-        raise TypeError(f"differentiable must be a bool, got {type(differentiable).__name__}")
+        raise TypeError(f"differentiable must be a bool, got {type_name(differentiable)}")
 
 
 def _clip_coefficient(grad: Any, max_grad_norm: Any) -> Tensor | None:

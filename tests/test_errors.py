@@ -645,3 +645,14 @@ def test_dequantize_blockwise_refuses_what_it_cannot_return(kw, exc, match):
     codes, absmax = bnbf.quantize_blockwise(torch.randn(300))
     with pytest.raises(exc, match=match):
         bnbf.dequantize_blockwise(codes, absmax, **kw)
+
+
+@pytest.mark.parametrize("where", ["maximize", "amsgrad"])
+def test_a_numpy_bool_flag_is_named_with_its_module(where):
+    """numpy 2 names its bool type ``bool``: the error read "must be a bool, got bool"."""
+    np = pytest.importorskip("numpy")
+    p = torch.randn(3)
+    s = bnbf.init_state(p, bnbf.OptimSpec(rule="adamw", state_bits=32))
+    kw, hp = ({"maximize": np.True_}, {}) if where == "maximize" else ({}, {"amsgrad": np.True_})
+    with pytest.raises(TypeError, match=rf"^{where} must be a bool, got numpy\.bool"):
+        bnbf.update(p, p.clone(), s, hp, 1, **kw)

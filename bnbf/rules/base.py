@@ -287,10 +287,17 @@ def check_betas(hparams: Any, count: int) -> None:
             raise ValueError(f"Invalid beta parameter at index {i}: {b}")
 
 
+def type_name(x: Any) -> str:
+    """``x``'s type as an error names it: with its module where it is not a builtin (numpy 2 calls its bool
+    ``bool``, so "must be a bool, got bool" said nothing)."""
+    t = type(x)
+    return t.__qualname__ if t.__module__ == "builtins" else f"{t.__module__}.{t.__qualname__}"
+
+
 def check_flag(x: Any, name: str) -> None:
     """A structural switch (amsgrad, nesterov, centered...) must be a bool: it decides which states exist."""
     if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+        raise TypeError(f"{name} must be a bool, got {type_name(x)}")
 
 
 def norm_of(sum_sq: Tensor) -> Tensor:
