@@ -24,7 +24,7 @@ from bnbf.rules.base import (
     Number,
     Rule,
     StateSlot,
-    check_betas,
+    check_betas_of,
     check_eps,
     check_flag,
     check_lr,
@@ -46,7 +46,7 @@ class AdamMomentsHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        check_betas(self, 2)
+        check_betas_of(self, 2)
         check_weight_decay(self.weight_decay)
 
 

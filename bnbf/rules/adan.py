@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from bnbf.kernels.codec import fast_div
-from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_eps, check_flag, check_lr, check_weight_decay
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas_of, check_eps, check_flag, check_lr, check_weight_decay
 from bnbf.rules.decay import decay_term, decay_term_reference
 
 
@@ -38,7 +38,7 @@ class AdanHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        check_betas(self, 3)
+        check_betas_of(self, 3)
         check_weight_decay(self.weight_decay)
         check_flag(self.no_prox, "no_prox")
 

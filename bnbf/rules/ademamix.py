@@ -27,7 +27,7 @@ from bnbf.rules.base import (
     Number,
     Rule,
     StateSlot,
-    check_betas,
+    check_betas_of,
     check_eps,
     check_lr,
     check_nonneg,
@@ -50,7 +50,7 @@ class AdEMAMixHparams:
     def __post_init__(self):
         check_lr(self.lr)
         check_eps(self.eps)
-        check_betas(self, 3)
+        check_betas_of(self, 3)
         check_weight_decay(self.weight_decay)
         check_nonneg(self.alpha, "alpha")
         for name in ("t_alpha", "t_beta3"):

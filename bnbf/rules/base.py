@@ -272,15 +272,21 @@ def check_momentum(momentum: Number) -> None:
 _COUNTS = {2: "a pair", 3: "a triple (beta1, beta2, beta3)"}
 
 
-def check_betas(hparams: Any, count: int) -> None:
-    """Checks ``hparams.betas`` and makes a list (a JSON or YAML config's) a tuple: the checks for tensors that
-    require grad, and their widening under ``differentiable=True``, look inside tuples."""
+def check_betas_of(hparams: Any, count: int) -> None:
+    """Checks ``hparams.betas`` (a frozen dataclass's): ``count`` of them, each in [0, 1); a list (a JSON or YAML
+    config's) made a tuple, where the checks for tensors that require grad, and their widening under
+    ``differentiable=True``, look."""
     betas = hparams.betas
     if type(betas) is list:
         betas = tuple(betas)
         object.__setattr__(hparams, "betas", betas)
     if len(betas) != count:
         raise ValueError(f"betas must be {_COUNTS[count]}, got {betas}")
+    check_betas(betas)
+
+
+def check_betas(betas: Sequence[Number]) -> None:
+    """Each beta in [0, 1) (a rule's own hparams class calls it too)."""
     for i, b in enumerate(betas):
         v = _value(b, f"betas[{i}]")
         if v is not None and not 0.0 <= v < 1.0:

@@ -15,7 +15,7 @@ from typing import NamedTuple
 import triton
 import triton.language as tl
 
-from bnbf.rules.base import Number, Rule, StateSlot, check_betas, check_lr, check_weight_decay
+from bnbf.rules.base import Number, Rule, StateSlot, check_betas_of, check_lr, check_weight_decay
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -26,7 +26,7 @@ class LionHparams:
 
     def __post_init__(self):
         check_lr(self.lr)
-        check_betas(self, 2)
+        check_betas_of(self, 2)
         check_weight_decay(self.weight_decay)
 
 
