@@ -17,7 +17,8 @@ every leaf a tensor); :func:`read_step` also takes the ints of older checkpoints
 :func:`for_bitsandbytes` writes ints for bitsandbytes to load. bnbf_nn's entries also hold ``state_bits``
 (:data:`BITS_KEY`): a load keeps each state's saved bits, and where torch.distributed.checkpoint cast its tensors
 into the loader's state of other bits, the load is refused. Loading refuses absmax values that are negative, NaN
-or inf.
+or inf. Any other entry of ``optimizer.state[p]`` is the user's (:func:`own_key`; timm's Lookahead keeps its slow
+weights there): saved beside these and loaded back as torch.optim and bitsandbytes keep it.
 
 The qmap says which 8-bit format the codes are in: bitsandbytes' dynamic map (``state_format="dynamic"``,
 the only map bitsandbytes itself creates) or bnbf's power map (``"power"``, bnbf's default). Loading reads
@@ -241,6 +242,35 @@ def restacked(state: Any, family: Any, paged: bool = False) -> Any:
 
 
 _VIEW = re.compile(r"(?:state|qmap|absmax)\d+")
+_OWN = frozenset({"step", "state", QUANT_KEY, BITS_KEY}) | _IGNORED | _PER_TENSOR
+
+
+def own_key(key: Any) -> bool:
+    """Whether ``key`` is one of the optimizer's own entries of a record or a saved entry (bnbf_nn's or
+    bitsandbytes'). Any other is the user's (timm's Lookahead keeps ``lookahead_slow_buff`` there), kept beside
+    the state through state_dict, load_state_dict, deepcopy and pickle, as torch.optim keeps it."""
+    return isinstance(key, str) and (key in _OWN or bool(_VIEW.fullmatch(key)))
+
+
+def users(entry: Mapping) -> dict:
+    """The user's entries of a record or a saved entry (:func:`own_key`)."""
+    return {k: v for k, v in entry.items() if not own_key(k)}
+
+
+def as_torch_loads(value: Any, param: Tensor, key: Any = None, step_moved: bool = False) -> Any:
+    """A user's entry as torch.optim.Optimizer.load_state_dict casts it: each tensor onto the param's device and,
+    where the param is floating-point, to its dtype; a ``step`` kept as it is, or a float32 one on that device
+    where the saved group is fused or capturable (``step_moved``); dicts, lists and tuples entry by entry (torch
+    rebuilds any iterable, a string into a generator's repr: strings are kept); anything else as it is."""
+    if isinstance(value, Tensor):
+        if key == "step":
+            return value.to(dtype=torch.float32, device=param.device) if step_moved else value
+        return value.to(dtype=param.dtype if param.is_floating_point() else value.dtype, device=param.device)
+    if isinstance(value, dict):
+        return {k: as_torch_loads(v, param, k, step_moved) for k, v in value.items()}
+    if type(value) in (list, tuple):
+        return type(value)(as_torch_loads(v, param, None, step_moved) for v in value)
+    return value
 
 
 # Bumped by every edit of an optimizer's ``state`` or of a param's record made from outside bnbf_nn (bnbf_nn
@@ -454,8 +484,9 @@ _WRITES = {
 }
 
 
-def record(step: int, state: Any, family: Any, maps: dict) -> Record:
-    return Record(step=step, state=state, **named(state, family.bnb_slots, maps))
+def record(step: int, state: Any, family: Any, maps: dict, extra: Mapping | None = None) -> Record:
+    """A param's record of ``state``; ``extra``: the user's entries (:func:`users`), kept beside it."""
+    return Record({"step": step, "state": state, **named(state, family.bnb_slots, maps), **(extra or {})})
 
 
 def named(state: Any, stacks: tuple | None, maps: dict) -> dict[str, Any]:

@@ -776,7 +776,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         for p, rec in self.state.items():
             if isinstance(p, Tensor) and isinstance(rec, dict) and "state" in rec:
                 s = rec["state"]
-                rec = {"step": rec["step"], "state": type(s)(*[t.clone() for t in s])}
+                rec = {"step": rec["step"], "state": type(s)(*[t.clone() for t in s]), **_checkpoint.users(rec)}
             state[p] = rec
         return {
             "defaults": self.defaults,
@@ -820,7 +820,9 @@ class Optimizer8bit(torch.optim.Optimizer):
                 s = rec["state"]
                 if stacks or self.is_paged:  # the stacks as rows of one tensor again, paged state paged again
                     s = relaid(s, stacks, self.is_paged)
-                _put(self.state, p, _checkpoint.record(rec["step"], s, self.family, self._qmaps))
+                _put(
+                    self.state, p, _checkpoint.record(rec["step"], s, self.family, self._qmaps, _checkpoint.users(rec))
+                )
         if self.is_paged:
             bnbf.paged.seal()
         if "name2qmap" not in state:  # pickled before bitsandbytes' attributes existed: as its steps left them
@@ -2125,7 +2127,9 @@ class Optimizer8bit(torch.optim.Optimizer):
             step = _new_step(0, p, group)
             wide = p.dtype == torch.float64 and group["differentiable"]  # (gradcheck, torch.func): float64 state
             s = _checkpoint.new_state(p, spec, _detached(hp) if wide else hp, self.family, wide)
-            _put(self.state, p, _checkpoint.record(step, s, self.family, self._qmaps))
+            # the user's entries written before this first step (a wrapper's buffer) stay beside it, as in torch.optim
+            extra = _checkpoint.users(self.state.get(p, {}))
+            _put(self.state, p, _checkpoint.record(step, s, self.family, self._qmaps, extra))
             self._made(p, s)
             new = True
         if new:
@@ -2138,8 +2142,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         """bitsandbytes' layout: per parameter index ``{"step": <float32 tensor>, "state_bits": <int32 tensor>,
         "__bnb_optimizer_quant_state__": {"state1", "qmap1", "absmax1", "state2", ...}}`` (``step`` a tensor
         as in torch.optim, for torch.distributed.checkpoint; ``state_bits`` bnbf_nn's, 8 or 32, which a load
-        keeps); groups also spell their settings as
-        bitsandbytes does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in
+        keeps), and the user's entries of ``optimizer.state[p]`` (timm's Lookahead's slow weights) beside them, as
+        torch.optim and bitsandbytes keep them (alone for a param without state yet); groups also spell their settings
+        as bitsandbytes does (SGD's ``betas`` = (momentum, dampening)...). Tensors are the live ones, as in
         torch.optim."""
         for hook in getattr(self, "_optimizer_state_dict_pre_hooks", {}).values():
             hook(self)
@@ -2178,7 +2183,12 @@ class Optimizer8bit(torch.optim.Optimizer):
             # the state's bits, which a load keeps: torch.distributed.checkpoint casts the tensors into the loading
             # optimizer's own state (matched by the param's name), so there the tensors alone may no longer tell
             bits = torch.tensor(type(self.state[p]["state"]).layout.bits, dtype=torch.int32)
-            state[index[id(p)]] = {"step": step, _checkpoint.BITS_KEY: bits, _checkpoint.QUANT_KEY: quant}
+            # the user's entries (Lookahead's slow weights) beside them, as torch.optim and bitsandbytes save them
+            extra = _checkpoint.users(self.state[p])
+            state[index[id(p)]] = {"step": step, _checkpoint.BITS_KEY: bits, _checkpoint.QUANT_KEY: quant, **extra}
+        for p, rec in self.state.items():  # a param without state yet: the user's entries alone, as torch saves them
+            if isinstance(p, Tensor) and id(p) in index and isinstance(rec, Mapping) and rec and "state" not in rec:
+                state[index[id(p)]] = dict(rec)
         # each group's starting lr, which lr overrides are relative to: a group without initial_lr (no scheduler)
         # whose lr was changed by hand would otherwise resume with its overrides at their starting values
         lr0 = [self._lr0_of(g) for g in self.param_groups]
@@ -2197,6 +2207,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         """Load a state dict of this class's family, ours or bitsandbytes' (8-bit codes are copied bit for bit,
         their format read from the qmap). Everything is checked first: on any error (another optimizer,
         other shapes, missing or mistyped entries) a ``ValueError`` says what, and the optimizer is unchanged.
+        The user's entries of a param's state (not the optimizer's own) are kept, cast as torch.optim casts them.
         ``move_to_device`` is bitsandbytes' argument: each state is built on its param's device, where the
         kernels read it, so ``False`` (keep the states where the state dict holds them) is refused."""
         if move_to_device is not True:
@@ -2341,15 +2352,37 @@ class Optimizer8bit(torch.optim.Optimizer):
                 # an empty entry for each param without live state (one that has had no grad yet), torch's own
                 # state_dict() one for a record only read (a defaultdict's); the param gets a fresh state at its grad
                 continue
-            p, group, _ = id_map[key]
+            p, group, saved = id_map[key]
+            if isinstance(entry, Mapping):  # the user's entries cast as torch.optim casts them
+                moved = bool(saved.get("fused") or saved.get("capturable"))
+                entry = {
+                    k: v if _checkpoint.own_key(k) else _checkpoint.as_torch_loads(v, p, k, moved)
+                    for k, v in entry.items()
+                }
+                if not self._saved_entry(entry):  # the user's entries alone (saved before the param's first step)
+                    state[p] = entry
+                    continue
             where = f"param {key} (shape {tuple(p.shape)})"
             state[p] = self._load_entry(entry, p, group, configs.get(id(p), {}), where, checks)
 
+    def _saved_entry(self, entry: Mapping) -> bool:
+        """Whether a param's entry without bnbf state is a saved one to load (bitsandbytes' layout, or torch.optim's,
+        which :meth:`_check_layout` refuses) rather than the user's entries alone (a wrapper's buffer written before
+        the param's first step), which stay beside the state that step makes."""
+        return any(_checkpoint.own_key(k) or k in self._torch_names for k in entry)
+
+    @property
+    def _torch_names(self) -> frozenset:
+        """The rule's states as torch.optim names them in its per-param state (``exp_avg``, ``momentum_buffer``...)."""
+        return frozenset(s.name for s in self._rule.states)
+
     def _check_layout(self, where: str, entry: Any) -> None:
-        """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name."""
+        """Refuse torch.optim's layout (bitsandbytes' PytorchLARS, a plain torch optimizer, saves it) by name: tensors
+        without bitsandbytes' state beside a step or the rule's states by torch.optim's names. The user's tensors
+        alone (no step) are not refused: they stay beside the state the param's first step makes."""
         if isinstance(entry, Mapping) and _checkpoint.QUANT_KEY not in entry and "state1" not in entry:
-            named = sorted(k for k, v in entry.items() if isinstance(v, Tensor) and k != "step")
-            if named:
+            named = sorted((k for k, v in entry.items() if isinstance(v, Tensor) and k != "step"), key=str)
+            if named and ("step" in entry or not self._torch_names.isdisjoint(named)):
                 raise ValueError(
                     f"the state of {where} holds {named}: torch.optim's layout (bitsandbytes' PytorchLARS saves it), "
                     f"not bitsandbytes' state1/qmap1/absmax1 layout that {type(self).__name__} loads"
@@ -2367,15 +2400,17 @@ class Optimizer8bit(torch.optim.Optimizer):
         want = self._spec(group, cfg).layout_for(p.numel()).bits
         hp = self._hparams(group, {k: v for k, v in cfg.items() if k not in _STORAGE and k != "lr"})
         step = _new_step(_checkpoint.read_step(entry, where), p, group)
-        s = _checkpoint.unpack(entry, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks)
-        return _checkpoint.record(step, s, self.family, self._qmaps)
+        own = {k: v for k, v in entry.items() if _checkpoint.own_key(k)}
+        s = _checkpoint.unpack(own, p, self._rule, self.family.bnb_slots, hp, want, where, self.is_paged, checks)
+        return _checkpoint.record(step, s, self.family, self._qmaps, _checkpoint.users(entry))
 
     def _load_assigned(self) -> None:
         """Load the saved entries assigned into ``optimizer.state[p]`` as :meth:`load_state_dict` loads them:
         ZeroRedundancyOptimizer.load_state_dict writes each of its rank's so (torch.optim's records are what it
         saved), and the step would otherwise replace it with a fresh state. A record without ``state`` holding a
-        step, bitsandbytes' state or any tensor is such an entry (refused if it does not load); one holding none
-        (empty, a hook's note) gets a fresh state at the param's first grad, as before. Every entry is checked
+        step, bitsandbytes' state or the rule's states by torch.optim's names is such an entry (refused if it does not
+        load); one holding only the user's entries (a hook's note, a wrapper's buffer) or none gets a fresh state
+        beside them at the param's first grad. Every entry is checked
         before any is written. A record whose bitsandbytes names are no longer views of its ``state`` is made
         again around that state. Run by the general step and state_dict; the assignment counted in
         :data:`_checkpoint.EDITS`, so the fast step never runs it, and it scans only after one."""
@@ -2386,10 +2421,7 @@ class Optimizer8bit(torch.optim.Optimizer):
         found = [
             p
             for p, rec in self.state.items()
-            if isinstance(p, Tensor)
-            and isinstance(rec, Mapping)
-            and "state" not in rec
-            and ("step" in rec or _checkpoint.QUANT_KEY in rec or any(isinstance(v, Tensor) for v in rec.values()))
+            if isinstance(p, Tensor) and isinstance(rec, Mapping) and "state" not in rec and self._saved_entry(rec)
         ]
         if found:
             configs = self._overrides([p for g in self.param_groups for p in g["params"]])

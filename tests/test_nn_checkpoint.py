@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import io
+import pickle
 import warnings
 
 import numpy
@@ -919,3 +920,128 @@ def test_a_flattened_dcp_rollback_keeps_a_param_without_state_stateless(tmp_path
     _dcp_train(m, opt, (3, 4))
     for p, q in zip(m.parameters(), went_on):
         assert_equal_report(p.detach(), q, "after the rollback")
+
+
+# ---- the user's entries of optimizer.state[p] (timm's Lookahead keeps its slow weights there) -----------------
+
+USERS = ("lookahead_slow_buff", "count", "ticks")  # a Lookahead-like slow-weight copy, an int, an int64 tensor
+
+
+def _lookahead_model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+
+
+def _with_users_entries(cls, **kw):
+    """A model and ``cls``'s optimizer after two steps, each param's state holding the :data:`USERS` entries
+    beside the optimizer's own, as user code writes them."""
+    model = _lookahead_model()
+    opt = cls(model.parameters(), lr=1e-2, **kw)
+    for seed in range(2):
+        opt.zero_grad()
+        torch.manual_seed(seed)
+        model(torch.randn(4, 8)).square().mean().backward()
+        opt.step()
+    for i, p in enumerate(model.parameters()):
+        # the same values for every optimizer (the params differ by rounding)
+        opt.state[p]["lookahead_slow_buff"] = torch.randn(p.shape, generator=torch.Generator().manual_seed(i))
+        opt.state[p]["count"] = i + 7
+        opt.state[p]["ticks"] = torch.tensor(i + 3)
+    return model, opt
+
+
+def _users_entries(model, opt):
+    return [{k: opt.state[p][k] for k in USERS if k in opt.state[p]} for p in model.parameters()]
+
+
+def _assert_same_entries(got, want, what):
+    for i, (g, w) in enumerate(zip(got, want)):
+        assert g.keys() == w.keys(), f"{what}: param {i} holds {sorted(g)}, torch.optim's {sorted(w)}"
+        for k, v in w.items():
+            if isinstance(v, torch.Tensor):
+                assert (g[k].dtype, g[k].device) == (v.dtype, v.device), f"{what}: param {i} {k}"
+                assert_equal_report(g[k], v, f"{what}: param {i} {k}")
+            else:
+                assert type(g[k]) is type(v) and g[k] == v, f"{what}: param {i} {k}: {g[k]!r} != {v!r}"
+
+
+@pytest.mark.parametrize("name, kw", [("AdamW8bit", dict(min_8bit_size=0)), ("AdamW32bit", {})])
+@pytest.mark.parametrize("how", ["state_dict", "assigned", "deepcopy", "pickle"])
+def test_the_users_entries_of_a_param_state_are_kept_as_torch_optim_keeps_them(name, kw, how):
+    """User code writes entries of its own into ``optimizer.state[p]``: timm's Lookahead keeps its slow weights in its
+    base optimizer's state and checkpoints them through that optimizer's state_dict. torch.optim and bitsandbytes keep
+    them through state_dict/load_state_dict (torch.save and torch.load(weights_only=True) between, into a fresh
+    optimizer, tensors cast as torch casts them: the int64 tensor to the param's dtype), entries assigned into
+    ``optimizer.state[p]`` (ZeroRedundancyOptimizer's load), deepcopy and pickle; bnbf_nn dropped them (a resumed
+    Lookahead diverged). Each comes through as torch.optim.AdamW's does, and the state steps on beside them."""
+
+    def copied(cls, **kw):
+        model, opt = _with_users_entries(cls, **kw)
+        if how in ("deepcopy", "pickle"):
+            return copy.deepcopy((model, opt)) if how == "deepcopy" else pickle.loads(pickle.dumps((model, opt)))
+        buf = io.BytesIO()
+        torch.save(opt.state_dict(), buf)
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        model = _lookahead_model()
+        opt = cls(model.parameters(), lr=1e-2, **kw)
+        if how == "assigned":
+            for i, p in enumerate(model.parameters()):
+                opt.state[p] = saved["state"][i]
+            opt.state_dict()  # (bnbf_nn loads assigned entries at its next step or state_dict)
+        else:
+            opt.load_state_dict(saved)
+        return model, opt
+
+    torch_model, torch_opt = copied(torch.optim.AdamW)
+    model, opt = copied(getattr(bnbf_nn, name), **kw)
+    want = _users_entries(torch_model, torch_opt)
+    _assert_same_entries(_users_entries(model, opt), want, f"{name} after {how}")
+    assert all("state" in opt.state[p] and opt.state[p]["step"] == 2 for p in model.parameters())
+    model(torch.randn(4, 8)).square().mean().backward()
+    opt.step()
+    _assert_same_entries(_users_entries(model, opt), want, f"{name} after {how} and a step")
+    saved = opt.state_dict()["state"]
+    assert all(set(USERS) < set(saved[i]) and float(saved[i]["step"]) == 3 for i in range(len(want)))
+
+
+@pytest.mark.parametrize("name", ["SGD8bit", "SGD32bit"])
+def test_an_entry_written_before_the_first_step_stays_beside_its_state(name):
+    """A wrapper may write its entry into ``optimizer.state[p]`` before the param's first step. bnbf_nn read a tensor
+    there as a checkpoint in torch.optim's layout (step and state_dict raised "holds ['slow']: torch.optim's
+    layout") and dropped any other value at the first step. As torch.optim.SGD does, state_dict saves the entries
+    alone, a load (into a fresh optimizer) keeps them, and the first step makes the state beside them, stepping as
+    an optimizer without them does."""
+    cls, kw = getattr(bnbf_nn, name), dict(momentum=0.9, min_8bit_size=0)
+
+    def run(cls, entries, **kw):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4)
+        opt = cls(model.parameters(), lr=1e-2, **kw)
+        if entries:
+            opt.state[model.weight]["slow"] = torch.ones(4, 8)
+            opt.state[model.weight]["count"] = 7
+        before = reload(opt.state_dict())
+        fresh = cls(model.parameters(), lr=1e-2, **kw)
+        fresh.load_state_dict(before)
+        for o in (opt, fresh):
+            model.zero_grad()
+            torch.manual_seed(1)
+            model(torch.randn(3, 8)).sum().backward()
+            o.step()
+        return model, opt, fresh, before
+
+    torch_model, torch_opt, torch_fresh, torch_before = run(torch.optim.SGD, True, momentum=0.9)
+    model, opt, fresh, before = run(cls, True, **kw)
+    assert {i: sorted(e) for i, e in before["state"].items()} == {
+        i: sorted(e) for i, e in torch_before["state"].items()
+    }
+    want = [{k: torch_opt.state[p][k] for k in ("slow", "count")} for p in (torch_model.weight,)]
+    for o in (opt, fresh):
+        got = [{k: o.state[p][k] for k in ("slow", "count") if k in o.state[p]} for p in (model.weight,)]
+        _assert_same_entries(got, want, f"{name} after its first step")
+        assert all("state" in o.state[p] and o.state[p]["step"] == 1 for p in model.parameters())
+        assert {"slow", "count"} < set(o.state_dict()["state"][0])
+    twin_model, *_ = run(cls, False, **kw)
+    for p, q in zip(model.parameters(), twin_model.parameters()):
+        assert_equal_report(p.detach(), q.detach(), f"{name}: param stepped beside the entries")
