@@ -150,6 +150,7 @@ import bnbf.paged
 from bnbf import _host_checks
 from bnbf._host_checks import NATIVE, _check_grad, _grads_ok, check_update_options, own_dispatch, packed_identities
 from bnbf.plan import _checked, not_capturable
+from bnbf.rules.base import type_name
 from bnbf.state import present_mask, relaid, state_class
 from bnbf_nn import _checkpoint
 from bnbf_nn.manager import GlobalOptimManager
@@ -508,7 +509,7 @@ def _check_torch_flags(settings: Mapping) -> None:
         raise RuntimeError("`fused` and `foreach` cannot be `True` together.")
     for name in _MODES:
         if not isinstance(get(name, False), bool):
-            raise TypeError(f"{name} must be a bool, got {type(get(name)).__name__}")
+            raise TypeError(f"{name} must be a bool, got {type_name(get(name))}")
 
 
 def _new_step(step: int, param: Tensor, group: Mapping) -> int | Tensor:

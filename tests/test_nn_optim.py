@@ -1730,3 +1730,12 @@ def test_repr_is_torchs_without_the_groups_marks_of_origin():
     plain = torch.optim.SGD(params, lr=0.1)
     plain.param_groups = [{k: v for k, v in g.items() if k != "bnbf"} for g in opt.param_groups]
     assert repr(opt) == repr(plain).replace("SGD", "AdamW8bit", 1) and "bnbf" not in repr(opt)
+
+
+@pytest.mark.parametrize("key", ["maximize", "amsgrad", "capturable", "differentiable"])
+def test_a_numpy_bool_switch_is_refused_naming_numpy(key):
+    """The README's documented difference: torch.optim takes a numpy bool for its switches, bnbf_nn refuses it
+    with a TypeError that names numpy.bool (it read "must be a bool, got bool")."""
+    np = pytest.importorskip("numpy")
+    with pytest.raises(TypeError, match=rf"{key} must be a bool, got numpy\.bool"):
+        bnbf_nn.AdamW8bit([torch.nn.Parameter(torch.randn(8))], **{key: np.True_})
