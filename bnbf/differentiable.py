@@ -40,6 +40,7 @@ from bnbf._host_checks import (
     check_no_repeats,
     check_steps,
     check_update_options,
+    differentiated,
     hparam_tensors,
     replace_hparam_tensors,
     unaddressable,
@@ -111,6 +112,7 @@ def update(
     rule = get_rule(rules.pop())
     checked, h = _make_hparams(rule, hparams)
     _check_present(rule, checked, states)
+    _check_no_slot_dropped(rule, checked, h)
     check_steps(step)
     clip = check_update_options(rule, skip_zeros, max_unorm, maximize)
     # tensors among them computed in float64 as the host computes numbers (a number's power of an int tensor would
@@ -212,6 +214,29 @@ def _detached(v: Any) -> Any:
     if type(v) is tuple:
         return tuple(map(_detached, v))
     return v
+
+
+def _check_no_slot_dropped(rule: Any, checked: Any, h: Any) -> None:
+    """Refuse a derivative asked with respect to a hyperparameter whose value drops a state slot (SGD's momentum
+    at 0 keeps no buffer): the step would not depend on it, and its derivative came back zero under torch.func.
+    ``checked``: the detached hyperparameters, ``h``: the same with the caller's tensors."""
+    present = rule.slots_present(checked)
+    if all(present) or torch.compiler.is_compiling():
+        return
+    live, values = hparam_tensors(h), hparam_tensors(checked)
+    if len(live) != len(values):  # values read per member under vmap: present() kept every slot there
+        return
+    for (name, t), (_, v) in zip(live, values):
+        if not differentiated([t]):
+            continue
+        nan = iter([torch.full_like(x, float("nan")) if x is v else x for _, x in values])
+        if rule.slots_present(replace_hparam_tensors(checked, None, 0.0, nan)[0]) != present:
+            dropped = [slot.name for slot, keep in zip(rule.states, present) if not keep]
+            raise ValueError(
+                f"a derivative is asked with respect to {name}, whose value {float(v)} keeps no {dropped} in the "
+                f"state: the step does not depend on it there, so its derivative would be lost (zero); ask at "
+                "another value, or pass it as a number"
+            )
 
 
 def _make_hparams(rule: Any, hparams: Any) -> tuple[Any, Any]:
