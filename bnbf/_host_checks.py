@@ -699,6 +699,17 @@ def _check_grads_apart(param: Any, params: list, grads: list, states: list) -> N
     raise grad_shares_memory(f"grad{names[j]}", where[k])
 
 
+def check_leaf_writable(where: str, t: Tensor, instead: str = "") -> None:
+    """Refuse, before an in-place step writes anything, a tensor autograd would refuse to write under grad mode: a
+    leaf that requires grad (an nn.Parameter) or a view of one. ``instead``: a further way out for the message."""
+    if t.requires_grad and (t if t._base is None else t._base).is_leaf:
+        raise RuntimeError(
+            f"{where} is a leaf that requires grad (or a view of one), which autograd does not let an in-place step "
+            "write under grad mode (a leaf Variable that requires grad is being used in an in-place operation): step "
+            f"a non-leaf copy (e.g. p0.clone()){instead}"
+        )
+
+
 def grad_shares_memory(grad: str, written: str) -> ValueError:
     """The error of a grad that shares memory with a param or state an in-place step writes."""
     return ValueError(

@@ -37,6 +37,7 @@ from bnbf._host_checks import (
     _structures,
     _unflatten,
     check_hparam_values,
+    check_leaf_writable,
     check_no_repeats,
     check_steps,
     check_update_options,
@@ -171,12 +172,7 @@ def _check_no_leaf_written(param: Any, params: list, states: list) -> None:
         return
     for name, p, s in zip(_names(param), params, states):
         for where, t in ((f"param{name}", p), *((f"state{name}.{f}", x) for f, x in zip(s._fields, s))):
-            if t.requires_grad and (t if t._base is None else t._base).is_leaf:
-                raise RuntimeError(
-                    f"{where} is a leaf that requires grad (or a view of one), which autograd does not let an "
-                    "in-place step write under grad mode (a leaf Variable that requires grad is being used in an "
-                    "in-place operation): step a non-leaf copy (e.g. p0.clone()), or use bnbf.update"
-                )
+            check_leaf_writable(where, t, ", or use bnbf.update")
 
 
 def _as(v: Any, dtype: torch.dtype, device: torch.device) -> Tensor:

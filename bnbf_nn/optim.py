@@ -1408,13 +1408,9 @@ class Optimizer8bit(torch.optim.Optimizer):
         (an nn.Parameter) in place: refused before any group steps or counts a step (torch.optim raises as it
         writes it)."""
         for i, (p, g) in enumerate(zip(params, grads)):
-            if g is not None and p.requires_grad and (p if p._base is None else p._base).is_leaf:
-                raise RuntimeError(
-                    f"{type(self).__name__}: param {i} of param group {_index_of(self.param_groups, group)} is a "
-                    "leaf that requires grad (or a view of one), which a differentiable=True step cannot write in "
-                    "place (a leaf Variable that requires grad is being used in an in-place operation): step "
-                    "non-leaf copies of the params (e.g. p0.clone())"
-                )
+            if g is not None:
+                where = f"{type(self).__name__}: param {i} of param group {_index_of(self.param_groups, group)}"
+                _host_checks.check_leaf_writable(where, p)
 
     def _prepare_group(self, group: dict) -> tuple:
         """A group's grads and plan, each bucket's validated settings (``bucket.call``), and the settings of
