@@ -1745,11 +1745,8 @@ def _differentiable_updates(
     ps, g_leaves = _updates_leaves(flat, treespec, grads)
     widen = lambda t: t.float() if isinstance(t, Tensor) and t.dtype in (torch.float16, torch.bfloat16) else t
     wide, g_wide = list(map(widen, ps)), list(map(widen, g_leaves))
-    if max_grad_norm is not None and g_leaves:
-        # the norms of the grads as given (16-bit grads: 16-bit norms), the factor applied to the widened grads, as
-        # the default path applies it as it loads them
-        _check_max_grad_norm(max_grad_norm)
-        coef = clip_coefficient_differentiably(g_leaves, max_grad_norm)[0]
+    coef = grad_scale_of(g_leaves, max_grad_norm)  # of the grads as given (16-bit grads: 16-bit norms)
+    if coef is not None:  # applied to the widened grads, as the default path applies it as it loads them
         g_wide = [g * coef.to(g.device) for g in g_wide]
     new, new_state = bnbf.update(
         pytree.tree_unflatten(wide, treespec),
@@ -2039,6 +2036,16 @@ def _asked(tensors: list) -> bool:
     if torch.compiler.is_compiling():
         return (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)) or _traced_derivative()
     return differentiated(tensors)
+
+
+def grad_scale_of(grads: Any, max_grad_norm: Any) -> Tensor | None:
+    """For the ``differentiable=True`` steps: ``clip_grad_norm``'s factor for ``grads`` (a tree) in differentiable
+    ops, which the step applies to each grad in its compute dtype; None without ``max_grad_norm`` or grads."""
+    if max_grad_norm is None:
+        return None
+    _check_max_grad_norm(max_grad_norm)
+    gs = pytree.tree_leaves(grads)
+    return clip_coefficient_differentiably(gs, max_grad_norm)[0] if gs else None
 
 
 def clip_coefficient_differentiably(

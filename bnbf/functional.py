@@ -218,7 +218,7 @@ def update(
         _check_differentiable(differentiable)
         return differentiable_update(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
-            grad_scale=_clip_coefficient(grad, max_grad_norm),
+            grad_scale=_compose().grad_scale_of(grad, max_grad_norm),
         )  # fmt: skip
     opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
     if max_grad_norm is not None or not _shared(hparams):
@@ -444,7 +444,7 @@ def update_(
         _check_differentiable(differentiable)
         return differentiable_update_(
             param, grad, state, hparams, step, skip_zeros=skip_zeros, max_unorm=max_unorm, maximize=maximize,
-            grad_scale=_clip_coefficient(grad, max_grad_norm),
+            grad_scale=_compose().grad_scale_of(grad, max_grad_norm),
         )  # fmt: skip
     if max_grad_norm is not None or not _shared(hparams):
         opts = {"skip_zeros": skip_zeros, "max_unorm": max_unorm, "maximize": maximize}
@@ -622,17 +622,6 @@ def _check_scalars_readable(param: Any, hparams: Any, step: Any, max_unorm: Any,
 def _check_differentiable(differentiable: Any) -> None:
     if differentiable is not True:
         raise TypeError(f"differentiable must be a bool, got {type_name(differentiable)}")
-
-
-def _clip_coefficient(grad: Any, max_grad_norm: Any) -> Tensor | None:
-    """For the ``differentiable=True`` step: ``torch.nn.utils.clip_grad_norm_``'s factor for ``grad`` in
-    differentiable ops (the norm of the per-tensor norms, then ``min(1, max_grad_norm / (total + 1e-6))``), which
-    the step applies to each grad in its compute dtype; ``None`` without ``max_grad_norm`` or grads."""
-    if max_grad_norm is None:
-        return None
-    _compose()._check_max_grad_norm(max_grad_norm)
-    gs = pytree.tree_leaves(grad)
-    return _compose().clip_coefficient_differentiably(gs, max_grad_norm)[0] if gs else None
 
 
 def _shared(hparams: Any) -> bool:
